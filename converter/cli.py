@@ -1,0 +1,117 @@
+"""`converter inspect / merge / demo`. Argument parsing and printing only; the work lives in the package.
+
+Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from converter.errors import ConverterError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse exits 2 on usage errors; keep its one-line style
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="converter", description="Merge LoRA adapters into base models, exactly and streaming.")
+    from converter import __version__
+
+    p.add_argument("--version", action="version", version=f"converter {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    i = sub.add_parser("inspect", help="describe a model folder or an adapter")
+    i.add_argument("path", help="model folder, adapter folder or adapter file")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
+
+    m = sub.add_parser("merge", help="merge adapters into a base model")
+    m.add_argument("--recipe", help="a recipe YAML (command-line options override it)")
+    m.add_argument("--base", help="base model folder")
+    m.add_argument("--adapter", action="append", default=[], help="adapter folder/file (repeatable, applied in order)")
+    m.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
+    m.add_argument("--out", help="output folder (created atomically)")
+    m.add_argument("--dtype", help="output dtype: float32, float16, bfloat16 (default: keep each tensor's)")
+    m.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
+    m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
+    m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    m.add_argument(
+        "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
+    )
+    m.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (loaded with weights_only=True)")
+
+    d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
+    d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
+    return p
+
+
+def _recipe_from_args(args: argparse.Namespace):
+    from converter.recipe import AdapterSpec, Recipe
+
+    if args.recipe:
+        recipe = Recipe.load(args.recipe)
+        if args.adapter:
+            raise ConverterError("give adapters either in --recipe or with --adapter, not both")
+    else:
+        if not args.base or not args.adapter:
+            raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
+        if args.weight and len(args.weight) != len(args.adapter):
+            raise ConverterError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
+        weights = args.weight or [1.0] * len(args.adapter)
+        recipe = Recipe(
+            base=args.base, adapters=[AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
+        )
+    for field in ("base", "out", "dtype", "max_shard_size"):
+        if getattr(args, field, None):
+            setattr(recipe, field, getattr(args, field))
+    recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
+    recipe.allow_pickle = recipe.allow_pickle or args.allow_pickle
+    return recipe
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "inspect":
+        from converter.inspect import inspect_path, render
+
+        info = inspect_path(args.path, allow_pickle=args.allow_pickle)
+        print(render(info, as_json=args.json))
+        return 0
+    if args.command == "merge":
+        from converter.merge import merge
+
+        merge(_recipe_from_args(args), dry_run=args.dry_run, force=args.force, log=_log)
+        return 0
+    if args.command == "demo":
+        from converter.demo import run_demo
+
+        run_demo(args.dir, log=_log)
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ConverterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - a bug: show everything so it can be reported
+        traceback.print_exc()
+        print(
+            "error: unexpected failure (a bug in converter; please report it with the trace above)",
+            file=sys.stderr,
+        )
+        return 1

@@ -1,0 +1,109 @@
+"""What every adapter format parses into: patches on the adapter's own (native) module names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from converter.checkpoint import SafetensorsFile
+from converter.dtypes import TORCH_TO_ST
+from converter.errors import ConverterError
+from converter.patches import Patch
+
+
+class SafetensorsSource:
+    """Adapter tensors in a .safetensors file, read one at a time."""
+
+    def __init__(self, path: Path):
+        self.file = SafetensorsFile(path)
+        self.path = self.file.path
+        self.metadata = self.file.metadata
+
+    def names(self) -> list[str]:
+        return list(self.file.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file.tensors[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self.file.tensors[name].dtype
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.file.read(name)
+
+
+class PickleSource:
+    """Adapter tensors from a pickle checkpoint (.bin), loaded with weights_only=True (no code execution)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.metadata: dict[str, str] = {}
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise ConverterError(
+                f"{path}: cannot load as a weights-only torch checkpoint ({type(e).__name__})"
+            ) from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ConverterError(f"{path}: expected a dict of tensors")
+        self.tensors: dict[str, torch.Tensor] = state
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return TORCH_TO_ST[self.tensors[name].dtype]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+TensorFile = SafetensorsSource | PickleSource
+
+
+def open_tensor_file(path: Path, allow_pickle: bool) -> TensorFile:
+    if path.suffix == ".safetensors":
+        return SafetensorsSource(path)
+    if not allow_pickle:
+        raise ConverterError(
+            f"{path}: pickle checkpoints can run code when loaded; pass --allow-pickle to load it "
+            "(weights only), or convert it to .safetensors"
+        )
+    return PickleSource(path)
+
+
+@dataclass
+class AdapterPatch:
+    """One patch on a native module parameter, e.g. module 'model.layers.0.self_attn.q_proj', param 'weight'."""
+
+    module: str
+    param: str
+    patch: Patch
+    # The adapter's own word on layout (PEFT fan_in_fan_out); used only where the keymap knows nothing.
+    stored_transposed: bool | None = None
+    # Applies to a tied output head too (PEFT applies trainable tokens to both sides of a tie).
+    follows_tie: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.param}"
+
+
+@dataclass
+class Adapter:
+    path: Path
+    format: str
+    tensors: TensorFile
+    patches: list[AdapterPatch]
+    config: dict = field(default_factory=dict)
+    base_model: str | None = None
+    summary: dict = field(default_factory=dict)
+    tokenizer_dir: Path | None = None
+    files: list[Path] = field(default_factory=list)
+    # An adapter's own full model config (some trainers save one): used for the config sanity check.
+    model_config: dict | None = None

@@ -1,0 +1,195 @@
+"""PEFT adapters (LoRA, DoRA, rsLoRA, embedding LoRA, modules_to_save, trainable tokens).
+
+Facts from PEFT 0.21 (shared/reference/lora-formats.md §7): keys are `base_model.model.<module>.lora_A.weight`
+(r, in) and `.lora_B.weight` (out, r); scaling alpha/r or alpha/sqrt(r) with rsLoRA, per-module overrides from
+rank_pattern/alpha_pattern matched with `re.match(rf"(.*\\.)?({key})$", module)` (first match wins).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from converter.errors import ConverterError
+from converter.formats.base import Adapter, AdapterPatch, open_tensor_file
+from converter.patches import BiasDelta, DoRA, LowRank, Ref, Replace, RowReplace, lora_scale
+
+NAME = "peft"
+SUPPORTED_TYPES = {"LORA", "TRAINABLE_TOKENS"}
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+PREFIX = "base_model.model."
+# Suffix -> role. Order matters: longer, more specific suffixes first.
+ROLES = [
+    (".lora_magnitude_vector.weight", "magnitude"),
+    (".lora_magnitude_vector", "magnitude"),
+    (".lora_embedding_A", "emb_A"),
+    (".lora_embedding_B", "emb_B"),
+    (".lora_A.weight", "A"),
+    (".lora_B.weight", "B"),
+    (".lora_B.bias", "B_bias"),
+    (".token_adapter.trainable_tokens_delta", "tokens"),
+    (".base_layer.weight", "base_weight"),
+    (".base_layer.bias", "base_bias"),
+]
+ADAPTER_NAME_SEGMENT = re.compile(
+    r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.default\b"
+)
+
+
+def _paths(path: Path) -> tuple[Path, Path] | None:
+    """(config, weights) for a PEFT folder or a weights file with adapter_config.json beside it."""
+    folder = path if path.is_dir() else path.parent
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        return None
+    if path.is_file():
+        return config, path
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return config, folder / name
+    raise ConverterError(f"{folder}: has adapter_config.json but no adapter_model.safetensors (or .bin)")
+
+
+def detect(path: Path) -> bool:
+    return _paths(path) is not None
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT's rule for rank_pattern / alpha_pattern: a regex suffix of the module name, first match wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _split(key: str) -> tuple[str, str]:
+    """'base_model.model.x.q_proj.lora_A.weight' -> ('x.q_proj', 'A'); unknown suffix -> (module, 'full:<param>')."""
+    key = ADAPTER_NAME_SEGMENT.sub(lambda m: "." + m.group(1), key)
+    if key.startswith(PREFIX):
+        key = key[len(PREFIX) :]
+    for suffix, role in ROLES:
+        if key.endswith(suffix):
+            return key[: -len(suffix)], role
+    module, _, param = key.rpartition(".")
+    return module, f"full:{param}"
+
+
+def _token_indices(config: dict, module: str) -> list[int]:
+    spec = config.get("trainable_token_indices")
+    if isinstance(spec, list):
+        return spec
+    if isinstance(spec, dict):
+        for name, ids in spec.items():
+            if module == name or module.endswith("." + name):
+                return ids
+    raise ConverterError(
+        f"trainable tokens saved for {module} but adapter_config.json has no trainable_token_indices for it"
+    )
+
+
+def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
+    config_path, weights_path = _paths(path)  # type: ignore[misc]
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type not in SUPPORTED_TYPES:
+        raise ConverterError(
+            f"{config_path}: PEFT type {peft_type} is not supported yet (supported: LORA, TRAINABLE_TOKENS)"
+        )
+    tensors = open_tensor_file(weights_path, allow_pickle)
+
+    groups: dict[str, dict[str, str]] = defaultdict(dict)
+    for key in tensors.names():
+        module, role = _split(key)
+        groups[module][role] = key
+
+    rslora = bool(config.get("use_rslora", False))
+    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
+    patches: list[AdapterPatch] = []
+    ranks: set[int] = set()
+    for module, roles in groups.items():
+
+        def ref(role: str, roles=roles) -> Ref:
+            return Ref(tensors, roles[role])
+
+        for role in ("base_weight", "base_bias"):
+            if role in roles:
+                patches.append(AdapterPatch(module, role.split("_")[1], Replace(ref(role))))
+        for role in [r for r in roles if r.startswith("full:")]:
+            patches.append(AdapterPatch(module, role[5:], Replace(ref(role))))
+
+        pair = ("A", "B") if "A" in roles or "B" in roles else ("emb_A", "emb_B")
+        if pair[0] in roles or pair[1] in roles:
+            if pair[0] not in roles or pair[1] not in roles:
+                missing = pair[1] if pair[0] in roles else pair[0]
+                raise ConverterError(
+                    f"{weights_path}: module {module} has only half a LoRA pair "
+                    f"({'lora_B' if missing.endswith('B') else 'lora_A'} is missing)"
+                )
+            down, up = ref(pair[0]), ref(pair[1])
+            r = down.shape[0]
+            ranks.add(r)
+            r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
+            if r_cfg != r:
+                raise ConverterError(
+                    f"{weights_path}: {down.name} has rank {r} but adapter_config.json says r={r_cfg} for {module}"
+                )
+            alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+            scale = lora_scale(alpha, r, rslora)
+            lora = LowRank(down, up, scale, flip=pair[0] == "emb_A")
+            patch = DoRA(lora, ref("magnitude")) if "magnitude" in roles else lora
+            patches.append(AdapterPatch(module, "weight", patch, stored_transposed=fan_in_fan_out or None))
+            if "B_bias" in roles:
+                patches.append(AdapterPatch(module, "bias", BiasDelta(ref("B_bias"), scale)))
+        elif "magnitude" in roles or "B_bias" in roles:
+            raise ConverterError(f"{weights_path}: module {module} has DoRA/bias tensors but no lora_A/lora_B")
+        if "tokens" in roles:
+            indices = tuple(_token_indices(config, module))
+            rows = ref("tokens")
+            if rows.shape[0] != len(indices):
+                raise ConverterError(
+                    f"{weights_path}: {rows.name} has {rows.shape[0]} rows "
+                    f"but trainable_token_indices lists {len(indices)}"
+                )
+            patches.append(AdapterPatch(module, "weight", RowReplace(rows, indices), follows_tie=True))
+
+    folder = weights_path.parent
+    model_config = None
+    if (folder / "config.json").is_file():
+        try:
+            model_config = json.loads((folder / "config.json").read_text())
+        except json.JSONDecodeError:
+            model_config = None
+    summary = {
+        "peft_type": peft_type,
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "ranks": sorted(ranks),
+        "use_rslora": rslora,
+        "use_dora": bool(config.get("use_dora", False)),
+        "fan_in_fan_out": fan_in_fan_out,
+        "target_modules": config.get("target_modules"),
+        "modules_to_save": config.get("modules_to_save"),
+        "trainable_token_indices": config.get("trainable_token_indices"),
+        "rank_pattern": config.get("rank_pattern") or {},
+        "alpha_pattern": config.get("alpha_pattern") or {},
+        "task_type": config.get("task_type"),
+    }
+    return Adapter(
+        path=path,
+        format=NAME,
+        tensors=tensors,
+        patches=patches,
+        config=config,
+        base_model=config.get("base_model_name_or_path"),
+        summary=summary,
+        tokenizer_dir=folder if any((folder / n).is_file() for n in TOKENIZER_FILES) else None,
+        files=[config_path, weights_path],
+        model_config=model_config,
+    )

@@ -1,0 +1,266 @@
+"""Execute a merge: stream every base tensor once, patch in float32, round once, write, rename into place."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from converter import __version__
+from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
+from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
+from converter.errors import ConverterError
+from converter.formats import Adapter, load_adapter
+from converter.keymap import keymap_for
+from converter.plan import MergePlan, OutputTensor, build_plan
+from converter.recipe import Recipe
+from converter.sources import resolve_local
+from converter.units import human_bytes, parse_size
+from converter.writer import ShardedWriter, atomic_folder, check_output_target
+
+RECIPE_FILE = "converter_recipe.yaml"
+PROVENANCE_FILE = "converter_provenance.json"
+# Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
+SKIP_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".gguf",
+    ".onnx",
+    ".msgpack",
+    ".h5",
+    ".ckpt",
+    ".index.json",
+)
+SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SANITY_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+)
+
+
+@dataclass
+class MergeResult:
+    out: Path | None
+    plan: MergePlan
+    files: list[str]
+    warnings: list[str]
+
+
+def merge(
+    recipe: Recipe, *, dry_run: bool = False, force: bool = False, log: Callable[[str], None] = print
+) -> MergeResult:
+    """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically)."""
+    out_dtype = parse_user_dtype(recipe.dtype)
+    max_shard = parse_size(recipe.max_shard_size)
+    if not dry_run:
+        if not recipe.out:
+            raise ConverterError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
+        check_output_target(Path(recipe.out), force)
+
+    checkpoint = Checkpoint(resolve_local(recipe.base))
+    adapters = [(load_adapter(resolve_local(s.source), allow_pickle=recipe.allow_pickle), s) for s in recipe.adapters]
+    warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
+    for w in warnings:
+        log(f"warning: {w}")
+    keymap = keymap_for(checkpoint.config)
+    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched)
+    check_finite(adapters)
+    if dry_run:
+        log(plan.describe())
+        return MergeResult(None, plan, [], warnings)
+
+    out = Path(recipe.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < plan.bytes_to_write:
+        raise ConverterError(
+            f"{out.parent}: not enough disk space: the output needs {human_bytes(plan.bytes_to_write)}, "
+            f"{human_bytes(free)} free ({human_bytes(plan.bytes_to_write - free)} missing)"
+        )
+    log(
+        f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap.name} keymap): "
+        f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
+    )
+    with atomic_folder(out, force) as tmp:
+        hashes = write_weights(checkpoint, plan, tmp, max_shard, log)
+        files = write_side_files(checkpoint, plan, tmp)
+        (tmp / RECIPE_FILE).write_text(recipe.to_yaml())
+        provenance = build_provenance(recipe, checkpoint, adapters, plan, hashes)
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        files = sorted({*files, RECIPE_FILE, PROVENANCE_FILE, *(p.name for p in tmp.iterdir())})
+    log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
+    return MergeResult(out, plan, files, warnings)
+
+
+def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
+    """Say so before merging when the adapter looks trained on another base."""
+    out = []
+    trained_on = adapter.base_model
+    base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
+    if trained_on and trained_on.rstrip("/").split("/")[-1].lower() not in {n.split("/")[-1] for n in base_names}:
+        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {checkpoint.folder.name!r}")
+    if adapter.model_config:
+        for key in SANITY_KEYS:
+            theirs, ours = adapter.model_config.get(key), checkpoint.config.get(key)
+            if theirs is not None and ours is not None and theirs != ours:
+                out.append(f"{adapter.path}: its config.json has {key}={theirs!r}, the base has {ours!r}")
+    return out
+
+
+def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
+    for adapter, _ in adapters:
+        for ap in adapter.patches:
+            for name in ap.patch.sources:
+                t = adapter.tensors.read(name)
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ConverterError(
+                        f"{adapter.path}: tensor {name} contains NaN or Inf values (a broken training run?)"
+                    )
+
+
+def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
+    w = t.to(torch.float32)
+    for p in o.patches:
+        if p.rows is None:
+            w = p.patch.apply(w, p.transposed)
+        else:
+            a, b = p.rows
+            w[a:b] = p.patch.apply(w[a:b], p.transposed)
+    if not torch.isfinite(w).all():
+        raise ConverterError(f"merged tensor {o.name} has NaN/Inf values (the adapter overflows this base)")
+    return w
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_weights(
+    checkpoint: Checkpoint, plan: MergePlan, folder: Path, max_shard: int, log: Callable[[str], None]
+) -> dict[str, str]:
+    """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once)."""
+    writer = ShardedWriter(folder, [o.spec for o in plan.outputs], max_shard)
+    readers = {f.path: SequentialReader(f) for f in checkpoint.files}
+    total, done, next_report = plan.bytes_to_write, 0, 0.1
+    quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
+    for o in plan.outputs:
+        in_order = checkpoint.where.get(o.name) is not None
+        reader = readers[checkpoint.where[o.source.name].path]
+        if o.byte_copy and in_order:
+            writer.write(o.name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
+        else:
+            t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
+            result = _patched(o, t) if o.patches else t
+            data = _as_bytes(result.to(ST_TO_TORCH[o.dtype]))
+            del t, result
+            writer.write(o.name, lambda sink, d=data: sink(d))
+            del data
+        done += o.spec.nbytes
+        if not quiet and done / total >= next_report:
+            log(f"  {done / total:4.0%} {human_bytes(done)} / {human_bytes(total)}")
+            next_report += 0.1
+    writer.close()
+    return {path.name: r.finish() for path, r in readers.items()}
+
+
+def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> list[str]:
+    """config.json (updated), generation config, tokenizer, licence, custom code: everything but weights."""
+    written = []
+    for src in sorted(checkpoint.folder.iterdir()):
+        if (
+            src.is_file()
+            and not src.name.startswith(".")
+            and src.name not in SKIP_NAMES
+            and not src.name.endswith(SKIP_SUFFIXES)
+        ):
+            shutil.copyfile(src, folder / src.name)
+            written.append(src.name)
+    if plan.tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (plan.tokenizer_from / name).is_file():
+                shutil.copyfile(plan.tokenizer_from / name, folder / name)
+                written.append(name)
+    config = dict(checkpoint.config)
+    for key, value in plan.config_updates.items():
+        if key == "dtype":
+            config.pop("torch_dtype", None)
+            config["dtype"] = CONFIG_NAME[value]
+            continue
+        config[key] = value
+        if isinstance(config.get("text_config"), dict) and key in config["text_config"]:
+            config["text_config"][key] = value
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sorted(set(written) | {"config.json"})
+
+
+def build_provenance(
+    recipe: Recipe,
+    checkpoint: Checkpoint,
+    adapters: list[tuple[Adapter, object]],
+    plan: MergePlan,
+    base_hashes: dict[str, str],
+) -> dict:
+    return {
+        "tool": "converter",
+        "version": __version__,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "base": {
+            "source": recipe.base,
+            "model_type": checkpoint.config.get("model_type"),
+            "files": [
+                {"name": f.path.name, "size": f.size, "sha256": base_hashes[f.path.name]} for f in checkpoint.files
+            ],
+        },
+        "adapters": [
+            {
+                "source": spec.source,
+                "weight": spec.weight,
+                "include": spec.include,
+                "exclude": spec.exclude,
+                "format": adapter.format,
+                "base_model": adapter.base_model,
+                "settings": adapter.summary,
+                "files": [{"name": p.name, "size": p.stat().st_size, "sha256": file_sha256(p)} for p in adapter.files],
+                "coverage": {
+                    "tensors": cov.total,
+                    "used": cov.used,
+                    "excluded": cov.excluded,
+                    "unmatched": len(cov.unmatched),
+                },
+            }
+            for (adapter, spec), cov in zip(adapters, plan.coverage, strict=True)
+        ],
+        "dtype": recipe.dtype or "as base",
+        "precision": "deltas computed in float32, each tensor rounded once to its output dtype; "
+        "untouched tensors copied byte for byte",
+        "config_updates": plan.config_updates,
+        "tensors": {"total": len(plan.outputs), "changed": [o.name for o in plan.changed]},
+        "notes": plan.notes,
+    }

@@ -1,0 +1,186 @@
+"""The merge math, once. Every adapter format becomes these patches; every front end applies them.
+
+A patch transforms one float32 tensor in its storage layout. `transposed` says the tensor is stored
+(in, out) rather than (out, in): GPT-2's Conv1D, or an embedding seen as a linear map from tokens to vectors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class TensorSource(Protocol):
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor inside an adapter file, loaded only when its patch is applied."""
+
+    source: TensorSource = field(repr=False, compare=False)
+    name: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape(self.name)
+
+    def load(self) -> torch.Tensor:
+        return self.source.read(self.name).to(torch.float32)
+
+
+class Patch:
+    """Base class: `apply` returns the new float32 tensor; `sources` are the adapter tensors it consumes."""
+
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...] | None:
+        """The shape the target tensor must have, or None when any shape is accepted."""
+        return None
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class LowRank(Patch):
+    """ΔW = scale · up @ down (LoRA, LoCon). For kxk convolutions, PEFT's/kohya's conv(downᵀ, up) composition.
+
+    `flip` marks a delta computed as (out, in) that must be transposed to meet an (in, out) stored tensor
+    independently of the storage layout (PEFT's embedding LoRA stores B@A as (dim, vocab)).
+    """
+
+    down: Ref
+    up: Ref
+    scale: float
+    flip: bool = False
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.down.name, self.up.name)
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def _natural_shape(self) -> tuple[int, ...]:
+        out, inp = self.up.shape[0], self.down.shape[1]
+        return (out, inp, *self.down.shape[2:]) if len(self.down.shape) == 4 else (out, inp)
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        shape = self._natural_shape()
+        return (shape[1], shape[0]) if (transposed != self.flip) and len(shape) == 2 else shape
+
+    def delta(self, transposed: bool) -> torch.Tensor:
+        """ΔW in float32, scaled, in the target's storage layout."""
+        down, up = self.down.load(), self.up.load()
+        if down.dim() == 4:
+            if down.shape[2:] == (1, 1):
+                d = (up.flatten(1) @ down.flatten(1))[:, :, None, None]
+            else:
+                d = F.conv2d(down.transpose(0, 1), up).transpose(0, 1)
+        else:
+            d = up @ down
+        d.mul_(self.scale * self.weight)
+        return d.T if (transposed != self.flip) and d.dim() == 2 else d
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        if len(self.down.shape) == 2:
+            # One fused kernel, no (out, in) temporary: W + s·B@A (into the transposed view when stored (in, out))
+            view = w.T if transposed != self.flip else w
+            view.addmm_(self.up.load(), self.down.load(), alpha=self.scale * self.weight)
+            return w
+        return w.add_(self.delta(transposed))
+
+
+@dataclass
+class DoRA(Patch):
+    """W' = m / ‖W + ΔW‖ ⊙ (W + ΔW), the norm taken per output channel over everything else (PEFT's rule).
+
+    The adapter weight scales ΔW (like PEFT's `set_scale`); the magnitude vector is used as trained.
+    """
+
+    lora: LowRank
+    magnitude: Ref
+
+    @property
+    def weight(self) -> float:  # type: ignore[override]
+        return self.lora.weight
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (*self.lora.sources, self.magnitude.name)
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        return self.lora.target_shape(transposed)
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        w = self.lora.apply(w, transposed)
+        out_axis = 1 if (transposed != self.lora.flip) and w.dim() == 2 else 0
+        reduce = [d for d in range(w.dim()) if d != out_axis]
+        norm = torch.linalg.vector_norm(w, dim=reduce, keepdim=True)
+        m = self.magnitude.load().reshape(norm.shape)
+        return w.mul_(m / norm)
+
+
+@dataclass
+class BiasDelta(Patch):
+    """b' = b + scale · Δb (PEFT's `lora_B.bias` with lora_bias=True; LyCORIS `diff_b`)."""
+
+    delta: Ref
+    scale: float
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.delta.name,)
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        return self.delta.shape
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        return w.add_(self.delta.load(), alpha=self.scale * self.weight)
+
+
+@dataclass
+class Replace(Patch):
+    """The adapter carries the whole tensor (PEFT modules_to_save, saved base layers); it may be resized."""
+
+    value: Ref
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.value.name,)
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        return self.value.load()
+
+
+@dataclass
+class RowReplace(Patch):
+    """Rows `indices` of an embedding replaced by the trained rows (PEFT trainable_token_indices)."""
+
+    rows: Ref
+    indices: tuple[int, ...]
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.rows.name,)
+
+    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+        index = torch.tensor(self.indices, dtype=torch.long)
+        return w.index_copy_(0, index, self.rows.load())
+
+
+def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank

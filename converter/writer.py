@@ -1,0 +1,147 @@
+"""Sharded safetensors output written tensor by tensor, and the atomic output folder.
+
+Every output tensor's dtype and shape are known before the first byte is written, so each shard's header is
+final when the shard is opened and tensors are streamed into it in order: memory never holds a shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from converter.dtypes import ITEMSIZE
+from converter.errors import ConverterError
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+def plan_shards(specs: list[OutSpec], max_shard_bytes: int) -> list[list[OutSpec]]:
+    """Greedy split in order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[OutSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _header(shard: list[OutSpec]) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in shard:
+        header[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # 8-byte alignment, as the safetensors library writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class ShardedWriter:
+    """Writes `specs` in the given order into shards of at most `max_shard_bytes`, plus the index."""
+
+    def __init__(self, folder: Path, specs: list[OutSpec], max_shard_bytes: int):
+        self.folder = folder
+        self.shards = plan_shards(specs, max_shard_bytes)
+        self.names = shard_names(len(self.shards))
+        self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
+        self._next = 0
+        self._shard = -1
+        self._f = None
+
+    def write(self, name: str, produce: Callable[[Callable[[bytes], None]], None]) -> None:
+        """Write the next tensor: `produce(sink)` must pass exactly the tensor's bytes to sink, in order."""
+        index, spec = self._order[self._next]
+        if spec.name != name:
+            raise AssertionError(f"writer expected {spec.name}, got {name}")
+        if index != self._shard:
+            self._close_shard()
+            self._shard = index
+            self._f = open(self.folder / self.names[index], "wb")  # noqa: SIM115 - closed in _close_shard
+            self._f.write(_header(self.shards[index]))
+        written = 0
+
+        def sink(chunk: bytes) -> None:
+            nonlocal written
+            self._f.write(chunk)
+            written += len(chunk)
+
+        produce(sink)
+        if written != spec.nbytes:
+            raise AssertionError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
+        self._next += 1
+
+    def _close_shard(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self._f = None
+
+    def close(self) -> list[str]:
+        """Finish the last shard and write the index (for more than one shard). Returns the file names."""
+        if self._next != len(self._order):
+            raise AssertionError(f"writer closed after {self._next} of {len(self._order)} tensors")
+        self._close_shard()
+        if len(self.names) == 1:
+            return self.names
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for shard in self.shards for s in shard)},
+            "weight_map": {s.name: self.names[i] for i, shard in enumerate(self.shards) for s in shard},
+        }
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return [*self.names, "model.safetensors.index.json"]
+
+
+def check_output_target(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConverterError(f"{out}: output already exists and is not empty (use --force to replace it)")
+
+
+@contextmanager
+def atomic_folder(out: Path, force: bool):
+    """Yield a temp sibling folder; on success it replaces `out` in one rename, on failure it disappears."""
+    check_output_target(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
