@@ -17,6 +17,7 @@ from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
 from converter.keymap import keymap_for
+from converter.patches import Replace
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
 from converter.sources import resolve_local
@@ -146,13 +147,21 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
 
 
 def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
+    """Apply the tensor's patches in float32. Replacements reset the base that weight-dependent deltas see."""
     w = t.to(torch.float32)
+    keep_base = len(o.patches) > 1 and any(p.patch.reads_base for p in o.patches)
+    base = None
     for p in o.patches:
+        if isinstance(p.patch, Replace):
+            w, base = p.patch.apply(w, p.transposed), None
+            continue
+        if keep_base and base is None:
+            base = w.clone()
         if p.rows is None:
-            w = p.patch.apply(w, p.transposed)
+            w = p.patch.apply(w, p.transposed, base)
         else:
             a, b = p.rows
-            w[a:b] = p.patch.apply(w[a:b], p.transposed)
+            w[a:b] = p.patch.apply(w[a:b], p.transposed, None if base is None else base[a:b])
     if not torch.isfinite(w).all():
         raise ConverterError(f"merged tensor {o.name} has NaN/Inf values (the adapter overflows this base)")
     return w

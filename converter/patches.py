@@ -38,16 +38,26 @@ class Patch:
     """Base class: `apply` returns the new float32 tensor; `sources` are the adapter tensors it consumes."""
 
     weight: float = 1.0
+    # Whether an adapter's weight scales this patch; full replacements are taken as trained.
+    weighted = True
+    # Whether the result depends on the tensor before any delta (then the engine keeps a copy of it).
+    reads_base = False
 
     @property
     def sources(self) -> tuple[str, ...]:
         raise NotImplementedError
 
+    def set_weight(self, weight: float) -> None:
+        if self.weighted:
+            self.weight = weight
+
     def target_shape(self, transposed: bool) -> tuple[int, ...] | None:
         """The shape the target tensor must have, or None when any shape is accepted."""
         return None
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the patched tensor (may modify `w` in place). `base` is the tensor before any delta of any
+        adapter: contributions that depend on the weight (DoRA) are taken relative to it, as PEFT's forward does."""
         raise NotImplementedError
 
 
@@ -94,7 +104,7 @@ class LowRank(Patch):
         d.mul_(self.scale * self.weight)
         return d.T if (transposed != self.flip) and d.dim() == 2 else d
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         if len(self.down.shape) == 2:
             # One fused kernel, no (out, in) temporary: W + s·B@A (into the transposed view when stored (in, out))
             view = w.T if transposed != self.flip else w
@@ -105,17 +115,20 @@ class LowRank(Patch):
 
 @dataclass
 class DoRA(Patch):
-    """W' = m / ‖W + ΔW‖ ⊙ (W + ΔW), the norm taken per output channel over everything else (PEFT's rule).
+    """DoRA: W' = f ⊙ (W + ΔW), f = m / ‖W₀ + ΔW‖ per output channel (norm over everything else).
 
-    The adapter weight scales ΔW (like PEFT's `set_scale`); the magnitude vector is used as trained.
+    W₀ is the tensor before any adapter's delta. With one adapter W = W₀ and this is PEFT's merge; with several,
+    each applies in order to the running W while its norm uses W₀, which is what PEFT 0.21 does both in its
+    unmerged forward (DoRA rescales the running result) and in merge_and_unload. The adapter weight scales ΔW
+    (PEFT's `set_scale`); the magnitude vector is used as trained.
     """
 
     lora: LowRank
     magnitude: Ref
+    reads_base = True
 
-    @property
-    def weight(self) -> float:  # type: ignore[override]
-        return self.lora.weight
+    def set_weight(self, weight: float) -> None:
+        self.lora.set_weight(weight)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -124,13 +137,14 @@ class DoRA(Patch):
     def target_shape(self, transposed: bool) -> tuple[int, ...]:
         return self.lora.target_shape(transposed)
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-        w = self.lora.apply(w, transposed)
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        base = w if base is None else base
+        delta = self.lora.delta(transposed)
         out_axis = 1 if (transposed != self.lora.flip) and w.dim() == 2 else 0
         reduce = [d for d in range(w.dim()) if d != out_axis]
-        norm = torch.linalg.vector_norm(w, dim=reduce, keepdim=True)
-        m = self.magnitude.load().reshape(norm.shape)
-        return w.mul_(m / norm)
+        norm = torch.linalg.vector_norm(base + delta, dim=reduce, keepdim=True)
+        factor = self.magnitude.load().reshape(norm.shape) / norm
+        return w.add_(delta).mul_(factor)
 
 
 @dataclass
@@ -148,7 +162,7 @@ class BiasDelta(Patch):
     def target_shape(self, transposed: bool) -> tuple[int, ...]:
         return self.delta.shape
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         return w.add_(self.delta.load(), alpha=self.scale * self.weight)
 
 
@@ -157,12 +171,15 @@ class Replace(Patch):
     """The adapter carries the whole tensor (PEFT modules_to_save, saved base layers); it may be resized."""
 
     value: Ref
+    # Copies of the same tensor that PEFT also saves (modules_to_save / original_module): accounted, not used.
+    duplicates: tuple[str, ...] = ()
+    weighted = False
 
     @property
     def sources(self) -> tuple[str, ...]:
-        return (self.value.name,)
+        return (self.value.name, *self.duplicates)
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         return self.value.load()
 
 
@@ -172,12 +189,13 @@ class RowReplace(Patch):
 
     rows: Ref
     indices: tuple[int, ...]
+    weighted = False
 
     @property
     def sources(self) -> tuple[str, ...]:
         return (self.rows.name,)
 
-    def apply(self, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         index = torch.tensor(self.indices, dtype=torch.long)
         return w.index_copy_(0, index, self.rows.load())
 

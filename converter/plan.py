@@ -121,6 +121,11 @@ def build_plan(
         unmatched: list[str] = []
         for ap in adapter.patches:
             place = resolver.resolve(ap.module, ap.param)
+            if place is None and ap.param == "bias" and resolver.resolve(ap.module, "weight") is not None:
+                raise ConverterError(
+                    f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
+                    "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
+                )
             if place is None:
                 unmatched.extend(ap.patch.sources)
                 continue
@@ -129,9 +134,7 @@ def build_plan(
                 continue
             layout = keymap.is_stored_transposed(place.key)
             transposed = bool(ap.stored_transposed) if layout is None else layout
-            ap.patch.weight = spec.weight if not isinstance(ap.patch, Replace | RowReplace) else 1.0
-            if hasattr(ap.patch, "lora"):
-                ap.patch.lora.weight = spec.weight
+            ap.patch.set_weight(spec.weight)
             planned = PlannedPatch(i, ap.patch, place.rows, transposed)
             by_key.setdefault(place.key, []).append(planned)
             if ap.follows_tie:

@@ -75,6 +75,10 @@ def _split(key: str) -> tuple[str, str]:
         if key.endswith(suffix):
             return key[: -len(suffix)], role
     module, _, param = key.rpartition(".")
+    # Saved copies of a modules_to_save layer: the trained one and, for resized embeddings, the original too.
+    for wrapper, role in ((".modules_to_save", "copy"), (".original_module", "original")):
+        if module.endswith(wrapper):
+            return module[: -len(wrapper)], f"{role}:{param}"
     return module, f"full:{param}"
 
 
@@ -121,8 +125,15 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         for role in ("base_weight", "base_bias"):
             if role in roles:
                 patches.append(AdapterPatch(module, role.split("_")[1], Replace(ref(role))))
-        for role in [r for r in roles if r.startswith("full:")]:
-            patches.append(AdapterPatch(module, role[5:], Replace(ref(role))))
+        params = {r.split(":", 1)[1] for r in roles if ":" in r}
+        for param in sorted(params):
+            # The module's own key holds the trained copy; `modules_to_save.` repeats it, `original_module.` is
+            # the untrained layer. Both extra copies are accounted for but not used.
+            variants = [f"{kind}:{param}" for kind in ("full", "copy", "original") if f"{kind}:{param}" in roles]
+            if variants[0].startswith("original"):
+                raise ConverterError(f"{weights_path}: {roles[variants[0]]} has no trained copy beside it")
+            value, *rest = (roles[v] for v in variants)
+            patches.append(AdapterPatch(module, param, Replace(Ref(tensors, value), tuple(rest))))
 
         pair = ("A", "B") if "A" in roles or "B" in roles else ("emb_A", "emb_B")
         if pair[0] in roles or pair[1] in roles:
