@@ -82,7 +82,7 @@ def make_adapter(base: Path, folder: Path, seed: int = 1, **lora) -> Path:
     lora.setdefault("init_lora_weights", False)
     peft_model = get_peft_model(model, LoraConfig(**lora))
     with torch.no_grad():
-        for name, p in peft_model.named_parameters():
+        for p in peft_model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     peft_model.save_pretrained(folder)

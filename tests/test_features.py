@@ -159,8 +159,8 @@ def test_trainable_tokens(tied, tmp_path, cli):
 def test_resized_vocabulary(tmp_path, cli):
     """The adapter was trained on a base with added tokens: its full embedding/head replace the base's."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     base = make_base(tmp_path / "base", "llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -206,7 +206,7 @@ def test_several_dora_adapters(llama, tmp_path, cli):
 
 
 def test_recipe_with_include_exclude(llama, tmp_path, cli):
-    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8)
+    make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         yaml.safe_dump(
