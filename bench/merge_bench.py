@@ -62,6 +62,20 @@ PEFT_SCRIPT = textwrap.dedent(
 )
 
 
+# Fallback launcher where GNU time is missing: same output format (maxrss of the one child, in KiB).
+LAUNCHER = textwrap.dedent(
+    """
+    import resource, subprocess, sys
+    rc = subprocess.call(sys.argv[2:])
+    with open(sys.argv[1], "w") as f:
+        f.write(f"maxrss_kib={resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}\\n")
+        if rc < 0:
+            f.write(f"Command terminated by signal {-rc}\\n")
+    sys.exit(rc if rc >= 0 else 128 - rc)
+    """
+)
+
+
 @dataclass(frozen=True)
 class Shape:
     """Llama dimensions of the synthetic base model."""
@@ -185,30 +199,44 @@ def drop_caches() -> bool:
 
 
 def measure(name: str, cmd: list[str], log: Path, cold: bool, cgroup: Path | None = None) -> RunResult:
-    """Run `cmd` once; wall time until it exits, then the time a global `sync` takes, and its own peak RSS."""
+    """Run `cmd` once; wall time until it exits, then the time a global `sync` takes, and its own peak RSS.
+
+    Peak RSS comes from a tiny launcher (GNU time, else a bare Python) that forks the tool: Linux carries the
+    high-water RSS of the process that execs into the child's ru_maxrss, so this (possibly large) process must not
+    be the tool's direct parent.
+    """
     if cold:
         drop_caches()
-    if cgroup is not None:  # the shell joins the group, then becomes the tool: same pid, so wait4 still sees it
-        cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *cmd]
+    stat = log.with_suffix(".rusage")
+    stat.unlink(missing_ok=True)
+    if Path("/usr/bin/time").is_file():
+        launcher = ["/usr/bin/time", "-f", "maxrss_kib=%M", "-o", str(stat)]
+    else:
+        launcher = [sys.executable, "-S", "-c", LAUNCHER, str(stat)]
+    full = [*launcher, *cmd]
+    if cgroup is not None:  # the shell joins the group, then becomes the launcher; the tool inherits the group
+        full = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *full]
     with open(log, "w") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        deadline = t0 + RUN_TIMEOUT_S
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.perf_counter() > deadline:
-                proc.kill()
-            time.sleep(0.01)
+        proc = subprocess.Popen(full, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
         wall = time.perf_counter() - t0
-    proc.returncode = rc = os.waitstatus_to_exitcode(status)
     t1 = time.perf_counter()
     subprocess.run(["sync"], check=False)
     sync_s = time.perf_counter() - t1
-    return RunResult(name, rc, wall, sync_s, usage.ru_maxrss / 1024, log)  # ru_maxrss is in KiB on Linux
+    maxrss_kib = 0
+    for line in stat.read_text().splitlines() if stat.is_file() else []:
+        if line.startswith("maxrss_kib="):
+            maxrss_kib = int(line.split("=", 1)[1])
+        elif line.startswith("Command terminated by signal"):
+            rc = -int(line.split()[-1])  # the launcher exits 128+N; report the signal itself
+    return RunResult(name, rc, wall, sync_s, maxrss_kib / 1024, log)
 
 
 def memory_cgroup_root() -> Path | None:

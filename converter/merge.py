@@ -97,6 +97,8 @@ def merge(
         log(plan.describe())
         return MergeResult(None, plan, [], warnings)
 
+    for note in plan.notes:
+        log(f"note: {note}")
     out = Path(recipe.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
@@ -162,8 +164,6 @@ def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
         else:
             a, b = p.rows
             w[a:b] = p.patch.apply(w[a:b], p.transposed, None if base is None else base[a:b])
-    if not torch.isfinite(w).all():
-        raise ConverterError(f"merged tensor {o.name} has NaN/Inf values (the adapter overflows this base)")
     return w
 
 
@@ -186,8 +186,13 @@ def write_weights(
             writer.write(o.name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
-            result = _patched(o, t) if o.patches else t
-            data = _as_bytes(result.to(ST_TO_TORCH[o.dtype]))
+            result = (_patched(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
+            if o.patches and not torch.isfinite(result).all():
+                raise ConverterError(
+                    f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "
+                    "base; check its alpha/scale, or merge into a wider --dtype)"
+                )
+            data = _as_bytes(result)
             del t, result
             writer.write(o.name, lambda sink, d=data: sink(d))
             del data

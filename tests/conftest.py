@@ -152,6 +152,7 @@ def cli(capsys):
     """Run the CLI in-process; returns (exit code, stdout, stderr)."""
 
     def _run(*args: str | Path) -> tuple[int, str, str]:
+        capsys.readouterr()  # drop what fixtures printed (transformers' progress bars)
         code = run_cli(*args)
         captured = capsys.readouterr()
         return code, captured.out, captured.err

@@ -1,0 +1,175 @@
+"""Bad input: a one-line message naming the file/tensor, exit code 2, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_adapter, make_base
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_base(tmp_path_factory.mktemp("llama") / "base", "llama")
+
+
+@pytest.fixture(scope="module")
+def lora(llama, tmp_path_factory):
+    return make_adapter(llama, tmp_path_factory.mktemp("lora") / "lora", r=4, lora_alpha=8)
+
+
+def assert_fails(cli, tmp_path, *args, message: str):
+    out = tmp_path / "merged"
+    code, stdout, err = cli("merge", *args, "--out", out)
+    assert code == 2, (stdout, err)
+    assert message in err, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir())
+    assert not list(tmp_path.glob(".merged.*")), "a temp folder was left behind"
+    return err
+
+
+def test_adapter_for_another_architecture(llama, tmp_path, cli):
+    gpt2 = make_base(tmp_path / "gpt2", "gpt2")
+    adapter = make_adapter(gpt2, tmp_path / "gpt2-lora", r=4, lora_alpha=8, target_modules=["c_attn"])
+    err = assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message="land on no base tensor")
+    assert "transformer.h.0.attn.c_attn.lora_A.weight" in err and "--allow-unmatched" in err
+
+
+def test_allow_unmatched_merges_the_rest(llama, tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    f = adapter / "adapter_model.safetensors"
+    tensors = load_file(f)
+    tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 64)
+    tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"] = torch.zeros(64, 4)
+    save_file(tensors, f)
+    assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message="2 adapter tensors land on no base")
+    code, out, err = cli("merge", "--base", llama, "--adapter", adapter, "--out", tmp_path / "m", "--allow-unmatched")
+    assert code == 0, err
+    assert "2 unmatched adapter tensors ignored" in out
+
+
+def test_adapter_trained_on_another_size(llama, tmp_path, cli):
+    bigger = make_base(tmp_path / "big", "llama", hidden_size=96)
+    adapter = make_adapter(bigger, tmp_path / "big-lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    err = assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message="different model size")
+    assert "[96, 96]" in err and "[64, 64]" in err and "q_proj" in err
+
+
+def test_nan_in_adapter(llama, tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    f = adapter / "adapter_model.safetensors"
+    tensors = load_file(f)
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    tensors[name][3, 1] = float("nan")
+    save_file(tensors, f)
+    assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message=f"tensor {name} contains NaN")
+
+
+def test_overflow_in_output_dtype(tmp_path, cli):
+    base = make_base(tmp_path / "base", "llama", dtype=torch.float16)
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["o_proj"])
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 1e9
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    assert_fails(cli, tmp_path, "--base", base, "--adapter", adapter, message="o_proj.weight has NaN/Inf values in F16")
+
+
+def test_base_is_not_a_model_folder(lora, tmp_path, cli):
+    (tmp_path / "empty").mkdir()
+    assert_fails(cli, tmp_path, "--base", tmp_path / "empty", "--adapter", lora, message="no config.json")
+
+
+def test_truncated_base(llama, lora, tmp_path, cli):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    err = assert_fails(cli, tmp_path, "--base", broken, "--adapter", lora, message="truncated")
+    assert "model.safetensors" in err
+
+
+def test_corrupt_header(llama, lora, tmp_path, cli):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    data = bytearray((broken / "model.safetensors").read_bytes())
+    data[8:20] = b"not json at!"
+    (broken / "model.safetensors").write_bytes(bytes(data))
+    assert_fails(cli, tmp_path, "--base", broken, "--adapter", lora, message="not valid JSON")
+
+
+def test_existing_output_needs_force(llama, lora, tmp_path, cli):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = cli("merge", "--base", llama, "--adapter", lora, "--out", out)
+    assert code == 2 and "--force" in err and (out / "keep.txt").read_text() == "mine"
+    code, _, err = cli("merge", "--base", llama, "--adapter", lora, "--out", out, "--force")
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_bias_delta_on_a_base_without_bias(llama, tmp_path, cli):
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, lora_bias=True, target_modules=["q_proj"])
+    assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message="has no bias")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--adapter", "nowhere/at-all"], "not found"),
+        (["--adapter", "{lora}", "--weight", "0.5", "--weight", "0.5"], "give one per adapter"),
+        (["--adapter", "{lora}", "--dtype", "int4"], "unknown dtype"),
+        (["--adapter", "{lora}", "--max-shard-size", "lots"], "cannot read size"),
+    ],
+)
+def test_usage_errors(args, message, llama, lora, tmp_path, cli):
+    assert_fails(cli, tmp_path, "--base", llama, *[a.format(lora=lora) for a in args], message=message)
+
+
+def test_missing_half_of_a_pair(llama, tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    f = adapter / "adapter_model.safetensors"
+    tensors = load_file(f)
+    del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    save_file(tensors, f)
+    assert_fails(cli, tmp_path, "--base", llama, "--adapter", adapter, message="lora_B is missing")
+
+
+def test_warns_when_trained_on_another_base(llama, tmp_path, cli):
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = "someone/Other-Model-7B"
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    code, out, err = cli("merge", "--base", llama, "--adapter", adapter, "--out", tmp_path / "m", "--dry-run")
+    assert code == 0 and "trained on 'someone/Other-Model-7B'" in out
+
+
+def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
+    """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft."""
+    bad = subprocess.run([sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ")
+    code = (
+        "import sys; from converter.cli import main; "
+        f"rc = main(['merge', '--base', {str(llama)!r}, '--adapter', {str(lora)!r}, '--out', {str(tmp_path / 'm')!r}]); "
+        "heavy = [m for m in ('transformers', 'peft', 'accelerate') if m in sys.modules]; "
+        "print('heavy:', heavy); sys.exit(rc or (3 if heavy else 0))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "heavy: []" in run.stdout
