@@ -161,8 +161,9 @@ def test_warns_when_trained_on_another_base(llama, tmp_path, cli):
 
 def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
     """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft."""
-    bad = subprocess.run([sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ")
     code = (
         "import sys; from converter.cli import main; "
