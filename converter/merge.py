@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import json
 import shutil
@@ -20,7 +21,7 @@ from converter.keymap import keymap_for
 from converter.patches import Replace
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
-from converter.sources import resolve_local
+from converter.sources import Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import ShardedWriter, atomic_folder, check_output_target
 
@@ -75,9 +76,18 @@ class MergeResult:
 
 
 def merge(
-    recipe: Recipe, *, dry_run: bool = False, force: bool = False, log: Callable[[str], None] = print
+    recipe: Recipe,
+    *,
+    dry_run: bool = False,
+    force: bool = False,
+    token: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> MergeResult:
-    """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically)."""
+    """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
+
+    `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
+    it is never written anywhere.
+    """
     out_dtype = parse_user_dtype(recipe.dtype)
     max_shard = parse_size(recipe.max_shard_size)
     if not dry_run:
@@ -85,8 +95,13 @@ def merge(
             raise ConverterError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
         check_output_target(Path(recipe.out), force)
 
-    checkpoint = Checkpoint(resolve_local(recipe.base))
-    adapters = [(load_adapter(resolve_local(s.source), allow_pickle=recipe.allow_pickle), s) for s in recipe.adapters]
+    base = fetch(recipe.base, "model", token)
+    fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
+    checkpoint = Checkpoint(base.local)
+    adapters = [
+        (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
+        for f, s in zip(fetched, recipe.adapters, strict=True)
+    ]
     warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
     for w in warnings:
         log(f"warning: {w}")
@@ -114,8 +129,8 @@ def merge(
     with atomic_folder(out, force) as tmp:
         hashes = write_weights(checkpoint, plan, tmp, max_shard, log)
         files = write_side_files(checkpoint, plan, tmp)
-        (tmp / RECIPE_FILE).write_text(recipe.to_yaml())
-        provenance = build_provenance(recipe, checkpoint, adapters, plan, hashes)
+        (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
+        provenance = build_provenance(recipe, base, fetched, checkpoint, adapters, plan, hashes)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         files = sorted({*files, RECIPE_FILE, PROVENANCE_FILE, *(p.name for p in tmp.iterdir())})
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
@@ -234,8 +249,27 @@ def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> l
     return sorted(set(written) | {"config.json"})
 
 
+def pinned_recipe(recipe: Recipe, base: Fetched, adapters: list[Fetched]) -> Recipe:
+    """The recipe as run: Hub sources pinned to the commits that were used, so a re-run gets the same bytes."""
+    pinned = copy.deepcopy(recipe)
+    pinned.base = base.pinned
+    for spec, fetched in zip(pinned.adapters, adapters, strict=True):
+        spec.source = fetched.pinned
+    pinned.out = None
+    return pinned
+
+
+def _source_record(fetched: Fetched) -> dict:
+    record: dict = {"source": fetched.source.spec}
+    if fetched.sha:
+        record.update(repo_id=fetched.source.repo_id, revision=fetched.sha, path=fetched.source.path)
+    return record
+
+
 def build_provenance(
     recipe: Recipe,
+    base: Fetched,
+    fetched: list[Fetched],
     checkpoint: Checkpoint,
     adapters: list[tuple[Adapter, object]],
     plan: MergePlan,
@@ -246,7 +280,7 @@ def build_provenance(
         "version": __version__,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "base": {
-            "source": recipe.base,
+            **_source_record(base),
             "model_type": checkpoint.config.get("model_type"),
             "files": [
                 {"name": f.path.name, "size": f.size, "sha256": base_hashes[f.path.name]} for f in checkpoint.files
@@ -254,7 +288,7 @@ def build_provenance(
         },
         "adapters": [
             {
-                "source": spec.source,
+                **_source_record(f),
                 "weight": spec.weight,
                 "include": spec.include,
                 "exclude": spec.exclude,
@@ -269,7 +303,7 @@ def build_provenance(
                     "unmatched": len(cov.unmatched),
                 },
             }
-            for (adapter, spec), cov in zip(adapters, plan.coverage, strict=True)
+            for (adapter, spec), f, cov in zip(adapters, fetched, plan.coverage, strict=True)
         ],
         "dtype": recipe.dtype or "as base",
         "precision": "deltas computed in float32, each tensor rounded once to its output dtype; "

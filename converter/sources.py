@@ -1,35 +1,194 @@
-"""Where weights come from. This issue's sources are local paths; Hub ids arrive through the same type."""
+"""Where weights come from: a local path, or `org/name[@revision][/path/in/repo]` on the Hugging Face Hub.
+
+Every Hub source is resolved to a commit sha before anything is downloaded; that sha is what recipes,
+provenance and cards name. Downloads go through huggingface_hub into the normal HF cache (reused across runs)
+and fetch only what the job needs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+import re
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter import hub
 from converter.errors import ConverterError
+from converter.units import human_bytes
+
+HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
+
+# What a merge needs from a base repo: weights (safetensors only), config, tokenizer, generation config, card,
+# licence, custom code. Never original/, consolidated, GGUF, ONNX or other duplicate formats (top level only).
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.jinja",
+    "chat_template.json",
+    "*.tiktoken",
+    "spiece.model",
+    "README.md",
+    "LICENSE*",
+    "USE_POLICY*",
+    "NOTICE*",
+    "configuration_*.py",
+    "modeling_*.py",
+    "tokenization_*.py",
+]
+ADAPTER_FILES = [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "config.json",
+    "README.md",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.jinja",
+    "chat_template.json",
+]
 
 
 @dataclass(frozen=True)
 class Source:
-    """A parsed source spec. `local` is set for paths on disk."""
+    """A parsed source spec: `local` for paths on disk, else a Hub repo (+ revision, + file inside it)."""
 
     spec: str
-    local: Path | None
+    local: Path | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+    path: str | None = None
 
     def __str__(self) -> str:
         return self.spec
 
 
+@dataclass
+class Fetched:
+    """A source made local: where it is, and exactly which commit and files it came from."""
+
+    source: Source
+    local: Path
+    sha: str | None = None
+    files: list[dict] = field(default_factory=list)  # {"name", "size", "sha256"} as the Hub reports them
+    card: str | None = None  # the repo's README.md text, when it has one
+
+    @property
+    def pinned(self) -> str:
+        """`org/name@sha[/path]` for Hub sources, the absolute path for local ones: what a recipe records."""
+        if self.source.repo_id is None:
+            return str(self.local)
+        return f"{self.source.repo_id}@{self.sha}" + (f"/{self.source.path}" if self.source.path else "")
+
+
 def parse_source(spec: str) -> Source:
     path = Path(spec).expanduser()
     if path.exists():
-        return Source(spec, path.resolve())
-    if spec.startswith((".", "/", "~")) or path.suffix in (".safetensors", ".bin"):
+        return Source(spec, local=path.resolve())
+    if spec.startswith((".", "/", "~")):
         raise ConverterError(f"{spec}: no such file or folder")
-    raise ConverterError(f"{spec}: not found on disk (Hugging Face Hub ids are not supported yet; download it first)")
+    m = HUB_SPEC.match(spec)
+    if not m or ".." in spec:
+        raise ConverterError(
+            f"{spec}: neither a local path nor a Hub id (write org/name, org/name@revision or org/name@rev/file)"
+        )
+    return Source(spec, repo_id=m["repo"], revision=m["rev"], path=m["path"])
+
+
+def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: int = 0) -> Fetched:  # noqa: C901
+    """Make a source local. `kind` is "model" or "adapter" and decides which files are fetched."""
+    source = parse_source(spec)
+    if source.local is not None:
+        return Fetched(source, source.local)
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    api = HfApi(token=token)
+    repo, revision = source.repo_id, source.revision or "main"
+    where = f"{repo}@{revision}"
+    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    sha = info.sha
+    siblings = {s.rfilename: s for s in info.siblings or []}
+    if source.path is not None:
+        if source.path not in siblings:
+            raise ConverterError(f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})")
+        folder = source.path.rsplit("/", 1)[0] + "/" if "/" in source.path else ""
+        wanted = [source.path] + [
+            f"{folder}{n}" for n in ("adapter_config.json", "README.md") if f"{folder}{n}" in siblings
+        ]
+    else:
+        patterns = MODEL_FILES if kind == "model" else ADAPTER_FILES
+        wanted = [name for name in siblings if "/" not in name and any(fnmatch.fnmatch(name, p) for p in patterns)]
+        _check_repo_kind(where, kind, wanted, siblings)
+    from huggingface_hub import try_to_load_from_cache
+
+    missing = [n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, revision=sha), str)]
+    _check_disk(where, sum(siblings[n].size or 0 for n in missing) + need_bytes)
+    if source.path is not None:
+        paths = [
+            Path(hub.call(f"{where}/{n}", lambda n=n: hf_hub_download(repo, n, revision=sha, token=token)))
+            for n in wanted
+        ]
+        local = paths[0]
+    else:
+        local = Path(hub.call(where, lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token)))
+    files = [
+        {
+            "name": n,
+            "size": siblings[n].size,
+            "sha256": (siblings[n].lfs or {}).get("sha256")
+            if isinstance(siblings[n].lfs, dict)
+            else getattr(siblings[n].lfs, "sha256", None),
+        }
+        for n in wanted
+    ]
+    card_path = (local.parent if local.is_file() else local) / "README.md"
+    card = card_path.read_text() if card_path.is_file() else None
+    return Fetched(source, local, sha, files, card)
+
+
+def _sample(names) -> str:
+    names = sorted(names)
+    return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+
+
+def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -> None:
+    if kind == "model":
+        if "config.json" not in wanted:
+            hint = " (it looks like an adapter: pass it as --adapter)" if "adapter_config.json" in siblings else ""
+            raise ConverterError(f"{where}: not a model repo: no config.json{hint}")
+        if not any(n.endswith(".safetensors") for n in wanted):
+            raise ConverterError(f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})")
+    elif "adapter_config.json" not in wanted:
+        repo = where.split("@")[0]
+        raise ConverterError(
+            f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors"
+        )
+
+
+def _check_disk(where: str, need: int) -> None:
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE)
+    probe = cache if cache.exists() else next(p for p in cache.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise ConverterError(
+            f"{where}: not enough disk space: needs {human_bytes(need)} (download + output), {human_bytes(free)} free "
+            f"in {probe} ({human_bytes(need - free)} missing)"
+        )
 
 
 def resolve_local(spec: str) -> Path:
-    """The local path for a source, fetching it first when it lives elsewhere."""
-    source = parse_source(spec)
-    assert source.local is not None
-    return source.local
+    """The local path of a source, fetching it first when it lives on the Hub."""
+    return fetch(spec).local

@@ -129,7 +129,9 @@ def test_bias_delta_on_a_base_without_bias(llama, tmp_path, cli):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--adapter", "nowhere/at-all"], "not found"),
+        (["--adapter", "./nowhere/at-all"], "no such file or folder"),
+        (["--adapter", "some-org/some-lora"], "HF_HUB_OFFLINE is set"),
+        (["--adapter", "not a path or an id"], "neither a local path nor a Hub id"),
         (["--adapter", "{lora}", "--weight", "0.5", "--weight", "0.5"], "give one per adapter"),
         (["--adapter", "{lora}", "--dtype", "int4"], "unknown dtype"),
         (["--adapter", "{lora}", "--max-shard-size", "lots"], "cannot read size"),
