@@ -31,23 +31,38 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
 
     m = sub.add_parser("merge", help="merge adapters into a base model")
-    m.add_argument("--recipe", help="a recipe YAML (command-line options override it)")
-    m.add_argument("--base", help="base model folder")
-    m.add_argument("--adapter", action="append", default=[], help="adapter folder/file (repeatable, applied in order)")
-    m.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
+    _merge_options(m)
     m.add_argument("--out", help="output folder (created atomically)")
-    m.add_argument("--dtype", help="output dtype: float32, float16, bfloat16 (default: keep each tensor's)")
-    m.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
-    m.add_argument(
-        "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
-    )
-    m.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (loaded with weights_only=True)")
+
+    p_push = sub.add_parser("push", help="merge (or take --from FOLDER) and publish to the Hub in one commit")
+    p_push.add_argument("--repo", required=True, help="target repo, namespace/name")
+    p_push.add_argument("--from", dest="from_folder", help="push this merged folder instead of merging")
+    _merge_options(p_push)
+    p_push.add_argument("--private", action="store_true", help="create the repo private")
+    p_push.add_argument("--create-pr", action="store_true", help="open (or update) a pull request instead")
+    p_push.add_argument("--overwrite", action="store_true", help="replace the model already in the repo")
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
     return p
+
+
+def _merge_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", help="a recipe YAML (command-line options override it)")
+    p.add_argument("--base", help="base model: folder or Hub id org/name[@revision]")
+    p.add_argument(
+        "--adapter", action="append", default=[], help="adapter folder/file or Hub id (repeatable, in order)"
+    )
+    p.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
+    p.add_argument("--dtype", help="output dtype: float32, float16, bfloat16 (default: keep each tensor's)")
+    p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
+    p.add_argument(
+        "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
+    )
+    p.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (loaded with weights_only=True)")
+    p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
 
 
 def _recipe_from_args(args: argparse.Namespace):
@@ -66,7 +81,7 @@ def _recipe_from_args(args: argparse.Namespace):
         recipe = Recipe(
             base=args.base, adapters=[AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
         )
-    for field in ("base", "out", "dtype", "max_shard_size"):
+    for field in ("base", "out", "dtype", "max_shard_size"):  # `out` exists for merge only
         if getattr(args, field, None):
             setattr(recipe, field, getattr(args, field))
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
@@ -88,7 +103,27 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "merge":
         from converter.merge import merge
 
-        merge(_recipe_from_args(args), dry_run=args.dry_run, force=args.force, log=_log)
+        merge(_recipe_from_args(args), dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
+        return 0
+    if args.command == "push":
+        from converter.pipeline import push
+
+        result = push(
+            args.repo,
+            recipe=None if args.from_folder else _recipe_from_args(args),
+            folder=args.from_folder,
+            token=args.token,
+            private=args.private,
+            create_pr=args.create_pr,
+            overwrite=args.overwrite,
+            log=_log,
+        )
+        if result.pr_url:
+            print(f"pull request: {result.pr_url}")
+        elif not result.changed:
+            print(f"nothing changed: {result.url} already has these files")
+        else:
+            print(f"pushed: {result.url}/commit/{result.commit}")
         return 0
     if args.command == "demo":
         from converter.demo import run_demo

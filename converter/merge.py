@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from converter import __version__
+from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
 from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
@@ -132,6 +133,7 @@ def merge(
         (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
         provenance = build_provenance(recipe, base, fetched, checkpoint, adapters, plan, hashes)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        write_card(tmp, load_name=f"./{out.name}")
         files = sorted({*files, RECIPE_FILE, PROVENANCE_FILE, *(p.name for p in tmp.iterdir())})
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
     return MergeResult(out, plan, files, warnings)
@@ -259,8 +261,9 @@ def pinned_recipe(recipe: Recipe, base: Fetched, adapters: list[Fetched]) -> Rec
     return pinned
 
 
-def _source_record(fetched: Fetched) -> dict:
-    record: dict = {"source": fetched.source.spec}
+def _source_record(fetched: Fetched, card_keys: tuple[str, ...]) -> dict:
+    meta = card_metadata(fetched.card)
+    record: dict = {"source": fetched.source.spec, "card": {k: meta[k] for k in card_keys if k in meta}}
     if fetched.sha:
         record.update(repo_id=fetched.source.repo_id, revision=fetched.sha, path=fetched.source.path)
     return record
@@ -280,7 +283,7 @@ def build_provenance(
         "version": __version__,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "base": {
-            **_source_record(base),
+            **_source_record(base, (*INHERITED, "tags")),
             "model_type": checkpoint.config.get("model_type"),
             "files": [
                 {"name": f.path.name, "size": f.size, "sha256": base_hashes[f.path.name]} for f in checkpoint.files
@@ -288,7 +291,7 @@ def build_provenance(
         },
         "adapters": [
             {
-                **_source_record(f),
+                **_source_record(f, ("datasets", "tags")),
                 "weight": spec.weight,
                 "include": spec.include,
                 "exclude": spec.exclude,

@@ -110,7 +110,8 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     """Make a source local. `kind` is "model" or "adapter" and decides which files are fetched."""
     source = parse_source(spec)
     if source.local is not None:
-        return Fetched(source, source.local)
+        card = (source.local if source.local.is_dir() else source.local.parent) / "README.md"
+        return Fetched(source, source.local, card=card.read_text(errors="replace") if card.is_file() else None)
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     api = HfApi(token=token)
