@@ -425,6 +425,7 @@ class HubServer:
         self.seen.clear()
 
     def clear_faults(self) -> None:
+        """Drop faults not yet consumed, so one test's leftovers cannot hit the next."""
         with self._lock:
             self._faults.clear()
 
@@ -534,10 +535,11 @@ class HubServer:
     # -- inspection (no HTTP) ----------------------------------------------------------------------------------------
 
     def repo(self, repo_id: str, repo_type: str = "model") -> Repo:
-        """The live repo object (read it under no assumptions of immutability)."""
+        """The live repo object: flags (``private``, ``gated``) changed on it take effect on the next request."""
         return self._repos[(repo_type, repo_id)]
 
     def exists(self, repo_id: str, repo_type: str = "model") -> bool:
+        """Whether the repo exists, seen from the server (no visibility rules), e.g. after a delete."""
         return (repo_type, repo_id) in self._repos
 
     def head(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> str:
@@ -552,11 +554,13 @@ class HubServer:
             return list(_walk(repo, self._resolve(repo, revision)))
 
     def files(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> dict[str, FileEntry]:
+        """The tree at ``revision``: path -> FileEntry (size, lfs, oid), to assert what a push produced."""
         with self._lock:
             repo = self._repos[(repo_type, repo_id)]
             return dict(repo.commits[self._resolve(repo, revision)].files)
 
     def read_file(self, repo_id: str, path: str, revision: str = "main", repo_type: str = "model") -> bytes:
+        """The content of ``path`` at ``revision``, straight from the blob store."""
         return self._read_blob(self.files(repo_id, revision, repo_type)[path].sha256)
 
     # -- persistence -------------------------------------------------------------------------------------------------
@@ -1308,7 +1312,7 @@ def _h_create_discussion(hub: HubServer, req: _Request) -> _Response:
 
 
 def _h_lfs_batch(hub: HubServer, req: _Request) -> _Response:
-    repo = hub._require_repo(req)
+    hub._require_repo(req)  # read access is enough: blobs are content-addressed, the commit is what gets authorized
     if req.user is None:
         raise HubError(401, "You must be authenticated to upload LFS objects")
     body = req.json()
@@ -1325,7 +1329,6 @@ def _h_lfs_batch(hub: HubServer, req: _Request) -> _Response:
             hub._pending_lfs[oid] = size
             actions = {"upload": {"href": f"{hub.url}/_lfs/{oid}"}, "verify": {"href": f"{hub.url}/_lfs/{oid}/verify"}}
             objects.append({"oid": oid, "size": size, "authenticated": True, "actions": actions})
-    del repo  # access checked; LFS storage is content-addressed and shared
     return _json({"transfer": "basic", "objects": objects}, headers={"Content-Type": "application/vnd.git-lfs+json"})
 
 
