@@ -173,3 +173,21 @@ def write_card(folder: Path, load_name: str | None = None) -> Path:
     text = build_card(provenance, verification, load_name or f"./{folder.name}")
     (folder / "README.md").write_text(text)
     return folder / "README.md"
+
+
+def public_records(folder: Path) -> dict[str, bytes]:
+    """The recipe and provenance as published: local sources named by folder name only, never by path."""
+    from converter.merge import PROVENANCE_FILE, RECIPE_FILE
+
+    prov = json.loads((folder / PROVENANCE_FILE).read_text())
+    for record in (prov["base"], *prov["adapters"]):
+        if not record.get("repo_id"):
+            record["source"] = public_name(record)
+    for adapter in prov["adapters"]:  # the base it was trained on, as its adapter_config.json names it
+        trained_on = adapter.get("base_model") or ""
+        if trained_on.startswith(("/", ".", "~")) or "\\" in trained_on:
+            adapter["base_model"] = f"local: {Path(trained_on).name}"
+    return {
+        PROVENANCE_FILE: (json.dumps(prov, indent=2) + "\n").encode(),
+        RECIPE_FILE: public_recipe(prov).encode(),
+    }

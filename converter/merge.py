@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import datetime as dt
 import json
 import shutil
 from collections.abc import Callable
@@ -269,7 +268,7 @@ def _source_record(fetched: Fetched, card_keys: tuple[str, ...]) -> dict:
     return record
 
 
-def build_provenance(
+def build_provenance(  # no timestamp: the same inputs give the same bytes, so a re-push is a no-op
     recipe: Recipe,
     base: Fetched,
     fetched: list[Fetched],
@@ -281,7 +280,6 @@ def build_provenance(
     return {
         "tool": "converter",
         "version": __version__,
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "base": {
             **_source_record(base, (*INHERITED, "tags")),
             "model_type": checkpoint.config.get("model_type"),

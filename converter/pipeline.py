@@ -7,9 +7,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.card import write_card
+from converter.card import public_records, write_card
 from converter.errors import ConverterError
-from converter.merge import merge
+from converter.merge import PROVENANCE_FILE, merge
 from converter.publish import PushResult, check_repo_id, push_folder
 from converter.recipe import Recipe
 
@@ -37,9 +37,10 @@ def push(
             recipe.out = str(tmp / repo_id.split("/")[1])
             folder = merge(recipe, token=token, log=log).out
         folder = Path(folder)
-        if (folder / "converter_provenance.json").is_file():
+        replace = {}
+        if (folder / PROVENANCE_FILE).is_file():
             write_card(folder, load_name=repo_id)
-        summary = "Upload merged model (converter)"
+            replace = public_records(folder)
         return push_folder(
             folder,
             repo_id,
@@ -47,7 +48,7 @@ def push(
             private=private,
             create_pr=create_pr,
             overwrite=overwrite,
-            message=summary,
+            replace=replace,
             log=log,
         )
     finally:

@@ -7,6 +7,7 @@ is atomic on the Hub side).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,9 +42,12 @@ def push_folder(
     create_pr: bool = False,
     overwrite: bool = False,
     message: str = "Upload merged model (converter)",
+    replace: dict[str, bytes] | None = None,
     log: Callable[[str], None] = print,
 ) -> PushResult:
-    """Upload every file of `folder` to `repo_id` in one commit (or one PR)."""
+    """Upload every file of `folder` to `repo_id` in one commit (or one PR); `replace` gives other bytes for
+    some of them (the public versions of files that name local paths)."""
+    replace = replace or {}
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     check_repo_id(repo_id)
@@ -57,15 +61,16 @@ def push_folder(
     if exists:
         remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id))
         if any(MODEL_FILES.search(f) for f in remote) and not (create_pr or overwrite):
+            if _same_files(api, repo_id, folder, replace):
+                head = hub.call(repo_id, lambda: api.model_info(repo_id).sha)
+                return PushResult(url=f"{api.endpoint.rstrip('/')}/{repo_id}", commit=head, pr_url=None, changed=False)
             raise ConverterError(
                 f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it"
             )
-    local = sorted(
-        p.relative_to(folder).as_posix()
-        for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=folder / name) for name in local]
+    local = _local_files(folder)
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=replace.get(name, folder / name)) for name in local
+    ]
     if overwrite and not create_pr:
         operations += [
             CommitOperationDelete(path_in_repo=f) for f in remote if f not in local and f != ".gitattributes"
@@ -106,6 +111,43 @@ def push_folder(
     endpoint = api.endpoint.rstrip("/")
     pr_url = info.pr_url or (f"{endpoint}/{repo_id}/discussions/{open_pr.num}" if open_pr else None)
     return PushResult(url=f"{endpoint}/{repo_id}", commit=info.oid, pr_url=pr_url, changed=info.oid != head)
+
+
+def _local_files(folder: Path) -> list[str]:
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> bool:
+    """Whether the repo's main already holds exactly these files (by sha256 for LFS files, git blob id else)."""
+    info = hub.call(repo_id, lambda: api.model_info(repo_id, files_metadata=True))
+    remote = {s.rfilename: s for s in info.siblings or [] if s.rfilename != ".gitattributes"}
+    local = _local_files(folder)
+    if sorted(remote) != local:
+        return False
+    for name in local:
+        sibling = remote[name]
+        if name in replace:
+            data = replace[name]
+            if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != sibling.blob_id:
+                return False
+        elif sibling.lfs is not None:
+            if _digest(folder / name, hashlib.sha256()) != sibling.lfs.sha256:
+                return False
+        elif _digest(folder / name, hashlib.sha1(b"blob %d\0" % (folder / name).stat().st_size)) != sibling.blob_id:
+            return False
+    return True
+
+
+def _digest(path: Path, h) -> str:
+    """Stream a file into hash `h` (LFS files are model shards: never read them whole)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _our_open_pr(api, repo_id: str, me: str, title: str):

@@ -143,16 +143,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         local = paths[0]
     else:
         local = Path(hub.call(where, lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token)))
-    files = [
-        {
-            "name": n,
-            "size": siblings[n].size,
-            "sha256": (siblings[n].lfs or {}).get("sha256")
-            if isinstance(siblings[n].lfs, dict)
-            else getattr(siblings[n].lfs, "sha256", None),
-        }
-        for n in wanted
-    ]
+    files = [{"name": n, "size": siblings[n].size, "sha256": getattr(siblings[n].lfs, "sha256", None)} for n in wanted]
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
     return Fetched(source, local, sha, files, card)
