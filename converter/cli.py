@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="model folder, adapter folder or adapter file")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
+    i.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
 
     m = sub.add_parser("merge", help="merge adapters into a base model")
     _merge_options(m)
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from converter.inspect import inspect_path, render
 
-        info = inspect_path(args.path, allow_pickle=args.allow_pickle)
+        info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token)
         print(render(info, as_json=args.json))
         return 0
     if args.command == "merge":

@@ -6,16 +6,20 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from converter import hub
 from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.formats import load_adapter
 from converter.keymap import keymap_for
-from converter.sources import resolve_local
+from converter.sources import Source, fetch, parse_source
 from converter.units import human_bytes
 
 
-def inspect_path(spec: str, allow_pickle: bool = False) -> dict:
-    path = resolve_local(spec)
+def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None) -> dict:
+    source = parse_source(spec)
+    if source.local is None:
+        return inspect_hub(source, allow_pickle, token)
+    path = source.local
     if path.is_dir() and (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         return inspect_model(path)
     try:
@@ -26,27 +30,63 @@ def inspect_path(spec: str, allow_pickle: bool = False) -> dict:
         raise
 
 
+def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
+    """A Hub repo without downloading weights: adapters are small (fetched), models are read from headers."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(token=token)
+    where = f"{source.repo_id}@{source.revision or 'main'}"
+    info = hub.call(where, lambda: api.model_info(source.repo_id, revision=source.revision, files_metadata=True))
+    names = {s.rfilename: s for s in info.siblings or []}
+    if source.path or "adapter_config.json" in names:
+        fetched = fetch(source.spec, "adapter", token)
+        return {**inspect_adapter(fetched.local, allow_pickle), "path": fetched.pinned}
+    if "config.json" not in names:
+        raise ConverterError(f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)")
+    config_path = hub.call(
+        where, lambda: hf_hub_download(source.repo_id, "config.json", revision=info.sha, token=token)
+    )
+    config = json.loads(Path(config_path).read_text())
+    meta = hub.call(where, lambda: api.get_safetensors_metadata(source.repo_id, revision=info.sha))
+    dtypes = Counter()
+    for file_meta in meta.files_metadata.values():
+        for dtype, count in file_meta.parameter_count.items():
+            dtypes[dtype] += count
+    shards = sorted(meta.files_metadata)
+    return _model_summary(
+        f"{source.repo_id}@{info.sha}",
+        config,
+        dtypes,
+        len(meta.weight_map),
+        shards,
+        sum(names[s].size or 0 for s in shards),
+    )
+
+
 def inspect_model(path: Path) -> dict:
     ckpt = Checkpoint(path)
     dtypes = Counter()
-    params = 0
     for key in ckpt.names():
         info = ckpt.info(key)
         dtypes[info.dtype] += info.numel
-        params += info.numel
-    cfg = ckpt.config
+    return _model_summary(
+        str(path), ckpt.config, dtypes, len(ckpt.where), [f.path.name for f in ckpt.files], ckpt.total_bytes
+    )
+
+
+def _model_summary(where: str, cfg: dict, dtypes: Counter, tensors: int, shards: list[str], size: int) -> dict:
     return {
         "kind": "model",
-        "path": str(path),
+        "path": where,
         "architecture": (cfg.get("architectures") or ["?"])[0],
         "model_type": cfg.get("model_type"),
         "keymap": keymap_for(cfg).name,
         "dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
-        "tensor_dtypes": {k: v for k, v in dtypes.most_common()},
-        "parameters": params,
-        "tensors": len(ckpt.where),
-        "shards": [f.path.name for f in ckpt.files],
-        "size": ckpt.total_bytes,
+        "tensor_dtypes": dict(dtypes.most_common()),
+        "parameters": sum(dtypes.values()),
+        "tensors": tensors,
+        "shards": shards,
+        "size": size,
         "tie_word_embeddings": cfg.get("tie_word_embeddings"),
         "vocab_size": cfg.get("vocab_size"),
         "hidden_size": cfg.get("hidden_size"),

@@ -179,8 +179,3 @@ def _check_disk(where: str, need: int) -> None:
             f"{where}: not enough disk space: needs {human_bytes(need)} (download + output), {human_bytes(free)} free "
             f"in {probe} ({human_bytes(need - free)} missing)"
         )
-
-
-def resolve_local(spec: str) -> Path:
-    """The local path of a source, fetching it first when it lives on the Hub."""
-    return fetch(spec).local

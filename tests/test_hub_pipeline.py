@@ -354,3 +354,18 @@ def test_push_from_folder(hub, tmp_path):
     commits = len(hub.history("alice/from-folder"))
     code, out, err = cli(hub, "push", "--repo", "alice/from-folder", "--from", tmp_path / "m")
     assert code == 0 and "nothing changed" in out and len(hub.history("alice/from-folder")) == commits
+
+
+def test_inspect_hub_ids(hub):
+    code, out, err = cli(hub, "inspect", "alice/tiny-llama", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    local = read_tensors(hub.local["base"])
+    assert info["path"] == f"alice/tiny-llama@{hub.head('alice/tiny-llama')}"
+    assert info["parameters"] == sum(t.numel() for t in local.values()) and info["tensors"] == len(local)
+    assert info["architecture"] == "LlamaForCausalLM" and info["tensor_dtypes"] == {"BF16": info["parameters"]}
+    hub.reset_log()
+    code, out, err = cli(hub, "inspect", "alice/tiny-lora", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["kind"] == "adapter" and info["r"] == 4 and info["path"].startswith("alice/tiny-lora@")
