@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", help="output folder (created atomically)")
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
+    m.add_argument("--no-verify", action="store_true", help="skip comparing the merged model with base + adapters")
+    _verify_options(m)
 
     p_push = sub.add_parser("push", help="merge (or take --from FOLDER) and publish to the Hub in one commit")
     p_push.add_argument("--repo", required=True, help="target repo, namespace/name")
@@ -44,10 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     p_push.add_argument("--private", action="store_true", help="create the repo private")
     p_push.add_argument("--create-pr", action="store_true", help="open (or update) a pull request instead")
     p_push.add_argument("--overwrite", action="store_true", help="replace the model already in the repo")
+    p_push.add_argument("--no-verify", action="store_true", help="skip verification before the upload")
+    _verify_options(p_push)
+
+    v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
+    v.add_argument("folder", help="the merged model folder")
+    v.add_argument("--base", help="base model (default: from the folder's converter_recipe.yaml)")
+    v.add_argument("--adapter", action="append", default=[], help="adapter (repeatable; default: from the recipe)")
+    v.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter")
+    v.add_argument("--report", help="also write the JSON report here")
+    v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+    _verify_options(v)
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
     return p
+
+
+def _verify_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", help="a text file with one prompt per line (default: a built-in set)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens compared per prompt (default 16)")
+
+
+def _verify_settings(args: argparse.Namespace) -> dict:
+    from pathlib import Path
+
+    prompts = None
+    if args.prompts:
+        try:
+            prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise ConverterError(f"{args.prompts}: cannot read prompts ({e.strerror})") from None
+        if not prompts:
+            raise ConverterError(f"{args.prompts}: no prompts in the file (one per line)")
+    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens}
 
 
 def _merge_options(p: argparse.ArgumentParser) -> None:
@@ -104,7 +136,31 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "merge":
         from converter.merge import merge
 
-        merge(_recipe_from_args(args), dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
+        recipe = _recipe_from_args(args)
+        settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
+        if settings is not None:
+            from converter.pipeline import verify_folder
+
+            verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+        return 0
+    if args.command == "verify":
+        from converter.merge import recorded_recipe
+        from converter.pipeline import verify_folder
+
+        if args.adapter:
+            if not args.base:
+                raise ConverterError("give --base with --adapter (or neither: the folder's recipe says both)")
+            args.recipe, args.out, args.dtype, args.max_shard_size = None, None, None, None
+            args.allow_unmatched = args.allow_pickle = False
+            recipe = _recipe_from_args(args)
+        else:
+            recipe = recorded_recipe(args.folder)
+            if args.base:
+                recipe.base = args.base
+        verify_folder(
+            args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
+        )
         return 0
     if args.command == "push":
         from converter.pipeline import push

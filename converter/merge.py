@@ -313,3 +313,11 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
         "tensors": {"total": len(plan.outputs), "changed": [o.name for o in plan.changed]},
         "notes": plan.notes,
     }
+
+
+def recorded_recipe(folder: str | Path) -> Recipe:
+    """The recipe an output folder was merged from (its converter_recipe.yaml)."""
+    path = Path(folder) / RECIPE_FILE
+    if not path.is_file():
+        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
+    return Recipe.load(path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from converter.card import public_records, write_card
 from converter.errors import ConverterError
-from converter.merge import PROVENANCE_FILE, merge
+from converter.merge import PROVENANCE_FILE, RECIPE_FILE, merge, recorded_recipe
 from converter.publish import PushResult, check_repo_id, push_folder
 from converter.recipe import Recipe
 
@@ -24,9 +25,14 @@ def push(
     create_pr: bool = False,
     overwrite: bool = False,
     workdir: str | Path | None = None,
+    verify: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> PushResult:
-    """Publish `folder`, or merge `recipe` into a temporary folder first and publish that."""
+    """Publish `folder`, or merge `recipe` into a temporary folder first and publish that.
+
+    With `verify` (settings for `verify_folder`, {} for the defaults) the folder is verified first (against the
+    recipe it was merged from) and nothing is uploaded when it fails.
+    """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
@@ -37,6 +43,8 @@ def push(
             recipe.out = str(tmp / repo_id.split("/")[1])
             folder = merge(recipe, token=token, log=log).out
         folder = Path(folder)
+        if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
+            verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, **verify)
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
             write_card(folder, load_name=repo_id)
@@ -54,3 +62,26 @@ def push(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify_folder(
+    folder: str | Path,
+    recipe: Recipe,
+    *,
+    token: str | None = None,
+    report_path: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    **settings,
+) -> dict:
+    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
+    from converter.verify import require_pass, verify
+
+    folder = Path(folder)
+    report = verify(folder, recipe, token=token, log=log, **settings)
+    if report_path:
+        Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
+    if (folder / PROVENANCE_FILE).is_file():
+        write_card(folder, load_name=f"./{folder.name}")
+    log(report["markdown"])
+    require_pass(report)
+    return report

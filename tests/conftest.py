@@ -149,10 +149,16 @@ def run_cli(*args: str | Path) -> int:
 
 @pytest.fixture
 def cli(capsys):
-    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
+    """Run the CLI in-process; returns (exit code, stdout, stderr).
 
-    def _run(*args: str | Path) -> tuple[int, str, str]:
+    Merges skip the built-in verification unless `verify=True`: these tests compare with PEFT themselves, and
+    verification has its own tests (test_verify.py) plus the architecture sweep.
+    """
+
+    def _run(*args: str | Path, verify: bool = False) -> tuple[int, str, str]:
         capsys.readouterr()  # drop what fixtures printed (transformers' progress bars)
+        if args and args[0] == "merge" and not verify:
+            args = (*args, "--no-verify")
         code = run_cli(*args)
         captured = capsys.readouterr()
         return code, captured.out, captured.err

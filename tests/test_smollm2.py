@@ -6,6 +6,7 @@ model generates, with logits that agree to rounding.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def test_merged_smollm2_generates_like_unmerged(dtype, smollm2, trained_lora, tm
 
     out = tmp_path / "merged"
     assert run_cli("merge", "--base", smollm2, "--adapter", trained_lora, "--out", out, "--dtype", dtype) == 0
+    report = json.loads((out / "verification.json").read_text())  # the built-in verification ran and agreed
+    assert report["verdict"] == "pass" and report["inputs"]["chat_template"], report["problems"]
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template, "the chat template must travel with the merged model"
     reference = answers(

@@ -1,0 +1,392 @@
+"""Prove a merge: the merged folder must behave like the base with the adapters applied *unmerged* (PEFT itself).
+
+Reference and merged model are loaded one after the other, never together. Both run in float32 when that fits
+in memory, so the only expected difference is the one rounding of each merged weight to its dtype; thresholds
+are derived from that dtype's unit roundoff. The bare base is measured too, so a merge that changed nothing fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from converter.recipe import Recipe
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers.",
+]
+PERPLEXITY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Rivers flow to the sea, and the sea gives back the rain. "
+    "Every merge should be checked before it is published."
+)
+# Unit roundoff of each output dtype: the relative error of rounding one weight once.
+UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+REPORT_FILE = "verification.json"
+
+
+@dataclass
+class Run:
+    """What one model produced on the verification inputs."""
+
+    logits: list = field(default_factory=list)  # per input: float32 [positions, vocab]
+    generations: list[list[int]] = field(default_factory=list)
+    perplexity: float = float("nan")
+    probe: dict = field(default_factory=dict)  # leaf module name -> output on the probe input
+
+
+def tolerance(output_dtype: str, compute_dtype: str) -> dict:
+    """Pass thresholds from rounding: mean KL grows with the square of the weights' relative rounding error."""
+    u = max(UNIT_ROUNDOFF.get(output_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-24))
+    return {
+        "mean_kl": 100 * u * u + 1e-9,
+        "top1_agreement": 1.0 if u < 1e-6 else 0.95,
+        "module_rel_err": 4 * u + 1e-5,
+    }
+
+
+def _compare(ref: Run, other: Run) -> dict:
+    max_abs, abs_sum, count, kl_sum, agree, positions = 0.0, 0.0, 0, 0.0, 0, 0
+    for r, o in zip(ref.logits, other.logits, strict=True):
+        n = min(r.shape[-1], o.shape[-1])  # a resized vocabulary: compare the shared rows
+        r, o = r[:, :n], o[:, :n]
+        diff = (r - o).abs()
+        max_abs = max(max_abs, diff.max().item())
+        abs_sum += diff.sum().item()
+        count += diff.numel()
+        lr, lo = r.double().log_softmax(-1), o.double().log_softmax(-1)  # float32 KL has a ~1e-7 noise floor
+        kl_sum += (lr.exp() * (lr - lo)).sum(-1).clamp_min(0).sum().item()
+        agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
+        positions += r.shape[0]
+    divergence = []
+    for a, b in zip(ref.generations, other.generations, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        divergence.append(first)
+    return {
+        "max_abs_logit_diff": max_abs,
+        "mean_abs_logit_diff": abs_sum / max(count, 1),
+        "mean_kl": kl_sum / max(positions, 1),
+        "top1_agreement": agree / max(positions, 1),
+        "greedy_identical": sum(d is None for d in divergence),
+        "greedy_total": len(divergence),
+        "first_divergence": divergence,
+        "perplexity": other.perplexity,
+    }
+
+
+def verify(
+    merged: Path,
+    recipe: Recipe,
+    *,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 16,
+    token: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model)."""
+    import torch
+
+    from converter.sources import fetch
+
+    started = time.time()
+    merged = Path(merged)
+    output_dtype = _output_dtype(merged)
+    params = _parameter_count(merged)
+    compute = _compute_dtype(params)
+    if compute is None:
+        return _skipped(
+            merged,
+            f"the model needs about {params * 2 / 1e9:.1f} GB to load and this machine has "
+            f"{_available() / 1e9:.1f} GB available",
+        )
+    dtype = getattr(torch, compute)
+    base = fetch(recipe.base, "model", token).local
+    adapter_dirs = []
+    for spec in recipe.adapters:
+        local = fetch(spec.source, "adapter", token).local
+        adapter_dirs.append(local if local.is_dir() else local.parent)
+    tok = _tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
+    inputs, probe_ids, ppl_ids, template = _inputs(tok, prompts or PROMPTS, _vocab(merged))
+
+    log(f"verifying {merged.name}: reference = base + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    try:
+        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged))
+    except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
+        return _skipped(
+            merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
+        )
+    ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
+    with reference_model.disable_adapter():
+        bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    del reference_model
+    gc.collect()
+    from transformers import AutoModelForCausalLM
+
+    candidate = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).eval()
+    out = _run(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
+    del candidate
+    gc.collect()
+
+    tol = tolerance(output_dtype, "F32" if compute == "float32" else output_dtype)
+    merged_vs_ref = _compare(ref, out)
+    base_vs_ref = _compare(ref, bare)
+    merged_vs_ref["perplexity_reference"] = ref.perplexity
+    base_vs_ref["perplexity_reference"] = ref.perplexity
+    problems = []
+    if merged_vs_ref["mean_kl"] > tol["mean_kl"]:
+        problems.append(f"mean KL(reference‖merged) {merged_vs_ref['mean_kl']:.3g} > {tol['mean_kl']:.3g}")
+    if merged_vs_ref["top1_agreement"] < tol["top1_agreement"]:
+        problems.append(f"top-1 agreement {merged_vs_ref['top1_agreement']:.2%} < {tol['top1_agreement']:.0%}")
+    effect = base_vs_ref["mean_kl"]
+    notes = []
+    if effect <= tol["mean_kl"]:
+        notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
+    elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
+        problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
+    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems else None
+    if culprit:
+        problems.append(
+            f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
+        )
+    report = {
+        "verdict": "fail" if problems else "pass",
+        "problems": problems,
+        "notes": notes,
+        "compute_dtype": compute,
+        "output_dtype": output_dtype,
+        "tolerance": tol,
+        "inputs": {
+            "count": len(inputs),
+            "chat_template": template,
+            "tokenizer": tok is not None,
+            "max_new_tokens": max_new_tokens,
+        },
+        "merged_vs_reference": merged_vs_ref,
+        "base_vs_reference": base_vs_ref,
+        "first_disagreeing_module": culprit,
+        "generations": _side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": round(time.time() - started, 1),
+    }
+    report["markdown"] = markdown(report)
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _skipped(merged: Path, reason: str) -> dict:
+    report = {
+        "verdict": "skipped",
+        "problems": [],
+        "notes": [reason],
+        "markdown": f"**Not verified**: verification was skipped because {reason}.",
+    }
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _output_dtype(folder: Path) -> str:
+    from converter.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(folder)
+    counts: dict[str, int] = {}
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
+    return max(counts, key=counts.get)
+
+
+def _parameter_count(folder: Path) -> int:
+    from converter.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(folder)
+    return sum(ckpt.info(n).numel for n in ckpt.names())
+
+
+def _available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 8 * 2**30
+
+
+def _compute_dtype(params: int) -> str | None:
+    """float32 when one fp32 copy fits comfortably, else bfloat16, else None (skip)."""
+    free = _available()
+    if params * 4 * 1.5 < free:
+        return "float32"
+    if params * 2 * 1.5 < free:
+        return "bfloat16"
+    return None
+
+
+def _vocab(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+
+
+def _tokenizer(folder: Path, sample: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+    # Some model types get a tokenizer with only special tokens when the folder has no tokenizer files.
+    return tok if len(set(tok(sample).input_ids)) >= 3 else None
+
+
+def _inputs(tok, prompts: list[str], vocab: int):
+    """Token ids for each prompt (chat template when there is one); random ids when the model has no tokenizer."""
+    import torch
+
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randint(0, vocab, (1, 12 + 3 * i), generator=g) for i in range(len(prompts))]
+        return inputs, inputs[0][:, :16], torch.randint(0, vocab, (1, 48), generator=g), False
+    template = bool(getattr(tok, "chat_template", None))
+    inputs = []
+    for prompt in prompts:
+        if template:
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt
+        inputs.append(tok(text, return_tensors="pt", add_special_tokens=not template).input_ids)
+    ppl = tok(PERPLEXITY_TEXT, return_tensors="pt").input_ids
+    return inputs, inputs[0][:, :16], ppl, template
+
+
+def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    if model.get_input_embeddings().weight.shape[0] != vocab:
+        model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
+    names = [f"adapter{i}" for i in range(len(adapters))]
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+    for name, path in zip(names[1:], adapters[1:], strict=True):
+        model.load_adapter(path, adapter_name=name)
+    if len(names) > 1:
+        model.base_model.set_adapter(names)
+    for name, spec in zip(names, recipe.adapters, strict=True):
+        for module_name, module in model.named_modules():
+            if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+                key = module_name.removeprefix("base_model.model.") + ".weight"
+                module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
+    return model.eval()
+
+
+def _run(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "") -> Run:
+    import torch
+
+    run = Run()
+    with torch.no_grad():
+        for ids in inputs:
+            run.logits.append(model(input_ids=ids).logits[0].float())
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            run.generations.append(out[0, ids.shape[1] :].tolist())
+        loss = model(input_ids=ppl_ids, labels=ppl_ids).loss.float().item()
+        run.perplexity = math.exp(min(loss, 50.0))
+        if probe_ids is not None:
+            run.probe = _probe(model, probe_ids, prefix)
+    return run
+
+
+def _probe(model, ids, prefix: str) -> dict:
+    """Outputs of every leaf module (named as in the merged model) on a short input, in execution order."""
+    outputs: dict = {}
+    hooks = []
+    for name, module in model.named_modules():
+        plain = name.removeprefix(prefix)
+        if not plain or ".lora_" in plain or plain.endswith(".base_layer") or ".base_layer." in plain:
+            continue
+        is_leaf = not any(True for _ in module.children()) or hasattr(module, "base_layer")
+        if is_leaf:
+
+            def hook(_m, _i, out, plain=plain):
+                if hasattr(out, "float"):
+                    outputs.setdefault(plain, out.detach().float().clone())
+
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
+    for name, r in ref.items():
+        m = merged.get(name)
+        if m is None or m.shape != r.shape:
+            continue
+        err = ((m - r).norm() / r.norm().clamp_min(1e-12)).item()
+        if err > tol:
+            return {"module": name, "relative_error": err}
+    return None
+
+
+def _side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: int = 3) -> list[dict]:
+    def text(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+
+    return [
+        {
+            "prompt": prompts[i] if tok is not None else f"(random token ids #{i})",
+            "base": text(bare.generations[i]),
+            "reference": text(ref.generations[i]),
+            "merged": text(out.generations[i]),
+        }
+        for i in range(min(count, len(ref.generations)))
+    ]
+
+
+def markdown(report: dict) -> str:
+    m, b, tol = report["merged_vs_reference"], report["base_vs_reference"], report["tolerance"]
+    verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
+    lines = [
+        f"{verdict}: the merged model was compared with the base + adapters applied unmerged through PEFT "
+        f"({report['inputs']['count']} prompts, {report['compute_dtype']} compute, "
+        f"weights in {report['output_dtype']}).",
+        "",
+        "| metric | merged vs reference | base vs reference | pass if |",
+        "|---|---|---|---|",
+        f"| mean KL(reference‖model) | {m['mean_kl']:.3g} | {b['mean_kl']:.3g} | ≤ {tol['mean_kl']:.3g} |",
+        f"| top-1 agreement | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | ≥ {tol['top1_agreement']:.0%} |",
+        f"| max / mean abs logit diff | {m['max_abs_logit_diff']:.3g} / {m['mean_abs_logit_diff']:.3g} | "
+        f"{b['max_abs_logit_diff']:.3g} / {b['mean_abs_logit_diff']:.3g} | |",
+        f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "
+        f"{b['greedy_identical']}/{b['greedy_total']} | |",
+        f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
+    ]
+    for p in report["problems"]:
+        lines.append(f"\n- problem: {p}")
+    for n in report["notes"]:
+        lines.append(f"\n- note: {n}")
+    return "\n".join(lines)
+
+
+def require_pass(report: dict) -> None:
+    from converter.errors import VerificationFailed
+
+    if report["verdict"] == "fail":
+        raise VerificationFailed("verification failed: " + "; ".join(report["problems"]))

@@ -1,0 +1,152 @@
+"""Verification catches broken merges: each sabotage must fail, with the report pointing at what disagrees."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import make_adapter, make_base
+from safetensors.torch import load_file, save_file
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    base = make_base(root / "base", "llama", dtype=torch.bfloat16)
+    lora = make_adapter(base, root / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    return base, lora
+
+
+def merged_copy(tmp_path, cli, base, lora, name="merged", *extra):
+    code, out, err = cli("merge", "--base", base, "--adapter", lora, "--out", tmp_path / name, *extra, verify=True)
+    assert code == 0, out + err
+    return tmp_path / name
+
+
+def edit(folder, fn):
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    fn(tensors)
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def report_of(folder):
+    return json.loads((folder / "verification.json").read_text())
+
+
+def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
+    base, lora = llama
+    out = merged_copy(tmp_path, cli, base, lora)
+    report = report_of(out)
+    assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
+    m, b = report["merged_vs_reference"], report["base_vs_reference"]
+    assert m["mean_kl"] < report["tolerance"]["mean_kl"] < b["mean_kl"]
+    # Greedy continuations are reported, not judged: a random tiny model has near-ties that one bf16 rounding flips.
+    assert m["greedy_total"] == 4 and m["greedy_identical"] == sum(d is None for d in m["first_divergence"])
+    assert b["greedy_identical"] < m["greedy_identical"] and report["peak_rss_mb"] > 0
+    assert len(report["generations"]) == 3 and set(report["generations"][0]) == {
+        "prompt",
+        "base",
+        "reference",
+        "merged",
+    }
+    card = (out / "README.md").read_text()
+    assert "**Passed**" in card and "Not verified" not in card and "| mean KL(reference‖model) |" in card
+
+
+def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
+    base, lora = llama
+    out = merged_copy(tmp_path, cli, base, lora)
+    edit(out, lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
+    code, stdout, err = cli("verify", out, "--report", tmp_path / "r.json")
+    assert code == 3, stdout + err
+    assert "verification failed" in err and "model.layers.1.mlp.up_proj" in err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "fail" and report["first_disagreeing_module"]["module"] == "model.layers.1.mlp.up_proj"
+    assert "FAILED" in (out / "README.md").read_text()
+
+
+def test_wrong_scale_fails(llama, tmp_path, cli):
+    """alpha/r dropped (scale 1 instead of 2): merge a doctored copy of the adapter, verify against the real one."""
+    base, lora = llama
+    wrong = tmp_path / "wrong-lora"
+    shutil.copytree(lora, wrong)
+    config = json.loads((wrong / "adapter_config.json").read_text())
+    config["lora_alpha"] = config["r"]
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    assert cli("merge", "--base", base, "--adapter", wrong, "--out", tmp_path / "m")[0] == 0
+    code, out, err = cli("verify", tmp_path / "m", "--base", base, "--adapter", lora)
+    assert code == 3, out + err
+    assert "model.layers.0.self_attn.q_proj" in err
+
+
+def test_missing_transpose_fails(tmp_path, cli):
+    base = make_base(tmp_path / "base", "gpt2")
+    lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["c_proj"])
+    out = tmp_path / "merged"
+    assert cli("merge", "--base", base, "--adapter", lora, "--out", out)[0] == 0
+    original = load_file(base / "model.safetensors")
+    name = "transformer.h.0.attn.c_proj.weight"  # square: a transposed delta still fits
+
+    def transpose_delta(t):
+        t[name] = original[name] + (t[name] - original[name]).T
+
+    edit(out, transpose_delta)
+    code, stdout, err = cli("verify", out)
+    assert code == 3, stdout + err
+    assert "transformer.h.0.attn.c_proj" in err
+
+
+def test_no_op_merge_fails(llama, tmp_path, cli):
+    base, lora = llama
+    out = merged_copy(tmp_path, cli, base, lora)
+    shutil.copyfile(base / "model.safetensors", out / "model.safetensors")
+    code, stdout, err = cli("verify", out)
+    assert code == 3, stdout + err
+    assert "as far from the reference as the bare base" in err
+
+
+def test_custom_prompts_with_a_real_tokenizer_and_chat_template(tmp_path, cli):
+    from test_smollm2 import FIXTURE
+
+    if not (FIXTURE / "tokenizer.json").is_file():
+        pytest.fail(f"SmolLM2 fixture missing at {FIXTURE}: run `make fixtures`")
+    base = make_base(tmp_path / "base", "llama", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copyfile(FIXTURE / name, base / name)
+    lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\n\nwhy is the sea blue?\n")
+    code, out, err = cli(
+        "merge",
+        "--base",
+        base,
+        "--adapter",
+        lora,
+        "--out",
+        tmp_path / "m",
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        "5",
+        verify=True,
+    )
+    assert code == 0, out + err
+    report = report_of(tmp_path / "m")
+    assert report["inputs"] == {"count": 2, "chat_template": True, "tokenizer": True, "max_new_tokens": 5}
+    assert report["generations"][1]["prompt"] == "why is the sea blue?"
+    assert (tmp_path / "m" / "chat_template.jinja").is_file()
+
+
+def test_adapter_peft_cannot_load_is_skipped_not_failed(tmp_path, cli):
+    """Split q/k/v adapter into Phi-3's fused projections: merged by keymap, but PEFT has no unmerged reference."""
+    phi = make_base(tmp_path / "phi", "phi3")
+    llama = make_base(tmp_path / "llama", "llama")
+    lora = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"])
+    code, out, err = cli("merge", "--base", phi, "--adapter", lora, "--out", tmp_path / "m", verify=True)
+    assert code == 0, out + err
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "skipped" and "PEFT cannot apply" in report["notes"][0]
+    assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
