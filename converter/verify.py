@@ -31,6 +31,7 @@ PERPLEXITY_TEXT = (
 # Unit roundoff of each output dtype: the relative error of rounding one weight once.
 UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
 REPORT_FILE = "verification.json"
+CONFIDENT_GAP = 0.5  # nats between the reference's top-1 and top-2 logits
 
 
 @dataclass
@@ -48,13 +49,15 @@ def tolerance(output_dtype: str, compute_dtype: str) -> dict:
     u = max(UNIT_ROUNDOFF.get(output_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-24))
     return {
         "mean_kl": 100 * u * u + 1e-9,
-        "top1_agreement": 1.0 if u < 1e-6 else 0.95,
+        # Judged only where the reference is decided (top-1 beats top-2 by CONFIDENT_GAP nats): on near-ties
+        # any rounding may flip the argmax, and overfit or random models have many of them.
+        "confident_top1_agreement": 1.0 if u < 1e-6 else 0.99,
         "module_rel_err": 4 * u + 1e-5,
     }
 
 
 def _compare(ref: Run, other: Run) -> dict:
-    max_abs, abs_sum, count, kl_sum, agree, positions = 0.0, 0.0, 0, 0.0, 0, 0
+    max_abs, abs_sum, count, kl_sum, agree, positions, sure, sure_agree = 0.0, 0.0, 0, 0.0, 0, 0, 0, 0
     for r, o in zip(ref.logits, other.logits, strict=True):
         n = min(r.shape[-1], o.shape[-1])  # a resized vocabulary: compare the shared rows
         r, o = r[:, :n], o[:, :n]
@@ -64,7 +67,12 @@ def _compare(ref: Run, other: Run) -> dict:
         count += diff.numel()
         lr, lo = r.double().log_softmax(-1), o.double().log_softmax(-1)  # float32 KL has a ~1e-7 noise floor
         kl_sum += (lr.exp() * (lr - lo)).sum(-1).clamp_min(0).sum().item()
-        agree += (r.argmax(-1) == o.argmax(-1)).sum().item()
+        same = r.argmax(-1) == o.argmax(-1)
+        top2 = r.topk(2, dim=-1).values
+        confident = (top2[:, 0] - top2[:, 1]) > CONFIDENT_GAP
+        agree += same.sum().item()
+        sure += confident.sum().item()
+        sure_agree += (same & confident).sum().item()
         positions += r.shape[0]
     divergence = []
     for a, b in zip(ref.generations, other.generations, strict=True):
@@ -77,6 +85,8 @@ def _compare(ref: Run, other: Run) -> dict:
         "mean_abs_logit_diff": abs_sum / max(count, 1),
         "mean_kl": kl_sum / max(positions, 1),
         "top1_agreement": agree / max(positions, 1),
+        "confident_positions": sure,
+        "confident_top1_agreement": sure_agree / sure if sure else 1.0,
         "greedy_identical": sum(d is None for d in divergence),
         "greedy_total": len(divergence),
         "first_divergence": divergence,
@@ -145,8 +155,11 @@ def verify(
     problems = []
     if merged_vs_ref["mean_kl"] > tol["mean_kl"]:
         problems.append(f"mean KL(reference‖merged) {merged_vs_ref['mean_kl']:.3g} > {tol['mean_kl']:.3g}")
-    if merged_vs_ref["top1_agreement"] < tol["top1_agreement"]:
-        problems.append(f"top-1 agreement {merged_vs_ref['top1_agreement']:.2%} < {tol['top1_agreement']:.0%}")
+    if merged_vs_ref["confident_top1_agreement"] < tol["confident_top1_agreement"]:
+        problems.append(
+            f"top-1 agreement where the reference is confident {merged_vs_ref['confident_top1_agreement']:.2%} "
+            f"< {tol['confident_top1_agreement']:.0%}"
+        )
     effect = base_vs_ref["mean_kl"]
     notes = []
     if effect <= tol["mean_kl"]:
@@ -371,7 +384,10 @@ def markdown(report: dict) -> str:
         "| metric | merged vs reference | base vs reference | pass if |",
         "|---|---|---|---|",
         f"| mean KL(reference‖model) | {m['mean_kl']:.3g} | {b['mean_kl']:.3g} | ≤ {tol['mean_kl']:.3g} |",
-        f"| top-1 agreement | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | ≥ {tol['top1_agreement']:.0%} |",
+        f"| top-1 agreement, confident positions ({m['confident_positions']}) | "
+        f"{m['confident_top1_agreement']:.2%} | {b['confident_top1_agreement']:.2%} | "
+        f"≥ {tol['confident_top1_agreement']:.0%} |",
+        f"| top-1 agreement, all positions | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | |",
         f"| max / mean abs logit diff | {m['max_abs_logit_diff']:.3g} / {m['mean_abs_logit_diff']:.3g} | "
         f"{b['max_abs_logit_diff']:.3g} / {b['mean_abs_logit_diff']:.3g} | |",
         f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "

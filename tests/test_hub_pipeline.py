@@ -382,3 +382,45 @@ def test_inspect_hub_ids(hub):
     assert code == 0, err
     info = json.loads(out)
     assert info["kind"] == "adapter" and info["r"] == 4 and info["path"].startswith("alice/tiny-lora@")
+
+
+def test_overwrite_replaces_files_in_one_commit(hub, tmp_path):
+    hub.create_repo("alice/replace-me")
+    hub.commit_files(
+        "alice/replace-me",
+        {"config.json": b"{}", "model-00001-of-00002.safetensors": b"old", "notes.txt": b"keep?"},
+        "an older model",
+    )
+    before = len(hub.history("alice/replace-me"))
+    args = (
+        "push",
+        "--repo",
+        "alice/replace-me",
+        "--base",
+        "alice/tiny-llama",
+        "--adapter",
+        "alice/tiny-lora",
+        "--no-verify",
+    )
+    code, _, err = cli(hub, *args, token=None)  # no HF_TOKEN: only --token below may authenticate
+    assert code == 2
+    code, out, err = cli(hub, *args, "--overwrite", "--token", ALICE, token=None)
+    assert code == 0, err
+    files = set(hub.files("alice/replace-me"))
+    assert "model.safetensors" in files and "model-00001-of-00002.safetensors" not in files
+    assert "notes.txt" not in files and len(hub.history("alice/replace-me")) == before + 1
+    assert ALICE not in out + err
+
+
+def test_disk_space_is_checked_before_downloading(monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from converter.errors import ConverterError
+    from converter.sources import _check_disk
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage(10**12, 10**12 - 5 * 10**8, 5 * 10**8))
+    _check_disk("org/model@main", 4 * 10**8)
+    with pytest.raises(ConverterError, match=r"needs 2.00 GB .* 500.00 MB free .*1.50 GB missing"):
+        _check_disk("org/model@main", 2 * 10**9)

@@ -82,9 +82,11 @@ def test_merged_smollm2_generates_like_unmerged(dtype, smollm2, trained_lora, tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "merged"
-    assert run_cli("merge", "--base", smollm2, "--adapter", trained_lora, "--out", out, "--dtype", dtype) == 0
-    report = json.loads((out / "verification.json").read_text())  # the built-in verification ran and agreed
-    assert report["verdict"] == "pass" and report["inputs"]["chat_template"], report["problems"]
+    verify = [] if dtype == "bfloat16" else ["--no-verify"]  # the built-in verification, once (it loads 3 models)
+    assert run_cli("merge", "--base", smollm2, "--adapter", trained_lora, "--out", out, "--dtype", dtype, *verify) == 0
+    if verify == []:
+        report = json.loads((out / "verification.json").read_text())
+        assert report["verdict"] == "pass" and report["inputs"]["chat_template"], report["problems"]
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template, "the chat template must travel with the merged model"
     reference = answers(
