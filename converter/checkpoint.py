@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from converter.background import Worker
 from converter.dtypes import ITEMSIZE, ST_TO_TORCH
 from converter.errors import ConverterError
 
@@ -104,16 +106,26 @@ class SequentialReader:
         self._f = open(file.path, "rb")  # noqa: SIM115 - closed in finish()
         self._pos = 0
         self._hash = hashlib.sha256()
+        # Hashing runs on another core (hashlib releases the GIL); buffers handed to it are never mutated.
+        self._hasher = Worker(self._hash.update, name="converter-sha256")
+        self._dropped = 0
+
+    def _forget(self) -> None:
+        """Tell the kernel the bytes read so far are not needed again (each base byte is read once)."""
+        if self._pos - self._dropped >= 128 * 2**20:
+            os.posix_fadvise(self._f.fileno(), 0, self._pos, os.POSIX_FADV_DONTNEED)
+            self._dropped = self._pos
 
     def _advance(self, to: int, sink=None) -> None:
         while self._pos < to:
             chunk = self._f.read(min(CHUNK, to - self._pos))
             if not chunk:
                 raise self.file._bad("unexpected end of file (truncated while reading)")
-            self._hash.update(chunk)
+            self._hasher.put(chunk)
             if sink is not None:
                 sink(chunk)
             self._pos += len(chunk)
+            self._forget()
 
     def copy(self, info: TensorInfo, sink) -> None:
         """Stream a tensor's raw bytes to `sink` in chunks, without holding it whole."""
@@ -121,12 +133,14 @@ class SequentialReader:
         self._advance(info.end, sink)
 
     def read(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor, on a buffer that is hashed in the background: callers must not modify it in place."""
         self._advance(info.start)
         buf = bytearray(info.nbytes)
         if self._f.readinto(buf) != info.nbytes:
             raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
-        self._hash.update(buf)
+        self._hasher.put(buf)
         self._pos = info.end
+        self._forget()
         if not buf:
             return torch.empty(info.shape, dtype=ST_TO_TORCH[info.dtype])
         return torch.frombuffer(buf, dtype=torch.uint8).view(ST_TO_TORCH[info.dtype]).reshape(info.shape)
@@ -135,7 +149,12 @@ class SequentialReader:
         """Hash the rest of the file and return its sha256."""
         self._advance(self.file.size)
         self._f.close()
+        self._hasher.close()
         return self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._hasher.abort()
+        self._f.close()
 
 
 WEIGHT_INDEXES = ("model.safetensors.index.json",)

@@ -1,4 +1,4 @@
-"""`converter inspect / merge / demo`. Argument parsing and printing only; the work lives in the package.
+"""`converter inspect / merge / verify / push / demo`. Argument parsing and printing only; the work lives elsewhere.
 
 Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
 """
@@ -128,7 +128,7 @@ def _log(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
-        from converter.inspect import inspect_path, render
+        from converter.describe import inspect_path, render
 
         info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token)
         print(render(info, as_json=args.json))

@@ -83,6 +83,8 @@ def explain(what: str, err: Exception) -> ConverterError:
     from huggingface_hub import errors
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    if isinstance(err, errors.LocalTokenNotFoundError):
+        return ConverterError(f"{what}: no Hugging Face token; pass --token, set HF_TOKEN or run `hf auth login`")
     if isinstance(err, errors.OfflineModeIsEnabled):
         return ConverterError(
             f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; unset it or use a local path"
@@ -114,3 +116,10 @@ def explain(what: str, err: Exception) -> ConverterError:
     if _is_connection_error(err):
         return ConverterError(f"{what}: cannot reach the Hub after {attempts()} tries ({type(err).__name__})")
     raise err
+
+
+def whoami(token: str | None) -> str:
+    """The user name behind the token: checked before any long job that ends in an upload."""
+    from huggingface_hub import HfApi
+
+    return call("whoami", lambda: HfApi(token=token).whoami())["name"]

@@ -18,7 +18,7 @@ from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
 from converter.keymap import keymap_for
-from converter.patches import Replace
+from converter.patches import Replace, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
 from converter.sources import Fetched, fetch
@@ -157,8 +157,7 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
     for adapter, _ in adapters:
         for ap in adapter.patches:
             for name in ap.patch.sources:
-                t = adapter.tensors.read(name)
-                if t.is_floating_point() and not torch.isfinite(t).all():
+                if not all_finite(adapter.tensors.read(name)):
                     raise ConverterError(
                         f"{adapter.path}: tensor {name} contains NaN or Inf values (a broken training run?)"
                     )
@@ -166,7 +165,7 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
 
 def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
     """Apply the tensor's patches in float32. Replacements reset the base that weight-dependent deltas see."""
-    w = t.to(torch.float32)
+    w = t.to(torch.float32, copy=True)  # never in place: `t`'s buffer may still be being hashed
     keep_base = len(o.patches) > 1 and any(p.patch.reads_base for p in o.patches)
     base = None
     for p in o.patches:
@@ -193,6 +192,20 @@ def write_weights(
     """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once)."""
     writer = ShardedWriter(folder, [o.spec for o in plan.outputs], max_shard)
     readers = {f.path: SequentialReader(f) for f in checkpoint.files}
+    try:
+        _stream(checkpoint, plan, writer, readers, log)
+    except BaseException:
+        writer.abort()
+        for reader in readers.values():
+            reader.abort()
+        raise
+    writer.close()
+    return {path.name: r.finish() for path, r in readers.items()}
+
+
+def _stream(
+    checkpoint: Checkpoint, plan: MergePlan, writer: ShardedWriter, readers: dict, log: Callable[[str], None]
+) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
     for o in plan.outputs:
@@ -203,7 +216,7 @@ def write_weights(
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
             result = (_patched(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
-            if o.patches and not torch.isfinite(result).all():
+            if o.patches and not all_finite(result):
                 raise ConverterError(
                     f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "
                     "base; check its alpha/scale, or merge into a wider --dtype)"
@@ -216,8 +229,6 @@ def write_weights(
         if not quiet and done / total >= next_report:
             log(f"  {done / total:4.0%} {human_bytes(done)} / {human_bytes(total)}")
             next_report += 0.1
-    writer.close()
-    return {path.name: r.finish() for path, r in readers.items()}
 
 
 def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> list[str]:

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from converter import hub
 from converter.card import public_records, write_card
 from converter.errors import ConverterError
 from converter.merge import PROVENANCE_FILE, RECIPE_FILE, merge, recorded_recipe
@@ -36,6 +37,7 @@ def push(
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
+    hub.whoami(token)  # a missing or refused token fails now, not after the merge
     tmp = None
     try:
         if recipe is not None:

@@ -55,7 +55,7 @@ def push_folder(
     if not folder.is_dir() or not any(folder.iterdir()):
         raise ConverterError(f"{folder}: nothing to push (not a folder, or empty)")
     api = HfApi(token=token)
-    me = hub.call("whoami", api.whoami)["name"]
+    me = hub.whoami(token)
     exists = hub.call(repo_id, lambda: api.repo_exists(repo_id))
     remote: list[str] = []
     if exists:

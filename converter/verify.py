@@ -226,10 +226,31 @@ def _parameter_count(folder: Path) -> int:
 
 
 def _available() -> int:
+    """Memory this process may still use: MemAvailable, capped by its memory cgroup's limit (v1 or v2)."""
+    free = 8 * 2**30
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 8 * 2**30
+            free = int(line.split()[1]) * 1024
+    try:
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return free
+    for line in groups:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            limit, usage = Path(f"/sys/fs/cgroup{path}/memory.max"), Path(f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            folder = Path(f"/sys/fs/cgroup/memory{path}")
+            limit, usage = folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            cap = limit.read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                free = min(free, int(cap) - int(usage.read_text()))
+        except (OSError, ValueError):
+            continue
+    return max(free, 0)
 
 
 def _compute_dtype(params: int) -> str | None:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.background import Worker
 from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
 
@@ -29,6 +30,17 @@ class OutSpec:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+DROP_EVERY = 128 * 2**20
+
+
+def _drop_cache(f) -> None:
+    """Make written pages durable and let the kernel drop them: the page cache would otherwise grow by the
+    model's size (slow on these VMs, and charged to a memory cgroup)."""
+    f.flush()
+    os.fdatasync(f.fileno())
+    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def plan_shards(specs: list[OutSpec], max_shard_bytes: int) -> list[list[OutSpec]]:
@@ -76,6 +88,9 @@ class ShardedWriter:
         self._next = 0
         self._shard = -1
         self._f = None
+        # File writes run on another core; callables queued in between open and close shards in order.
+        self._io = Worker(lambda item: item() if callable(item) else self._put(item), name="converter-writer")
+        self._unsynced = 0
 
     def write(self, name: str, produce: Callable[[Callable[[bytes], None]], None]) -> None:
         """Write the next tensor: `produce(sink)` must pass exactly the tensor's bytes to sink, in order."""
@@ -83,15 +98,16 @@ class ShardedWriter:
         if spec.name != name:
             raise AssertionError(f"writer expected {spec.name}, got {name}")
         if index != self._shard:
-            self._close_shard()
+            self._io.put(self._close_shard)
             self._shard = index
-            self._f = open(self.folder / self.names[index], "wb")  # noqa: SIM115 - closed in _close_shard
-            self._f.write(_header(self.shards[index]))
+            self._io.put(lambda path=self.folder / self.names[index]: self._open_shard(path))
+            self._io.put(_header(self.shards[index]))
         written = 0
 
         def sink(chunk: bytes) -> None:
+            """Queue `chunk` for writing; it must not change afterwards (bytes, or a view of a tensor we drop)."""
             nonlocal written
-            self._f.write(chunk)
+            self._io.put(chunk)
             written += len(chunk)
 
         produce(sink)
@@ -99,10 +115,19 @@ class ShardedWriter:
             raise AssertionError(f"{name}: wrote {written} bytes, expected {spec.nbytes}")
         self._next += 1
 
+    def _put(self, chunk) -> None:
+        self._f.write(chunk)
+        self._unsynced += len(chunk)
+        if self._unsynced >= DROP_EVERY:
+            _drop_cache(self._f)
+            self._unsynced = 0
+
+    def _open_shard(self, path: Path) -> None:
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in _close_shard
+
     def _close_shard(self) -> None:
         if self._f is not None:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            _drop_cache(self._f)
             self._f.close()
             self._f = None
 
@@ -110,7 +135,8 @@ class ShardedWriter:
         """Finish the last shard and write the index (for more than one shard). Returns the file names."""
         if self._next != len(self._order):
             raise AssertionError(f"writer closed after {self._next} of {len(self._order)} tensors")
-        self._close_shard()
+        self._io.put(self._close_shard)
+        self._io.close()
         if len(self.names) == 1:
             return self.names
         index = {
@@ -119,6 +145,11 @@ class ShardedWriter:
         }
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         return [*self.names, "model.safetensors.index.json"]
+
+    def abort(self) -> None:
+        self._io.abort()
+        if self._f is not None:
+            self._f.close()
 
 
 def check_output_target(out: Path, force: bool) -> None:
