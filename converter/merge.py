@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import shutil
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from converter.keymap import keymap_for
 from converter.patches import Replace, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
-from converter.sources import Fetched, fetch
+from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import ShardedWriter, atomic_folder, check_output_target
 
@@ -41,18 +42,6 @@ SKIP_SUFFIXES = (
     ".index.json",
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 SANITY_KEYS = (
     "hidden_size",
     "num_hidden_layers",
@@ -244,10 +233,10 @@ def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> l
             shutil.copyfile(src, folder / src.name)
             written.append(src.name)
     if plan.tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            if (plan.tokenizer_from / name).is_file():
-                shutil.copyfile(plan.tokenizer_from / name, folder / name)
-                written.append(name)
+        for src in sorted(plan.tokenizer_from.iterdir()):
+            if src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in TOKENIZER_FILES):
+                shutil.copyfile(src, folder / src.name)
+                written.append(src.name)
     config = dict(checkpoint.config)
     for key, value in plan.config_updates.items():
         if key == "dtype":

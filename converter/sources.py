@@ -21,12 +21,7 @@ HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<
 
 # What a merge needs from a base repo: weights (safetensors only), config, tokenizer, generation config, card,
 # licence, custom code. Never original/, consolidated, GGUF, ONNX or other duplicate formats (top level only).
-MODEL_FILES = [
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model-*.safetensors",
-    "model.safetensors.index.json",
+TOKENIZER_FILES = [
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -36,28 +31,16 @@ MODEL_FILES = [
     "chat_template.json",
     "*.tiktoken",
     "spiece.model",
-    "README.md",
-    "LICENSE*",
-    "USE_POLICY*",
-    "NOTICE*",
-    "configuration_*.py",
-    "modeling_*.py",
-    "tokenization_*.py",
 ]
+MODEL_FILES = [
+    "config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
+    "model.safetensors.index.json", *TOKENIZER_FILES, "README.md", "LICENSE*", "USE_POLICY*", "NOTICE*",
+    "configuration_*.py", "modeling_*.py", "tokenization_*.py",
+]  # fmt: skip
 ADAPTER_FILES = [
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "config.json",
-    "README.md",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.jinja",
-    "chat_template.json",
-]
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json", "README.md",
+    *TOKENIZER_FILES,
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
