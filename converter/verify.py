@@ -406,7 +406,7 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|",
         f"| mean KL(reference‖model) | {m['mean_kl']:.3g} | {b['mean_kl']:.3g} | ≤ {tol['mean_kl']:.3g} |",
         f"| top-1 agreement, confident positions ({m['confident_positions']}) | "
-        f"{m['confident_top1_agreement']:.2%} | {b['confident_top1_agreement']:.2%} | "
+        f"{_share(m)} | {_share(b)} | "
         f"≥ {tol['confident_top1_agreement']:.0%} |",
         f"| top-1 agreement, all positions | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | |",
         f"| max / mean abs logit diff | {m['max_abs_logit_diff']:.3g} / {m['mean_abs_logit_diff']:.3g} | "
@@ -420,6 +420,11 @@ def markdown(report: dict) -> str:
     for n in report["notes"]:
         lines.append(f"\n- note: {n}")
     return "\n".join(lines)
+
+
+def _share(metrics: dict) -> str:
+    """Confident top-1 agreement, or n/a when the reference was never confident (tiny random models)."""
+    return f"{metrics['confident_top1_agreement']:.2%}" if metrics["confident_positions"] else "n/a"
 
 
 def require_pass(report: dict) -> None:
