@@ -181,7 +181,7 @@ def build_plan(
             notes.append(f"{head} stays tied to the resized {emb}")
 
     # Resized vocabulary: the embedding (and an untied head) carry the new row count.
-    for head, emb in {**keymap.tied}.items():
+    for head, emb in keymap.tied.items():
         out = {o.name: o for o in outputs}
         if emb in out and out[emb].shape[0] != out[emb].source.shape[0]:
             rows = out[emb].shape[0]
