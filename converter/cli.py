@@ -96,6 +96,15 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (loaded with weights_only=True)")
     p.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+    p.add_argument(
+        "--qlora-base",
+        choices=["original", "dequantized"],
+        help="QLoRA adapters: merge into the original weights (default) or into their 4-bit "
+        "quantize-dequantize, what the adapter saw in training",
+    )
+    p.add_argument("--qlora-quant", choices=["nf4", "fp4"], help="4-bit type used in training (default nf4)")
+    p.add_argument("--qlora-blocksize", type=int, help="quantization block size used in training (default 64)")
+    p.add_argument("--no-double-quant", action="store_true", help="training did not use double quantization")
 
 
 def _recipe_from_args(args: argparse.Namespace):
@@ -114,7 +123,9 @@ def _recipe_from_args(args: argparse.Namespace):
         recipe = Recipe(
             base=args.base, adapters=[AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
         )
-    for field in ("base", "out", "dtype", "max_shard_size"):  # `out` exists for merge only
+    if getattr(args, "no_double_quant", False):
+        recipe.qlora_double_quant = False
+    for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):
         if getattr(args, field, None):
             setattr(recipe, field, getattr(args, field))
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched

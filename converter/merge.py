@@ -19,7 +19,7 @@ from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
 from converter.keymap import keymap_for
-from converter.patches import Replace, all_finite
+from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
@@ -95,7 +95,10 @@ def merge(
     for w in warnings:
         log(f"warning: {w}")
     keymap = keymap_for(checkpoint.config)
-    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched)
+    requantize = None
+    if recipe.qlora_base == "dequantized":
+        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
+    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched, requantize)
     check_finite(adapters)
     if dry_run:
         log(plan.describe())
@@ -158,7 +161,7 @@ def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
     keep_base = len(o.patches) > 1 and any(p.patch.reads_base for p in o.patches)
     base = None
     for p in o.patches:
-        if isinstance(p.patch, Replace):
+        if isinstance(p.patch, Replace | Requantize):  # a new starting weight for the deltas
             w, base = p.patch.apply(w, p.transposed), None
             continue
         if keep_base and base is None:
@@ -308,7 +311,14 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
         ],
         "dtype": recipe.dtype or "as base",
         "precision": "deltas computed in float32, each tensor rounded once to its output dtype; "
-        "untouched tensors copied byte for byte",
+        "untouched tensors copied byte for byte"
+        + (
+            f"; targeted weights first rounded through {recipe.qlora_quant.upper()} 4-bit quantization "
+            f"(block size {recipe.qlora_blocksize}, double quantization {'on' if recipe.qlora_double_quant else 'off'})"
+            ", as the QLoRA adapters saw them in training"
+            if recipe.qlora_base == "dequantized"
+            else ""
+        ),
         "config_updates": plan.config_updates,
         "tensors": {"total": len(plan.outputs), "changed": [o.name for o in plan.changed]},
         "notes": plan.notes,

@@ -200,6 +200,29 @@ class RowReplace(Patch):
         return w.index_copy_(0, index, self.rows.load())
 
 
+@dataclass
+class Requantize(Patch):
+    """W → dequantize(quantize_4bit(W)): the base weight as a QLoRA adapter saw it during training
+    (bitsandbytes NF4/FP4, the same block size and double quantization as transformers' load_in_4bit)."""
+
+    quant_type: str = "nf4"
+    blocksize: int = 64
+    double_quant: bool = True
+    weighted = False
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ()
+
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        import bitsandbytes.functional as bnb
+
+        packed, state = bnb.quantize_4bit(
+            w, quant_type=self.quant_type, blocksize=self.blocksize, compress_statistics=self.double_quant
+        )
+        return bnb.dequantize_4bit(packed, state).to(torch.float32)
+
+
 def lora_scale(alpha: float, rank: int, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 

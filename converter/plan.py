@@ -14,7 +14,7 @@ from converter.dtypes import FLOATING
 from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.keymap import Keymap, Resolver
-from converter.patches import Replace, RowReplace
+from converter.patches import DoRA, LowRank, Replace, Requantize, RowReplace
 from converter.recipe import AdapterSpec
 from converter.units import human_bytes
 from converter.writer import OutSpec
@@ -107,6 +107,7 @@ def build_plan(
     keymap: Keymap,
     out_dtype: str | None,
     allow_unmatched: bool = False,
+    requantize: Requantize | None = None,
 ) -> MergePlan:
     keys = checkpoint.names()
     resolver = Resolver(keymap, checkpoint.config, set(keys))
@@ -157,8 +158,11 @@ def build_plan(
         if unmatched:
             notes.append(f"{spec.source}: {len(unmatched)} unmatched adapter tensors ignored (--allow-unmatched)")
 
-    for planned in by_key.values():
+    for key, planned in by_key.items():
         planned.sort(key=lambda p: (p.adapter, ROLE_ORDER.get(type(p.patch), 1)))
+        if requantize is not None and _quantized_in_training(key, planned, keymap):
+            first_delta = next(i for i, p in enumerate(planned) if not isinstance(p.patch, Replace))
+            planned.insert(first_delta, PlannedPatch(planned[first_delta].adapter, requantize, None, False))
 
     config_updates: dict = {}
     outputs: list[OutputTensor] = []
@@ -204,6 +208,18 @@ def build_plan(
     if out_dtype is not None:
         config_updates["dtype"] = out_dtype
     return MergePlan(outputs, coverage, config_updates, tokenizer_from, notes)
+
+
+def _quantized_in_training(key: str, planned: list[PlannedPatch], keymap: Keymap) -> bool:
+    """A weight that load_in_4bit quantizes: a linear layer's weight that LoRA targets (not the output head,
+    which transformers keeps in full precision, and not embeddings)."""
+    return key not in keymap.tied and any(
+        isinstance(p.patch, LowRank | DoRA) and p.rows is None and not _lowrank(p.patch).flip for p in planned
+    )
+
+
+def _lowrank(patch) -> LowRank:
+    return patch.lora if isinstance(patch, DoRA) else patch
 
 
 def _output(

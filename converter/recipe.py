@@ -35,8 +35,18 @@ class Recipe:
     max_shard_size: str = "5GB"
     allow_unmatched: bool = False
     allow_pickle: bool = False
+    # QLoRA adapters: "original" merges into the full-precision base; "dequantized" first rounds each targeted
+    # weight through 4-bit quantization with the training settings, which is exactly what the adapter saw.
+    qlora_base: str = "original"
+    qlora_quant: str = "nf4"
+    qlora_blocksize: int = 64
+    qlora_double_quant: bool = True
 
     def __post_init__(self) -> None:
+        if self.qlora_base not in ("original", "dequantized"):
+            raise ConverterError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
+        if self.qlora_quant not in ("nf4", "fp4"):
+            raise ConverterError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
         if not self.adapters:
             raise ConverterError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:

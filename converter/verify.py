@@ -128,9 +128,11 @@ def verify(
     tok = _tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
     inputs, probe_ids, ppl_ids, template = _inputs(tok, prompts or PROMPTS, _vocab(merged))
 
-    log(f"verifying {merged.name}: reference = base + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    kind = f"{recipe.qlora_quant} 4-bit base" if recipe.qlora_base == "dequantized" else "base"
+    log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
     try:
-        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged))
+        quantization = _quantization(recipe, merged, base, dtype)
+        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization)
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return _skipped(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
@@ -147,7 +149,9 @@ def verify(
     del candidate
     gc.collect()
 
-    tol = tolerance(output_dtype, "F32" if compute == "float32" else output_dtype)
+    # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
+    reference_precision = "F16" if recipe.qlora_base == "dequantized" else "F32"
+    tol = tolerance(output_dtype, reference_precision if compute == "float32" else output_dtype)
     merged_vs_ref = _compare(ref, out)
     base_vs_ref = _compare(ref, bare)
     merged_vs_ref["perplexity_reference"] = ref.perplexity
@@ -301,11 +305,37 @@ def _inputs(tok, prompts: list[str], vocab: int):
     return inputs, inputs[0][:, :16], ppl, template
 
 
-def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int):
+def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
+    """For a merge onto dequantized weights the reference is the QLoRA setting itself: the base loaded in 4-bit
+    (the targeted linear layers only, as they were merged) with the adapters on top."""
+    if recipe.qlora_base != "dequantized":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    from converter.checkpoint import Checkpoint
+    from converter.merge import PROVENANCE_FILE
+
+    changed = set(json.loads((merged / PROVENANCE_FILE).read_text())["tensors"]["changed"])
+    ckpt = Checkpoint(base)
+    untouched = [
+        n.removesuffix(".weight")
+        for n in ckpt.names()
+        if n.endswith(".weight") and len(ckpt.info(n).shape) == 2 and n not in changed
+    ]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.qlora_quant,
+        bnb_4bit_use_double_quant=recipe.qlora_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=["lm_head", *untouched],
+    )
+
+
+def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, quantization_config=quantization)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
