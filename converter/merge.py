@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,7 +92,15 @@ def merge(
         (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
+    quantization = checkpoint.config.get("quantization_config")
+    if quantization:
+        raise ConverterError(
+            f"{recipe.base}: a pre-quantized ({quantization.get('quant_method', '?')}) checkpoint; merge into the "
+            "original full-precision model it was made from (its card's base_model) instead"
+        )
     warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
+    if recipe.qlora_base == "original":
+        warnings += [w for f, (a, _) in zip(fetched, adapters, strict=True) if (w := qlora_hint(a, f.card))]
     for w in warnings:
         log(f"warning: {w}")
     keymap = keymap_for(checkpoint.config)
@@ -143,6 +152,20 @@ def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
             if theirs is not None and ours is not None and theirs != ours:
                 out.append(f"{adapter.path}: its config.json has {key}={theirs!r}, the base has {ours!r}")
     return out
+
+
+QLORA_SIGNS = re.compile(r"qlora|load_in_4bit|bnb_4bit|bitsandbytes|\b4-?bit\b", re.I)
+
+
+def qlora_hint(adapter: Adapter, card: str | None) -> str | None:
+    """QLoRA adapters are not marked in adapter_config.json; their cards and training configs usually say so."""
+    config = adapter.model_config or {}
+    if QLORA_SIGNS.search(card or "") or (config.get("quantization_config") or {}).get("load_in_4bit"):
+        return (
+            f"{adapter.path}: this looks like a QLoRA adapter (trained on a 4-bit base); merging into the original "
+            "weights (the default). --qlora-base dequantized merges into the 4-bit weights it saw in training"
+        )
+    return None
 
 
 def check_finite(adapters: list[tuple[Adapter, object]]) -> None:

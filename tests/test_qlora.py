@@ -79,3 +79,16 @@ def test_fp4_without_double_quant(tmp_path, cli):
     assert (
         "FP4 4-bit quantization (block size 64, double quantization off)" in (tmp_path / "m" / "README.md").read_text()
     )
+
+
+def test_qlora_adapters_are_recognised_and_quantized_bases_refused(tmp_path, cli):
+    base = make_base(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (adapter / "README.md").write_text("Trained with QLoRA: bitsandbytes 4-bit NF4, double quantization.\n")
+    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m")
+    assert code == 0 and "looks like a QLoRA adapter" in out and "--qlora-base dequantized" in out
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (base / "config.json").write_text(json.dumps(config))
+    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "q")
+    assert code == 2 and "pre-quantized (bitsandbytes) checkpoint" in err and not (tmp_path / "q").exists()
