@@ -175,9 +175,16 @@ def write_card(folder: Path, load_name: str | None = None) -> Path:
     return folder / "README.md"
 
 
+# Measurements of one verification run: kept in the local report, left out of the published one so that the
+# same merge publishes the same bytes (a re-push is then a no-op).
+RUN_SPECIFIC = ("seconds", "peak_rss_mb")
+
+
 def public_records(folder: Path) -> dict[str, bytes]:
-    """The recipe and provenance as published: local sources named by folder name only, never by path."""
+    """The recipe, provenance and verification report as published: local sources named by folder name only,
+    never by path, and no run-specific measurements."""
     from converter.merge import PROVENANCE_FILE, RECIPE_FILE
+    from converter.verify import REPORT_FILE
 
     prov = json.loads((folder / PROVENANCE_FILE).read_text())
     for record in (prov["base"], *prov["adapters"]):
@@ -187,7 +194,11 @@ def public_records(folder: Path) -> dict[str, bytes]:
         trained_on = adapter.get("base_model") or ""
         if trained_on.startswith(("/", ".", "~")) or "\\" in trained_on:
             adapter["base_model"] = f"local: {Path(trained_on).name}"
-    return {
+    records = {
         PROVENANCE_FILE: (json.dumps(prov, indent=2) + "\n").encode(),
         RECIPE_FILE: public_recipe(prov).encode(),
     }
+    if (folder / REPORT_FILE).is_file():
+        report = {k: v for k, v in json.loads((folder / REPORT_FILE).read_text()).items() if k not in RUN_SPECIFIC}
+        records[REPORT_FILE] = (json.dumps(report, indent=2) + "\n").encode()
+    return records

@@ -107,8 +107,17 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-double-quant", action="store_true", help="training did not use double quantization")
 
 
+def _adapter_specs(args: argparse.Namespace) -> list:
+    from converter.recipe import AdapterSpec
+
+    if args.weight and len(args.weight) != len(args.adapter):
+        raise ConverterError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
+    weights = args.weight or [1.0] * len(args.adapter)
+    return [AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
+
+
 def _recipe_from_args(args: argparse.Namespace):
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.recipe import Recipe
 
     if args.recipe:
         recipe = Recipe.load(args.recipe)
@@ -117,12 +126,7 @@ def _recipe_from_args(args: argparse.Namespace):
     else:
         if not args.base or not args.adapter:
             raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
-        if args.weight and len(args.weight) != len(args.adapter):
-            raise ConverterError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
-        weights = args.weight or [1.0] * len(args.adapter)
-        recipe = Recipe(
-            base=args.base, adapters=[AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
-        )
+        recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
     for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):
@@ -162,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         if args.adapter:
             if not args.base:
                 raise ConverterError("give --base with --adapter (or neither: the folder's recipe says both)")
-            args.recipe, args.out, args.dtype, args.max_shard_size = None, None, None, None
-            args.allow_unmatched = args.allow_pickle = False
-            recipe = _recipe_from_args(args)
+            from converter.recipe import Recipe
+
+            recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
         else:
             recipe = recorded_recipe(args.folder)
             if args.base:
@@ -184,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
             private=args.private,
             create_pr=args.create_pr,
             overwrite=args.overwrite,
+            verify=None if args.no_verify else _verify_settings(args),
             log=_log,
         )
         if result.pr_url:

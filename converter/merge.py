@@ -88,16 +88,16 @@ def merge(
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     checkpoint = Checkpoint(base.local)
-    adapters = [
-        (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
-        for f, s in zip(fetched, recipe.adapters, strict=True)
-    ]
     quantization = checkpoint.config.get("quantization_config")
     if quantization:
         raise ConverterError(
             f"{recipe.base}: a pre-quantized ({quantization.get('quant_method', '?')}) checkpoint; merge into the "
             "original full-precision model it was made from (its card's base_model) instead"
         )
+    adapters = [
+        (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
+        for f, s in zip(fetched, recipe.adapters, strict=True)
+    ]
     warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
     if recipe.qlora_base == "original":
         warnings += [w for f, (a, _) in zip(fetched, adapters, strict=True) if (w := qlora_hint(a, f.card))]
@@ -129,12 +129,12 @@ def merge(
     )
     with atomic_folder(out, force) as tmp:
         hashes = write_weights(checkpoint, plan, tmp, max_shard, log)
-        files = write_side_files(checkpoint, plan, tmp)
+        write_side_files(checkpoint, plan, tmp)
         (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
         provenance = build_provenance(recipe, base, fetched, checkpoint, adapters, plan, hashes)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         write_card(tmp, load_name=f"./{out.name}")
-        files = sorted({*files, RECIPE_FILE, PROVENANCE_FILE, *(p.name for p in tmp.iterdir())})
+        files = sorted(p.name for p in tmp.iterdir())
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
     return MergeResult(out, plan, files, warnings)
 
@@ -246,9 +246,8 @@ def _stream(
             next_report += 0.1
 
 
-def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> list[str]:
+def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> None:
     """config.json (updated), generation config, tokenizer, licence, custom code: everything but weights."""
-    written = []
     for src in sorted(checkpoint.folder.iterdir()):
         if (
             src.is_file()
@@ -257,12 +256,10 @@ def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> l
             and not src.name.endswith(SKIP_SUFFIXES)
         ):
             shutil.copyfile(src, folder / src.name)
-            written.append(src.name)
     if plan.tokenizer_from is not None:
         for src in sorted(plan.tokenizer_from.iterdir()):
             if src.is_file() and any(fnmatch.fnmatch(src.name, p) for p in TOKENIZER_FILES):
                 shutil.copyfile(src, folder / src.name)
-                written.append(src.name)
     config = dict(checkpoint.config)
     for key, value in plan.config_updates.items():
         if key == "dtype":
@@ -273,7 +270,6 @@ def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> l
         if isinstance(config.get("text_config"), dict) and key in config["text_config"]:
             config["text_config"][key] = value
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return sorted(set(written) | {"config.json"})
 
 
 def pinned_recipe(recipe: Recipe, base: Fetched, adapters: list[Fetched]) -> Recipe:

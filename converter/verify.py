@@ -110,8 +110,7 @@ def verify(
 
     started = time.time()
     merged = Path(merged)
-    output_dtype = _output_dtype(merged)
-    params = _parameter_count(merged)
+    output_dtype, params = _weights(merged)
     compute = _compute_dtype(params)
     if compute is None:
         return _skipped(
@@ -211,7 +210,8 @@ def _skipped(merged: Path, reason: str) -> dict:
     return report
 
 
-def _output_dtype(folder: Path) -> str:
+def _weights(folder: Path) -> tuple[str, int]:
+    """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
     from converter.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
@@ -219,14 +219,7 @@ def _output_dtype(folder: Path) -> str:
     for name in ckpt.names():
         info = ckpt.info(name)
         counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
-    return max(counts, key=counts.get)
-
-
-def _parameter_count(folder: Path) -> int:
-    from converter.checkpoint import Checkpoint
-
-    ckpt = Checkpoint(folder)
-    return sum(ckpt.info(n).numel for n in ckpt.names())
+    return max(counts, key=counts.get), sum(counts.values())
 
 
 def _available() -> int:

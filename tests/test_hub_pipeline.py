@@ -141,7 +141,9 @@ def test_push_end_to_end(hub, tmp_path):
     assert not any(t.startswith("base_model:") for t in data["tags"])
     lora_sha = hub.head("alice/tiny-lora")
     assert f"alice/tiny-lora@{lora_sha}" in card.text and "| 0.5 |" in card.text
-    assert 'from_pretrained("alice/pirate-llama")' in card.text and "Not verified" in card.text
+    assert (
+        'from_pretrained("alice/pirate-llama")' in card.text and "**Passed**" in card.text
+    )  # push verified before uploading
     recipe = yaml.safe_load((pushed / "converter_recipe.yaml").read_text())
     assert recipe["base"] == f"alice/tiny-llama@{hub.head('alice/tiny-llama')}"
     assert recipe["adapters"][0]["source"] == f"alice/tiny-lora@{lora_sha}"
@@ -424,3 +426,18 @@ def test_disk_space_is_checked_before_downloading(monkeypatch):
     _check_disk("org/model@main", 4 * 10**8)
     with pytest.raises(ConverterError, match=r"needs 2.00 GB .* 500.00 MB free .*1.50 GB missing"):
         _check_disk("org/model@main", 2 * 10**9)
+
+
+def test_failed_verification_uploads_nothing(hub, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "m"
+    assert (
+        run_cli("merge", "--base", hub.local["base"], "--adapter", hub.local["lora"], "--out", out, "--no-verify") == 0
+    )
+    tensors = load_file(out / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] += 0.5  # a broken merge
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    code, stdout, err = cli(hub, "push", "--repo", "alice/broken", "--from", out)
+    assert code == 3 and "verification failed" in err and "model.layers.0.mlp.up_proj" in err
+    assert not hub.exists("alice/broken")
