@@ -160,8 +160,28 @@ class SequentialReader:
 WEIGHT_INDEXES = ("model.safetensors.index.json",)
 
 
+@dataclass(frozen=True)
+class Part:
+    """Where a group of output tensors goes: a subfolder, its shard file stem, and how its names are prefixed
+    in the checkpoint's key namespace (diffusers components are `unet/...`, `text_encoder/...`)."""
+
+    subfolder: str = ""
+    prefix: str = ""
+    stem: str = "model"
+    single_file: str | None = None  # write exactly this one file (a single-file checkpoint keeps its name)
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
 class Checkpoint:
     """A model folder: config.json plus safetensors weights (one file or shards with an index)."""
+
+    parts: tuple[Part, ...] = (Part(),)
+    diffusion: str | None = None  # "diffusers" (pipeline folder) or "single_file"
+
+    def make_resolver(self, keymap):
+        from converter.keymap import Resolver
+
+        return Resolver(keymap, self.config, set(self.names()))
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -230,3 +250,140 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _variant_free(files: list[Path]) -> list[Path]:
+    """Drop `name.fp16.safetensors`-style variants when the plain files are there (diffusers repos ship both)."""
+    plain = [f for f in files if "." not in f.name[: -len(".safetensors")]]
+    return plain or files
+
+
+class DiffusersCheckpoint(Checkpoint):
+    """A diffusers pipeline folder (model_index.json): every component subfolder with safetensors weights is a
+    part; keys are `<component>/<key>` so one plan covers the pipeline and each part is written back in place."""
+
+    diffusion = "diffusers"
+
+    def __init__(self, folder: Path, keymap_name: str):
+        self.folder = Path(folder)
+        index = json.loads((self.folder / "model_index.json").read_text())
+        self.pipeline = index.get("_class_name")
+        self.config = {"_keymap": keymap_name, "_class_name": self.pipeline}
+        self.component_configs: dict[str, dict] = {}
+        self.files = []
+        self.where = {}
+        self._names: dict[str, str] = {}  # namespaced key -> key in its file
+        parts = []
+        for sub in sorted(p for p in self.folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            idx = [
+                i for i in sub.glob("*.safetensors.index.json") if "." not in i.name[: -len(".safetensors.index.json")]
+            ]
+            if idx:
+                weight_map = json.loads(idx[0].read_text())["weight_map"]
+                files = [sub / n for n in sorted(set(weight_map.values()))]
+                stem = idx[0].name[: -len(".safetensors.index.json")]
+            else:
+                files = _variant_free(sorted(sub.glob("*.safetensors")))
+                if not files:
+                    continue
+                stem = files[0].name.split(".")[0].split("-0")[0]
+            if (sub / "config.json").is_file():
+                self.component_configs[sub.name] = json.loads((sub / "config.json").read_text())
+            single = files[0].name if len(files) == 1 else None
+            parts.append(Part(sub.name, f"{sub.name}/", stem, None if idx else single))
+            for path in files:
+                f = SafetensorsFile(path)
+                self.files.append(f)
+                for name in f.tensors:
+                    self.where[f"{sub.name}/{name}"] = f
+                    self._names[f"{sub.name}/{name}"] = name
+        if not self.files:
+            raise ConverterError(f"{self.folder}: diffusers folder without safetensors weights in any component")
+        self.parts = tuple(parts)
+
+    def names(self) -> list[str]:
+        out = []
+        for f in self.files:
+            sub = f.path.parent.name
+            out.extend(f"{sub}/{n}" for n in sorted(f.tensors, key=lambda n, f=f: f.tensors[n].start))
+        return out
+
+    def info(self, name: str) -> TensorInfo:
+        return self.where[name].tensors[self._names[name]]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name].read(self._names[name])
+
+    def make_resolver(self, keymap):
+        from converter.keymap import DiffusionResolver
+
+        keys = {k: self.info(k).shape for k in self.names()}
+        parts = {p.subfolder: (p.prefix, {**keymap.defaults, **self.component_configs.get(p.subfolder, {})})
+                 for p in self.parts}  # fmt: skip
+        return DiffusionResolver(keymap, parts, keys)
+
+
+class SingleFileCheckpoint(Checkpoint):
+    """One .safetensors file holding a whole pipeline or denoiser (LDM SD1.x/SDXL, BFL Flux, ComfyUI): written
+    back as one file of the same name, components told apart by the key prefixes in the family's keymap."""
+
+    diffusion = "single_file"
+
+    def __init__(self, path: Path, keymap):
+        self.path = Path(path)
+        self.folder = self.path.parent
+        f = SafetensorsFile(self.path)
+        self.files = [f]
+        self.where = dict.fromkeys(f.tensors, f)
+        self.config = {"_keymap": keymap.name}
+        self.keymap = keymap
+        meta = tuple(sorted((k, v) for k, v in f.metadata.items() if k != "format"))
+        self.parts = (Part("", "", self.path.stem, self.path.name, meta),)
+
+    def make_resolver(self, keymap):
+        from converter.keymap import DiffusionResolver
+
+        keys = {k: self.info(k).shape for k in self.names()}
+        parts = {}
+        for component, prefixes in keymap.components.items():
+            for prefix in prefixes:  # the first prefix the file uses ("" takes every key)
+                if any(k.startswith(prefix) for k in keys):
+                    parts[component] = (prefix, dict(keymap.defaults))
+                    break
+        return DiffusionResolver(keymap, parts, keys)
+
+
+def open_base(path: Path) -> Checkpoint:
+    """A transformers-style model folder, a diffusers pipeline folder, or a single-file diffusion checkpoint."""
+    from converter.keymap import diffusion_family
+
+    path = Path(path)
+    if path.is_dir() and (path / "model_index.json").is_file():
+        try:
+            pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")
+        except json.JSONDecodeError as e:
+            raise ConverterError(f"{path / 'model_index.json'}: invalid JSON ({e.msg})") from None
+        family = diffusion_family(pipeline, [])
+        if family is None:
+            raise ConverterError(
+                f"{path}: diffusers pipeline {pipeline} has no keymap yet (supported: "
+                f"{', '.join(sorted(p for k in _families() for p in k.pipelines))})"
+            )
+        return DiffusersCheckpoint(path, family.name)
+    if path.is_file() and path.suffix == ".safetensors":
+        f = SafetensorsFile(path)
+        family = diffusion_family(None, list(f.tensors))
+        if family is None:
+            sample = ", ".join(list(f.tensors)[:4])
+            raise ConverterError(
+                f"{path}: a single-file checkpoint of no known family (keys like {sample}); known: "
+                f"{', '.join(k.name for k in _families())}"
+            )
+        return SingleFileCheckpoint(path, family)
+    return Checkpoint(path)
+
+
+def _families():
+    from converter.keymap import all_keymaps
+
+    return [k for k in all_keymaps() if k.is_diffusion]

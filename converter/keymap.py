@@ -37,6 +37,14 @@ class FusedRule:
 
 
 @dataclass
+class AliasRule:
+    """Another spelling of a base key (diffusers name of an LDM key, q/k/v rows of a fused in_proj ...)."""
+
+    pattern: re.Pattern
+    to: list[tuple[str, tuple[str, str] | None]]  # (key template, (start, size) row expressions or None)
+
+
+@dataclass
 class Keymap:
     name: str
     model_types: list[str]
@@ -45,9 +53,25 @@ class Keymap:
     stored_transposed: list[re.Pattern] = field(default_factory=list)
     fused: list[FusedRule] = field(default_factory=list)
     defaults: dict[str, str] = field(default_factory=dict)
+    # Diffusion families: how to recognise a base, where each component lives, and other spellings of its keys.
+    pipelines: list[str] = field(default_factory=list)
+    detect: list[re.Pattern] = field(default_factory=list)
+    components: dict[str, list[str]] = field(default_factory=dict)  # component -> key prefixes in a single file
+    component_aliases: dict[str, list[str]] = field(default_factory=dict)  # adapter's component -> base's
+    aliases: dict[str, list[AliasRule]] = field(default_factory=dict)  # per component
+    tables: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def from_yaml(cls, data: dict) -> Keymap:
+        aliases: dict[str, list[AliasRule]] = {}
+        for component, rules in (data.get("aliases") or {}).items():
+            for rule in rules:
+                targets = rule["to"] if isinstance(rule["to"], list) else [rule["to"]]
+                to = [
+                    (t, None) if isinstance(t, str) else (t["key"], (str(t["rows"][0]), str(t["rows"][1])))
+                    for t in targets
+                ]
+                aliases.setdefault(component, []).append(AliasRule(re.compile(rule["from"]), to))
         return cls(
             name=data["name"],
             model_types=data.get("model_types", []),
@@ -56,7 +80,17 @@ class Keymap:
             stored_transposed=[re.compile(p) for p in data.get("stored_transposed", [])],
             fused=[FusedRule(re.compile(f["module"]), f["into"], f["parts"]) for f in data.get("fused", [])],
             defaults=data.get("defaults", {}),
+            pipelines=data.get("pipelines", []),
+            detect=[re.compile(p) for p in data.get("detect", [])],
+            components={k: list(v) for k, v in (data.get("components") or {}).items()},
+            component_aliases=data.get("component_aliases") or {},
+            aliases=aliases,
+            tables=data.get("tables") or {},
         )
+
+    @property
+    def is_diffusion(self) -> bool:
+        return bool(self.pipelines or self.detect)
 
     def is_stored_transposed(self, key: str) -> bool | None:
         """True/False where this keymap knows the layout; None where it says nothing about layouts."""
@@ -76,16 +110,39 @@ def all_keymaps() -> tuple[Keymap, ...]:
 
 
 def keymap_for(config: dict) -> Keymap:
-    """The keymap whose model_types names this config's model_type; the generic one otherwise."""
-    model_type = config.get("model_type")
+    """The keymap whose model_types names this config's model_type (or the diffusion family a diffusion base
+    was recognised as); the generic one otherwise."""
     by_name = {k.name: k for k in all_keymaps()}
+    if config.get("_keymap") in by_name:
+        return by_name[config["_keymap"]]
+    model_type = config.get("model_type")
     for km in all_keymaps():
         if model_type in km.model_types:
             return km
     return by_name["generic"]
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+def diffusion_family(pipeline: str | None, keys: list[str]) -> Keymap | None:
+    """The diffusion keymap for a diffusers pipeline class name, or for a single file's keys (its `detect`
+    patterns, first family whose every pattern matches some key)."""
+    for km in all_keymaps():
+        if pipeline and pipeline in km.pipelines:
+            return km
+    if pipeline:
+        return None
+    for km in all_keymaps():
+        if km.detect and all(any(p.match(k) for k in keys) for p in km.detect):
+            return km
+    return None
+
+
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 
 
 def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
@@ -151,7 +208,18 @@ class Resolver:
                 start += size
         return None
 
-    def resolve(self, module: str, param: str) -> Placement | None:
+    def resolve(self, module: str, param: str, component: str | None = None, flat: bool = False) -> Placement | None:
+        if flat:  # a kohya-style flattened name: look it up among the base's keys flattened the same way
+            if not hasattr(self, "_flat"):
+                self._flat: dict[str, set[str]] = {}
+                for key in self.keys:
+                    self._flat.setdefault(flatten(key), set()).add(key)
+            found = set()
+            for spelling in self._spellings(module) + [f"model_{module}"]:
+                found |= self._flat.get(flatten(f"{spelling}.{param}"), set())
+            if len(found) > 1:
+                raise ConverterError(f"adapter module {module!r} matches several base tensors ({sorted(found)})")
+            return Placement(found.pop()) if found else None
         hits: list[Placement] = []
         for spelling in self._spellings(module):
             key = f"{spelling}.{param}"
@@ -166,3 +234,97 @@ class Resolver:
                 "restrict the adapter with include/exclude patterns in a recipe"
             )
         return hits[0] if hits else None
+
+
+def flatten(name: str) -> str:
+    """kohya's flattening: every '.' becomes '_' (sd-scripts lora.py create_modules; lora-formats.md §1)."""
+    return name.replace(".", "_")
+
+
+_FIELD = re.compile(r"\{([^{}]+)\}")
+
+
+def _render(template: str, groups: dict[str, str], env: dict, keymap: Keymap) -> str | None:
+    """Fill `{name}` (a capture), `{name@table}` (a capture looked up in a keymap table) and `{expr}` (arithmetic
+    over integer captures and config values). None when a table has no entry: the rule does not apply."""
+    missing = False
+
+    def field(m: re.Match) -> str:
+        nonlocal missing
+        body = m.group(1)
+        if "@" in body:
+            name, table = body.split("@", 1)
+            value = keymap.tables.get(table, {}).get(groups.get(name, ""))
+            if value is None:
+                missing = True
+                return ""
+            return value
+        if body in groups and not body.isdigit():
+            return groups[body]
+        ints = {k: int(v) for k, v in groups.items() if v is not None and v.isdigit()}
+        return str(eval_expr(body, {**env, **ints}, keymap.defaults))
+
+    out = _FIELD.sub(field, template)
+    return None if missing else out
+
+
+class DiffusionResolver:
+    """Maps adapter modules (component + dotted or kohya-flattened name) onto the keys of a diffusion base.
+
+    For every base key the keymap's alias rules add other spellings (diffusers names of LDM keys, LDM names of
+    diffusers keys, q/k/v row slices of fused projections). Flattened names are looked up by flattening every
+    spelling the same way kohya does; two different tensors under one flattened name is an error, never a guess.
+    """
+
+    def __init__(self, keymap: Keymap, parts: dict[str, tuple[str, dict]], keys: dict[str, tuple[int, ...]]):
+        """`parts`: component -> (key prefix in the checkpoint, its config); `keys`: key -> shape."""
+        self.keymap = keymap
+        self.keys = keys
+        self.tied_heads: dict[str, str] = {}
+        self.dotted: dict[str, dict[str, set[Placement]]] = {}
+        self.flat: dict[str, dict[str, set[Placement]]] = {}
+        for component, (prefix, config) in parts.items():
+            dotted = self.dotted.setdefault(component, {})
+            for key, shape in keys.items():
+                if not key.startswith(prefix):
+                    continue
+                local = key[len(prefix) :]
+                dotted.setdefault(local, set()).add(Placement(key))
+                env = {**config, "rows": shape[0] if shape else 0, "cols": shape[1] if len(shape) > 1 else 0}
+                for rule in keymap.aliases.get(component, []):
+                    m = rule.pattern.fullmatch(local)
+                    if not m:
+                        continue
+                    groups = {k: v for k, v in m.groupdict().items() if v is not None}
+                    for template, rows in rule.to:
+                        alias = _render(template, groups, env, keymap)
+                        if alias is None:
+                            continue
+                        span = None
+                        if rows is not None:
+                            start = eval_expr(_render(rows[0], groups, env, keymap) or "0", {}, {})
+                            size = eval_expr(_render(rows[1], groups, env, keymap) or "0", {}, {})
+                            span = (start, start + size)
+                        dotted.setdefault(alias, set()).add(Placement(key, span))
+            flat = self.flat.setdefault(component, {})
+            for name, places in dotted.items():
+                flat.setdefault(flatten(name), set()).update(places)
+
+    def components_for(self, component: str | None) -> list[str]:
+        if component is None:
+            return list(self.dotted)
+        default = ["unet", "transformer"] if component == "denoiser" else [component]
+        names = self.keymap.component_aliases.get(component, default)
+        return [c for c in names if c in self.dotted]
+
+    def resolve(self, module: str, param: str, component: str | None = None, flat: bool = False) -> Placement | None:
+        hits: set[Placement] = set()
+        for comp in self.components_for(component):
+            table = self.flat[comp] if flat else self.dotted[comp]
+            hits |= table.get(flatten(f"{module}.{param}") if flat else f"{module}.{param}", set())
+        if len(hits) > 1:
+            raise ConverterError(
+                f"adapter module {module!r} matches several base tensors "
+                f"({', '.join(sorted(map(str, hits)))}); restrict the adapter with include/exclude patterns"
+            )
+        return next(iter(hits)) if hits else None

@@ -15,7 +15,7 @@ import torch
 
 from converter import __version__
 from converter.card import INHERITED, card_metadata, write_card
-from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
+from converter.checkpoint import Checkpoint, SequentialReader, file_sha256, open_base
 from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
@@ -25,7 +25,7 @@ from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
-from converter.writer import ShardedWriter, atomic_folder, check_output_target
+from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
 
 RECIPE_FILE = "converter_recipe.yaml"
 PROVENANCE_FILE = "converter_provenance.json"
@@ -87,7 +87,7 @@ def merge(
 
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
-    checkpoint = Checkpoint(base.local)
+    checkpoint = open_base(base.local)
     quantization = checkpoint.config.get("quantization_config")
     if quantization:
         raise ConverterError(
@@ -205,29 +205,45 @@ def write_weights(
     checkpoint: Checkpoint, plan: MergePlan, folder: Path, max_shard: int, log: Callable[[str], None]
 ) -> dict[str, str]:
     """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once)."""
-    writer = ShardedWriter(folder, [o.spec for o in plan.outputs], max_shard)
+    writers = []
+    for part in checkpoint.parts:  # diffusers components each go back to their own subfolder, same file names
+        specs = [o.spec for o in plan.outputs if o.name.startswith(part.prefix)]
+        specs = [OutSpec(s.name[len(part.prefix) :], s.dtype, s.shape) for s in specs]
+        (folder / part.subfolder).mkdir(parents=True, exist_ok=True)
+        limit = max_shard if part.single_file is None else float("inf")
+        writers.append(
+            (part, ShardedWriter(folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata))
+        )
     readers = {f.path: SequentialReader(f) for f in checkpoint.files}
     try:
-        _stream(checkpoint, plan, writer, readers, log)
+        _stream(checkpoint, plan, writers, readers, log)
     except BaseException:
-        writer.abort()
+        for _, writer in writers:
+            writer.abort()
         for reader in readers.values():
             reader.abort()
         raise
-    writer.close()
-    return {path.name: r.finish() for path, r in readers.items()}
+    for _, writer in writers:
+        writer.close()
+    return {_relative_name(checkpoint, path): r.finish() for path, r in readers.items()}
+
+
+def _relative_name(checkpoint: Checkpoint, path: Path) -> str:
+    return str(path.relative_to(checkpoint.folder)) if checkpoint.diffusion == "diffusers" else path.name
 
 
 def _stream(
-    checkpoint: Checkpoint, plan: MergePlan, writer: ShardedWriter, readers: dict, log: Callable[[str], None]
+    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable[[str], None]
 ) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
     for o in plan.outputs:
+        part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
+        name = o.name[len(part.prefix) :]
         in_order = checkpoint.where.get(o.name) is not None
         reader = readers[checkpoint.where[o.source.name].path]
         if o.byte_copy and in_order:
-            writer.write(o.name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
+            writer.write(name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
             result = (_patched(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
@@ -238,7 +254,7 @@ def _stream(
                 )
             data = _as_bytes(result)
             del t, result
-            writer.write(o.name, lambda sink, d=data: sink(d))
+            writer.write(name, lambda sink, d=data: sink(d))
             del data
         done += o.spec.nbytes
         if not quiet and done / total >= next_report:
@@ -248,6 +264,9 @@ def _stream(
 
 def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> None:
     """config.json (updated), generation config, tokenizer, licence, custom code: everything but weights."""
+    if checkpoint.diffusion:
+        _diffusion_side_files(checkpoint, folder)
+        return
     for src in sorted(checkpoint.folder.iterdir()):
         if (
             src.is_file()
@@ -270,6 +289,22 @@ def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> N
         if isinstance(config.get("text_config"), dict) and key in config["text_config"]:
             config["text_config"][key] = value
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _diffusion_side_files(checkpoint: Checkpoint, folder: Path) -> None:
+    """A diffusers folder: every file but the weights we rewrote (configs, scheduler, tokenizers, model_index);
+    a single file: nothing (its siblings are not part of it)."""
+    if checkpoint.diffusion != "diffusers":
+        return
+    written = {p.subfolder for p in checkpoint.parts}
+    for src in sorted(checkpoint.folder.rglob("*")):
+        rel = src.relative_to(checkpoint.folder)
+        if not src.is_file() or any(part.startswith(".") for part in rel.parts) or rel.name in SKIP_NAMES:
+            continue
+        if len(rel.parts) > 1 and rel.parts[0] in written and rel.name.endswith(SKIP_SUFFIXES):
+            continue
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, folder / rel)
 
 
 def pinned_recipe(recipe: Recipe, base: Fetched, adapters: list[Fetched]) -> Recipe:
@@ -306,7 +341,8 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
             **_source_record(base, (*INHERITED, "tags")),
             "model_type": checkpoint.config.get("model_type"),
             "files": [
-                {"name": f.path.name, "size": f.size, "sha256": base_hashes[f.path.name]} for f in checkpoint.files
+                {"name": (rel := _relative_name(checkpoint, f.path)), "size": f.size, "sha256": base_hashes[rel]}
+                for f in checkpoint.files
             ],
         },
         "adapters": [

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 
 class TensorSource(Protocol):
@@ -55,18 +54,78 @@ class Patch:
         """The shape the target tensor must have, or None when any shape is accepted."""
         return None
 
+    def fits(self, target: tuple[int, ...], transposed: bool) -> bool:
+        """Whether this patch can apply to a tensor of shape `target`."""
+        expected = self.target_shape(transposed)
+        return expected is None or tuple(expected) == tuple(target)
+
     def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         """Return the patched tensor (may modify `w` in place). `base` is the tensor before any delta of any
         adapter: contributions that depend on the weight (DoRA) are taken relative to it, as PEFT's forward does."""
         raise NotImplementedError
 
 
+def _lowrank_delta(up: torch.Tensor, down: torch.Tensor, mid: torch.Tensor | None) -> torch.Tensor:
+    """up @ down for linear, 1x1 and kxk (2-D or 3-D) convolutions, with an optional Tucker core.
+
+    kohya/LyCORIS conv LoRA (lora-formats.md §1, §3): down (r, in, *k), up (out, r, 1, ..);
+    ΔW = mm(up.flatten(1), down.flatten(1)).reshape(out, in, *k), which equals sd-scripts'
+    conv2d(down.permute(1,0,..), up).permute(1,0,..). Tucker (`lora_mid`, LyCORIS rebuild_tucker):
+    down (r, in, 1, 1), mid (r, r, *k), up (out, r, 1, 1): einsum("i j ..., i p, j r -> p r ...").
+    """
+    if mid is not None:
+        return torch.einsum("ij...,ip,jr->pr...", mid, up.flatten(1).T, down.flatten(1))
+    if down.dim() == 2:
+        return up.flatten(1) @ down
+    return (up.flatten(1) @ down.flatten(1)).reshape(up.shape[0], down.shape[1], *down.shape[2:])
+
+
+class DeltaPatch(Patch):
+    """A patch that adds a delta ΔW of a fixed natural (out, in, ...) shape: LoRA, LoHa, LoKr, full diff."""
+
+    flip: bool = False
+
+    def natural_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def raw_delta(self) -> torch.Tensor:
+        """ΔW in float32 with the adapter's own scale, without the merge weight, natural layout."""
+        raise NotImplementedError
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        shape = self.natural_shape()
+        return (shape[1], shape[0]) if (transposed != self.flip) and len(shape) == 2 else shape
+
+    def fits(self, target: tuple[int, ...], transposed: bool) -> bool:
+        """Exact shape, or the same numbers laid out differently: a 1x1-conv delta on a linear weight (SD2's
+        proj_in; kohya squeezes, §1) or a flattened (out, in·k·k) LoHa/LoKr delta on a conv kernel (§3)."""
+        expected = tuple(self.target_shape(transposed))
+        target = tuple(target)
+        if expected == target:
+            return True
+        if not expected or not target or expected[0] != target[0] or math.prod(expected) != math.prod(target):
+            return False
+        squeeze = lambda s: tuple(d for i, d in enumerate(s) if i < 2 or d != 1)  # noqa: E731
+        return squeeze(expected) == squeeze(target) or len(expected) == 2
+
+    def delta(self, transposed: bool) -> torch.Tensor:
+        """ΔW in float32, scaled by the adapter and the merge weight, in the target's storage layout."""
+        d = self.raw_delta()
+        if self.weight != 1.0:
+            d.mul_(self.weight)
+        return d.T if (transposed != self.flip) and d.dim() == 2 else d
+
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        return w.add_(self.delta(transposed).reshape(w.shape))
+
+
 @dataclass
-class LowRank(Patch):
-    """ΔW = scale · up @ down (LoRA, LoCon). For kxk convolutions, PEFT's/kohya's conv(downᵀ, up) composition.
+class LowRank(DeltaPatch):
+    """ΔW = scale · up @ down (LoRA, LoCon; conv kxk and Tucker `mid` included).
 
     `flip` marks a delta computed as (out, in) that must be transposed to meet an (in, out) stored tensor
     independently of the storage layout (PEFT's embedding LoRA stores B@A as (dim, vocab)).
+    `alpha` is the value the file stored (None: none stored), kept so a writer can reproduce the file.
     """
 
     down: Ref
@@ -74,43 +133,147 @@ class LowRank(Patch):
     scale: float
     flip: bool = False
     weight: float = 1.0
+    mid: Ref | None = None
+    alpha: float | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
-        return (self.down.name, self.up.name)
+        return (self.down.name, self.up.name) + ((self.mid.name,) if self.mid is not None else ())
 
     @property
     def rank(self) -> int:
         return self.down.shape[0]
 
-    def _natural_shape(self) -> tuple[int, ...]:
+    def natural_shape(self) -> tuple[int, ...]:
         out, inp = self.up.shape[0], self.down.shape[1]
-        return (out, inp, *self.down.shape[2:]) if len(self.down.shape) == 4 else (out, inp)
+        if self.mid is not None:
+            return (out, inp, *self.mid.shape[2:])
+        return (out, inp, *self.down.shape[2:]) if len(self.down.shape) > 2 else (out, inp)
 
-    def target_shape(self, transposed: bool) -> tuple[int, ...]:
-        shape = self._natural_shape()
-        return (shape[1], shape[0]) if (transposed != self.flip) and len(shape) == 2 else shape
-
-    def delta(self, transposed: bool) -> torch.Tensor:
-        """ΔW in float32, scaled, in the target's storage layout."""
-        down, up = self.down.load(), self.up.load()
-        if down.dim() == 4:
-            if down.shape[2:] == (1, 1):
-                d = (up.flatten(1) @ down.flatten(1))[:, :, None, None]
-            else:
-                d = F.conv2d(down.transpose(0, 1), up).transpose(0, 1)
-        else:
-            d = up @ down
-        d.mul_(self.scale * self.weight)
-        return d.T if (transposed != self.flip) and d.dim() == 2 else d
+    def raw_delta(self) -> torch.Tensor:
+        mid = self.mid.load() if self.mid is not None else None
+        return _lowrank_delta(self.up.load(), self.down.load(), mid).mul_(self.scale)
 
     def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
-        if len(self.down.shape) == 2:
+        if len(self.down.shape) == 2 and len(self.up.shape) == 2 and w.dim() == 2:
             # One fused kernel, no (out, in) temporary: W + s·B@A (into the transposed view when stored (in, out))
             view = w.T if transposed != self.flip else w
             view.addmm_(self.up.load(), self.down.load(), alpha=self.scale * self.weight)
             return w
-        return w.add_(self.delta(transposed))
+        return super().apply(w, transposed, base)
+
+
+def _tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """LyCORIS rebuild_tucker: einsum("i j ..., j r, i p -> p r ...", t, wb, wa); wa (r, out), wb (r, in)."""
+    return torch.einsum("ij...,jr,ip->pr...", t, wb.flatten(1), wa.flatten(1))
+
+
+@dataclass
+class LoHa(DeltaPatch):
+    """LyCORIS LoHa: ΔW = scale · (w1a @ w1b) ⊙ (w2a @ w2b), reshaped to W (lora-formats.md §3).
+
+    With Tucker cores t1/t2 (conv kxk) each factor is rebuild_tucker(t, wa, wb) and wa is (r, out).
+    scale = alpha / rank, rank = w1b.shape[0] (alpha absent: rank, so scale 1).
+    """
+
+    w1a: Ref
+    w1b: Ref
+    w2a: Ref
+    w2b: Ref
+    scale: float
+    shape: tuple[int, ...]  # the target's natural shape (out, in, *k): the flattened product is reshaped to it
+    t1: Ref | None = None
+    t2: Ref | None = None
+    alpha: float | None = None
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        refs = (self.w1a, self.w1b, self.w2a, self.w2b, self.t1, self.t2)
+        return tuple(r.name for r in refs if r is not None)
+
+    @property
+    def rank(self) -> int:
+        return self.w1b.shape[0]
+
+    def natural_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def raw_delta(self) -> torch.Tensor:
+        if self.t1 is not None and self.t2 is not None:
+            m1 = _tucker(self.t1.load(), self.w1a.load(), self.w1b.load())
+            m2 = _tucker(self.t2.load(), self.w2a.load(), self.w2b.load())
+        else:
+            m1 = self.w1a.load() @ self.w1b.load().flatten(1)
+            m2 = self.w2a.load() @ self.w2b.load().flatten(1)
+        return (m1 * m2).reshape(self.shape).mul_(self.scale)
+
+
+@dataclass
+class LoKr(DeltaPatch):
+    """LyCORIS LoKr: ΔW = scale · kron(w1, w2), reshaped to W (lora-formats.md §3).
+
+    Each factor is full (`lokr_w1`) or low rank (`lokr_w1_a @ lokr_w1_b`); w2 may have a Tucker core t2.
+    The scale rule is the caller's (LyCORIS: 1 when both factors are full, else alpha/rank).
+    """
+
+    w1: Ref | tuple[Ref, Ref]
+    w2: Ref | tuple[Ref, Ref]
+    scale: float
+    shape: tuple[int, ...]
+    t2: Ref | None = None
+    alpha: float | None = None
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        out = []
+        for f in (self.w1, self.w2, self.t2):
+            if isinstance(f, tuple):
+                out.extend(r.name for r in f)
+            elif f is not None:
+                out.append(f.name)
+        return tuple(out)
+
+    def natural_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    def raw_delta(self) -> torch.Tensor:
+        w1 = self.w1.load() if isinstance(self.w1, Ref) else self.w1[0].load() @ self.w1[1].load()
+        if isinstance(self.w2, Ref):
+            w2 = self.w2.load()
+        elif self.t2 is not None:
+            w2 = _tucker(self.t2.load(), self.w2[0].load(), self.w2[1].load())
+        else:
+            w2 = self.w2[0].load() @ self.w2[1].load().flatten(1)
+        while w1.dim() < w2.dim():
+            w1 = w1.unsqueeze(-1)
+        return torch.kron(w1, w2).reshape(self.shape).mul_(self.scale)
+
+
+@dataclass
+class FullDelta(DeltaPatch):
+    """LyCORIS full (`diff`): ΔW stored whole, no alpha (lora-formats.md §3); the merge weight scales it."""
+
+    diff: Ref
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.diff.name,)
+
+    def natural_shape(self) -> tuple[int, ...]:
+        return self.diff.shape
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        return self.diff.shape
+
+    def raw_delta(self) -> torch.Tensor:
+        return self.diff.load().clone()
+
+    def delta(self, transposed: bool) -> torch.Tensor:
+        d = self.raw_delta()
+        return d.mul_(self.weight) if self.weight != 1.0 else d
 
 
 @dataclass
@@ -121,10 +284,15 @@ class DoRA(Patch):
     each applies in order to the running W while its norm uses W₀, which is what PEFT 0.21 does both in its
     unmerged forward (DoRA rescales the running result) and in merge_and_unload. The adapter weight scales ΔW
     (PEFT's `set_scale`); the magnitude vector is used as trained.
+
+    LyCORIS/kohya `dora_scale` (style "lycoris", lora-formats.md §3 DoRA): the axis is told by its shape,
+    (out, 1, ..) per output channel or (1, in, ..) per input column (files before 2025-04); the merge weight m
+    interpolates the factor instead of scaling ΔW: f' = m·(f - 1) + 1, with ΔW unweighted.
     """
 
-    lora: LowRank
+    lora: DeltaPatch
     magnitude: Ref
+    style: str = "peft"
     reads_base = True
 
     def set_weight(self, weight: float) -> None:
@@ -137,19 +305,40 @@ class DoRA(Patch):
     def target_shape(self, transposed: bool) -> tuple[int, ...]:
         return self.lora.target_shape(transposed)
 
+    def fits(self, target: tuple[int, ...], transposed: bool) -> bool:
+        return self.lora.fits(target, transposed)
+
+    def axis(self, transposed: bool, w_shape: tuple[int, ...]) -> int:
+        """The axis the magnitude runs along, in storage layout."""
+        out_axis = 1 if (transposed != self.lora.flip) and len(w_shape) == 2 else 0
+        if self.style == "peft":
+            return out_axis
+        m = self.magnitude.shape
+        if len(m) >= 2 and m[0] == 1 and w_shape[out_axis] != 1:
+            return 1 - out_axis if len(w_shape) == 2 else 1  # the input axis (old LyCORIS/OneTrainer files)
+        return out_axis
+
     def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         base = w if base is None else base
-        delta = self.lora.delta(transposed)
-        out_axis = 1 if (transposed != self.lora.flip) and w.dim() == 2 else 0
-        reduce = [d for d in range(w.dim()) if d != out_axis]
+        weight = self.lora.weight
+        if self.style == "lycoris":
+            self.lora.weight = 1.0
+        try:
+            delta = self.lora.delta(transposed).reshape(w.shape)
+        finally:
+            self.lora.weight = weight
+        axis = self.axis(transposed, tuple(w.shape))
+        reduce = [d for d in range(w.dim()) if d != axis]
         norm = torch.linalg.vector_norm(base + delta, dim=reduce, keepdim=True)
         factor = self.magnitude.load().reshape(norm.shape) / norm
+        if self.style == "lycoris" and weight != 1.0:
+            factor = weight * (factor - 1) + 1
         return w.add_(delta).mul_(factor)
 
 
 @dataclass
 class BiasDelta(Patch):
-    """b' = b + scale · Δb (PEFT's `lora_B.bias` with lora_bias=True; LyCORIS `diff_b`)."""
+    """b' = b + scale · Δb (PEFT's `lora_B.bias` with lora_bias=True; LyCORIS `diff_b`, scale 1)."""
 
     delta: Ref
     scale: float

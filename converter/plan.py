@@ -110,7 +110,8 @@ def build_plan(
     requantize: Requantize | None = None,
 ) -> MergePlan:
     keys = checkpoint.names()
-    resolver = Resolver(keymap, checkpoint.config, set(keys))
+    resolver = checkpoint.make_resolver(keymap) if hasattr(checkpoint, "make_resolver") else None
+    resolver = resolver or Resolver(keymap, checkpoint.config, set(keys))
     by_key: dict[str, list[PlannedPatch]] = {}
     coverage: list[Coverage] = []
     notes: list[str] = []
@@ -121,8 +122,12 @@ def build_plan(
         used = excluded = 0
         unmatched: list[str] = []
         for ap in adapter.patches:
-            place = resolver.resolve(ap.module, ap.param)
-            if place is None and ap.param == "bias" and resolver.resolve(ap.module, "weight") is not None:
+            place = resolver.resolve(ap.module, ap.param, ap.component, ap.flat)
+            if (
+                place is None
+                and ap.param == "bias"
+                and resolver.resolve(ap.module, "weight", ap.component, ap.flat) is not None
+            ):
                 raise ConverterError(
                     f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
                     "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
@@ -135,7 +140,7 @@ def build_plan(
                 continue
             layout = keymap.is_stored_transposed(place.key)
             transposed = bool(ap.stored_transposed) if layout is None else layout
-            ap.patch.set_weight(spec.weight)
+            ap.patch.set_weight(spec.weight_for(_component_of(place.key, ap.component)))
             planned = PlannedPatch(i, ap.patch, place.rows, transposed)
             by_key.setdefault(place.key, []).append(planned)
             if ap.follows_tie:
@@ -145,7 +150,7 @@ def build_plan(
             used += len(ap.patch.sources)
         if (
             isinstance(spec.weight, int | float)
-            and spec.weight != 1.0
+            and spec.weight != 1.0  # per-component dict weights are checked in AdapterSpec
             and any(isinstance(ap.patch, Replace | RowReplace) for ap in adapter.patches)
         ):
             notes.append(f"{spec.source}: weight {spec.weight} does not apply to its full replacement tensors")
@@ -210,6 +215,11 @@ def build_plan(
     return MergePlan(outputs, coverage, config_updates, tokenizer_from, notes)
 
 
+def _component_of(key: str, component: str | None) -> str | None:
+    """The base component a key belongs to (diffusers subfolder), else the adapter's own component name."""
+    return key.split("/", 1)[0] if "/" in key else component
+
+
 def _quantized_in_training(key: str, planned: list[PlannedPatch], keymap: Keymap) -> bool:
     """A weight that load_in_4bit quantizes: a linear layer's weight that LoRA targets (not the output head,
     which transformers keeps in full precision, and not embeddings)."""
@@ -237,7 +247,7 @@ def _output(
         target = shape if p.rows is None else (p.rows[1] - p.rows[0], *shape[1:])
         if p.rows is not None and p.rows[1] > shape[0]:
             raise ConverterError(f"base tensor {name} has {shape[0]} rows; the keymap places a slice at {p.rows}")
-        if expected is not None and tuple(expected) != tuple(target):
+        if expected is not None and not p.patch.fits(target, p.transposed):
             where = f"{name}" if p.rows is None else f"{name}[{p.rows[0]}:{p.rows[1]}]"
             raise ConverterError(
                 f"{adapters[p.adapter][1].source}: tensor {p.patch.sources[0]} implies shape {list(expected)} "

@@ -10,15 +10,32 @@ import yaml
 
 from converter.errors import ConverterError
 
+# Names a per-component weight may use (kohya "strength" for UNet and text encoder separately).
+COMPONENT_WEIGHTS = {"unet", "transformer", "denoiser", "text_encoder", "text_encoder_2", "text_encoder_3", "default"}
+DENOISERS = ("unet", "transformer", "denoiser")
+
 
 @dataclass
 class AdapterSpec:
     source: str
-    weight: float = 1.0
+    # A number, or per component of a diffusion base: {unet: 1.0, text_encoder: 0.5, default: 1.0}.
+    weight: float | dict[str, float] = 1.0
     # Regexes over base tensor names (re.search): the adapter only touches tensors that match include (when
     # given) and do not match exclude.
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+
+    def weight_for(self, component: str | None) -> float:
+        """The weight for a patch on `component` (a base subfolder or the adapter's component name)."""
+        if not isinstance(self.weight, dict):
+            return self.weight
+        if component in self.weight:
+            return float(self.weight[component])
+        if component in DENOISERS or component is None:
+            for name in DENOISERS:
+                if name in self.weight:
+                    return float(self.weight[name])
+        return float(self.weight.get("default", 1.0))
 
     def admits(self, key: str) -> bool:
         if self.include and not any(re.search(p, key) for p in self.include):
@@ -50,6 +67,12 @@ class Recipe:
         if not self.adapters:
             raise ConverterError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:
+            if isinstance(spec.weight, dict) and not set(spec.weight) <= COMPONENT_WEIGHTS:
+                unknown = sorted(set(spec.weight) - COMPONENT_WEIGHTS)
+                raise ConverterError(
+                    f"adapter {spec.source}: weight for unknown component {unknown[0]!r} "
+                    f"(use {', '.join(sorted(COMPONENT_WEIGHTS))})"
+                )
             for pattern in (*spec.include, *spec.exclude):
                 try:
                     re.compile(pattern)

@@ -56,14 +56,14 @@ def plan_shards(specs: list[OutSpec], max_shard_bytes: int) -> list[list[OutSpec
     return shards
 
 
-def shard_names(count: int) -> list[str]:
+def shard_names(count: int, stem: str = "model") -> list[str]:
     if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-def _header(shard: list[OutSpec]) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt"}}
+def _header(shard: list[OutSpec], metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
+    header: dict = {"__metadata__": {**dict(metadata), "format": "pt"}}
     offset = 0
     for spec in shard:
         header[spec.name] = {
@@ -80,10 +80,22 @@ def _header(shard: list[OutSpec]) -> bytes:
 class ShardedWriter:
     """Writes `specs` in the given order into shards of at most `max_shard_bytes`, plus the index."""
 
-    def __init__(self, folder: Path, specs: list[OutSpec], max_shard_bytes: int):
+    def __init__(
+        self,
+        folder: Path,
+        specs: list[OutSpec],
+        max_shard_bytes: float,
+        stem: str = "model",
+        single_file: str | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ):
+        """`stem` names the shards (`diffusion_pytorch_model` in diffusers components); `single_file` writes one
+        file of exactly that name (a single-file checkpoint keeps its own); `metadata` goes into every header."""
         self.folder = folder
+        self.stem = stem
+        self.metadata = metadata
         self.shards = plan_shards(specs, max_shard_bytes)
-        self.names = shard_names(len(self.shards))
+        self.names = [single_file] if single_file and len(self.shards) == 1 else shard_names(len(self.shards), stem)
         self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0
         self._shard = -1
@@ -101,7 +113,7 @@ class ShardedWriter:
             self._io.put(self._close_shard)
             self._shard = index
             self._io.put(lambda path=self.folder / self.names[index]: self._open_shard(path))
-            self._io.put(_header(self.shards[index]))
+            self._io.put(_header(self.shards[index], self.metadata))
         written = 0
 
         def sink(chunk: bytes) -> None:
@@ -143,8 +155,8 @@ class ShardedWriter:
             "metadata": {"total_size": sum(s.nbytes for shard in self.shards for s in shard)},
             "weight_map": {s.name: self.names[i] for i, shard in enumerate(self.shards) for s in shard},
         }
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return [*self.names, "model.safetensors.index.json"]
+        (self.folder / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return [*self.names, f"{self.stem}.safetensors.index.json"]
 
     def abort(self) -> None:
         self._io.abort()

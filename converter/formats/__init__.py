@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from converter.errors import ConverterError
-from converter.formats import peft
+from converter.formats import community, peft
 from converter.formats.base import Adapter, AdapterPatch
 
-FORMATS = [peft]
+FORMATS = [peft, community]
 
 __all__ = ["Adapter", "AdapterPatch", "load_adapter"]
 
@@ -22,6 +22,21 @@ def load_adapter(path: Path, *, allow_pickle: bool = False) -> Adapter:
         if fmt.detect(path):
             return fmt.parse(path, allow_pickle=allow_pickle)
     raise ConverterError(
-        f"{path}: not a recognised adapter; tried {', '.join(f.NAME for f in FORMATS)} "
-        "(a PEFT adapter is a folder with adapter_config.json and adapter_model.safetensors)"
+        f"{path}: not a recognised adapter{_sample(path)}; tried PEFT (a folder with adapter_config.json), "
+        "kohya/LyCORIS/OneTrainer/musubi (lora_unet_*, lora_te*_*, lycoris_*), diffusers/ComfyUI (unet.*, "
+        "transformer.*, diffusion_model.* with lora_A/lora_B or lora_down/lora_up)"
     )
+
+
+def _sample(path: Path) -> str:
+    """A few of the file's tensor names, so an unknown format can be recognised by whoever reads the error."""
+    from converter.checkpoint import SafetensorsFile
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
+    if not files or files[0].suffix != ".safetensors":
+        return ""
+    try:
+        names = list(SafetensorsFile(files[0]).tensors)[:4]
+    except ConverterError:
+        return ""
+    return f" (keys like {', '.join(names)})" if names else " (no tensors)"

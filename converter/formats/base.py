@@ -88,6 +88,10 @@ class AdapterPatch:
     stored_transposed: bool | None = None
     # Applies to a tied output head too (PEFT applies trainable tokens to both sides of a tie).
     follows_tie: bool = False
+    # Community formats: which part of a diffusion base the module belongs to ("denoiser", "text_encoder",
+    # "text_encoder_2", ...; None: the whole model), and whether its name is kohya-flattened ('.' -> '_').
+    component: str | None = None
+    flat: bool = False
 
     @property
     def name(self) -> str:

@@ -1,0 +1,405 @@
+"""Community adapter files (one .safetensors, no adapter_config.json): kohya sd-scripts / musubi LoRA and LoCon,
+LyCORIS (LoHa, LoKr, full, DoRA), OneTrainer, SimpleTuner `lycoris_`, diffusers (PEFT-style and older layouts),
+ComfyUI / ai-toolkit `diffusion_model.`, xlabs Flux.
+
+Facts from each writer's own source: shared/reference/lora-formats.md (sections cited below). Names are kept as the
+file spells them; where they are flattened with '_' (kohya), `flat` is set and the resolver looks them up among
+the base's keys flattened the same way, never by guessing where the dots were.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from converter.errors import ConverterError
+from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
+from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
+
+NAME = "community"
+
+# File-level tensor suffix -> role, longest first when matching.
+SUFFIXES = {
+    # kohya / LyCORIS LoCon (§1, §3)
+    ".lora_down.weight": "down",
+    ".lora_up.weight": "up",
+    ".lora_mid.weight": "mid",
+    ".alpha": "alpha",
+    ".dora_scale": "dora",
+    # LyCORIS LoHa, LoKr, full (§3)
+    ".hada_w1_a": "hada_w1_a",
+    ".hada_w1_b": "hada_w1_b",
+    ".hada_w2_a": "hada_w2_a",
+    ".hada_w2_b": "hada_w2_b",
+    ".hada_t1": "hada_t1",
+    ".hada_t2": "hada_t2",
+    ".lokr_w1": "lokr_w1",
+    ".lokr_w1_a": "lokr_w1_a",
+    ".lokr_w1_b": "lokr_w1_b",
+    ".lokr_w2": "lokr_w2",
+    ".lokr_w2_a": "lokr_w2_a",
+    ".lokr_w2_b": "lokr_w2_b",
+    ".lokr_t2": "lokr_t2",
+    ".diff": "diff",
+    ".diff_b": "diff_b",
+    # diffusers / PEFT-style (§4, §7), ComfyUI probes (§5)
+    ".lora_A.weight": "down",
+    ".lora_B.weight": "up",
+    ".lora_A.default.weight": "down",
+    ".lora_B.default.weight": "up",
+    ".lora_B.bias": "up_bias",
+    ".lora_magnitude_vector.weight": "magnitude",
+    ".lora_magnitude_vector": "magnitude",
+    # older diffusers layouts (§4): `.lora.down`, attn-processor `to_q_lora.down`, `lora_linear_layer.down`
+    ".lora.down.weight": "down",
+    ".lora.up.weight": "up",
+    "_lora.down.weight": "down",
+    "_lora.up.weight": "up",
+    ".lora_linear_layer.down.weight": "down",
+    ".lora_linear_layer.up.weight": "up",
+    # xlabs Flux `processor.qkv_lora1.down.weight` (§10)
+    ".down.weight": "down",
+    ".up.weight": "up",
+}
+_ORDERED = sorted(SUFFIXES, key=len, reverse=True)
+# LyCORIS algorithms we recognise but cannot merge yet: a clear refusal beats a silent skip.
+UNSUPPORTED = {
+    ".on_input": "(IA)^3",
+    ".oft_blocks": "OFT/BOFT",
+    ".w_norm": "Norm",
+    ".b_norm": "Norm",
+    ".a1.weight": "GLoRA",
+}
+
+# Flattened prefixes (kohya-style names): prefix -> component. lora_te3 is T5 in kohya Flux/SD3 (§1); the keymap
+# says which base component each adapter component lands on (OneTrainer/LyCORIS put T5 at lora_te2, §3, §6).
+FLAT_PREFIXES = {
+    "lora_unet_": "denoiser",
+    "lora_transformer_": "denoiser",  # OneTrainer
+    "lycoris_": "denoiser",  # LyCORIS wrapper (SimpleTuner)
+    "lora_te1_": "text_encoder",
+    "lora_te2_": "text_encoder_2",
+    "lora_te3_": "text_encoder_3",
+    "lora_te_": "text_encoder",
+}
+# Dotted prefixes (diffusers, ComfyUI, PEFT without a config) -> component.
+DOTTED_PREFIXES = {
+    "unet.": "denoiser",
+    "transformer.": "denoiser",
+    "diffusion_model.": "denoiser",  # ComfyUI / ai-toolkit / musubi converted
+    "base_model.model.": "denoiser",
+    "text_encoder.": "text_encoder",
+    "text_encoder_2.": "text_encoder_2",
+    "text_encoder_3.": "text_encoder_3",
+    "text_encoders.clip_l.transformer.": "text_encoder",  # ComfyUI-saved
+}
+ROLE_LABEL = {"down": "lora_down/lora_A", "up": "lora_up/lora_B"}
+
+
+def _weights_file(path: Path) -> Path | None:
+    if path.is_file():
+        return path if path.suffix == ".safetensors" else None
+    if path.is_dir() and not (path / "adapter_config.json").exists():
+        files = sorted(path.glob("*.safetensors"))
+        if len(files) == 1:
+            return files[0]
+        for name in ("pytorch_lora_weights.safetensors",):
+            if (path / name).is_file():
+                return path / name
+    return None
+
+
+def _split_suffix(key: str) -> tuple[str, str] | None:
+    for suffix in _ORDERED:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[: -len(suffix)], SUFFIXES[suffix]
+    return None
+
+
+def detect(path: Path) -> bool:
+    f = _weights_file(path)
+    if f is None:
+        return False
+    names = list(SafetensorsSource(f).file.tensors)
+    return bool(names) and sum(_split_suffix(n) is not None for n in names) * 2 > len(names)
+
+
+def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
+    """(component, module name, flat) of a module stem."""
+    if stem.startswith("lora_unet__"):  # Wan-Fun files (ComfyUI lora_convert)
+        stem = "lora_unet_" + stem[len("lora_unet__") :]
+    for prefixes, flat in ((FLAT_PREFIXES, True), (DOTTED_PREFIXES, False)):
+        for prefix, component in sorted(prefixes.items(), key=lambda p: -len(p[0])):
+            if stem.startswith(prefix):
+                rest = stem[len(prefix) :]
+                if any(rest.startswith(p) for p in (*FLAT_PREFIXES, *DOTTED_PREFIXES)):
+                    raise ConverterError(
+                        f"{where}: tensor names start with a doubled prefix ({stem.split('.')[0][:60]}...): "
+                        "the file was converted twice; strip one prefix and retry"
+                    )
+                return component, _normalise(rest, component), flat
+    return "denoiser", _normalise(stem, "denoiser"), False  # bare diffusers/xlabs/DiffSynth names
+
+
+# Older diffusers layouts and xlabs processors, as module-path rewrites (§4 UNET_TO_DIFFUSERS, §10 xlabs).
+_REWRITES = [
+    (".processor.to_q", ".to_q"),
+    (".processor.to_k", ".to_k"),
+    (".processor.to_v", ".to_v"),
+    (".processor.to_out", ".to_out.0"),
+    (".processor.qkv_lora1", ".img_attn.qkv"),
+    (".processor.qkv_lora2", ".txt_attn.qkv"),
+    (".processor.proj_lora1", ".img_attn.proj"),
+    (".processor.proj_lora2", ".txt_attn.proj"),
+    (".processor.qkv_lora", ".linear1_qkv"),
+]
+_TE_REWRITES = [(".to_q", ".q_proj"), (".to_k", ".k_proj"), (".to_v", ".v_proj"), (".to_out", ".out_proj")]
+
+
+def _normalise(module: str, component: str) -> str:
+    for old, new in _REWRITES:
+        if module.endswith(old):
+            module = module[: -len(old)] + new
+    if component.startswith("text_encoder"):
+        for old, new in _TE_REWRITES:
+            if module.endswith(old):
+                module = module[: -len(old)] + new
+    if module.endswith(".to_out") and component == "denoiser":
+        module += ".0"
+    return module
+
+
+def _alpha(tensors, roles: dict[str, str]) -> float | None:
+    if "alpha" not in roles:
+        return None
+    t = tensors.read(roles["alpha"])
+    if t.numel() != 1:
+        raise ConverterError(f"{roles['alpha']}: alpha must be a single number, found shape {list(t.shape)}")
+    return float(t.reshape(()).item())
+
+
+def _scale(alpha: float | None, rank: int) -> float:
+    """kohya/LyCORIS: alpha None or 0 means alpha = rank, scale = alpha / rank (§1, §3)."""
+    return 1.0 if alpha in (None, 0.0) else alpha / rank
+
+
+def _diffusers_alphas(metadata: dict[str, str]) -> dict:
+    """`lora_adapter_metadata` (§4): LoraConfig fields, prefixed per component when saved by a pipeline."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise ConverterError("lora_adapter_metadata in the file is not valid JSON") from None
+
+
+def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: int) -> float | None:
+    """Scale from diffusers' saved LoraConfig (lora_alpha / r, rank/alpha patterns, rsLoRA), or None."""
+    from converter.formats.peft import pattern_value
+
+    def get(field, default=None):
+        if component_prefix and f"{component_prefix}.{field}" in meta:
+            return meta[f"{component_prefix}.{field}"]
+        return meta.get(field, default)
+
+    alpha = get("lora_alpha")
+    if alpha is None:
+        return None
+    alpha = pattern_value(get("alpha_pattern") or {}, module, alpha)
+    return alpha / math.sqrt(rank) if get("use_rslora") else alpha / rank
+
+
+def _ref(tensors, roles, role) -> Ref | None:
+    return Ref(tensors, roles[role]) if role in roles else None
+
+
+def _need(roles: dict[str, str], wanted: tuple[str, ...], stem: str, where: Path) -> None:
+    missing = [r for r in wanted if r not in roles]
+    if missing:
+        have = ", ".join(sorted(roles))
+        raise ConverterError(
+            f"{where}: module {stem} has {have} but no {', '.join(ROLE_LABEL.get(m, m) for m in missing)} "
+            "(incomplete or damaged file)"
+        )
+
+
+def _loha(tensors, roles, stem, where) -> DeltaPatch:
+    _need(roles, ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"), stem, where)
+    r = {k: Ref(tensors, v) for k, v in roles.items() if k.startswith("hada_")}
+    rank = r["hada_w1_b"].shape[0]
+    alpha = _alpha(tensors, roles)
+    if "hada_t1" in r and "hada_t2" in r:  # Tucker: w*_a (r, out), w*_b (r, in), t (r, r, *k)
+        shape = (r["hada_w1_a"].shape[1], r["hada_w1_b"].shape[1], *r["hada_t1"].shape[2:])
+    else:
+        shape = (r["hada_w1_a"].shape[0], math.prod(r["hada_w1_b"].shape[1:]))
+    return LoHa(
+        r["hada_w1_a"], r["hada_w1_b"], r["hada_w2_a"], r["hada_w2_b"], _scale(alpha, rank), shape,
+        r.get("hada_t1"), r.get("hada_t2"), alpha,
+    )  # fmt: skip
+
+
+def _lokr(tensors, roles, stem, where) -> DeltaPatch:
+    r = {k: Ref(tensors, v) for k, v in roles.items() if k.startswith("lokr_")}
+    factors = []
+    rank = None
+    for i in ("1", "2"):
+        if f"lokr_w{i}" in r:
+            factors.append(r[f"lokr_w{i}"])
+        elif f"lokr_w{i}_a" in r and f"lokr_w{i}_b" in r:
+            factors.append((r[f"lokr_w{i}_a"], r[f"lokr_w{i}_b"]))
+            rank = r[f"lokr_w{i}_b"].shape[0]  # ComfyUI: dim = w_b.shape[0], the last one wins (§6)
+        else:
+            _need(roles, (f"lokr_w{i}",), stem, where)
+    w1, w2 = factors
+    alpha = _alpha(tensors, roles)
+    # LyCORIS: both factors full -> alpha forced to rank, scale 1; else alpha / rank (§3 LoKr).
+    scale = 1.0 if rank is None else _scale(alpha, rank)
+    rows1, cols1 = (w1.shape if isinstance(w1, Ref) else (w1[0].shape[0], w1[1].shape[1]))[:2]
+    t2 = r.get("lokr_t2")
+    if isinstance(w2, Ref):
+        shape = (rows1 * w2.shape[0], cols1 * w2.shape[1], *w2.shape[2:])
+    elif t2 is not None:  # Tucker: w2_a (r, out_k), w2_b (r, in_n), t2 (r, r, *k)
+        shape = (rows1 * w2[0].shape[1], cols1 * w2[1].shape[1], *t2.shape[2:])
+    else:
+        shape = (rows1 * w2[0].shape[0], cols1 * math.prod(w2[1].shape[1:]))
+    return LoKr(w1, w2, scale, tuple(shape), t2, alpha)
+
+
+def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
+    weights = _weights_file(path)
+    if weights is None:
+        raise ConverterError(f"{path}: not a single .safetensors adapter file")
+    tensors = open_tensor_file(weights, allow_pickle)
+    meta = _diffusers_alphas(tensors.metadata)
+    groups: dict[str, dict[str, str]] = defaultdict(dict)
+    for key in tensors.names():
+        for suffix, algo in UNSUPPORTED.items():
+            if key.endswith(suffix):
+                raise ConverterError(f"{weights}: {key} is a LyCORIS {algo} tensor; {algo} cannot be merged yet")
+        split = _split_suffix(key)
+        if split is None:
+            raise ConverterError(
+                f"{weights}: tensor {key} is not part of any adapter format converter knows "
+                "(expected lora_down/lora_up/alpha, lora_A/lora_B, hada_*, lokr_*, diff, dora_scale ...)"
+            )
+        stem, role = split
+        if role in groups[stem]:
+            raise ConverterError(f"{weights}: module {stem} has two {role} tensors ({groups[stem][role]}, {key})")
+        groups[stem][role] = key
+
+    patches: list[AdapterPatch] = []
+    flavours: set[str] = set()
+    ranks: set[int] = set()
+    alphas: set[float] = set()
+    components: set[str] = set()
+    for stem, roles in groups.items():
+        component, module, flat = _name(stem, weights)
+        components.add(component or "?")
+        flavours.add(_flavour(stem, roles))
+        delta: DeltaPatch | None = None
+        if "down" in roles or "up" in roles:
+            _need(roles, ("down", "up"), stem, weights)
+            down, up = Ref(tensors, roles["down"]), Ref(tensors, roles["up"])
+            mid = _ref(tensors, roles, "mid")
+            rank = down.shape[0]
+            if up.shape[1] != rank or (mid is None and len(down.shape) != len(up.shape)):
+                raise ConverterError(
+                    f"{weights}: {roles['up']} has shape {list(up.shape)} but {roles['down']} has "
+                    f"{list(down.shape)}: their ranks (up dim 1, down dim 0) must agree"
+                )
+            alpha = _alpha(tensors, roles)
+            scale = _scale(alpha, rank)
+            if alpha is None and meta:
+                prefix = stem.split(".", 1)[0] if not flat else None
+                scale = _config_scale(meta, prefix, module, rank) or scale
+            ranks.add(rank)
+            if alpha is not None:
+                alphas.add(alpha)
+            delta = LowRank(down, up, scale, mid=mid, alpha=alpha)
+        elif "hada_w1_a" in roles or "hada_w1_b" in roles:
+            delta = _loha(tensors, roles, stem, weights)
+            ranks.add(delta.rank)
+        elif any(r.startswith("lokr_") for r in roles):
+            delta = _lokr(tensors, roles, stem, weights)
+        elif "diff" in roles:
+            delta = FullDelta(Ref(tensors, roles["diff"]))
+        if delta is None and not ({"diff_b"} & roles.keys()):
+            raise ConverterError(
+                f"{weights}: module {stem} has only {', '.join(sorted(roles))} and no weights to merge "
+                "(an alpha or dora_scale without its lora_down/lora_up? incomplete file)"
+            )
+        if delta is not None:
+            patch = delta
+            if "dora" in roles:
+                patch = DoRA(delta, Ref(tensors, roles["dora"]), style="lycoris")
+            elif "magnitude" in roles:
+                patch = DoRA(delta, Ref(tensors, roles["magnitude"]), style="peft")
+            patches.append(AdapterPatch(module, "weight", patch, component=component, flat=flat))
+        if "up_bias" in roles and isinstance(delta, LowRank):
+            patches.append(
+                AdapterPatch(
+                    module,
+                    "bias",
+                    BiasDelta(Ref(tensors, roles["up_bias"]), delta.scale),
+                    component=component,
+                    flat=flat,
+                )
+            )
+        if "diff_b" in roles:
+            bias = BiasDelta(Ref(tensors, roles["diff_b"]), 1.0)
+            patches.append(AdapterPatch(module, "bias", bias, component=component, flat=flat))
+
+    md = tensors.metadata
+    base_model = md.get("ss_sd_model_name") or md.get("modelspec.architecture") or md.get("ss_base_model_version")
+    fmt = "+".join(sorted(flavours))
+    summary = {
+        "flavour": fmt,
+        "ranks": sorted(ranks),
+        "alphas": sorted(alphas)[:8],
+        "components": sorted(components),
+        "network_module": md.get("ss_network_module"),
+        "base_model_version": md.get("ss_base_model_version"),
+        "network_args": md.get("ss_network_args"),
+    }
+    if meta:
+        summary["lora_adapter_metadata"] = True
+    return Adapter(
+        path=path,
+        format=fmt,
+        tensors=tensors,
+        patches=patches,
+        config={"metadata": dict(md)},
+        base_model=None if base_model is None else str(base_model),
+        summary={k: v for k, v in summary.items() if v not in (None, [], {})},
+        files=[weights],
+    )
+
+
+def _flavour(stem: str, roles: dict[str, str]) -> str:
+    """A short name for what wrote this module, for `inspect` and the provenance record."""
+    if any(r.startswith("hada_") for r in roles):
+        algo = "loha"
+    elif any(r.startswith("lokr_") for r in roles):
+        algo = "lokr"
+    elif "diff" in roles or "diff_b" in roles:
+        algo = "full"
+    elif "mid" in roles:
+        algo = "locon-tucker"
+    else:
+        algo = "lora"
+    if stem.startswith("lycoris_"):
+        writer = "lycoris-wrapper"
+    elif stem.startswith("lora_transformer_"):
+        writer = "onetrainer"
+    elif stem.startswith(tuple(FLAT_PREFIXES)):
+        writer = "kohya" if algo == "lora" else "lycoris"
+    elif stem.startswith("diffusion_model."):
+        writer = "comfyui"
+    elif ".processor." in stem and "_lora" in stem and "qkv" in stem or "proj_lora" in stem:
+        writer = "xlabs"
+    else:
+        writer = "diffusers"
+    return f"{writer}-{algo}" if writer not in ("kohya",) or algo != "lora" else "kohya-lora"
