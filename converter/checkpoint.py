@@ -6,6 +6,7 @@ reported with its name before any work starts, and so untouched tensors can be c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -309,7 +310,7 @@ class DiffusersCheckpoint(Checkpoint):
         return out
 
     def info(self, name: str) -> TensorInfo:
-        return self.where[name].tensors[self._names[name]]
+        return dataclasses.replace(self.where[name].tensors[self._names[name]], name=name)
 
     def read(self, name: str) -> torch.Tensor:
         return self.where[name].read(self._names[name])
