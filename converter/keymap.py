@@ -302,9 +302,9 @@ class DiffusionResolver:
                             continue
                         span = None
                         if rows is not None:
-                            start = eval_expr(_render(rows[0], groups, env, keymap) or "0", {}, {})
-                            size = eval_expr(_render(rows[1], groups, env, keymap) or "0", {}, {})
-                            span = (start, start + size)
+                            values = {**env, **{k: int(v) for k, v in groups.items() if v.isdigit()}}
+                            start = eval_expr(rows[0], values, keymap.defaults)
+                            span = (start, start + eval_expr(rows[1], values, keymap.defaults))
                         dotted.setdefault(alias, set()).add(Placement(key, span))
             flat = self.flat.setdefault(component, {})
             for name, places in dotted.items():

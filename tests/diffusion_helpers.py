@@ -107,7 +107,10 @@ TE_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
 
 
 def kohya_modules(model: nn.Module, prefix: str, targets: tuple[str, ...], convs: bool = False) -> dict:
-    """{kohya name: (module path, module)} the way create_modules names them: (prefix.path.child) with '.' -> '_'."""
+    """{kohya name: (module path, module)} the way create_modules names them: (prefix.path.child) with '.' -> '_'.
+
+    Text encoders were trained as transformers 4 CLIPTextModels, whose paths start with `text_model.`
+    (lora_te_text_model_encoder_layers_0_...); transformers 5 saves them without it, hence the prefix here."""
     out = {}
     classes = targets + (UNET_CONV_TARGETS if convs else ())
     for name, module in model.named_modules():
@@ -120,7 +123,10 @@ def kohya_modules(model: nn.Module, prefix: str, targets: tuple[str, ...], convs
             if is_kxk and not convs:
                 continue
             path = f"{name}.{child_name}"
-            out[f"{prefix}.{path}".replace(".", "_")] = (path, child)
+            kohya_path = (
+                path if not prefix.startswith("lora_te") or path.startswith("text_model.") else f"text_model.{path}"
+            )
+            out[f"{prefix}.{kohya_path}".replace(".", "_")] = (path, child)
     return out
 
 
