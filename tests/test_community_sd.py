@@ -267,7 +267,7 @@ def test_diffusers_peft_format_with_metadata_alpha_and_dora(sd15, tmp_path, cli)
     from safetensors import safe_open
 
     with safe_open(file, "pt") as f:
-        assert "lora_adapter_metadata" in f.metadata() and any(".lora_magnitude_vector" in k for k in f.keys())
+        assert "lora_adapter_metadata" in f.metadata() and any(".lora_magnitude_vector" in k for k in f.keys())  # noqa: SIM118
     assert cli("merge", "--base", base, "--adapter", tmp_path / "lora", "--out", tmp_path / "m")[0] == 0
     reference = peft_merge(unet)
     assert_matches(read_component(tmp_path / "m", "unet"), reference, read_component(base, "unet"), atol=1e-5)
