@@ -123,7 +123,8 @@ def detect(path: Path) -> bool:
     if f is None:
         return False
     names = list(SafetensorsSource(f).file.tensors)
-    return bool(names) and sum(_split_suffix(n) is not None for n in names) * 2 > len(names)
+    known = sum(_split_suffix(n) is not None or n.endswith(tuple(UNSUPPORTED)) for n in names)
+    return bool(names) and known * 2 > len(names)
 
 
 def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
