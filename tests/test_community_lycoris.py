@@ -66,8 +66,13 @@ def case(fn):
 def loha_linear_and_conv():
     f = {}
     for name, (out, flat) in {K: (16, 16), KC: (32, 16 * 9)}.items():
-        f |= {f"{name}.hada_w1_a": rnd(out, 2), f"{name}.hada_w1_b": rnd(2, flat),
-              f"{name}.hada_w2_a": rnd(out, 2), f"{name}.hada_w2_b": rnd(2, flat), f"{name}.alpha": torch.tensor(1.0)}  # fmt: skip
+        f |= {
+            f"{name}.hada_w1_a": rnd(out, 2),
+            f"{name}.hada_w1_b": rnd(2, flat),
+            f"{name}.hada_w2_a": rnd(out, 2),
+            f"{name}.hada_w2_b": rnd(2, flat),
+            f"{name}.alpha": torch.tensor(1.0),
+        }
 
     def delta(base):
         out = {}
@@ -82,9 +87,15 @@ def loha_linear_and_conv():
 
 @case
 def loha_tucker_conv():
-    f = {f"{KC}.hada_w1_a": rnd(3, 32), f"{KC}.hada_w1_b": rnd(3, 16), f"{KC}.hada_t1": rnd(3, 3, 3, 3),
-         f"{KC}.hada_w2_a": rnd(3, 32), f"{KC}.hada_w2_b": rnd(3, 16), f"{KC}.hada_t2": rnd(3, 3, 3, 3),
-         f"{KC}.alpha": torch.tensor(6.0)}  # fmt: skip
+    f = {
+        f"{KC}.hada_w1_a": rnd(3, 32),
+        f"{KC}.hada_w1_b": rnd(3, 16),
+        f"{KC}.hada_t1": rnd(3, 3, 3, 3),
+        f"{KC}.hada_w2_a": rnd(3, 32),
+        f"{KC}.hada_w2_b": rnd(3, 16),
+        f"{KC}.hada_t2": rnd(3, 3, 3, 3),
+        f"{KC}.alpha": torch.tensor(6.0),
+    }
 
     def delta(base):
         r1 = tucker(_d(f[f"{KC}.hada_t1"]), _d(f[f"{KC}.hada_w1_a"]), _d(f[f"{KC}.hada_w1_b"]))
@@ -106,8 +117,14 @@ def lokr_full_factors_ignore_alpha():
 
 @case
 def lokr_decomposed_and_conv():
-    f = {f"{K}.lokr_w1": rnd(2, 4), f"{K}.lokr_w2_a": rnd(8, 2), f"{K}.lokr_w2_b": rnd(2, 4), f"{K}.alpha": torch.tensor(1.0),
-         f"{KC}.lokr_w1": rnd(4, 4), f"{KC}.lokr_w2": rnd(8, 4, 3, 3)}  # fmt: skip
+    f = {
+        f"{K}.lokr_w1": rnd(2, 4),
+        f"{K}.lokr_w2_a": rnd(8, 2),
+        f"{K}.lokr_w2_b": rnd(2, 4),
+        f"{K}.alpha": torch.tensor(1.0),
+        f"{KC}.lokr_w1": rnd(4, 4),
+        f"{KC}.lokr_w2": rnd(8, 4, 3, 3),
+    }
 
     def delta(base):
         w2 = _d(f[f"{K}.lokr_w2_a"]) @ _d(f[f"{K}.lokr_w2_b"])
@@ -128,8 +145,12 @@ def full_diff_and_bias():
 
 @case
 def locon_tucker_mid():
-    f = {f"{KC}.lora_down.weight": rnd(2, 16, 1, 1), f"{KC}.lora_mid.weight": rnd(2, 2, 3, 3),
-         f"{KC}.lora_up.weight": rnd(32, 2, 1, 1), f"{KC}.alpha": torch.tensor(1.0)}  # fmt: skip
+    f = {
+        f"{KC}.lora_down.weight": rnd(2, 16, 1, 1),
+        f"{KC}.lora_mid.weight": rnd(2, 2, 3, 3),
+        f"{KC}.lora_up.weight": rnd(32, 2, 1, 1),
+        f"{KC}.alpha": torch.tensor(1.0),
+    }
 
     def delta(base):
         up, down = _d(f[f"{KC}.lora_up.weight"]).flatten(1), _d(f[f"{KC}.lora_down.weight"]).flatten(1)
@@ -143,8 +164,12 @@ def dora(axis: str):
         down, up = rnd(2, 16), rnd(16, 2)
         scale_shape = (16, 1) if axis == "out" else (1, 16)
         m = rnd(*scale_shape).abs() + 1
-        f = {f"{K}.lora_down.weight": down, f"{K}.lora_up.weight": up, f"{K}.alpha": torch.tensor(4.0),
-             f"{K}.dora_scale": m}  # fmt: skip
+        f = {
+            f"{K}.lora_down.weight": down,
+            f"{K}.lora_up.weight": up,
+            f"{K}.alpha": torch.tensor(4.0),
+            f"{K}.dora_scale": m,
+        }
 
         def delta(base):
             w0 = _d(base[f"{Q}.weight"])
@@ -214,23 +239,54 @@ LORA = {
     "tensors, message",
     [
         ({f"lora_unet_{k}": v for k, v in LORA.items()}, "doubled prefix"),
-        ({f"unet.unet.{Q}.lora_A.weight": torch.ones(2, 16), f"unet.unet.{Q}.lora_B.weight": torch.ones(16, 2)}, "doubled prefix"),
+        (
+            {f"unet.unet.{Q}.lora_A.weight": torch.ones(2, 16), f"unet.unet.{Q}.lora_B.weight": torch.ones(16, 2)},
+            "doubled prefix",
+        ),
         ({f"{K}.lora_down.weight": torch.ones(2, 16), f"{K}.alpha": torch.tensor(1.0)}, "lora_up/lora_B"),
         ({f"unet.{Q}.lora_B.weight": torch.ones(16, 2)}, "lora_down/lora_A"),
-        ({f"{K}.alpha": torch.tensor(1.0), **{k: v for k, v in LORA.items() if "lora_unet_down_blocks_0_a" not in k}}, "no weights to merge"),
+        (
+            {
+                f"{K}.alpha": torch.tensor(1.0),
+                **{k: v for k, v in LORA.items() if "lora_unet_down_blocks_0_a" not in k},
+            },
+            "no weights to merge",
+        ),
         ({f"{K}.lora_down.weight": torch.ones(2, 16), f"{K}.lora_up.weight": torch.ones(16, 3)}, "ranks"),
-        ({f"{K}.lora_down.weight": torch.ones(2, 24), f"{K}.lora_up.weight": torch.ones(16, 2)}, "different model size"),
+        (
+            {f"{K}.lora_down.weight": torch.ones(2, 24), f"{K}.lora_up.weight": torch.ones(16, 2)},
+            "different model size",
+        ),
         ({f"{K}.hada_w1_a": torch.ones(16, 2), f"{K}.hada_w1_b": torch.ones(2, 16)}, "hada_w2_a"),
         ({f"{K}.lokr_w1": torch.ones(4, 4)}, "lokr_w2"),
         ({f"{K}.lokr_w1": torch.ones(4, 4), f"{K}.lokr_w2": torch.ones(4, 8)}, "different model size"),
         ({f"{K}.oft_blocks": torch.ones(4, 4, 4), f"{K}.alpha": torch.tensor(1.0)}, "OFT/BOFT"),
-        ({**LORA, "lora_unet_no_such_module.lora_down.weight": torch.ones(2, 16),
-          "lora_unet_no_such_module.lora_up.weight": torch.ones(16, 2)}, "lora_unet_no_such_module.lora_down.weight"),
+        (
+            {
+                **LORA,
+                "lora_unet_no_such_module.lora_down.weight": torch.ones(2, 16),
+                "lora_unet_no_such_module.lora_up.weight": torch.ones(16, 2),
+            },
+            "lora_unet_no_such_module.lora_down.weight",
+        ),
         ({**LORA, f"{K}.something_else": torch.ones(2)}, "not part of any adapter format"),
     ],
-    ids=["doubled-kohya", "doubled-diffusers", "no-up", "no-down", "alpha-only", "rank-mismatch", "wrong-shape",
-         "loha-half", "lokr-half", "lokr-shape", "oft", "unknown-module", "unknown-suffix"],
-)  # fmt: skip
+    ids=[
+        "doubled-kohya",
+        "doubled-diffusers",
+        "no-up",
+        "no-down",
+        "alpha-only",
+        "rank-mismatch",
+        "wrong-shape",
+        "loha-half",
+        "lokr-half",
+        "lokr-shape",
+        "oft",
+        "unknown-module",
+        "unknown-suffix",
+    ],
+)
 def test_malformed_files_are_refused_with_the_reason(tensors, message, sd15, tmp_path, cli):
     base, _ = sd15
     save(tensors, tmp_path / "bad.safetensors")
@@ -251,12 +307,19 @@ def test_ambiguous_flattened_name_is_an_error_not_a_guess(tmp_path, cli):
 
     folder = tmp_path / "base"
     (folder / "transformer").mkdir(parents=True)
-    save({"blocks.x_y.weight": torch.ones(4, 4), "blocks_x.y.weight": torch.ones(4, 4)},
-         folder / "transformer" / "diffusion_pytorch_model.safetensors")  # fmt: skip
+    save(
+        {"blocks.x_y.weight": torch.ones(4, 4), "blocks_x.y.weight": torch.ones(4, 4)},
+        folder / "transformer" / "diffusion_pytorch_model.safetensors",
+    )
     (folder / "transformer" / "config.json").write_text("{}")
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    save({"lora_unet_blocks_x_y.lora_down.weight": torch.ones(1, 4), "lora_unet_blocks_x_y.lora_up.weight": torch.ones(4, 1)},
-         tmp_path / "a.safetensors")  # fmt: skip
+    save(
+        {
+            "lora_unet_blocks_x_y.lora_down.weight": torch.ones(1, 4),
+            "lora_unet_blocks_x_y.lora_up.weight": torch.ones(4, 1),
+        },
+        tmp_path / "a.safetensors",
+    )
     err = assert_refused(cli, tmp_path, folder, tmp_path / "a.safetensors", "matches several base tensors")
     assert "blocks.x_y.weight" in err and "blocks_x.y.weight" in err
 
@@ -267,18 +330,60 @@ def test_ambiguous_flattened_name_is_an_error_not_a_guess(tmp_path, cli):
         ([f"{K}.lora_down.weight", f"{K}.lora_up.weight", f"{K}.alpha"], "kohya-lora", ["denoiser"]),
         ([f"{K}.hada_w1_a", f"{K}.hada_w1_b", f"{K}.hada_w2_a", f"{K}.hada_w2_b"], "lycoris-loha", ["denoiser"]),
         ([f"{K}.lokr_w1", f"{K}.lokr_w2"], "lycoris-lokr", ["denoiser"]),
-        ([f"lycoris_{Q.replace('.', '_')}.lokr_w1", f"lycoris_{Q.replace('.', '_')}.lokr_w2"], "lycoris-wrapper-lokr", ["denoiser"]),
-        ([f"lora_transformer_{Q.replace('.', '_')}.lora_down.weight", f"lora_transformer_{Q.replace('.', '_')}.lora_up.weight"], "onetrainer-lora", ["denoiser"]),
+        (
+            [f"lycoris_{Q.replace('.', '_')}.lokr_w1", f"lycoris_{Q.replace('.', '_')}.lokr_w2"],
+            "lycoris-wrapper-lokr",
+            ["denoiser"],
+        ),
+        (
+            [
+                f"lora_transformer_{Q.replace('.', '_')}.lora_down.weight",
+                f"lora_transformer_{Q.replace('.', '_')}.lora_up.weight",
+            ],
+            "onetrainer-lora",
+            ["denoiser"],
+        ),
         ([f"unet.{Q}.lora_A.weight", f"unet.{Q}.lora_B.weight"], "diffusers-lora", ["denoiser"]),
-        ([f"{Q.rsplit('.', 1)[0]}.processor.to_q_lora.down.weight", f"{Q.rsplit('.', 1)[0]}.processor.to_q_lora.up.weight"], "diffusers-lora", ["denoiser"]),
-        ([f"diffusion_model.{Q}.lora_down.weight", f"diffusion_model.{Q}.lora_up.weight", f"diffusion_model.{Q}.alpha"], "comfyui-lora", ["denoiser"]),
-        (["text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_linear_layer.down.weight",
-          "text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_linear_layer.up.weight"], "diffusers-lora", ["text_encoder"]),
-        (["double_blocks.0.processor.qkv_lora1.down.weight", "double_blocks.0.processor.qkv_lora1.up.weight"], "xlabs-lora", ["denoiser"]),
-        (["lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_down.weight",
-          "lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_up.weight"], "kohya-lora", ["text_encoder_3"]),
+        (
+            [
+                f"{Q.rsplit('.', 1)[0]}.processor.to_q_lora.down.weight",
+                f"{Q.rsplit('.', 1)[0]}.processor.to_q_lora.up.weight",
+            ],
+            "diffusers-lora",
+            ["denoiser"],
+        ),
+        (
+            [
+                f"diffusion_model.{Q}.lora_down.weight",
+                f"diffusion_model.{Q}.lora_up.weight",
+                f"diffusion_model.{Q}.alpha",
+            ],
+            "comfyui-lora",
+            ["denoiser"],
+        ),
+        (
+            [
+                "text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_linear_layer.down.weight",
+                "text_encoder.text_model.encoder.layers.0.mlp.fc1.lora_linear_layer.up.weight",
+            ],
+            "diffusers-lora",
+            ["text_encoder"],
+        ),
+        (
+            ["double_blocks.0.processor.qkv_lora1.down.weight", "double_blocks.0.processor.qkv_lora1.up.weight"],
+            "xlabs-lora",
+            ["denoiser"],
+        ),
+        (
+            [
+                "lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_down.weight",
+                "lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_up.weight",
+            ],
+            "kohya-lora",
+            ["text_encoder_3"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_detection_of_each_flavour(keys, flavour, components, tmp_path, cli):
     tensors = {}
     for k in keys:
@@ -294,8 +399,12 @@ def test_old_diffusers_attention_processor_layout_merges(sd15, tmp_path, cli):
     """`...attn1.processor.to_q_lora.down.weight` and `to_out_lora` (diffusers before PEFT) land on to_q / to_out.0."""
     base, before = sd15
     stem = Q.rsplit(".", 1)[0]
-    f = {f"{stem}.processor.to_q_lora.down.weight": rnd(2, 16), f"{stem}.processor.to_q_lora.up.weight": rnd(16, 2),
-         f"{stem}.processor.to_out_lora.down.weight": rnd(2, 16), f"{stem}.processor.to_out_lora.up.weight": rnd(16, 2)}  # fmt: skip
+    f = {
+        f"{stem}.processor.to_q_lora.down.weight": rnd(2, 16),
+        f"{stem}.processor.to_q_lora.up.weight": rnd(16, 2),
+        f"{stem}.processor.to_out_lora.down.weight": rnd(2, 16),
+        f"{stem}.processor.to_out_lora.up.weight": rnd(16, 2),
+    }
     save(f, tmp_path / "old.safetensors")
     assert cli("merge", "--base", base, "--adapter", tmp_path / "old.safetensors", "--out", tmp_path / "m")[0] == 0
     ours = read_component(tmp_path / "m", "unet")
