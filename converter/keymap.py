@@ -7,6 +7,7 @@ more than one hit is an error, never a guess.
 from __future__ import annotations
 
 import ast
+import itertools
 import operator
 import re
 from dataclasses import dataclass, field
@@ -24,9 +25,13 @@ class Placement:
 
     key: str
     rows: tuple[int, int] | None = None
+    # Rows of the adapter's delta that land here: a fused adapter module (BFL qkv) split over separate base
+    # tensors (diffusers to_q/to_k/to_v).
+    src: tuple[int, int] | None = None
 
     def __str__(self) -> str:
-        return self.key if self.rows is None else f"{self.key}[{self.rows[0]}:{self.rows[1]}]"
+        where = self.key if self.rows is None else f"{self.key}[{self.rows[0]}:{self.rows[1]}]"
+        return where if self.src is None else f"{where} <- rows {self.src[0]}:{self.src[1]}"
 
 
 @dataclass
@@ -41,7 +46,9 @@ class AliasRule:
     """Another spelling of a base key (diffusers name of an LDM key, q/k/v rows of a fused in_proj ...)."""
 
     pattern: re.Pattern
-    to: list[tuple[str, tuple[str, str] | None]]  # (key template, (start, size) row expressions or None)
+    # (key template, (start, size) of the rows of the base key it covers, (start, size) of the adapter delta's
+    # rows that land on the whole base key), row expressions or None
+    to: list[tuple[str, tuple[str, str] | None, tuple[str, str] | None]]
 
 
 @dataclass
@@ -68,7 +75,13 @@ class Keymap:
             for rule in rules:
                 targets = rule["to"] if isinstance(rule["to"], list) else [rule["to"]]
                 to = [
-                    (t, None) if isinstance(t, str) else (t["key"], (str(t["rows"][0]), str(t["rows"][1])))
+                    (t, None, None)
+                    if isinstance(t, str)
+                    else (
+                        t["key"],
+                        (str(t["rows"][0]), str(t["rows"][1])) if "rows" in t else None,
+                        (str(t["src"][0]), str(t["src"][1])) if "src" in t else None,
+                    )
                     for t in targets
                 ]
                 aliases.setdefault(component, []).append(AliasRule(re.compile(rule["from"]), to))
@@ -296,19 +309,22 @@ class DiffusionResolver:
                     if not m:
                         continue
                     groups = {k: v for k, v in m.groupdict().items() if v is not None}
-                    for template, rows in rule.to:
+                    for template, rows, src in rule.to:
                         alias = _render(template, groups, env, keymap)
                         if alias is None:
                             continue
-                        span = None
-                        if rows is not None:
-                            values = {**env, **{k: int(v) for k, v in groups.items() if v.isdigit()}}
-                            start = eval_expr(rows[0], values, keymap.defaults)
-                            span = (start, start + eval_expr(rows[1], values, keymap.defaults))
-                        dotted.setdefault(alias, set()).add(Placement(key, span))
+                        span, source = (self._span(e, groups, env) if e else None for e in (rows, src))
+                        dotted.setdefault(alias, set()).add(Placement(key, span, source))
             flat = self.flat.setdefault(component, {})
             for name, places in dotted.items():
                 flat.setdefault(flatten(name), set()).update(places)
+
+    def _span(self, exprs: tuple[str, str], groups: dict[str, str], env: dict) -> tuple[int, int]:
+        values = {**env, **{k: int(v) for k, v in groups.items() if v.isdigit()}}
+        start, size = (
+            eval_expr(_render(e, groups, env, self.keymap) or "0", values, self.keymap.defaults) for e in exprs
+        )
+        return start, start + size
 
     def components_for(self, component: str | None) -> list[str]:
         if component is None:
@@ -317,14 +333,26 @@ class DiffusionResolver:
         names = self.keymap.component_aliases.get(component, default)
         return [c for c in names if c in self.dotted]
 
-    def resolve(self, module: str, param: str, component: str | None = None, flat: bool = False) -> Placement | None:
+    def resolve_all(self, module: str, param: str, component: str | None = None, flat: bool = False) -> list[Placement]:
+        """Where the module lands: one placement, or a fused module split into row ranges over several base
+        tensors (every placement then says which rows of the delta it takes, and together they tile it)."""
         hits: set[Placement] = set()
         for comp in self.components_for(component):
             table = self.flat[comp] if flat else self.dotted[comp]
             hits |= table.get(flatten(f"{module}.{param}") if flat else f"{module}.{param}", set())
+        ordered = sorted(hits, key=lambda p: (p.src or (0, 0), p.key))
+        split = len(hits) > 1 and all(p.src is not None for p in hits)
+        if split and all(a.src[1] == b.src[0] for a, b in itertools.pairwise(ordered)) and ordered[0].src[0] == 0:
+            return ordered
         if len(hits) > 1:
             raise ConverterError(
                 f"adapter module {module!r} matches several base tensors "
                 f"({', '.join(sorted(map(str, hits)))}); restrict the adapter with include/exclude patterns"
             )
-        return next(iter(hits)) if hits else None
+        return ordered
+
+    def resolve(self, module: str, param: str, component: str | None = None, flat: bool = False) -> Placement | None:
+        hits = self.resolve_all(module, param, component, flat)
+        if len(hits) > 1:
+            raise ConverterError(f"adapter module {module!r} is split over {len(hits)} base tensors here")
+        return hits[0] if hits else None

@@ -232,9 +232,7 @@ def _relative_name(checkpoint: Checkpoint, path: Path) -> str:
     return str(path.relative_to(checkpoint.folder)) if checkpoint.diffusion == "diffusers" else path.name
 
 
-def _stream(
-    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable[[str], None]
-) -> None:
+def _stream(checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable[[str], None]) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
     for o in plan.outputs:

@@ -337,6 +337,35 @@ class DoRA(Patch):
 
 
 @dataclass
+class RowsOf(Patch):
+    """Rows [start, end) of another patch's delta: a fused adapter module (kohya's BFL `img_attn.qkv`, linear1)
+    landing on separate base tensors (diffusers to_q / to_k / to_v / proj_mlp). For a LoRA that is
+    up[start:end] @ down, exactly the split diffusers itself makes (lora-formats.md §4 _convert_to_ai_toolkit_cat)."""
+
+    inner: DeltaPatch
+    start: int
+    end: int
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ()  # the inner patch's tensors are accounted for once, by the adapter patch itself
+
+    def set_weight(self, weight: float) -> None:
+        self.inner.set_weight(weight)
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        shape = tuple(self.inner.target_shape(False))
+        return (self.end - self.start, *shape[1:])
+
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        inner = self.inner
+        if isinstance(inner, LowRank) and inner.mid is None and len(inner.down.shape) == 2 and w.dim() == 2:
+            up = inner.up.load()[self.start : self.end]
+            return w.addmm_(up, inner.down.load(), alpha=inner.scale * inner.weight)
+        return w.add_(inner.delta(False)[self.start : self.end].reshape(w.shape))
+
+
+@dataclass
 class BiasDelta(Patch):
     """b' = b + scale · Δb (PEFT's `lora_B.bias` with lora_bias=True; LyCORIS `diff_b`, scale 1)."""
 

@@ -6,7 +6,7 @@ tensors, shape mismatches, ambiguous names, inconsistent vocab sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from converter.checkpoint import Checkpoint, TensorInfo
@@ -14,7 +14,7 @@ from converter.dtypes import FLOATING
 from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.keymap import Keymap, Resolver
-from converter.patches import DoRA, LowRank, Replace, Requantize, RowReplace
+from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, RowsOf
 from converter.recipe import AdapterSpec
 from converter.units import human_bytes
 from converter.writer import OutSpec
@@ -122,31 +122,24 @@ def build_plan(
         used = excluded = 0
         unmatched: list[str] = []
         for ap in adapter.patches:
-            place = resolver.resolve(ap.module, ap.param, ap.component, ap.flat)
-            if (
-                place is None
-                and ap.param == "bias"
-                and resolver.resolve(ap.module, "weight", ap.component, ap.flat) is not None
-            ):
-                raise ConverterError(
-                    f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
-                    "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
-                )
-            if place is None:
+            places = _places(resolver, ap, spec)
+            if not places:
                 unmatched.extend(ap.patch.sources)
                 continue
-            if not spec.admits(place.key):
+            if not all(spec.admits(place.key) for place in places):
                 excluded += len(ap.patch.sources)
                 continue
-            layout = keymap.is_stored_transposed(place.key)
-            transposed = bool(ap.stored_transposed) if layout is None else layout
-            ap.patch.set_weight(spec.weight_for(_component_of(place.key, ap.component)))
-            planned = PlannedPatch(i, ap.patch, place.rows, transposed)
-            by_key.setdefault(place.key, []).append(planned)
-            if ap.follows_tie:
-                for head, emb in resolver.tied_heads.items():
-                    if emb == place.key:
-                        by_key.setdefault(head, []).append(planned)
+            ap.patch.set_weight(spec.weight_for(_component_of(places[0].key, ap.component)))
+            for place in places:
+                layout = keymap.is_stored_transposed(place.key)
+                transposed = bool(ap.stored_transposed) if layout is None else layout
+                patch = ap.patch if place.src is None else RowsOf(ap.patch, *place.src)
+                planned = PlannedPatch(i, patch, place.rows, transposed)
+                by_key.setdefault(place.key, []).append(planned)
+                if ap.follows_tie:
+                    for head, emb in resolver.tied_heads.items():
+                        if emb == place.key:
+                            by_key.setdefault(head, []).append(planned)
             used += len(ap.patch.sources)
         if (
             isinstance(spec.weight, int | float)
@@ -213,6 +206,34 @@ def build_plan(
     if out_dtype is not None:
         config_updates["dtype"] = out_dtype
     return MergePlan(outputs, coverage, config_updates, tokenizer_from, notes)
+
+
+def _places(resolver, ap, spec: AdapterSpec) -> list:
+    """Where an adapter patch lands: [] (nowhere), one placement, or row ranges of a fused module split over
+    several base tensors (they must tile the patch's rows exactly)."""
+    if hasattr(resolver, "resolve_all"):
+        places = resolver.resolve_all(ap.module, ap.param, ap.component, ap.flat)
+    else:
+        place = resolver.resolve(ap.module, ap.param, ap.component, ap.flat)
+        places = [] if place is None else [place]
+    if not places and ap.param == "bias" and _places(resolver, replace(ap, param="weight"), spec):
+        raise ConverterError(
+            f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
+            "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
+        )
+    if any(p.src is not None for p in places):
+        if not isinstance(ap.patch, DeltaPatch):
+            raise ConverterError(
+                f"{spec.source}: {ap.patch.sources[0]} ({type(ap.patch).__name__}) is on a fused module that this "
+                "base keeps as separate tensors; only plain deltas can be split by rows"
+            )
+        rows = ap.patch.natural_shape()[0]
+        if places[-1].src[1] != rows:
+            raise ConverterError(
+                f"{spec.source}: {ap.patch.sources[0]} has {rows} output rows but the base's "
+                f"{', '.join(p.key for p in places)} have {places[-1].src[1]} together (another model size?)"
+            )
+    return places
 
 
 def _component_of(key: str, component: str | None) -> str | None:

@@ -232,3 +232,33 @@ def test_comfyui_and_xlabs_flux_files(flux, tmp_path, cli):
         )
         k = f"double_blocks.1.{key}.weight"
         torch.testing.assert_close(merged[k], before[k] + d, atol=1e-6, rtol=1e-6)
+
+
+def test_kohya_flux_lora_into_diffusers_folder_splits_fused_modules(flux, tmp_path, cli):
+    """The usual case: a kohya (BFL-named) Flux LoRA and a diffusers-layout base. img_attn.qkv lands on
+    to_q/to_k/to_v and linear1 on to_q/to_k/to_v/proj_mlp by rows of the delta; the result equals the merge
+    into the BFL file (itself checked against diffusers above) mapped back to diffusers names."""
+    from diffusion_helpers import assert_matches
+    from safetensors.torch import load_file
+
+    model, folder, bfl = flux
+    base = model.state_dict()
+    lora = kohya_flux_lora(model, with_linear1=True)
+    save(lora, tmp_path / "lora.safetensors")
+    assert cli("merge", "--base", folder, "--adapter", tmp_path / "lora.safetensors", "--out", tmp_path / "f")[0] == 0
+    assert cli("merge", "--base", bfl, "--adapter", tmp_path / "lora.safetensors", "--out", tmp_path / "b")[0] == 0
+    via_bfl = from_bfl(load_file(tmp_path / "b" / "flux1-tiny.safetensors"), base)
+    changed = assert_matches(read_component(tmp_path / "f", "transformer"), via_bfl, base, atol=1e-6)
+    assert changed == 2 * 14 + 2 * 6  # every projection of both double and both single blocks
+
+    code, out, _ = cli("merge", "--base", folder, "--adapter", tmp_path / "lora.safetensors", "--dry-run")
+    assert "RowsOf" in out
+
+
+def test_fused_module_of_another_width_is_refused(flux, tmp_path, cli):
+    model, folder, bfl = flux
+    name = "lora_unet_double_blocks_0_img_attn_qkv"
+    save({f"{name}.lora_down.weight": torch.ones(2, H), f"{name}.lora_up.weight": torch.ones(4 * H, 2)},
+         tmp_path / "bad.safetensors")  # fmt: skip
+    code, _, err = cli("merge", "--base", folder, "--adapter", tmp_path / "bad.safetensors", "--out", tmp_path / "m")
+    assert code == 2 and "64 output rows" in err and "48 together" in err
