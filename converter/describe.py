@@ -20,6 +20,8 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
     if source.local is None:
         return inspect_hub(source, allow_pickle, token)
     path = source.local
+    if path.is_dir() and (path / "model_index.json").is_file():
+        return inspect_diffusion(path)
     if path.is_dir() and (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         return inspect_model(path)
     try:
@@ -27,7 +29,36 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
     except ConverterError:
         if path.is_dir() and (path / "config.json").is_file():
             return inspect_model(path)
+        if path.is_file() and path.suffix == ".safetensors":
+            return inspect_diffusion(path)  # a single-file checkpoint (or a clear error naming its keys)
         raise
+
+
+def inspect_diffusion(path: Path) -> dict:
+    """A diffusers pipeline folder or a single-file diffusion checkpoint: family, components, sizes."""
+    from converter.checkpoint import open_base
+
+    ckpt = open_base(path)
+    dtypes: Counter = Counter()
+    components: Counter = Counter()
+    resolver = ckpt.make_resolver(keymap_for(ckpt.config))
+    for key in ckpt.names():
+        info = ckpt.info(key)
+        dtypes[info.dtype] += info.numel
+    for component, table in resolver.dotted.items():
+        components[component] = len({p.key for places in table.values() for p in places})
+    return {
+        "kind": "model",
+        "path": str(path),
+        "layout": ckpt.diffusion,
+        "keymap": ckpt.config["_keymap"],
+        "pipeline": ckpt.config.get("_class_name"),
+        "components": dict(components),
+        "tensor_dtypes": dict(dtypes.most_common()),
+        "parameters": sum(dtypes.values()),
+        "tensors": len(ckpt.names()),
+        "size": ckpt.total_bytes,
+    }
 
 
 def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:

@@ -311,3 +311,13 @@ def test_inspect_describes_a_kohya_file(sd15, tmp_path, cli):
     assert info["components"] == ["denoiser", "text_encoder"] and info["ranks"] == [2, 4]
     code, out, err = cli("merge", "--base", base, "--adapter", tmp_path / "lora.safetensors", "--dry-run")
     assert code == 0 and "tensors land on the base" in out and "LowRank" in out
+
+
+def test_inspect_describes_diffusion_bases(sd15, tmp_path, cli):
+    base, models = sd15
+    code, out, err = cli("inspect", base, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["keymap"] == "sd" and info["layout"] == "diffusers" and info["pipeline"] == "StableDiffusionPipeline"
+    assert set(info["components"]) == {"unet", "text_encoder", "vae"}
+    assert info["components"]["unet"] == len(models["unet"].state_dict())
