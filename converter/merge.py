@@ -144,6 +144,8 @@ def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
     out = []
     trained_on = adapter.base_model
     base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
+    if getattr(checkpoint, "path", None) is not None:  # a single-file base: kohya records the file it trained on
+        base_names |= {checkpoint.path.name.lower(), checkpoint.path.stem.lower()}
     if trained_on and trained_on.rstrip("/").split("/")[-1].lower() not in {n.split("/")[-1] for n in base_names}:
         out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {checkpoint.folder.name!r}")
     if adapter.model_config:

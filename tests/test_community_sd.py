@@ -321,3 +321,22 @@ def test_inspect_describes_diffusion_bases(sd15, tmp_path, cli):
     assert info["keymap"] == "sd" and info["layout"] == "diffusers" and info["pipeline"] == "StableDiffusionPipeline"
     assert set(info["components"]) == {"unet", "text_encoder", "vae"}
     assert info["components"]["unet"] == len(models["unet"].state_dict())
+
+
+def test_merging_a_community_file_imports_no_heavy_library(sd15, tmp_path):
+    """`converter merge` of a kohya file into a diffusion base stays free of transformers/peft/diffusers."""
+    import subprocess
+    import sys
+
+    base, models = sd15
+    save(sd15_lora(models), tmp_path / "lora.safetensors", {"ss_sd_model_name": "base"})
+    code = (
+        "import sys; from converter.cli import main; "
+        f"rc = main(['merge', '--base', {str(base)!r}, '--adapter', {str(tmp_path / 'lora.safetensors')!r}, "
+        f"'--out', {str(tmp_path / 'm')!r}, '--no-verify']); "
+        "heavy = [m for m in ('transformers', 'peft', 'accelerate', 'diffusers') if m in sys.modules]; "
+        "print('heavy:', heavy); sys.exit(rc or (3 if heavy else 0))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "heavy: []" in run.stdout and "trained on" not in run.stdout

@@ -354,7 +354,8 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
             patches.append(AdapterPatch(module, "bias", bias, component=component, flat=flat))
 
     md = tensors.metadata
-    base_model = md.get("ss_sd_model_name") or md.get("modelspec.architecture") or md.get("ss_base_model_version")
+    # kohya records the base checkpoint's file name it trained on; a family tag alone is no base model
+    base_model = md.get("ss_sd_model_name")
     fmt = "+".join(sorted(flavours))
     summary = {
         "flavour": fmt,
@@ -362,7 +363,7 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         "alphas": sorted(alphas)[:8],
         "components": sorted(components),
         "network_module": md.get("ss_network_module"),
-        "base_model_version": md.get("ss_base_model_version"),
+        "base_model_version": md.get("ss_base_model_version") or md.get("modelspec.architecture"),
         "network_args": md.get("ss_network_args"),
     }
     if meta:
