@@ -98,7 +98,7 @@ def merge(
         (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
-    warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
+    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, checkpoint))]
     if recipe.qlora_base == "original":
         warnings += [w for f, (a, _) in zip(fetched, adapters, strict=True) if (w := qlora_hint(a, f.card))]
     for w in warnings:

@@ -21,39 +21,54 @@ def tiny_flux(seed: int = 0):
 
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=12, pooled_projection_dim=12, axes_dims_rope=(2, 2, 4), guidance_embeds=True,
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=8,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=12,
+        pooled_projection_dim=12,
+        axes_dims_rope=(2, 2, 4),
+        guidance_embeds=True,
+    )
     return _perturb(model, seed)
 
 
 def bfl_map(n_double: int, n_single: int) -> dict[str, list[str]]:
     """BFL key -> the diffusers keys whose rows it concatenates (module names without the param)."""
     m = {
-        "img_in": ["x_embedder"], "txt_in": ["context_embedder"], "final_layer.linear": ["proj_out"],
+        "img_in": ["x_embedder"],
+        "txt_in": ["context_embedder"],
+        "final_layer.linear": ["proj_out"],
         "time_in.in_layer": ["time_text_embed.timestep_embedder.linear_1"],
         "time_in.out_layer": ["time_text_embed.timestep_embedder.linear_2"],
         "vector_in.in_layer": ["time_text_embed.text_embedder.linear_1"],
         "vector_in.out_layer": ["time_text_embed.text_embedder.linear_2"],
         "guidance_in.in_layer": ["time_text_embed.guidance_embedder.linear_1"],
         "guidance_in.out_layer": ["time_text_embed.guidance_embedder.linear_2"],
-    }  # fmt: skip
+    }
     for i in range(n_double):
         d, t = f"double_blocks.{i}", f"transformer_blocks.{i}"
         m |= {
             f"{d}.img_attn.qkv": [f"{t}.attn.to_q", f"{t}.attn.to_k", f"{t}.attn.to_v"],
             f"{d}.txt_attn.qkv": [f"{t}.attn.add_q_proj", f"{t}.attn.add_k_proj", f"{t}.attn.add_v_proj"],
-            f"{d}.img_attn.proj": [f"{t}.attn.to_out.0"], f"{d}.txt_attn.proj": [f"{t}.attn.to_add_out"],
-            f"{d}.img_mlp.0": [f"{t}.ff.net.0.proj"], f"{d}.img_mlp.2": [f"{t}.ff.net.2"],
-            f"{d}.txt_mlp.0": [f"{t}.ff_context.net.0.proj"], f"{d}.txt_mlp.2": [f"{t}.ff_context.net.2"],
-            f"{d}.img_mod.lin": [f"{t}.norm1.linear"], f"{d}.txt_mod.lin": [f"{t}.norm1_context.linear"],
-        }  # fmt: skip
+            f"{d}.img_attn.proj": [f"{t}.attn.to_out.0"],
+            f"{d}.txt_attn.proj": [f"{t}.attn.to_add_out"],
+            f"{d}.img_mlp.0": [f"{t}.ff.net.0.proj"],
+            f"{d}.img_mlp.2": [f"{t}.ff.net.2"],
+            f"{d}.txt_mlp.0": [f"{t}.ff_context.net.0.proj"],
+            f"{d}.txt_mlp.2": [f"{t}.ff_context.net.2"],
+            f"{d}.img_mod.lin": [f"{t}.norm1.linear"],
+            f"{d}.txt_mod.lin": [f"{t}.norm1_context.linear"],
+        }
     for i in range(n_single):
         s, t = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
         m |= {
             f"{s}.linear1": [f"{t}.attn.to_q", f"{t}.attn.to_k", f"{t}.attn.to_v", f"{t}.proj_mlp"],
-            f"{s}.linear2": [f"{t}.proj_out"], f"{s}.modulation.lin": [f"{t}.norm.linear"],
-        }  # fmt: skip
+            f"{s}.linear2": [f"{t}.proj_out"],
+            f"{s}.modulation.lin": [f"{t}.norm.linear"],
+        }
     return m
 
 
@@ -258,7 +273,34 @@ def test_kohya_flux_lora_into_diffusers_folder_splits_fused_modules(flux, tmp_pa
 def test_fused_module_of_another_width_is_refused(flux, tmp_path, cli):
     model, folder, bfl = flux
     name = "lora_unet_double_blocks_0_img_attn_qkv"
-    save({f"{name}.lora_down.weight": torch.ones(2, H), f"{name}.lora_up.weight": torch.ones(4 * H, 2)},
-         tmp_path / "bad.safetensors")  # fmt: skip
+    save(
+        {f"{name}.lora_down.weight": torch.ones(2, H), f"{name}.lora_up.weight": torch.ones(4 * H, 2)},
+        tmp_path / "bad.safetensors",
+    )
     code, _, err = cli("merge", "--base", folder, "--adapter", tmp_path / "bad.safetensors", "--out", tmp_path / "m")
     assert code == 2 and "64 output rows" in err and "48 together" in err
+
+
+def test_kohya_split_qkv_layout_is_pointed_out(flux, tmp_path, cli):
+    """sd-scripts' split_qkv saves q/k/v LoRAs fused (down stacked, up block-diagonal) with the per-part alpha:
+    merged with alpha / (3r) like every loader, and said so (lora-formats.md §8, sd-scripts#2204)."""
+    from safetensors.torch import load_file
+
+    model, folder, bfl = flux
+    g = torch.Generator().manual_seed(2)
+    r, name = 2, "lora_unet_double_blocks_0_img_attn_qkv"
+    downs = [torch.randn(r, H, generator=g) for _ in range(3)]
+    ups = [torch.randn(H, r, generator=g) for _ in range(3)]
+    lora = {
+        f"{name}.lora_down.weight": torch.cat(downs),
+        f"{name}.lora_up.weight": torch.block_diag(*ups),
+        f"{name}.alpha": torch.tensor(4.0),
+    }
+    save(lora, tmp_path / "split.safetensors")
+    code, out, err = cli("merge", "--base", bfl, "--adapter", tmp_path / "split.safetensors", "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "split_qkv" in out and "sd-scripts issue 2204" in out
+    merged, before = load_file(tmp_path / "m" / "flux1-tiny.safetensors"), load_file(bfl)
+    delta = torch.cat([u @ d for u, d in zip(ups, downs, strict=True)]) * 4.0 / (3 * r)
+    key = "double_blocks.0.img_attn.qkv.weight"
+    torch.testing.assert_close(merged[key], before[key] + delta, atol=1e-6, rtol=1e-6)

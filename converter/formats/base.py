@@ -111,3 +111,5 @@ class Adapter:
     files: list[Path] = field(default_factory=list)
     # An adapter's own full model config (some trainers save one): used for the config sanity check.
     model_config: dict | None = None
+    # Things about the file itself worth saying before merging (e.g. kohya's split_qkv layout).
+    warnings: list[str] = field(default_factory=list)

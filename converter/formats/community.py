@@ -14,6 +14,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+
 from converter.errors import ConverterError
 from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
 from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
@@ -292,6 +294,7 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         groups[stem][role] = key
 
     patches: list[AdapterPatch] = []
+    split_qkv: list[str] = []
     flavours: set[str] = set()
     ranks: set[int] = set()
     alphas: set[float] = set()
@@ -320,6 +323,8 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
             if alpha is not None:
                 alphas.add(alpha)
             delta = LowRank(down, up, scale, mid=mid, alpha=alpha)
+            if flat and _split_qkv(module, tensors, roles, rank):
+                split_qkv.append(stem)
         elif "hada_w1_a" in roles or "hada_w1_b" in roles:
             delta = _loha(tensors, roles, stem, weights)
             ranks.add(delta.rank)
@@ -368,6 +373,14 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
     }
     if meta:
         summary["lora_adapter_metadata"] = True
+    warnings = []
+    if split_qkv:
+        summary["split_qkv_modules"] = len(split_qkv)
+        warnings.append(
+            f"{weights}: {len(split_qkv)} fused modules (e.g. {split_qkv[0]}) look like kohya's split_qkv layout "
+            "(block-diagonal lora_up); merged with alpha / lora_down rows like every loader does, which is 1/3 "
+            "(1/4 for linear1) of the scale used in training (sd-scripts issue 2204)"
+        )
     return Adapter(
         path=path,
         format=fmt,
@@ -377,7 +390,30 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         base_model=None if base_model is None else str(base_model),
         summary={k: v for k, v in summary.items() if v not in (None, [], {})},
         files=[weights],
+        warnings=warnings,
     )
+
+
+def _split_qkv(module: str, tensors, roles: dict[str, str], rank: int) -> bool:
+    """kohya lora_flux `split_qkv` saves q/k/v(/mlp) LoRAs fused: down concatenated, up block-diagonal
+    (lora-formats.md §1, §8). True when the up matrix has exactly that shape and zeros off its diagonal blocks."""
+    n = 3 if module.endswith(("img_attn_qkv", "txt_attn_qkv")) else 4 if module.endswith("linear1") else 0
+    if not n or rank % n:
+        return False
+    up = tensors.read(roles["up"])
+    if up.dim() != 2:
+        return False
+    width = tensors.shape(roles["down"])[1]
+    rows = [up.shape[0] // 3] * 3 if n == 3 else [width] * 3 + [up.shape[0] - 3 * width]
+    if min(rows) <= 0 or sum(rows) != up.shape[0]:
+        return False
+    r, start = rank // n, 0
+    for j, size in enumerate(rows):
+        block = up[start : start + size]
+        if torch.count_nonzero(block[:, : j * r]) or torch.count_nonzero(block[:, (j + 1) * r :]):
+            return False
+        start += size
+    return True
 
 
 def _flavour(stem: str, roles: dict[str, str]) -> str:
