@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from diffusion_helpers import _perturb, peft_merge, read_component, save
+from diffusion_helpers import _perturb, peft_merge, read_component, save, tiny_clip
 
 H = 16  # hidden size of the tiny transformer
 
@@ -33,6 +33,16 @@ def tiny_flux(seed: int = 0):
         guidance_embeds=True,
     )
     return _perturb(model, seed)
+
+
+def tiny_t5():
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(3)
+    cfg = T5Config(
+        vocab_size=50, d_model=12, d_kv=4, d_ff=24, num_layers=2, num_heads=3, feed_forward_proj="gated-gelu"
+    )
+    return _perturb(T5EncoderModel(cfg), 3)
 
 
 def bfl_map(n_double: int, n_single: int) -> dict[str, list[str]]:
@@ -104,6 +114,8 @@ def flux(tmp_path_factory):
     model = tiny_flux()
     folder = root / "pipeline"
     model.save_pretrained(folder / "transformer")
+    tiny_clip(12).save_pretrained(folder / "text_encoder")
+    tiny_t5().save_pretrained(folder / "text_encoder_2")
     (folder / "model_index.json").write_text(
         json.dumps({"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]})
     )
@@ -304,3 +316,44 @@ def test_kohya_split_qkv_layout_is_pointed_out(flux, tmp_path, cli):
     delta = torch.cat([u @ d for u, d in zip(ups, downs, strict=True)]) * 4.0 / (3 * r)
     key = "double_blocks.0.img_attn.qkv.weight"
     torch.testing.assert_close(merged[key], before[key] + delta, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t5_prefix", ["lora_te3", "lora_te2"], ids=["kohya-te3", "onetrainer-te2"])
+def test_flux_text_encoder_loras_reach_clip_and_t5(flux, t5_prefix, tmp_path, cli):
+    """kohya Flux: CLIP-L is lora_te1, T5 lora_te3 (sd-scripts) or lora_te2 (OneTrainer/LyCORIS); T5 names keep
+    their case (SelfAttention, DenseReluDense). A BFL single file has no text encoders: they are unmatched there."""
+    model, folder, bfl = flux
+    g = torch.Generator().manual_seed(6)
+    modules = {
+        "lora_te1_text_model_encoder_layers_1_self_attn_q_proj": (
+            "text_encoder",
+            "encoder.layers.1.self_attn.q_proj",
+            12,
+            12,
+        ),
+        f"{t5_prefix}_encoder_block_0_layer_0_SelfAttention_q": (
+            "text_encoder_2",
+            "encoder.block.0.layer.0.SelfAttention.q",
+            12,
+            12,
+        ),
+        f"{t5_prefix}_encoder_block_1_layer_1_DenseReluDense_wi_0": (
+            "text_encoder_2",
+            "encoder.block.1.layer.1.DenseReluDense.wi_0",
+            24,
+            12,
+        ),
+    }
+    lora = {}
+    for name, (_, _, out_dim, in_dim) in modules.items():
+        lora[f"{name}.lora_down.weight"] = torch.randn(2, in_dim, generator=g)
+        lora[f"{name}.lora_up.weight"] = torch.randn(out_dim, 2, generator=g)
+        lora[f"{name}.alpha"] = torch.tensor(1.0)
+    save(lora, tmp_path / "te.safetensors")
+    assert cli("merge", "--base", folder, "--adapter", tmp_path / "te.safetensors", "--out", tmp_path / "m")[0] == 0
+    for name, (component, path, _, _) in modules.items():
+        before, after = read_component(folder, component), read_component(tmp_path / "m", component)
+        delta = lora[f"{name}.lora_up.weight"] @ lora[f"{name}.lora_down.weight"] / 2
+        torch.testing.assert_close(after[f"{path}.weight"], before[f"{path}.weight"] + delta, atol=1e-6, rtol=1e-6)
+    code, _, err = cli("merge", "--base", bfl, "--adapter", tmp_path / "te.safetensors", "--out", tmp_path / "b")
+    assert code == 2 and "land on no base tensor" in err
