@@ -110,6 +110,8 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         wanted = [source.path] + [
             f"{folder}{n}" for n in ("adapter_config.json", "README.md") if f"{folder}{n}" in siblings
         ]
+    elif kind == "model" and "model_index.json" in siblings:
+        wanted = diffusers_files(list(siblings))
     else:
         patterns = MODEL_FILES if kind == "model" else ADAPTER_FILES
         wanted = [name for name in siblings if "/" not in name and any(fnmatch.fnmatch(name, p) for p in patterns)]
@@ -130,6 +132,28 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
     return Fetched(source, local, sha, files, card)
+
+
+def diffusers_files(names: list[str]) -> list[str]:
+    """What a merge needs from a diffusers pipeline repo: model_index.json, the card and licence, and in each
+    component folder its configs, tokenizer files and safetensors weights, without the `.fp16.`-style variants
+    when the plain files are there, and without anything deeper or in other formats (.bin, .onnx, .ckpt)."""
+    top = [
+        n
+        for n in names
+        if "/" not in n and any(fnmatch.fnmatch(n, p) for p in ("model_index.json", "README.md", "LICENSE*"))
+    ]
+    out = list(top)
+    folders = sorted({n.split("/")[0] for n in names if n.count("/") == 1})
+    for folder in folders:
+        files = [n.split("/", 1)[1] for n in names if n.startswith(f"{folder}/") and n.count("/") == 1]
+        weights = [f for f in files if f.endswith(".safetensors")]
+        plain = [f for f in weights if "." not in f[: -len(".safetensors")]]
+        keep = plain or weights
+        indexes = [f for f in files if f.endswith(".safetensors.index.json") and "." not in f.split(".safetensors")[0]]
+        side = [f for f in files if f.endswith((".json", ".txt", ".model")) and not f.endswith(".index.json")]
+        out += [f"{folder}/{f}" for f in sorted({*keep, *indexes, *side})]
+    return out
 
 
 def _sample(names) -> str:

@@ -161,8 +161,13 @@ def to_ldm(models: dict, family: str) -> dict[str, torch.Tensor]:
                 continue
             n = k.split(".")[3]
             rest = k.split(f"layers.{n}.", 1)[1]
-            ldm = {"self_attn.out_proj": "attn.out_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
-                   "layer_norm1": "ln_1", "layer_norm2": "ln_2"}  # fmt: skip
+            ldm = {
+                "self_attn.out_proj": "attn.out_proj",
+                "mlp.fc1": "mlp.c_fc",
+                "mlp.fc2": "mlp.c_proj",
+                "layer_norm1": "ln_1",
+                "layer_norm2": "ln_2",
+            }
             for d, o in ldm.items():
                 if rest.startswith(d + "."):
                     sd[f"{prefix}transformer.resblocks.{n}.{o}{rest[len(d) :]}"] = v
@@ -217,8 +222,9 @@ def sdxl_lora(models, ldm: bool) -> dict:
     unet = kohya_modules(models["unet"], "lora_unet", UNET_TARGETS, convs=True)
     if ldm:
         names = ldm_names(list(models["unet"].state_dict()), "sdxl")
-        unet = {"lora_unet_" + names[f"{p}.weight"][: -len(".weight")].replace(".", "_"): (p, m)
-                for p, m in unet.values()}  # fmt: skip
+        unet = {
+            "lora_unet_" + names[f"{p}.weight"][: -len(".weight")].replace(".", "_"): (p, m) for p, m in unet.values()
+        }
     mods = {**unet, **kohya_modules(models["text_encoder"], "lora_te1", TE_TARGETS)}
     mods.update(kohya_modules(models["text_encoder_2"], "lora_te2", TE_TARGETS))
     return kohya_lora(mods, rank=4, conv_rank=2, seed=11)
@@ -256,8 +262,9 @@ def test_diffusers_peft_format_with_metadata_alpha_and_dora(sd15, tmp_path, cli)
 
     base, models = sd15
     unet = copy.deepcopy(models["unet"])
-    config = LoraConfig(r=4, lora_alpha=12, target_modules=["to_q", "to_v", "proj_in", "conv1"],
-                        init_lora_weights=False, use_dora=True)  # fmt: skip
+    config = LoraConfig(
+        r=4, lora_alpha=12, target_modules=["to_q", "to_v", "proj_in", "conv1"], init_lora_weights=False, use_dora=True
+    )
     unet.add_adapter(config)
     layers = get_peft_model_state_dict(unet)
     StableDiffusionLoraLoaderMixin.save_lora_weights(
@@ -340,3 +347,51 @@ def test_merging_a_community_file_imports_no_heavy_library(sd15, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "heavy: []" in run.stdout and "trained on" not in run.stdout
+
+
+def test_diffusers_pipeline_and_kohya_file_from_the_hub(sd15, tmp_path):
+    """A diffusers pipeline repo is fetched component by component (no fp16 variants, no .bin), a kohya file by
+    its path in the repo; the merge equals the local one. The local Hub server, the real huggingface_hub client."""
+    import shutil
+    import subprocess
+    import sys
+
+    from converter.testing.hub import HubServer, client_env
+
+    base, models = sd15
+    repo = tmp_path / "repo"
+    shutil.copytree(base, repo)
+    shutil.copy(
+        repo / "unet" / "diffusion_pytorch_model.safetensors",
+        repo / "unet" / "diffusion_pytorch_model.fp16.safetensors",
+    )
+    (repo / "text_encoder" / "pytorch_model.bin").write_bytes(b"never downloaded")
+    lora = save(sd15_lora(models), tmp_path / "loras" / "style.safetensors")
+    server = HubServer(tmp_path / "server").start()
+    try:
+        server.add_user("alice", "hf_fake_alice_0123456789")
+        server.seed_folder("alice/tiny-sd", repo)
+        server.seed_folder("alice/style-lora", lora.parent)
+        env = client_env(server, "hf_fake_alice_0123456789", tmp_path / "home")
+        args = ["merge", "--base", "alice/tiny-sd", "--adapter", "alice/style-lora@main/style.safetensors"]
+        run = subprocess.run(
+            [sys.executable, "-m", "converter", *args, "--out", str(tmp_path / "hub"), "--no-verify"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+    finally:
+        server.stop()
+    cached = {p.name for p in (tmp_path / "home").rglob("*") if p.is_file() or p.is_symlink()}
+    assert "diffusion_pytorch_model.fp16.safetensors" not in cached and "pytorch_model.bin" not in cached
+    local = tmp_path / "local"
+    from converter.cli import main
+
+    assert main(["merge", "--base", str(base), "--adapter", str(lora), "--out", str(local), "--no-verify"]) == 0
+    for component in ("unet", "text_encoder"):
+        ours, expected = read_component(tmp_path / "hub", component), read_component(local, component)
+        assert all(torch.equal(ours[k], expected[k]) for k in expected) and set(ours) == set(expected)
+    recipe = (tmp_path / "hub" / "converter_recipe.yaml").read_text()
+    assert "alice/tiny-sd@" in recipe and "alice/style-lora@" in recipe
