@@ -49,6 +49,7 @@ class AliasRule:
     # (key template, (start, size) of the rows of the base key it covers, (start, size) of the adapter delta's
     # rows that land on the whole base key), row expressions or None
     to: list[tuple[str, tuple[str, str] | None, tuple[str, str] | None]]
+    when: str | None = None  # an expression over rows/cols/captures/config that must hold (e.g. 'rows != 2 * cols')
 
 
 @dataclass
@@ -84,7 +85,7 @@ class Keymap:
                     )
                     for t in targets
                 ]
-                aliases.setdefault(component, []).append(AliasRule(re.compile(rule["from"]), to))
+                aliases.setdefault(component, []).append(AliasRule(re.compile(rule["from"]), to, rule.get("when")))
         return cls(
             name=data["name"],
             model_types=data.get("model_types", []),
@@ -158,6 +159,9 @@ _OPS = {
 }
 
 
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne}
+
+
 def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
     """Evaluate a keymap size expression like 'num_key_value_heads * head_dim' over config values."""
 
@@ -177,6 +181,8 @@ def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
             return value(node.id)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+            return int(_COMPARE[type(node.ops[0])](walk(node.left), walk(node.comparators[0])))
         raise ValueError(f"unsupported keymap expression: {expr}")
 
     return walk(ast.parse(expr, mode="eval"))
@@ -309,6 +315,8 @@ class DiffusionResolver:
                     if not m:
                         continue
                     groups = {k: v for k, v in m.groupdict().items() if v is not None}
+                    if rule.when and not self._span((rule.when, "0"), groups, env)[0]:
+                        continue
                     for template, rows, src in rule.to:
                         alias = _render(template, groups, env, keymap)
                         if alias is None:
