@@ -54,7 +54,7 @@ def build_card(provenance: dict, verification: dict | None = None, load_name: st
     base_meta = base.get("card") or {}
     meta = {k: base_meta[k] for k in INHERITED if base_meta.get(k) is not None}
     if meta.get("library_name") in (None, "peft"):
-        meta["library_name"] = "transformers"
+        meta["library_name"] = "diffusers" if base.get("layout") else "transformers"
     if meta.get("license") != "other":
         meta.pop("license_name", None)
         meta.pop("license_link", None)
@@ -97,7 +97,7 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
         cov = a.get("coverage") or {}
         lines.append(
             f"| {i} | `{public_name(a)}` | {a['weight']} | {a['format']} | {', '.join(map(str, ranks))} | "
-            f"{s.get('lora_alpha')} | {'yes' if s.get('use_dora') else 'no'} | {'yes' if s.get('use_rslora') else 'no'}"
+            f"{_alpha(s)} | {'yes' if s.get('use_dora') else 'no'} | {'yes' if s.get('use_rslora') else 'no'}"
             f" | {cov.get('used')}/{cov.get('tensors')} |"
         )
     changed = prov["tensors"]["changed"]
@@ -116,16 +116,8 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
         lines.append(verification.get("markdown", "").strip())
     else:
         lines.append("**Not verified.** This merge was not compared with the base + adapters; treat it as untested.")
+    lines += ["", "## How to load", "", *_load_snippet(base, repo), ""]
     lines += [
-        "",
-        "## How to load",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-        "```",
-        "",
         "## Recipe",
         "",
         "The exact recipe (sources pinned to the commits used):",
@@ -136,6 +128,45 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _alpha(settings: dict) -> str:
+    """PEFT adapters have one lora_alpha; community files an alpha per module (listed, or none stored)."""
+    if "lora_alpha" in settings or "alphas" not in settings:
+        return str(settings.get("lora_alpha"))
+    return ", ".join(f"{a:g}" for a in settings["alphas"]) or "none (scale 1)"
+
+
+def _load_snippet(base: dict, repo: str) -> list[str]:
+    if base.get("layout") == "diffusers":
+        return [
+            "```python",
+            "from diffusers import DiffusionPipeline",
+            f'pipe = DiffusionPipeline.from_pretrained("{repo}")',
+            "```",
+        ]
+    if base.get("layout") == "single_file":
+        where = f"{repo}/{base.get('file')}"
+        if not base.get("pipeline"):
+            return [
+                f"`{base.get('file')}` is a single-file {base.get('family')} checkpoint, in the base's own layout: "
+                "load it with the tool you use for the base (ComfyUI, musubi-tuner ...)."
+            ]
+        return [
+            f"`{base.get('file')}` keeps the base's single-file layout (ComfyUI, A1111/Forge load it as is), or:",
+            "",
+            "```python",
+            f"from diffusers import {base['pipeline']}",
+            f'pipe = {base["pipeline"]}.from_single_file("{where}")',
+            "```",
+        ]
+    return [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+        "```",
+    ]
 
 
 def public_recipe(prov: dict) -> str:

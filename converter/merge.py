@@ -340,6 +340,7 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
         "base": {
             **_source_record(base, (*INHERITED, "tags")),
             "model_type": checkpoint.config.get("model_type"),
+            **_diffusion_record(checkpoint),
             "files": [
                 {"name": (rel := _relative_name(checkpoint, f.path)), "size": f.size, "sha256": base_hashes[rel]}
                 for f in checkpoint.files
@@ -378,6 +379,20 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
         "tensors": {"total": len(plan.outputs), "changed": [o.name for o in plan.changed]},
         "notes": plan.notes,
     }
+
+
+def _diffusion_record(checkpoint: Checkpoint) -> dict:
+    """For a diffusion base: its layout, family and pipeline, so the card can say how to load the result."""
+    if not checkpoint.diffusion:
+        return {}
+    from converter.keymap import keymap_for
+
+    keymap = keymap_for(checkpoint.config)
+    record = {"layout": checkpoint.diffusion, "family": keymap.name}
+    record["pipeline"] = checkpoint.config.get("_class_name") or (keymap.pipelines or [None])[0]
+    if checkpoint.diffusion == "single_file":
+        record["file"] = checkpoint.parts[0].single_file
+    return record
 
 
 def recorded_recipe(folder: str | Path) -> Recipe:

@@ -71,6 +71,12 @@ def test_kohya_lora_and_locon_into_sd15_folder_match_diffusers(sd15, tmp_path, c
     assert set(files) <= merged
     for name in ("vae/diffusion_pytorch_model.safetensors", "model_index.json", "scheduler/scheduler_config.json"):
         assert (tmp_path / "m" / name).read_bytes() == (base / name).read_bytes()
+    card = (tmp_path / "m" / "README.md").read_text()  # says what it is and how to load it
+    assert "library_name: diffusers" in card and "DiffusionPipeline.from_pretrained" in card
+    assert "kohya-lora" in card and "| 2, 4 | 3 |" in card and "Not verified" in card
+    provenance = json.loads((tmp_path / "m" / "converter_provenance.json").read_text())
+    assert provenance["base"]["layout"] == "diffusers" and provenance["base"]["family"] == "sd"
+    assert {f["name"] for f in provenance["base"]["files"]} >= {"unet/diffusion_pytorch_model.safetensors"}
 
 
 def kohya_reference(base: dict, lora: dict, prefix_of: dict[str, str], weight: float = 1.0) -> dict:
