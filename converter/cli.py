@@ -89,7 +89,11 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
         "--adapter", action="append", default=[], help="adapter folder/file or Hub id (repeatable, in order)"
     )
     p.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
-    p.add_argument("--dtype", help="output dtype: float32, float16, bfloat16 (default: keep each tensor's)")
+    p.add_argument(
+        "--dtype",
+        help="output dtype: float32, float16, bfloat16, or bnb-nf4 / bnb-fp4 for a bitsandbytes 4-bit checkpoint "
+        "(default: keep each tensor's)",
+    )
     p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
     p.add_argument(
         "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"

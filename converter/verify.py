@@ -127,7 +127,8 @@ def verify(
     tok = _tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
     inputs, probe_ids, ppl_ids, template = _inputs(tok, prompts or PROMPTS, _vocab(merged))
 
-    kind = f"{recipe.qlora_quant} 4-bit base" if recipe.qlora_base == "dequantized" else "base"
+    four_bit = _four_bit_base(recipe, base)
+    kind = f"{four_bit} 4-bit base" if four_bit else "base"
     log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
     try:
         quantization = _quantization(recipe, merged, base, dtype)
@@ -149,7 +150,7 @@ def verify(
     gc.collect()
 
     # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
-    reference_precision = "F16" if recipe.qlora_base == "dequantized" else "F32"
+    reference_precision = "F16" if four_bit else "F32"
     tol = tolerance(output_dtype, reference_precision if compute == "float32" else output_dtype)
     merged_vs_ref = _compare(ref, out)
     base_vs_ref = _compare(ref, bare)
@@ -298,6 +299,14 @@ def _inputs(tok, prompts: list[str], vocab: int):
     return inputs, inputs[0][:, :16], ppl, template
 
 
+def _four_bit_base(recipe: Recipe, base: Path) -> str | None:
+    """The 4-bit type the reference's base is loaded in: the QLoRA setting, or a pre-quantized base's own."""
+    if recipe.qlora_base == "dequantized":
+        return recipe.qlora_quant
+    own = json.loads((base / "config.json").read_text()).get("quantization_config") or {}
+    return own.get("bnb_4bit_quant_type", "fp4") if own.get("load_in_4bit") else None
+
+
 def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     """For a merge onto dequantized weights the reference is the QLoRA setting itself: the base loaded in 4-bit
     (the targeted linear layers only, as they were merged) with the adapters on top."""
@@ -328,7 +337,8 @@ def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: i
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, quantization_config=quantization)
+    extra = {"quantization_config": quantization} if quantization else {}  # None would drop a base's own
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **extra)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
