@@ -106,6 +106,12 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
         help="QLoRA adapters: merge into the original weights (default) or into their 4-bit "
         "quantize-dequantize, what the adapter saw in training",
     )
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="the adapters were trained on a 4-bit base (usually detected from their cards); verification then "
+        "measures both merge bases against the 4-bit training setting",
+    )
     p.add_argument("--qlora-quant", choices=["nf4", "fp4"], help="4-bit type used in training (default nf4)")
     p.add_argument("--qlora-blocksize", type=int, help="quantization block size used in training (default 64)")
     p.add_argument("--no-double-quant", action="store_true", help="training did not use double quantization")
@@ -131,6 +137,7 @@ def _recipe_from_args(args: argparse.Namespace):
         if not args.base or not args.adapter:
             raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
         recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
+    recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
     for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):

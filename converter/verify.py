@@ -11,11 +11,13 @@ import gc
 import json
 import math
 import resource
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from converter.dtypes import TORCH_TO_ST
 from converter.recipe import Recipe
 
 PROMPTS = [
@@ -140,13 +142,18 @@ def verify(
     ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
     with reference_model.disable_adapter():
         bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    reference = "the base + adapters applied unmerged through PEFT"
+    stored_4bit = _stored_4bit(merged)
+    if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
+        # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
+        logical = stored_4bit["bnb_4bit_compute_dtype"]
+        output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
+        ref = _quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
+        reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
     del reference_model
     gc.collect()
-    from transformers import AutoModelForCausalLM
 
-    candidate = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).eval()
-    out = _run(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
-    del candidate
+    out = _run(_load(merged, dtype), inputs, probe_ids, ppl_ids, max_new_tokens)
     gc.collect()
 
     # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
@@ -170,17 +177,23 @@ def verify(
         notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
     elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
-    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems else None
+    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems and not stored_4bit else None
     if culprit:
         problems.append(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
         )
+    qlora = None
+    if _is_qlora(recipe, adapter_dirs) and not _prequantized(base) and not stored_4bit:
+        log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
+        batch = (inputs, ppl_ids, max_new_tokens)
+        qlora = _qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
     report = {
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
+        "reference": reference,
         "compute_dtype": compute,
-        "output_dtype": output_dtype,
+        "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
         "tolerance": tol,
         "inputs": {
             "count": len(inputs),
@@ -192,12 +205,50 @@ def verify(
         "base_vs_reference": base_vs_ref,
         "first_disagreeing_module": culprit,
         "generations": _side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "qlora": qlora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": round(time.time() - started, 1),
     }
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _load(folder: Path, dtype, quantization=None):
+    from transformers import AutoModelForCausalLM
+
+    extra = {"quantization_config": quantization} if quantization else {}
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+
+
+def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
+    """PEFT's merge_and_unload of the reference, rounded to the 4-bit output's float dtype, saved and reloaded
+    with the output's BitsAndBytesConfig: exactly what a user gets from PEFT + transformers for the same merge."""
+    import torch
+
+    texts, probe_ids, ppl_ids, max_new_tokens = batch
+    logical = getattr(torch, q["bnb_4bit_compute_dtype"])
+    with tempfile.TemporaryDirectory(prefix="converter-4bit-reference-") as tmp:
+        model.merge_and_unload().to(logical).save_pretrained(tmp)
+        oracle = _load(Path(tmp), logical, _bnb_config(q, logical))
+        return _run(oracle, texts, probe_ids, ppl_ids, max_new_tokens)
+
+
+def _stored_4bit(folder: Path) -> dict | None:
+    q = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    return q if q.get("load_in_4bit") else None
+
+
+def _bnb_config(q: dict, dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q["bnb_4bit_quant_type"],
+        bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=q.get("llm_int8_skip_modules"),
+    )
 
 
 def _skipped(merged: Path, reason: str) -> dict:
@@ -303,8 +354,93 @@ def _four_bit_base(recipe: Recipe, base: Path) -> str | None:
     """The 4-bit type the reference's base is loaded in: the QLoRA setting, or a pre-quantized base's own."""
     if recipe.qlora_base == "dequantized":
         return recipe.qlora_quant
+    own = _prequantized(base)
+    return own.get("bnb_4bit_quant_type", "fp4") if own else None
+
+
+def _prequantized(base: Path) -> dict | None:
     own = json.loads((base / "config.json").read_text()).get("quantization_config") or {}
-    return own.get("bnb_4bit_quant_type", "fp4") if own.get("load_in_4bit") else None
+    return own if own.get("load_in_4bit") else None
+
+
+def _is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
+    from converter.formats import load_adapter
+    from converter.merge import qlora_hint
+
+    if recipe.qlora or recipe.qlora_base == "dequantized":
+        return True
+    for folder in adapter_dirs:
+        card = folder / "README.md"
+        if qlora_hint(
+            load_adapter(folder, allow_pickle=recipe.allow_pickle), card.read_text() if card.is_file() else None
+        ):
+            return True
+    return False
+
+
+def _qlora_study(
+    merged: Path,
+    recipe: Recipe,
+    base: Path,
+    adapter_dirs: list[Path],
+    dtype,
+    batch: tuple,
+    runs: tuple[Run, Run],
+    token: str | None,
+) -> dict:
+    """QLoRA adapters: which merge base is closer to the adapters as trained (PEFT on the 4-bit base), measured.
+
+    One of the two merges is `merged` (`runs` = its reference and its own run); the other is made here in a temp
+    folder. Both are compared with the 4-bit reference and the full-precision one, and their perplexities reported
+    (the claimed ~20% perplexity cost of merging onto dequantized weights is checked here, not assumed)."""
+    from converter.merge import merge
+
+    texts, ppl_ids, max_new_tokens = batch
+    ref, out = runs
+
+    def measure(model) -> Run:
+        return _run(model, texts, None, ppl_ids, max_new_tokens)
+
+    this = recipe.qlora_base
+    other = "original" if this == "dequantized" else "dequantized"
+    vocab = _vocab(merged)
+    if this == "dequantized":
+        qlora_ref, full_ref = ref, measure(_reference(base, adapter_dirs, recipe, dtype, vocab))
+    else:
+        quantization = _quantization(replace(recipe, qlora_base="dequantized"), merged, base, dtype)
+        qlora_ref, full_ref = measure(_reference(base, adapter_dirs, recipe, dtype, vocab, quantization)), ref
+    with tempfile.TemporaryDirectory(prefix="converter-qlora-") as tmp:
+        merge(replace(recipe, qlora_base=other, out=str(Path(tmp) / "m")), token=token, log=lambda _line: None)
+        alternative = measure(_load(Path(tmp) / "m", dtype))
+    gc.collect()
+    by_mode = {this: out, other: alternative}
+    modes = {
+        mode: {
+            "this_merge": mode == this,
+            "vs_qlora_reference": _summary(_compare(qlora_ref, run)),
+            "vs_full_precision_reference": _summary(_compare(full_ref, run)),
+            "perplexity": run.perplexity,
+        }
+        for mode, run in by_mode.items()
+    }
+    kl = {mode: m["vs_qlora_reference"]["mean_kl"] for mode, m in modes.items()}
+    closer = min(kl, key=kl.get)
+    farther = other if closer == this else this
+    return {
+        "reference": f"base in {recipe.qlora_quant.upper()} 4-bit (block size {recipe.qlora_blocksize}, double "
+        f"quantization {'on' if recipe.qlora_double_quant else 'off'}) + adapters through PEFT",
+        "modes": modes,
+        "closer": closer,
+        "kl_ratio": kl[farther] / kl[closer] if kl[closer] > 0 else float("inf"),
+        "perplexity_qlora_reference": qlora_ref.perplexity,
+        "perplexity_full_precision_reference": full_ref.perplexity,
+        "dequantized_perplexity_change": by_mode["dequantized"].perplexity / by_mode["original"].perplexity - 1,
+    }
+
+
+def _summary(metrics: dict) -> dict:
+    keys = ("mean_kl", "max_abs_logit_diff", "top1_agreement", "greedy_identical", "greedy_total")
+    return {k: metrics[k] for k in keys}
 
 
 def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
@@ -431,7 +567,7 @@ def markdown(report: dict) -> str:
     m, b, tol = report["merged_vs_reference"], report["base_vs_reference"], report["tolerance"]
     verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
     lines = [
-        f"{verdict}: the merged model was compared with the base + adapters applied unmerged through PEFT "
+        f"{verdict}: the merged model was compared with {report.get('reference', 'the base + adapters')} "
         f"({report['inputs']['count']} prompts, {report['compute_dtype']} compute, "
         f"weights in {report['output_dtype']}).",
         "",
@@ -448,11 +584,40 @@ def markdown(report: dict) -> str:
         f"{b['greedy_identical']}/{b['greedy_total']} | |",
         f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
     ]
+    if report.get("qlora"):
+        lines += ["", *_qlora_markdown(report["qlora"])]
     for p in report["problems"]:
         lines.append(f"\n- problem: {p}")
     for n in report["notes"]:
         lines.append(f"\n- note: {n}")
     return "\n".join(lines)
+
+
+def _qlora_markdown(q: dict) -> list[str]:
+    modes = q["modes"]
+    lines = [
+        f"**QLoRA**: the adapters were trained on a 4-bit base. Both merge bases against the training setting "
+        f"({q['reference']}):",
+        "",
+        "| merge base | mean KL vs 4-bit reference | top-1 agreement | mean KL vs full-precision reference | "
+        "perplexity |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in ("original", "dequantized"):
+        m = modes[mode]
+        name = f"{mode} (this merge)" if m["this_merge"] else mode
+        lines.append(
+            f"| {name} | {m['vs_qlora_reference']['mean_kl']:.3g} | {m['vs_qlora_reference']['top1_agreement']:.2%} "
+            f"| {m['vs_full_precision_reference']['mean_kl']:.3g} | {m['perplexity']:.4g} |"
+        )
+    lines += [
+        "",
+        f"Closer to the 4-bit reference: **{q['closer']}** (mean KL {q['kl_ratio']:.3g}x lower). Perplexity of the "
+        f"4-bit reference {q['perplexity_qlora_reference']:.4g}, of the full-precision reference "
+        f"{q['perplexity_full_precision_reference']:.4g}; the dequantized merge's is "
+        f"{q['dequantized_perplexity_change']:+.1%} relative to the original merge's.",
+    ]
+    return lines
 
 
 def _share(metrics: dict) -> str:

@@ -175,3 +175,64 @@ def test_other_prequantized_bases_are_refused(tmp_path, cli):
     (base / "config.json").write_text(json.dumps(config))
     code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "q")
     assert code == 2 and "pre-quantized (gptq) base cannot be dequantized" in err and not (tmp_path / "q").exists()
+
+
+def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    lr, lo = ref.double().log_softmax(-1), other.double().log_softmax(-1)
+    return (lr.exp() * (lr - lo)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("mode", ["original", "dequantized"])
+def test_verification_measures_both_merge_bases_for_qlora_adapters(tmp_path, cli, mode):
+    base = make_base(tmp_path / "base", "llama", hidden_size=128, intermediate_size=256)
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
+    args = ["merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--qlora", "--qlora-base", mode]
+    code, out, err = cli(*args, verify=True)
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    q = report["qlora"]
+    assert (
+        q["modes"][mode]["this_merge"]
+        and not q["modes"][{"original": "dequantized"}.get(mode, "original")]["this_merge"]
+    )
+    # Recomputed independently on other inputs: the QLoRA reference through PEFT, both merges loaded as users do.
+    other = tmp_path / "other"
+    flip = "dequantized" if mode == "original" else "original"
+    assert cli("merge", "--base", base, "--adapter", adapter, "--out", other, "--qlora-base", flip)[0] == 0
+    ids = token_ids()
+    qlora = logits(qlora_reference(base, adapter), ids)
+    measured = {
+        mode: kl(qlora, logits(load_merged(tmp_path / "m"), ids)),
+        flip: kl(qlora, logits(load_merged(other), ids)),
+    }
+    assert q["closer"] == min(measured, key=measured.get) == "dequantized"
+    kls = {m: q["modes"][m]["vs_qlora_reference"]["mean_kl"] for m in ("original", "dequantized")}
+    assert q["kl_ratio"] == pytest.approx(kls["original"] / kls["dequantized"])
+    assert q["dequantized_perplexity_change"] == pytest.approx(
+        q["modes"]["dequantized"]["perplexity"] / q["modes"]["original"]["perplexity"] - 1
+    )
+    assert "Closer to the 4-bit reference: **dequantized**" in (tmp_path / "m" / "README.md").read_text()
+
+
+def test_plain_adapters_get_no_qlora_study(tmp_path, cli):
+    base = make_base(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    assert cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", verify=True)[0] == 0
+    assert json.loads((tmp_path / "m" / "verification.json").read_text())["qlora"] is None
+
+
+def test_4bit_output_is_verified_and_a_4bit_base_is_caught(tmp_path, cli):
+    base = make_base(tmp_path / "base", "llama", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    adapter = make_adapter(base, tmp_path / "lora", r=8, lora_alpha=32)
+    code, out, err = cli(
+        "merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "q", "--dtype", "bnb-nf4", verify=True
+    )
+    assert code == 0 and "**Passed**" in out, out + err
+    report = json.loads((tmp_path / "q" / "verification.json").read_text())
+    assert report["output_dtype"] == "NF4" and "quantized to NF4 by transformers" in report["reference"]
+    # Sabotage: the bare base quantized (the adapter "merged" as nothing) must fail against base + adapter.
+    noop = quantize_with_transformers(base, tmp_path / "noop")
+    for name in ("converter_recipe.yaml", "converter_provenance.json"):
+        (noop / name).write_bytes((tmp_path / "q" / name).read_bytes())
+    code, out, err = cli("verify", noop)
+    assert code == 3 and "as far from the reference as the bare base" in out + err
