@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     report = json.loads(report_path.read_text())
     load, verify = runs["load"], runs["verify"]
+    phases = report["phase_seconds"]
+    loads = phases["load reference"] + phases["load merged"]
+    passes = phases["run reference and bare base"] + phases["run merged"]
+    load_s = float(load.log.read_text().split("load ")[-1].split("s")[0])  # from_pretrained alone, no import
     text = "\n".join(
         [
             f"\n## Verification cost: {info['date']} ({_param_count(base)}, {'cold' if cold else 'warm'} cache)",
@@ -82,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{verify.peak_rss_mib:.0f} MiB |",
             f"| ratio | {verify.wall_s / load.wall_s:.2f}x | {verify.cpu_s / max(load.cpu_s, 1e-9):.2f}x | "
             f"{verify.peak_rss_mib / load.peak_rss_mib:.2f}x |",
+            "",
+            f"Inside `converter verify`: the two loads (reference with PEFT, merged) took {loads:.1f} s, "
+            f"{loads / load_s:.2f}x one `from_pretrained` ({load_s:.1f} s without the import); the forward passes "
+            f"(reference, bare base, merged: logits, {report['inputs']['max_new_tokens']} greedy tokens per prompt, "
+            f"perplexity, module probe) {passes:.1f} s; everything else (imports, tokenizer, metrics) "
+            f"{verify.wall_s - loads - passes:.1f} s.",
             "",
         ]
     )

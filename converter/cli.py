@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="a text file with one prompt per line (default: a built-in set)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens compared per prompt (default 16)")
+    p.add_argument(
+        "--verify-memory",
+        help="memory verification may use, e.g. 8GB (default: what is available); larger models are offloaded to disk",
+    )
 
 
 def _verify_settings(args: argparse.Namespace) -> dict:
@@ -79,7 +83,10 @@ def _verify_settings(args: argparse.Namespace) -> dict:
             raise ConverterError(f"{args.prompts}: cannot read prompts ({e.strerror})") from None
         if not prompts:
             raise ConverterError(f"{args.prompts}: no prompts in the file (one per line)")
-    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens}
+    from converter.units import parse_size
+
+    memory = parse_size(args.verify_memory) if args.verify_memory else None
+    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory}
 
 
 def _merge_options(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import gc
 import json
 import math
 import resource
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from converter.dtypes import TORCH_TO_ST
 from converter.recipe import Recipe
+from converter.units import human_bytes
 
 PROMPTS = [
     "What is the capital of France?",
@@ -102,24 +104,48 @@ def verify(
     *,
     prompts: list[str] | None = None,
     max_new_tokens: int = 16,
+    memory: int | None = None,
     token: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model)."""
+    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model).
+
+    `memory` caps the bytes the models may take (default: what the machine has available); a model larger than
+    that is verified with accelerate's disk offloading, slower but exact."""
+    with tempfile.TemporaryDirectory(prefix="converter-verify-") as scratch:
+        return _verify(Path(merged), recipe, prompts, max_new_tokens, memory, token, log, Path(scratch))
+
+
+def _verify(
+    merged: Path,
+    recipe: Recipe,
+    prompts: list[str] | None,
+    max_new_tokens: int,
+    memory: int | None,
+    token: str | None,
+    log: Callable[[str], None],
+    scratch: Path,
+) -> dict:
     import torch
 
     from converter.sources import fetch
 
     started = time.time()
-    merged = Path(merged)
     output_dtype, params = _weights(merged)
-    compute = _compute_dtype(params)
-    if compute is None:
+    budget = memory or _available()
+    compute, offload = _placement(params, budget, scratch)
+    if offload and (_stored_4bit(merged) or recipe.qlora_base == "dequantized"):
+        return _skipped(
+            merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
+        )
+    if offload and shutil.disk_usage(scratch).free < params * 2 * 2:
         return _skipped(
             merged,
-            f"the model needs about {params * 2 / 1e9:.1f} GB to load and this machine has "
-            f"{_available() / 1e9:.1f} GB available",
+            f"the model needs about {human_bytes(params * 2)} to load, {human_bytes(budget)} of memory is available "
+            f"and {scratch} has too little disk to offload the rest",
         )
+    if offload:
+        log(f"the model does not fit in {human_bytes(budget)}: offloading weights to disk (accelerate); slower, exact")
     dtype = getattr(torch, compute)
     base = fetch(recipe.base, "model", token).local
     adapter_dirs = []
@@ -132,16 +158,19 @@ def verify(
     four_bit = _four_bit_base(recipe, base)
     kind = f"{four_bit} 4-bit base" if four_bit else "base"
     log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    clock = Clock()
     try:
         quantization = _quantization(recipe, merged, base, dtype)
-        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization)
+        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization, offload)
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return _skipped(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
+    clock.lap("load reference")
     ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
     with reference_model.disable_adapter():
         bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
     stored_4bit = _stored_4bit(merged)
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
@@ -150,11 +179,16 @@ def verify(
         output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
         ref = _quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
         reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
+        clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
     del reference_model
     gc.collect()
 
-    out = _run(_load(merged, dtype), inputs, probe_ids, ppl_ids, max_new_tokens)
+    candidate = _load(merged, dtype, offload=offload)
+    clock.lap("load merged")
+    out = _run(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
+    del candidate
     gc.collect()
+    clock.lap("run merged")
 
     # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
     reference_precision = "F16" if four_bit else "F32"
@@ -187,12 +221,15 @@ def verify(
         log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
         batch = (inputs, ppl_ids, max_new_tokens)
         qlora = _qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
+        clock.lap("QLoRA study: other merge, 4-bit reference")
     report = {
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
         "reference": reference,
         "compute_dtype": compute,
+        "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
+        "offload_memory_bytes": offload.max_memory if offload else None,
         "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
         "tolerance": tol,
         "inputs": {
@@ -208,16 +245,53 @@ def verify(
         "qlora": qlora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": round(time.time() - started, 1),
+        "phase_seconds": clock.phases,
     }
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def _load(folder: Path, dtype, quantization=None):
+class Clock:
+    """Seconds per phase: the verification benchmark compares the loads and the forward passes with one load."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 2)
+        self._last = now
+
+
+@dataclass
+class Offload:
+    """accelerate's disk offloading: what stays in memory, and where the rest goes."""
+
+    max_memory: int
+    folder: Path
+
+    def kwargs(self) -> dict:
+        folder = tempfile.mkdtemp(dir=self.folder)  # one per model loaded: offloaded files must not mix
+        return {"device_map": "auto", "max_memory": {"cpu": self.max_memory}, "offload_folder": folder}
+
+
+def _placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None]:
+    """float32 when one fp32 copy fits comfortably, else bfloat16, else bfloat16 with most weights on disk."""
+    if params * 4 * 1.5 < budget:
+        return "float32", None
+    if params * 2 * 1.5 < budget:
+        return "bfloat16", None
+    return "bfloat16", Offload(budget // 2, scratch)  # the other half: activations, logits, one layer loaded
+
+
+def _load(folder: Path, dtype, quantization=None, offload: Offload | None = None):
     from transformers import AutoModelForCausalLM
 
     extra = {"quantization_config": quantization} if quantization else {}
+    if offload:
+        extra.update(offload.kwargs())
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
 
 
@@ -300,16 +374,6 @@ def _available() -> int:
         except (OSError, ValueError):
             continue
     return max(free, 0)
-
-
-def _compute_dtype(params: int) -> str | None:
-    """float32 when one fp32 copy fits comfortably, else bfloat16, else None (skip)."""
-    free = _available()
-    if params * 4 * 1.5 < free:
-        return "float32"
-    if params * 2 * 1.5 < free:
-        return "bfloat16"
-    return None
 
 
 def _vocab(folder: Path) -> int:
@@ -469,18 +533,18 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     )
 
 
-def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None):
+def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    extra = {"quantization_config": quantization} if quantization else {}  # None would drop a base's own
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **extra)
+    model = _load(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
-    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+    # PEFT re-dispatches an offloaded model when it adds adapters: keep the placement accelerate chose.
+    placed = {**offload.kwargs(), "device_map": model.hf_device_map} if offload else {}
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
     for name, path in zip(names[1:], adapters[1:], strict=True):
-        model.load_adapter(path, adapter_name=name)
+        model.load_adapter(path, adapter_name=name, **placed)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
@@ -590,6 +654,8 @@ def markdown(report: dict) -> str:
         lines.append(f"\n- problem: {p}")
     for n in report["notes"]:
         lines.append(f"\n- note: {n}")
+    if report.get("offloaded"):
+        lines.append("\n- note: the models did not fit in memory and ran with weights offloaded to disk (accelerate)")
     return "\n".join(lines)
 
 
