@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
@@ -188,9 +189,23 @@ QLORA_SIGNS = re.compile(r"qlora|load_in_4bit|bnb_4bit|bitsandbytes|\b4-?bit\b",
 
 
 def qlora_hint(adapter: Adapter, card: str | None) -> str | None:
-    """QLoRA adapters are not marked in adapter_config.json; their cards and training configs usually say so."""
+    """QLoRA adapters are not marked in adapter_config.json; their cards, training configs and declared bases
+    (`unsloth/...-bnb-4bit`, or a local base folder whose config has a 4-bit quantization_config) usually say so."""
     config = adapter.model_config or {}
-    if QLORA_SIGNS.search(card or "") or (config.get("quantization_config") or {}).get("load_in_4bit"):
+    trained_on = adapter.base_model or ""
+    declared = Path(trained_on) / "config.json"
+    quantization: dict = {}
+    if trained_on and declared.is_file():  # a local base: its config says, not the wording of its path
+        with contextlib.suppress(ValueError, OSError):
+            quantization = json.loads(declared.read_text()).get("quantization_config") or {}
+        base_quantized = bool(quantization.get("load_in_4bit"))
+    else:  # a Hub id: 4-bit repos say so in their names (unsloth/...-bnb-4bit)
+        base_quantized = bool(QLORA_SIGNS.search(trained_on.split("/")[-1]))
+    if (
+        QLORA_SIGNS.search(card or "")
+        or base_quantized
+        or (config.get("quantization_config") or {}).get("load_in_4bit")
+    ):
         return (
             f"{adapter.path}: this looks like a QLoRA adapter (trained on a 4-bit base); merging into the original "
             "weights (the default). --qlora-base dequantized merges into the 4-bit weights it saw in training"

@@ -90,6 +90,18 @@ def test_qlora_adapters_are_recognised(tmp_path, cli):
     (adapter / "README.md").write_text("Trained with QLoRA: bitsandbytes 4-bit NF4, double quantization.\n")
     code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m")
     assert code == 0 and "looks like a QLoRA adapter" in out and "--qlora-base dequantized" in out
+    # No card, but the base it declares is a bitsandbytes 4-bit repo (by name, or by its local config).
+    (adapter / "README.md").unlink()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for declared in ("unsloth/llama-3-8b-bnb-4bit", str(quantize_with_transformers(base, tmp_path / "four"))):
+        config["base_model_name_or_path"] = declared
+        (adapter / "adapter_config.json").write_text(json.dumps(config))
+        code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--force")
+        assert code == 0 and "looks like a QLoRA adapter" in out, declared
+    config["base_model_name_or_path"] = str(base)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--force")
+    assert code == 0 and "QLoRA" not in out, out
 
 
 def quantize_with_transformers(folder: Path, out: Path, quant: str = "nf4", double_quant: bool = True) -> Path:
