@@ -61,6 +61,8 @@ class Keymap:
     stored_transposed: list[re.Pattern] = field(default_factory=list)
     fused: list[FusedRule] = field(default_factory=list)
     defaults: dict[str, str] = field(default_factory=dict)
+    # 2-D weights that are not linear layers (embeddings, heads): kept in full precision in 4-bit outputs.
+    unquantized: list[re.Pattern] = field(default_factory=list)
     # Diffusion families: how to recognise a base, where each component lives, and other spellings of its keys.
     pipelines: list[str] = field(default_factory=list)
     detect: list[re.Pattern] = field(default_factory=list)
@@ -94,6 +96,7 @@ class Keymap:
             stored_transposed=[re.compile(p) for p in data.get("stored_transposed", [])],
             fused=[FusedRule(re.compile(f["module"]), f["into"], f["parts"]) for f in data.get("fused", [])],
             defaults=data.get("defaults", {}),
+            unquantized=[re.compile(p) for p in data.get("unquantized", [])],
             pipelines=data.get("pipelines", []),
             detect=[re.compile(p) for p in data.get("detect", [])],
             components={k: list(v) for k, v in (data.get("components") or {}).items()},
@@ -105,6 +108,10 @@ class Keymap:
     @property
     def is_diffusion(self) -> bool:
         return bool(self.pipelines or self.detect)
+
+    def keeps_precision(self, key: str) -> bool:
+        """Whether a 4-bit output stores `key` unquantized, as transformers' load_in_4bit leaves it."""
+        return key in self.tied or key in self.tied.values() or any(p.fullmatch(key) for p in self.unquantized)
 
     def is_stored_transposed(self, key: str) -> bool | None:
         """True/False where this keymap knows the layout; None where it says nothing about layouts."""
