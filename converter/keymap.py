@@ -241,7 +241,12 @@ class Resolver:
                 for key in self.keys:
                     self._flat.setdefault(flatten(key), set()).add(key)
             found = set()
-            for spelling in self._spellings(module) + [f"model_{module}"]:
+            spellings = [module] + [
+                flatten(add) + module[len(flatten(strip)) :]
+                for strip, add in self.keymap.prefixes
+                if module.startswith(flatten(strip))
+            ]
+            for spelling in spellings:
                 found |= self._flat.get(flatten(f"{spelling}.{param}"), set())
             if len(found) > 1:
                 raise ConverterError(f"adapter module {module!r} matches several base tensors ({sorted(found)})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -295,6 +296,7 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
 
     patches: list[AdapterPatch] = []
     split_qkv: list[str] = []
+    no_alpha = 0
     flavours: set[str] = set()
     ranks: set[int] = set()
     alphas: set[float] = set()
@@ -316,6 +318,8 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
                 )
             alpha = _alpha(tensors, roles)
             scale = _scale(alpha, rank)
+            if alpha is None and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
+                no_alpha += 1
             if alpha is None and meta:
                 prefix = stem.split(".", 1)[0] if not flat else None
                 scale = _config_scale(meta, prefix, module, rank) or scale
@@ -374,6 +378,12 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
     if meta:
         summary["lora_adapter_metadata"] = True
     warnings = []
+    if no_alpha and not meta:
+        warnings.append(
+            f"{weights}: {no_alpha} lora_A/lora_B pairs and no alpha anywhere (no .alpha tensors, no "
+            "lora_adapter_metadata): merged with scale 1 as diffusers does; if it was trained with lora_alpha != r, "
+            "merge its PEFT folder (with adapter_config.json) instead"
+        )
     if split_qkv:
         summary["split_qkv_modules"] = len(split_qkv)
         warnings.append(
@@ -436,8 +446,8 @@ def _flavour(stem: str, roles: dict[str, str]) -> str:
         writer = "kohya" if algo == "lora" else "lycoris"
     elif stem.startswith("diffusion_model."):
         writer = "comfyui"
-    elif ".processor." in stem and "_lora" in stem and "qkv" in stem or "proj_lora" in stem:
+    elif re.search(r"\.processor\.(qkv|proj)_lora\d?$", stem):
         writer = "xlabs"
     else:
         writer = "diffusers"
-    return f"{writer}-{algo}" if writer not in ("kohya",) or algo != "lora" else "kohya-lora"
+    return f"{writer}-{algo}"
