@@ -225,3 +225,121 @@ def test_musubi_lora_on_each_family(family, prefix, tmp_path, cli):
             else base[key]
         )
         torch.testing.assert_close(merged[key], expected, atol=1e-6, rtol=1e-6)
+
+
+# HunyuanVideo original (tencent) module -> diffusers modules whose rows it concatenates (diffusers'
+# convert_hunyuan_video_transformer_to_diffusers; it hard-codes the 3072 width for linear1, so it is mapped here).
+def hunyuan_map(n: int = 2) -> dict[str, list[str]]:
+    m = {}
+    for i in range(n):
+        d, t = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        m |= {
+            f"{d}.img_attn_qkv": [f"{t}.attn.to_q", f"{t}.attn.to_k", f"{t}.attn.to_v"],
+            f"{d}.txt_attn_qkv": [f"{t}.attn.add_q_proj", f"{t}.attn.add_k_proj", f"{t}.attn.add_v_proj"],
+            f"{d}.img_attn_proj": [f"{t}.attn.to_out.0"],
+            f"{d}.txt_attn_proj": [f"{t}.attn.to_add_out"],
+            f"{d}.img_mlp.fc1": [f"{t}.ff.net.0.proj"],
+            f"{d}.img_mlp.fc2": [f"{t}.ff.net.2"],
+            f"{d}.txt_mlp.fc1": [f"{t}.ff_context.net.0.proj"],
+            f"{d}.txt_mlp.fc2": [f"{t}.ff_context.net.2"],
+            f"{d}.img_mod.linear": [f"{t}.norm1.linear"],
+            f"{d}.txt_mod.linear": [f"{t}.norm1_context.linear"],
+        }
+        s, t = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        m |= {
+            f"{s}.linear1": [f"{t}.attn.to_q", f"{t}.attn.to_k", f"{t}.attn.to_v", f"{t}.proj_mlp"],
+            f"{s}.linear2": [f"{t}.proj_out"],
+            f"{s}.modulation.linear": [f"{t}.norm.linear"],
+        }
+    return m
+
+
+def hunyuan_original(sd: dict) -> dict:
+    out, used = {}, set()
+    for orig, parts in hunyuan_map().items():
+        for p in ("weight", "bias"):
+            out[f"{orig}.{p}"] = torch.cat([sd[f"{x}.{p}"] for x in parts])
+            used.update(f"{x}.{p}" for x in parts)
+    out |= {f"extra.{k}": v for k, v in sd.items() if k not in used}
+    return out
+
+
+def hunyuan_back(sd: dict, reference: dict) -> dict:
+    out = {k[len("extra.") :]: v for k, v in sd.items() if k.startswith("extra.")}
+    for orig, parts in hunyuan_map().items():
+        for p in ("weight", "bias"):
+            sizes = [reference[f"{x}.{p}"].shape[0] for x in parts]
+            out |= dict(zip((f"{x}.{p}" for x in parts), torch.split(sd[f"{orig}.{p}"], sizes), strict=True))
+    return out
+
+
+def test_hunyuan_video_musubi_and_diffusers_loras_across_layouts(tmp_path, cli):
+    """musubi's original-named LoRA (fused img_attn_qkv, linear1) into a diffusers-layout folder (split by rows)
+    equals its merge into the original file; a diffusers-named LoRA into the original file (row slices) equals
+    diffusers' own loader on the diffusers model."""
+    import copy
+
+    from diffusers import HunyuanVideoTransformer3DModel
+    from diffusers.loaders.lora_pipeline import HunyuanVideoLoraLoaderMixin
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _perturb(
+        HunyuanVideoTransformer3DModel(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            num_layers=2,
+            num_single_layers=2,
+            num_refiner_layers=1,
+            patch_size=1,
+            text_embed_dim=12,
+            pooled_projection_dim=8,
+            rope_axes_dim=(2, 2, 4),
+        ),
+        0,
+    )
+    base = model.state_dict()
+    model.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
+    single = save(hunyuan_original(base), tmp_path / "hunyuan-tiny.safetensors")
+
+    g = torch.Generator().manual_seed(1)
+    musubi = {}
+    for orig, parts in hunyuan_map().items():
+        if "mod" in orig:  # musubi's default excludes img_mod / txt_mod / modulation
+            continue
+        rows, cols = sum(base[f"{p}.weight"].shape[0] for p in parts), base[f"{parts[0]}.weight"].shape[1]
+        name = "lora_unet_" + orig.replace(".", "_")
+        musubi |= {
+            f"{name}.lora_down.weight": torch.randn(2, cols, generator=g),
+            f"{name}.lora_up.weight": torch.randn(rows, 2, generator=g),
+            f"{name}.alpha": torch.tensor(1.0),
+        }
+    save(musubi, tmp_path / "musubi.safetensors")
+    for b, out in ((tmp_path / "pipe", "f"), (single, "s")):
+        assert cli("merge", "--base", b, "--adapter", tmp_path / "musubi.safetensors", "--out", tmp_path / out)[0] == 0
+    via_file = hunyuan_back(load_file(tmp_path / "s" / "hunyuan-tiny.safetensors"), base)
+    assert_matches(read_component(tmp_path / "f", "transformer"), via_file, base, atol=1e-6)
+
+    trained = copy.deepcopy(model)
+    config = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        init_lora_weights=False,
+        # the blocks only: the token refiner's attention (txt_in, fused self_attn_qkv) has no mapping yet
+        target_modules=r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|add_k_proj|to_out\.0)|proj_mlp|ff\.net\.0\.proj)",
+    )
+    trained.add_adapter(config)
+    HunyuanVideoLoraLoaderMixin.save_lora_weights(
+        tmp_path / "dlora",
+        transformer_lora_layers=get_peft_model_state_dict(trained),
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    adapter = tmp_path / "dlora" / "pytorch_lora_weights.safetensors"
+    assert cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "d")[0] == 0
+    merged = hunyuan_back(load_file(tmp_path / "d" / "hunyuan-tiny.safetensors"), base)
+    assert_matches(merged, peft_merge(trained), base, atol=1e-5)
