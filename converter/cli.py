@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _weight(text: str) -> float | dict[str, float]:
+    """A number, or kohya-style strengths per component: `unet=0.8,text_encoder=0.5`."""
+    try:
+        if "=" not in text:
+            return float(text)
+        return {k.strip(): float(v) for k, v in (part.split("=", 1) for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number or component=number pairs") from None
+
+
 def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="a text file with one prompt per line (default: a built-in set)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens compared per prompt (default 16)")
@@ -95,7 +105,13 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--adapter", action="append", default=[], help="adapter folder/file or Hub id (repeatable, in order)"
     )
-    p.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
+    p.add_argument(
+        "--weight",
+        action="append",
+        type=_weight,
+        default=[],
+        help="weight per --adapter (default 1.0); per component of a diffusion base: unet=0.8,text_encoder=0.5",
+    )
     p.add_argument(
         "--dtype",
         help="output dtype: float32, float16, bfloat16, or bnb-nf4 / bnb-fp4 for a bitsandbytes 4-bit checkpoint "

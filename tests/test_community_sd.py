@@ -401,3 +401,16 @@ def test_diffusers_pipeline_and_kohya_file_from_the_hub(sd15, tmp_path):
         assert all(torch.equal(ours[k], expected[k]) for k in expected) and set(ours) == set(expected)
     recipe = (tmp_path / "hub" / "converter_recipe.yaml").read_text()
     assert "alice/tiny-sd@" in recipe and "alice/style-lora@" in recipe
+
+
+def test_component_weights_on_the_command_line(sd15, tmp_path, cli):
+    """`--weight unet=0,text_encoder=1` changes only the text encoder; an unknown component is refused."""
+    base, models = sd15
+    save(sd15_lora(models), tmp_path / "lora.safetensors")
+    args = ("merge", "--base", base, "--adapter", tmp_path / "lora.safetensors")
+    assert cli(*args, "--weight", "unet=0,text_encoder=1", "--out", tmp_path / "m")[0] == 0
+    unet, te = read_component(tmp_path / "m", "unet"), read_component(tmp_path / "m", "text_encoder")
+    assert all(torch.equal(v, read_component(base, "unet")[k]) for k, v in unet.items())
+    assert any(not torch.equal(v, read_component(base, "text_encoder")[k]) for k, v in te.items())
+    code, _, err = cli(*args, "--weight", "vae=1", "--out", tmp_path / "x")
+    assert code == 2 and "unknown component 'vae'" in err
