@@ -92,6 +92,8 @@ class AdapterPatch:
     # "text_encoder_2", ...; None: the whole model), and whether its name is kohya-flattened ('.' -> '_').
     component: str | None = None
     flat: bool = False
+    # The module's name exactly as the file spells it (prefix included), so a writer can reproduce the file.
+    native: str | None = None
 
     @property
     def name(self) -> str:

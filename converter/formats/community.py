@@ -347,7 +347,7 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
                 patch = DoRA(delta, Ref(tensors, roles["dora"]), style="lycoris")
             elif "magnitude" in roles:
                 patch = DoRA(delta, Ref(tensors, roles["magnitude"]), style="peft")
-            patches.append(AdapterPatch(module, "weight", patch, component=component, flat=flat))
+            patches.append(AdapterPatch(module, "weight", patch, component=component, flat=flat, native=stem))
         if "up_bias" in roles and isinstance(delta, LowRank):
             patches.append(
                 AdapterPatch(
@@ -356,11 +356,12 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
                     BiasDelta(Ref(tensors, roles["up_bias"]), delta.scale),
                     component=component,
                     flat=flat,
+                    native=stem,
                 )
             )
         if "diff_b" in roles:
             bias = BiasDelta(Ref(tensors, roles["diff_b"]), 1.0)
-            patches.append(AdapterPatch(module, "bias", bias, component=component, flat=flat))
+            patches.append(AdapterPatch(module, "bias", bias, component=component, flat=flat, native=stem))
 
     md = tensors.metadata
     # kohya records the base checkpoint's file name it trained on; a family tag alone is no base model
