@@ -1,4 +1,4 @@
-"""`converter inspect / merge / verify / push / demo`. Argument parsing and printing only; the work lives elsewhere.
+"""`converter inspect / merge / convert / verify / push / demo`: argument parsing and printing only.
 
 Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
 """
@@ -58,9 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
 
+    _convert_parser(sub)
+
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
     return p
+
+
+def _convert_parser(sub) -> None:
+    c = sub.add_parser("convert", help="convert an adapter between formats (kohya, PEFT, diffusers) without merging")
+    c.add_argument("--adapter", required=True, help="adapter file/folder, or Hub org/name[@rev][/file]")
+    c.add_argument("--to", required=True, choices=["peft", "diffusers", "kohya"], help="output format")
+    c.add_argument("--out", help="output: a folder (peft, diffusers) or a .safetensors file (kohya)")
+    c.add_argument("--base", help="the model the adapter is for (needed to look up kohya's flattened names)")
+    c.add_argument("--rank", type=int, help="approximate LoHa/LoKr/full modules by an SVD of this rank")
+    c.add_argument("--component", help="which model part a PEFT adapter is for (unet, transformer, text_encoder...)")
+    c.add_argument("--push-pr", action="store_true", help="open a pull request adding the result to the adapter's repo")
+    c.add_argument("--force", action="store_true", help="replace an existing --out")
+    c.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
+    c.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
 
 
 def _weight(text: str) -> float | dict[str, float]:
@@ -232,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"pushed: {result.url}/commit/{result.commit}")
         return 0
+    if args.command == "convert":
+        from converter.convert import run_cli
+
+        return run_cli(args, log=_log)
     if args.command == "demo":
         from converter.demo import run_demo
 

@@ -1,0 +1,166 @@
+"""`converter convert`: kohya ↔ PEFT ↔ diffusers without merging.
+
+Oracles: ΔW of every module through converter's own patch math (exact for round trips), diffusers' own
+`load_lora_weights` on tiny SD1.5 models from configs, and PEFT's `PeftModel` on a CLIP text encoder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from convert_helpers import assert_same_deltas, deltas, diffusers_load_lora_weights
+from diffusion_helpers import (
+    TE_TARGETS,
+    UNET_TARGETS,
+    assert_matches,
+    kohya_lora,
+    kohya_modules,
+    make_pipeline,
+    read_component,
+    save,
+    tiny_clip,
+)
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sd15") / "base"
+    return folder, make_pipeline(folder, "sd15")
+
+
+def sd15_kohya(models, drop_alpha: bool = True) -> dict:
+    """kohya LoRA + LoCon (3x3 convs) on UNet and text encoder, alphas differing per module, one missing."""
+    mods = kohya_modules(models["unet"], "lora_unet", UNET_TARGETS, convs=True)
+    mods.update(kohya_modules(models["text_encoder"], "lora_te", TE_TARGETS))
+    lora = kohya_lora(mods, rank=4, conv_rank=2)
+    if drop_alpha:
+        del lora[sorted(k for k in lora if k.endswith(".alpha"))[0]]
+    return lora
+
+
+def test_kohya_round_trips_through_peft_and_diffusers_exactly(sd15, tmp_path, cli):
+    base, models = sd15
+    lora = sd15_kohya(models)
+    assert any(v.dim() == 4 and v.shape[-1] == 3 for v in lora.values())  # conv LoRAs included
+    src = save(lora, tmp_path / "lora.safetensors")
+    original = deltas(src, base)
+
+    code, out, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "peft", "--base", base)
+    assert code == 0, err
+    assert {p.name for p in (tmp_path / "peft").iterdir()} == {"unet", "text_encoder"}  # one PEFT folder each
+    config = json.loads((tmp_path / "peft" / "unet" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["alpha_pattern"] and config["rank_pattern"]
+    for component in ("unet", "text_encoder"):
+        assert_same_deltas(
+            deltas(tmp_path / "peft" / component, base / component),
+            {k.split("/", 1)[1]: v for k, v in original.items() if k.startswith(f"{component}/")},
+        )
+    code, _, err = cli("convert", "--adapter", tmp_path / "peft" / "unet", "--to", "kohya", "--out",
+                       tmp_path / "back_unet.safetensors", "--component", "unet")  # fmt: skip
+    assert code == 0, err
+    back = load_file(tmp_path / "back_unet.safetensors")
+    for key, value in back.items():  # same names, same factors, the real alphas (missing alpha: = rank)
+        if key.endswith(".alpha"):
+            stem = key[: -len(".alpha")]
+            expected = lora.get(key, torch.tensor(float(lora[f"{stem}.lora_down.weight"].shape[0])))
+            assert float(value) == float(expected), key
+        else:
+            assert torch.equal(value, lora[key]), key
+    assert {k for k in lora if k.startswith("lora_unet_") and not k.endswith(".alpha")} <= back.keys()
+
+    code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "dif", "--base", base)
+    assert code == 0, err
+    dif = tmp_path / "dif" / "pytorch_lora_weights.safetensors"
+    assert_same_deltas(deltas(dif, base), original)
+    code, _, err = cli("convert", "--adapter", dif, "--to", "kohya", "--out", tmp_path / "back.safetensors")
+    assert code == 0, err
+    assert_same_deltas(deltas(tmp_path / "back.safetensors", base), original)
+    back = load_file(tmp_path / "back.safetensors")
+    assert set(back) == set(lora) | {k for k in back if k.endswith(".alpha")}  # kohya's own names come back
+    with safe_open(tmp_path / "back.safetensors", "pt") as f:
+        assert "per module" in f.metadata()["converter_alphas"]
+
+
+def test_converted_diffusers_file_loads_in_diffusers_like_our_merge_of_the_original(sd15, tmp_path, cli):
+    """diffusers' load_lora_weights reads the per-module alphas from lora_adapter_metadata (rank/alpha patterns);
+    its fused weights equal converter's merge of the original kohya file."""
+    base, models = sd15
+    src = save(sd15_kohya(models), tmp_path / "lora.safetensors")
+    assert cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "dif", "--base", base)[0] == 0
+    reference = diffusers_load_lora_weights(models, tmp_path / "dif", "pytorch_lora_weights.safetensors")
+    assert cli("merge", "--base", base, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    for component in ("unet", "text_encoder"):
+        ours, before = read_component(tmp_path / "m", component), read_component(base, component)
+        assert_matches(ours, reference[component], before)
+
+
+def test_kohya_text_encoder_lora_to_peft_loads_in_peft_model(tmp_path, cli):
+    from peft import PeftModel
+    from transformers import CLIPTextModel
+
+    clip = tiny_clip(24)
+    clip.save_pretrained(tmp_path / "clip")
+    lora = kohya_lora(kohya_modules(clip, "lora_te", TE_TARGETS), rank=3, alpha=1.5)
+    src = save(lora, tmp_path / "te.safetensors")
+    code, _, err = cli(
+        "convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "peft", "--base", tmp_path / "clip"
+    )
+    assert code == 0, err
+    model = PeftModel.from_pretrained(CLIPTextModel.from_pretrained(tmp_path / "clip"), tmp_path / "peft")
+    reference = {k: v for k, v in model.merge_and_unload().state_dict().items()}
+    assert cli("merge", "--base", tmp_path / "clip", "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    ours, before = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "clip" / "model.safetensors")
+    assert_matches(ours, {k: reference[k] for k in ours}, before)
+
+
+def test_peft_to_kohya_writes_the_real_alpha(tmp_path, cli):
+    """diffusers' convert_state_dict_to_kohya writes alpha = rank (lora-formats.md §4); the real lora_alpha and
+    alpha_pattern must survive, checked against PEFT's own merge."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import CLIPTextModel
+
+    clip = tiny_clip(24)
+    clip.save_pretrained(tmp_path / "clip")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"], init_lora_weights=False,
+                        alpha_pattern={"fc1": 3}, rank_pattern={"v_proj": 2})  # fmt: skip
+    get_peft_model(CLIPTextModel.from_pretrained(tmp_path / "clip"), config).save_pretrained(tmp_path / "peft")
+    code, _, err = cli("convert", "--adapter", tmp_path / "peft", "--to", "kohya", "--out", tmp_path / "k.safetensors",
+                       "--component", "text_encoder")  # fmt: skip
+    assert code == 0, err
+    k = load_file(tmp_path / "k.safetensors")
+    assert float(k["lora_te_text_model_encoder_layers_0_self_attn_q_proj.alpha"]) == 8.0
+    assert float(k["lora_te_text_model_encoder_layers_0_mlp_fc1.alpha"]) == 3.0
+    assert k["lora_te_text_model_encoder_layers_1_self_attn_v_proj.lora_down.weight"].shape[0] == 2
+    assert_same_deltas(
+        deltas(tmp_path / "k.safetensors", tmp_path / "clip"), deltas(tmp_path / "peft", tmp_path / "clip")
+    )
+    model = PeftModel.from_pretrained(CLIPTextModel.from_pretrained(tmp_path / "clip"), tmp_path / "peft")
+    reference = model.merge_and_unload().state_dict()
+    assert (
+        cli("merge", "--base", tmp_path / "clip", "--adapter", tmp_path / "k.safetensors", "--out", tmp_path / "m")[0]
+        == 0
+    )
+    ours, before = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "clip" / "model.safetensors")
+    assert_matches(ours, {k: reference[k] for k in ours}, before)
+
+
+def test_bad_inputs_are_one_line_errors_and_write_nothing(sd15, tmp_path, cli):
+    base, models = sd15
+    src = save(sd15_kohya(models), tmp_path / "lora.safetensors")
+    code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "p")
+    assert code == 2 and "--base" in err and "flattened" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("convert", "--adapter", src, "--to", "kohya", "--out", tmp_path / "dir")
+    assert code == 2 and ".safetensors" in err
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")
+    code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "taken", "--base", base)
+    assert code == 2 and "--force" in err
+    other = tmp_path / "other"
+    tiny_clip(16).save_pretrained(other)  # a model the LoRA is not for
+    code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "d", "--base", other)
+    assert code == 2 and "lands on no tensor" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "other", "taken"]
