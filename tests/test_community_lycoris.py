@@ -393,6 +393,10 @@ def test_detection_of_each_flavour(keys, flavour, components, tmp_path, cli):
     assert code == 0, err
     info = json.loads(out)
     assert info["kind"] == "adapter" and info["format"] == flavour and info["components"] == components
+    from converter.formats import load_adapter
+
+    adapter = load_adapter(tmp_path / "a.safetensors")  # every patch keeps the file's own spelling of its module
+    assert all(any(k.startswith(ap.native) for k in keys) for ap in adapter.patches) and adapter.patches
 
 
 def test_old_diffusers_attention_processor_layout_merges(sd15, tmp_path, cli):

@@ -147,57 +147,84 @@ def ldm_names(unet_keys: list[str], family: str) -> dict[str, str]:
     return result
 
 
+def openclip_layout(te: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """An HF CLIP text encoder's layers in OpenCLIP's layout (SD2, SDXL's TE2): fused in_proj (q, k, v rows),
+    out_proj, c_fc / c_proj, ln_1 / ln_2 (the names diffusers' convert_open_clip_checkpoint reads)."""
+    import re
+
+    out = {}
+    renames = {
+        "self_attn.out_proj": "attn.out_proj",
+        "mlp.fc1": "mlp.c_fc",
+        "mlp.fc2": "mlp.c_proj",
+        "layer_norm1": "ln_1",
+        "layer_norm2": "ln_2",
+    }
+    for k, v in te.items():
+        m = re.search(r"encoder\.layers\.(\d+)\.(.+)", k)
+        if not m:
+            continue
+        n, rest = m.groups()
+        for d, o in renames.items():
+            if rest.startswith(d + "."):
+                out[f"{prefix}transformer.resblocks.{n}.{o}{rest[len(d) :]}"] = v
+        if rest.startswith("self_attn.q_proj."):
+            p = rest.rsplit(".", 1)[1]
+            out[f"{prefix}transformer.resblocks.{n}.attn.in_proj_{p}"] = torch.cat(
+                [te[k.replace("q_proj", x)] for x in ("q_proj", "k_proj", "v_proj")]
+            )
+    return out
+
+
+def from_openclip(model, sd: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """diffusers' own converter back to HF names (encoder layers only, without the text_model. prefix)."""
+    from diffusers.loaders.single_file_utils import convert_open_clip_checkpoint
+
+    back = convert_open_clip_checkpoint(model, dict(sd), prefix=prefix)
+    return {k.removeprefix("text_model."): v for k, v in back.items() if ".encoder.layers." in f".{k}"}
+
+
+# family -> (keymap for the UNet names, HF text encoder prefix or None, OpenCLIP text encoders {component: prefix})
+LAYOUTS = {
+    "sd": ("sd", "cond_stage_model.transformer.", {}),
+    "sd2": ("sd", None, {"text_encoder": "cond_stage_model.model."}),
+    "sdxl": ("sdxl", "conditioner.embedders.0.transformer.", {"text_encoder_2": "conditioner.embedders.1.model."}),
+}
+
+
 def to_ldm(models: dict, family: str) -> dict[str, torch.Tensor]:
     """A single-file checkpoint from the diffusers models, verified with diffusers' own single-file converters."""
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_open_clip_checkpoint
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
+    keymap, hf_prefix, openclip = LAYOUTS[family]
     unet = models["unet"].state_dict()
-    names = ldm_names(list(unet), family)
+    names = ldm_names(list(unet), keymap)
     sd = {f"model.diffusion_model.{names[k]}": v for k, v in unet.items()}
     back = convert_ldm_unet_checkpoint(dict(sd), dict(models["unet"].config))
     assert set(back) == set(unet) and all(torch.equal(back[k], unet[k]) for k in unet)
-    te = models["text_encoder"].state_dict()
-    te_prefix = "cond_stage_model.transformer." if family == "sd" else "conditioner.embedders.0.transformer."
-    sd.update({te_prefix + "text_model." + k: v for k, v in te.items()})  # transformers 4 / LDM names
-    if family == "sdxl":  # OpenCLIP layout: fused in_proj (q, k, v rows), c_fc / c_proj
-        te2 = models["text_encoder_2"].state_dict()
-        prefix = "conditioner.embedders.1.model."
-        for k, v in te2.items():
-            if ".encoder.layers." not in k:
-                continue
-            n = k.split(".")[3]
-            rest = k.split(f"layers.{n}.", 1)[1]
-            ldm = {
-                "self_attn.out_proj": "attn.out_proj",
-                "mlp.fc1": "mlp.c_fc",
-                "mlp.fc2": "mlp.c_proj",
-                "layer_norm1": "ln_1",
-                "layer_norm2": "ln_2",
-            }
-            for d, o in ldm.items():
-                if rest.startswith(d + "."):
-                    sd[f"{prefix}transformer.resblocks.{n}.{o}{rest[len(d) :]}"] = v
-            if rest.startswith("self_attn.q_proj."):
-                p = rest.rsplit(".", 1)[1]
-                parts = [te2[k.replace("q_proj", x)] for x in ("q_proj", "k_proj", "v_proj")]
-                sd[f"{prefix}transformer.resblocks.{n}.attn.in_proj_{p}"] = torch.cat(parts)
-        back = convert_open_clip_checkpoint(models["text_encoder_2"], dict(sd), prefix=prefix)
-        for k, v in back.items():
-            if k in te2 and ".encoder.layers." in k:
-                assert torch.equal(v, te2[k]), k
+    if hf_prefix:  # transformers 4 / LDM names keep text_model.
+        sd.update({hf_prefix + "text_model." + k: v for k, v in models["text_encoder"].state_dict().items()})
+    for component, prefix in openclip.items():
+        te = models[component].state_dict()
+        sd.update(openclip_layout(te, prefix))
+        for k, v in from_openclip(models[component], sd, prefix).items():
+            assert torch.equal(v, te[k] if k in te else te[f"text_model.{k}"]), k
     return sd
 
 
 def from_ldm(sd: dict, models: dict, family: str) -> dict[str, dict[str, torch.Tensor]]:
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_open_clip_checkpoint
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
+    keymap, hf_prefix, openclip = LAYOUTS[family]
     out = {"unet": convert_ldm_unet_checkpoint(dict(sd), dict(models["unet"].config))}
-    te_prefix = "cond_stage_model.transformer." if family == "sd" else "conditioner.embedders.0.transformer."
-    te_prefix += "text_model."
-    out["text_encoder"] = {k[len(te_prefix) :]: v for k, v in sd.items() if k.startswith(te_prefix)}
-    if family == "sdxl":
-        te2 = convert_open_clip_checkpoint(models["text_encoder_2"], dict(sd), prefix="conditioner.embedders.1.model.")
-        out["text_encoder_2"] = {k: v for k, v in te2.items() if ".encoder.layers." in k}
+    if hf_prefix:
+        hf_prefix += "text_model."
+        out["text_encoder"] = {k[len(hf_prefix) :]: v for k, v in sd.items() if k.startswith(hf_prefix)}
+    for component, prefix in openclip.items():
+        te = models[component].state_dict()
+        out[component] = {
+            (k if k in te else f"text_model.{k}"): v for k, v in from_openclip(models[component], sd, prefix).items()
+        }
     return out
 
 
@@ -414,3 +441,23 @@ def test_component_weights_on_the_command_line(sd15, tmp_path, cli):
     assert any(not torch.equal(v, read_component(base, "text_encoder")[k]) for k, v in te.items())
     code, _, err = cli(*args, "--weight", "vae=1", "--out", tmp_path / "x")
     assert code == 2 and "unknown component 'vae'" in err
+
+
+def test_kohya_into_sd2_single_file_with_openclip_text_encoder(sd15, tmp_path, cli):
+    """SD2's single file keeps OpenCLIP (cond_stage_model.model.transformer.resblocks.N.attn.in_proj_weight):
+    kohya's lora_te_..._q_proj / k_proj / v_proj land on its row thirds; equal to the diffusers-folder merge."""
+    from safetensors.torch import load_file
+
+    base, models = sd15
+    lora = sd15_lora(models)
+    save(lora, tmp_path / "lora.safetensors")
+    single = save(to_ldm(models, "sd2"), tmp_path / "sd2.safetensors")
+    code, out, err = cli("merge", "--base", single, "--adapter", tmp_path / "lora.safetensors", "--out", tmp_path / "s")
+    assert code == 0, err
+    assert cli("merge", "--base", base, "--adapter", tmp_path / "lora.safetensors", "--out", tmp_path / "f")[0] == 0
+    ours = from_ldm(load_file(tmp_path / "s" / "sd2.safetensors"), models, "sd2")
+    for component in ("unet", "text_encoder"):
+        folder = read_component(tmp_path / "f", component)
+        assert_matches(
+            ours[component], {k: folder[k] for k in ours[component]}, read_component(base, component), atol=0
+        )
