@@ -38,9 +38,12 @@ from converter.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
 TARGETS = ("peft", "diffusers", "kohya")
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 # kohya prefixes per output component (sd-scripts networks/lora.py, lora_flux.py; lora-formats.md §1)
-KOHYA_PREFIX = {"unet": "lora_unet_", "transformer": "lora_unet_", "denoiser": "lora_unet_"}
-# diffusers' component of a dotted source prefix (the denoiser is `unet` in SD/SDXL, `transformer` in DiTs)
-NATIVE_COMPONENT = {"unet.": "unet", "transformer.": "transformer", "diffusion_model.": "transformer"}
+# "denoiser" = a denoiser under its original (LDM, BFL, Wan ...) names; "transformer" = a DiT under diffusers' names,
+# which kohya-style files spell lora_transformer_ (OneTrainer; read by ComfyUI and diffusers, §5, §6).
+KOHYA_PREFIX = {"unet": "lora_unet_", "denoiser": "lora_unet_", "transformer": "lora_transformer_"}
+# the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
+# `diffusion_model.` keeps the original model's names)
+NATIVE_COMPONENT = {"unet.": "unet", "transformer.": "transformer", "diffusion_model.": "denoiser"}
 # kohya's CLIP text-encoder names come from transformers 4 module paths, which start with `text_model.`
 # (lora_te_text_model_encoder_layers_0_..., the only spelling ComfyUI/A1111 look up; lora-formats.md §1, §5);
 # transformers 5 checkpoints and modules drop it. T5 (`encoder.block.`) never had it.
@@ -58,6 +61,7 @@ class LoraModule:
     alpha: float
     source: str  # the module's name in the input file, for messages
     flat: bool = False
+    prefix: str | None = None  # a flattened source's own kohya prefix (lora_unet_, lora_transformer_ ...), kept
 
     @property
     def rank(self) -> int:
@@ -154,9 +158,9 @@ class _Base:
         if "/" in module:  # diffusers folder: <component>/<key>
             comp, module = module.split("/", 1)
             return comp, module
-        for prefix, comp in self.prefixes:
+        for prefix, comp in self.prefixes:  # a single file keeps the original names: the denoiser is "denoiser"
             if module.startswith(prefix):
-                return comp, module[len(prefix) :]
+                return (comp if comp.startswith("text_encoder") else "denoiser"), module[len(prefix) :]
         return None, module
 
     def rows(self, key: str) -> int:
@@ -230,7 +234,8 @@ def _unresolved(adapter, ap, down, up, alpha, to, component, native) -> LoraModu
         for prefix, name in NATIVE_COMPONENT.items():
             if (ap.native or "").startswith(prefix):
                 comp = name
-    return LoraModule(comp, ap.module, down, up, alpha, native, flat=ap.flat)
+    prefix = native[: len(native) - len(ap.module)] if ap.flat and native.endswith(ap.module) else None
+    return LoraModule(comp, ap.module, down, up, alpha, native, flat=ap.flat, prefix=prefix)
 
 
 def _alpha(adapter: Adapter, ap: AdapterPatch, lora: LowRank) -> float:
@@ -242,7 +247,17 @@ def _alpha(adapter: Adapter, ap: AdapterPatch, lora: LowRank) -> float:
     if adapter.format == "peft" and not adapter.config.get("use_rslora"):
         from converter.formats.peft import pattern_value
 
-        return float(pattern_value(adapter.config.get("alpha_pattern") or {}, ap.module, adapter.config["lora_alpha"]))
+        alpha = adapter.config.get("lora_alpha", 8)
+        return float(pattern_value(adapter.config.get("alpha_pattern") or {}, ap.module, alpha))
+    meta = adapter.config.get("metadata", {}).get("lora_adapter_metadata")
+    if meta and not ap.flat:  # diffusers' saved LoraConfig, per component prefix (§4)
+        from converter.formats.peft import pattern_value
+
+        config = json.loads(meta)
+        prefix = (ap.native or "").split(".", 1)[0]
+        get = lambda f: config.get(f"{prefix}.{f}", config.get(f))  # noqa: E731
+        if get("lora_alpha") is not None and not get("use_rslora"):
+            return float(pattern_value(get("alpha_pattern") or {}, ap.module, get("lora_alpha")))
     return float(r) if lora.scale == 1.0 else lora.scale * r
 
 
@@ -253,6 +268,11 @@ def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, na
         raise ConverterError(
             f"{adapter.path}: {native} is DoRA (magnitude vector / dora_scale); converting DoRA adapters is not "
             "supported yet (merge it instead)"
+        )
+    if ap.stored_transposed:
+        raise ConverterError(
+            f"{adapter.path}: {native} is stored transposed (PEFT fan_in_fan_out, GPT-2 Conv1D); kohya and diffusers "
+            "LoRAs have no such layout, so it is not converted"
         )
     if isinstance(patch, LowRank) and patch.mid is None and not patch.flip:
         return patch.down.load(), patch.up.load(), _alpha(adapter, ap, patch)
@@ -547,7 +567,7 @@ def kohya_tensors(modules: list[LoraModule], info: dict) -> tuple[dict, dict]:
         if not m.flat and (m.component or "").startswith("text_encoder") and KOHYA_TEXT_MODEL.match(name):
             name = "text_model." + name
         name = name if m.flat else flatten(name)
-        stem = kohya_prefix(m.component, components) + name
+        stem = (m.prefix or kohya_prefix(m.component, components)) + name
         if f"{stem}.lora_down.weight" in out:
             raise ConverterError(f"two modules flatten to the same kohya name {stem}")
         out[f"{stem}.lora_down.weight"] = m.down
@@ -630,6 +650,11 @@ def write_diffusers(modules: list[LoraModule], folder: Path, info: dict, base_mo
             raise ConverterError(
                 "diffusers LoRA keys start with the pipeline component (unet., transformer., text_encoder.): "
                 "pass --component to say which one this adapter is for"
+            )
+        if m.component == "denoiser":
+            raise ConverterError(
+                f"{m.source}: these are the original model's module names (LDM/BFL/...), not diffusers': give --base "
+                "as a diffusers pipeline folder so they are looked up under diffusers' names"
             )
         groups.setdefault(m.component, []).append(m)
     tensors, packed = {}, {}
