@@ -110,7 +110,8 @@ def convert(
             f"{sum(svd.values()) / len(svd):.3e}"
         )
     source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
-    files = write(modules, to, out, force=force, source=source, base_model=base or adapter.base_model, svd=svd)
+    files = write(modules, to, out, force=force, source=source, base_model=base or adapter.base_model, svd=svd,
+                  components=base_view.components() if base_view else set())  # fmt: skip
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
@@ -145,6 +146,11 @@ class _Base:
                 if used is not None:
                     self.prefixes.append((used, comp))
             self.prefixes.sort(key=lambda p: -len(p[0]))
+
+    def components(self) -> set[str]:
+        if self.checkpoint.diffusion == "single_file":
+            return {c for _, c in self.prefixes}
+        return {p.subfolder for p in self.checkpoint.parts if p.subfolder}
 
     def places(self, ap: AdapterPatch) -> list:
         if hasattr(self.resolver, "resolve_all"):
@@ -507,15 +513,17 @@ def write(
     source: dict | None = None,
     base_model: str | None = None,
     svd: dict[str, float] | None = None,
+    components: set[str] | None = None,
 ) -> list[str]:
-    """Write `modules` in format `to` at `out` (a file for kohya, a folder otherwise), atomically."""
+    """Write `modules` in format `to` at `out` (a file for kohya, a folder otherwise), atomically. `components`:
+    the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is adapted."""
     if not modules:
         raise ConverterError("the adapter has no LoRA modules to convert")
     info = {**(source or {}), "tool": "converter"}
     if svd:
         info["svd_relative_errors"] = {k: round(v, 8) for k, v in sorted(svd.items())}
     if to == "kohya":
-        tensors, meta = kohya_tensors(modules, info)
+        tensors, meta = kohya_tensors(modules, info, components or set())
         _atomic_file(out, tensors, meta, force)
         return [out.name]
     from converter.writer import atomic_folder
@@ -558,9 +566,9 @@ def kohya_prefix(component: str | None, components: set) -> str:
     )
 
 
-def kohya_tensors(modules: list[LoraModule], info: dict) -> tuple[dict, dict]:
+def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[str] = frozenset()) -> tuple[dict, dict]:
     """`<prefix><flattened path>.lora_down.weight / .lora_up.weight / .alpha` with the module's real alpha."""
-    components = {m.component for m in modules}
+    components = {m.component for m in modules} | set(base_components)
     out: dict[str, torch.Tensor] = {}
     for m in modules:
         name = m.name

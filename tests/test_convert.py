@@ -164,3 +164,37 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(sd15, tmp_path, cli):
     code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "d", "--base", other)
     assert code == 2 and "lands on no tensor" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "other", "taken"]
+
+
+def test_sdxl_kohya_with_sgm_names_to_diffusers_and_back_to_the_same_names(tmp_path, cli):
+    """sd-scripts' SDXL files name UNet modules by their SGM keys (lora_unet_input_blocks_4_1_...): on a diffusers
+    folder they become diffusers names (diffusers' XL load_lora_weights agrees with our merge of the original), and
+    with the SGM single file as the base they flatten back to exactly the original names."""
+    from test_community_sd import sdxl_lora, to_ldm
+
+    base = tmp_path / "sdxl"
+    models = make_pipeline(base, "sdxl")
+    lora = sdxl_lora(models, ldm=True)
+    assert any(k.startswith("lora_unet_input_blocks_4_1_") for k in lora)
+    src = save(lora, tmp_path / "lora.safetensors")
+    code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "d", "--base", base)
+    assert code == 0, err
+    converted = load_file(tmp_path / "d" / "pytorch_lora_weights.safetensors")
+    assert any(k.startswith("unet.down_blocks.1.attentions.0.") for k in converted)
+    assert any(k.startswith("text_encoder_2.") for k in converted)
+    reference = diffusers_load_lora_weights(models, tmp_path / "d", "pytorch_lora_weights.safetensors", xl=True)
+    assert cli("merge", "--base", base, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    for component in ("unet", "text_encoder", "text_encoder_2"):
+        ours, before = read_component(tmp_path / "m", component), read_component(base, component)
+        assert_matches(ours, reference[component], before)
+
+    single = save(to_ldm(models, "sdxl"), tmp_path / "sdxl.safetensors")
+    unet_te1 = {k: v for k, v in lora.items() if not k.startswith("lora_te2_")}
+    src1 = save(unet_te1, tmp_path / "unet_te1.safetensors")
+    assert cli("convert", "--adapter", src1, "--to", "diffusers", "--out", tmp_path / "d1", "--base", base)[0] == 0
+    back = tmp_path / "back.safetensors"
+    code, _, err = cli("convert", "--adapter", tmp_path / "d1", "--to", "kohya", "--out", back, "--base", single)
+    assert code == 0, err
+    back_sd = load_file(back)
+    assert back_sd.keys() == unet_te1.keys()
+    assert all(torch.equal(back_sd[k], v) for k, v in unet_te1.items())
