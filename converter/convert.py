@@ -213,6 +213,11 @@ def collect(
         else:
             modules.append(module)
     for key, parts in fused.items():
+        if not key.endswith(".weight"):  # OpenCLIP's in_proj_weight: no module of its own to name a LoRA after
+            raise ConverterError(
+                f"{adapter.path}: {parts[0][1].source} lands on rows of {key}, which has no module name a LoRA "
+                "could be written under; give --base in diffusers layout (a pipeline folder) instead"
+            )
         modules.append(_fuse(key, parts, base.rows(key)))  # type: ignore[union-attr]
     seen: dict[tuple, str] = {}
     for m in modules:

@@ -59,6 +59,18 @@ def test_kohya_round_trips_through_peft_and_diffusers_exactly(sd15, tmp_path, cl
             deltas(tmp_path / "peft" / component, base / component),
             {k.split("/", 1)[1]: v for k, v in original.items() if k.startswith(f"{component}/")},
         )
+    # PEFT itself on the UNet (3x3 conv LoRAs included) agrees with our merge of the original kohya file
+    import copy
+
+    from peft import PeftModel
+
+    reference = PeftModel.from_pretrained(copy.deepcopy(models["unet"]), tmp_path / "peft" / "unet").merge_and_unload()
+    assert cli("merge", "--base", base, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    merged = read_component(tmp_path / "m", "unet")
+    assert_matches(
+        merged, {k: v for k, v in reference.state_dict().items() if k in merged}, read_component(base, "unet")
+    )
+
     code, _, err = cli("convert", "--adapter", tmp_path / "peft" / "unet", "--to", "kohya", "--out",
                        tmp_path / "back_unet.safetensors", "--component", "unet")  # fmt: skip
     assert code == 0, err
