@@ -62,6 +62,7 @@ class LoraModule:
     source: str  # the module's name in the input file, for messages
     flat: bool = False
     prefix: str | None = None  # a flattened source's own kohya prefix (lora_unet_, lora_transformer_ ...), kept
+    magnitude: torch.Tensor | None = None  # DoRA: the per-output-channel magnitude (out,)
 
     @property
     def rank(self) -> int:
@@ -192,22 +193,26 @@ def collect(
                 f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "
                 "is not supported (a LoRA in kohya/PEFT/diffusers form has none)"
             )
-        down, up, alpha = _lowrank(adapter, ap, rank, svd, native)
+        down, up, alpha, magnitude = _lowrank(adapter, ap, rank, svd, native)
         if base is None:
             modules.append(_unresolved(adapter, ap, down, up, alpha, to, component, native))
+            modules[-1].magnitude = magnitude
             continue
         places = base.places(ap)
         if not places:
             raise ConverterError(
                 f"{adapter.path}: module {native} lands on no tensor of the base (another model family or size?)"
             )
+        if magnitude is not None and (len(places) > 1 or places[0].rows is not None):
+            raise ConverterError(f"{adapter.path}: {native} is DoRA on a fused module that this base splits (or the "
+                                 "reverse); a DoRA norm does not split by rows, so it is not converted")  # fmt: skip
         if len(places) > 1:  # a fused module onto separate base tensors: split by rows
             modules.extend(_split_modules(base, ap, places, down, up, alpha, native))
             continue
         place = places[0]
         comp, name = base.split_key(place.key, ap.param)
         comp = comp or _output_component(ap, component)
-        module = LoraModule(comp, name, down, up, alpha, native)
+        module = LoraModule(comp, name, down, up, alpha, native, magnitude=magnitude)
         if place.rows is not None:  # a slice of a fused base tensor: fused with its siblings below
             fused.setdefault(place.key, []).append((place.rows, module))
         else:
@@ -273,23 +278,33 @@ def _alpha(adapter: Adapter, ap: AdapterPatch, lora: LowRank) -> float:
 
 
 def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, native: str):
-    """(down, up, alpha) of a patch: a LoRA as stored, or an SVD of any other delta when `rank` is given."""
+    """(down, up, alpha, magnitude) of a patch: a LoRA as stored, or an SVD of any other delta when `rank` is
+    given; `magnitude` is a DoRA module's per-output-channel magnitude (out,), else None."""
     patch = ap.patch
-    if isinstance(patch, DoRA):
-        raise ConverterError(
-            f"{adapter.path}: {native} is DoRA (magnitude vector / dora_scale); converting DoRA adapters is not "
-            "supported yet (merge it instead)"
-        )
     if ap.stored_transposed:
         raise ConverterError(
             f"{adapter.path}: {native} is stored transposed (PEFT fan_in_fan_out, GPT-2 Conv1D); kohya and diffusers "
             "LoRAs have no such layout, so it is not converted"
         )
-    if isinstance(patch, LowRank) and patch.mid is None and not patch.flip:
-        return patch.down.load(), patch.up.load(), _alpha(adapter, ap, patch)
+    magnitude = None
+    if isinstance(patch, DoRA):
+        magnitude = _magnitude(adapter, patch, native)
+        patch = patch.lora
+        if not (isinstance(patch, LowRank) and patch.mid is None and not patch.flip):
+            raise ConverterError(f"{adapter.path}: {native} is DoRA on a {type(patch).__name__}; only DoRA on a plain "
+                                 "LoRA is converted")  # fmt: skip
+    if isinstance(patch, LowRank) and patch.flip:
+        raise ConverterError(
+            f"{adapter.path}: {native} is an embedding LoRA (lora_embedding_A/B), which has no kohya/diffusers form"
+        )
+    if isinstance(patch, LowRank) and patch.mid is None:
+        return patch.down.load(), patch.up.load(), _alpha(adapter, ap, patch), magnitude
     if not isinstance(patch, DeltaPatch):
-        raise ConverterError(f"{adapter.path}: {native} is a {type(patch).__name__} patch, not a low-rank delta")
-    kind = {LoHa: "LoHa", LoKr: "LoKr", FullDelta: "a full delta", LowRank: "Tucker/embedding LoRA"}.get(
+        raise ConverterError(
+            f"{adapter.path}: {native} is a {type(patch).__name__} patch (a full replacement or token rows, e.g. "
+            "PEFT modules_to_save / trainable tokens), not a low-rank delta; it has no LoRA form"
+        )
+    kind = {LoHa: "LoHa", LoKr: "LoKr", FullDelta: "a full delta", LowRank: "Tucker LoCon"}.get(
         type(patch), type(patch).__name__
     )
     if rank is None:
@@ -297,12 +312,24 @@ def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, na
             f"{adapter.path}: {native} is {kind}, which has no exact LoRA form; pass --rank N to approximate every "
             "such module by an SVD of rank N (the reconstruction error is reported)"
         )
-    delta = patch.raw_delta().double()
-    if isinstance(patch, LowRank) and patch.flip:
-        delta = delta.T
-    down, up, error = svd_lowrank(delta, rank)
+    down, up, error = svd_lowrank(patch.raw_delta().double(), rank)
     svd[native] = error
-    return down, up, float(down.shape[0])  # alpha = rank: scale 1, the singular values live in up
+    return down, up, float(down.shape[0]), None  # alpha = rank: scale 1, the singular values live in up
+
+
+def _magnitude(adapter: Adapter, patch: DoRA, native: str) -> torch.Tensor:
+    """A DoRA magnitude as PEFT's per-output-channel vector (out,). LyCORIS `dora_scale` (out, 1, ..) is the same
+    numbers; the input-axis (1, in, ..) of older LyCORIS/OneTrainer files has no PEFT form (§3 DoRA, LyCORIS#216)."""
+    out = patch.lora.natural_shape()[0]
+    m = patch.magnitude.load()
+    if patch.style == "lycoris" and m.dim() >= 2 and m.shape[0] == 1 and out != 1:
+        raise ConverterError(
+            f"{adapter.path}: {native} has an input-axis dora_scale {list(m.shape)} (older LyCORIS/OneTrainer DoRA); "
+            "PEFT/diffusers/current LyCORIS DoRA is per output channel, so it cannot be converted exactly"
+        )
+    if m.numel() != out:
+        raise ConverterError(f"{adapter.path}: {native}'s DoRA magnitude has shape {list(m.shape)}, expected {out}")
+    return m.reshape(out)
 
 
 def svd_lowrank(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -586,6 +613,8 @@ def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[st
         out[f"{stem}.lora_down.weight"] = m.down
         out[f"{stem}.lora_up.weight"] = m.up
         out[f"{stem}.alpha"] = torch.tensor(m.alpha, dtype=torch.float32)
+        if m.magnitude is not None:  # LyCORIS dora_scale, output axis (out, 1, ..) as wd_on_out writes it (§3)
+            out[f"{stem}.dora_scale"] = m.magnitude.reshape(-1, *([1] * (m.down.dim() - 1))).contiguous()
     meta = {
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(_most_common([m.rank for m in modules])),
@@ -604,6 +633,12 @@ def lora_config(modules: list[LoraModule]) -> dict:
     rank_pattern = {m.name: m.rank for m in modules if m.rank != r}
     alpha_pattern = {m.name: m.alpha for m in modules if m.alpha != alpha}
     alpha = int(alpha) if float(alpha).is_integer() else alpha
+    dora = {m.magnitude is not None for m in modules}
+    if len(dora) > 1:
+        raise ConverterError(
+            "some modules are DoRA and some are not; PEFT's use_dora applies to every module, so this mix has no "
+            "PEFT/diffusers form (convert to kohya instead)"
+        )
     return {
         "r": r,
         "lora_alpha": alpha,
@@ -611,13 +646,20 @@ def lora_config(modules: list[LoraModule]) -> dict:
         "alpha_pattern": {k: int(v) if float(v).is_integer() else v for k, v in alpha_pattern.items()},
         "target_modules": sorted(m.name for m in modules),
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": dora == {True},
         "lora_bias": False,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
     }
+
+
+def peft_magnitude(m: LoraModule) -> torch.Tensor:
+    """PEFT's layout of a DoRA magnitude: (out,) for a linear layer, (1, out, 1, 1) for a conv (§7)."""
+    if m.down.dim() > 2:
+        return m.magnitude.reshape(1, -1, *([1] * (m.down.dim() - 2))).contiguous()
+    return m.magnitude.contiguous()
 
 
 def write_peft(modules: list[LoraModule], folder: Path, info: dict, base_model: str | None) -> list[str]:
@@ -644,6 +686,9 @@ def write_peft(modules: list[LoraModule], folder: Path, info: dict, base_model: 
         for m in mods:
             tensors[f"base_model.model.{m.name}.lora_A.weight"] = m.down.contiguous()
             tensors[f"base_model.model.{m.name}.lora_B.weight"] = m.up.contiguous()
+            if m.magnitude is not None:
+                # the key PEFT 0.21 itself saves (no `.weight`; its loader takes both, §7)
+                tensors[f"base_model.model.{m.name}.lora_magnitude_vector"] = peft_magnitude(m)
         meta = {"format": "pt", "converter_alphas": "rank_pattern / alpha_pattern in adapter_config.json (not folded)",
                 "converter": json.dumps(info, sort_keys=True)}  # fmt: skip
         save_file(tensors, sub / "adapter_model.safetensors", metadata=meta)
@@ -675,6 +720,8 @@ def write_diffusers(modules: list[LoraModule], folder: Path, info: dict, base_mo
         for m in mods:
             tensors[f"{comp}.{m.name}.lora_A.weight"] = m.down.contiguous()
             tensors[f"{comp}.{m.name}.lora_B.weight"] = m.up.contiguous()
+            if m.magnitude is not None:
+                tensors[f"{comp}.{m.name}.lora_magnitude_vector"] = peft_magnitude(m)
         packed.update({f"{comp}.{k}": v for k, v in lora_config(mods).items()})
     meta = {
         "format": "pt",

@@ -210,3 +210,76 @@ def test_sdxl_kohya_with_sgm_names_to_diffusers_and_back_to_the_same_names(tmp_p
     back_sd = load_file(back)
     assert back_sd.keys() == unet_te1.keys()
     assert all(torch.equal(back_sd[k], v) for k, v in unet_te1.items())
+
+
+def test_dora_moves_between_peft_and_kohya_dora_scale(tmp_path, cli):
+    """PEFT's lora_magnitude_vector and LyCORIS' output-axis dora_scale are the same numbers (lora-formats.md §3,
+    §7): PEFT DoRA → kohya → PEFT keeps every tensor, and PEFT itself merges the result like the original."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import CLIPTextModel
+
+    clip = tiny_clip(24)
+    clip.save_pretrained(tmp_path / "clip")
+    config = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "fc2"], use_dora=True, init_lora_weights=False)
+    model = get_peft_model(CLIPTextModel.from_pretrained(tmp_path / "clip"), config)
+    with torch.no_grad():  # magnitudes start at ‖W‖: move them so DoRA's rescale does something
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1.3)
+    model.save_pretrained(tmp_path / "peft")
+    k = tmp_path / "k.safetensors"
+    args = ("--component", "text_encoder")
+    assert cli("convert", "--adapter", tmp_path / "peft", "--to", "kohya", "--out", k, *args)[0] == 0
+    kohya = load_file(k)
+    assert kohya["lora_te_text_model_encoder_layers_0_self_attn_q_proj.dora_scale"].shape == (24, 1)
+    code, _, err = cli("convert", "--adapter", k, "--to", "peft", "--out", tmp_path / "p2", "--base", tmp_path / "clip")
+    assert code == 0, err
+    first, second = (
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+        load_file(tmp_path / "p2" / "adapter_model.safetensors"),
+    )
+    assert first.keys() == second.keys() and all(torch.equal(first[n], second[n]) for n in first)
+    assert json.loads((tmp_path / "p2" / "adapter_config.json").read_text())["use_dora"] is True
+    reference = PeftModel.from_pretrained(CLIPTextModel.from_pretrained(tmp_path / "clip"), tmp_path / "p2")
+    reference = reference.merge_and_unload().state_dict()
+    assert cli("merge", "--base", tmp_path / "clip", "--adapter", k, "--out", tmp_path / "m")[0] == 0
+    ours, before = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "clip" / "model.safetensors")
+    assert_matches(ours, {n: reference[n] for n in ours}, before)
+
+    old = dict(kohya)  # an input-axis dora_scale (older LyCORIS/OneTrainer files) has no PEFT form
+    old["lora_te_text_model_encoder_layers_0_self_attn_q_proj.dora_scale"] = torch.ones(1, 24)
+    save(old, tmp_path / "old.safetensors")
+    code, _, err = cli(
+        "convert", "--adapter", tmp_path / "old.safetensors", "--to", "kohya", "--out", tmp_path / "o.safetensors"
+    )
+    assert code == 2 and "input-axis dora_scale" in err
+
+
+def test_diffusers_dora_file_with_conv_to_kohya_and_back(sd15, tmp_path, cli):
+    """What diffusers saves for a DoRA UNet LoRA (a 3x3 conv included, magnitude (1, out, 1, 1)): → kohya
+    dora_scale (out, 1, 1, 1) → diffusers again gives the same tensors, and PEFT's merge agrees with ours."""
+    import copy
+
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
+    from diffusion_helpers import peft_merge
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    base, models = sd15
+    unet = copy.deepcopy(models["unet"])
+    config = LoraConfig(r=4, lora_alpha=12, target_modules=["to_q", "conv1"], init_lora_weights=False, use_dora=True)
+    unet.add_adapter(config)
+    StableDiffusionLoraLoaderMixin.save_lora_weights(
+        tmp_path / "lora", unet_lora_layers=get_peft_model_state_dict(unet), unet_lora_adapter_metadata=config.to_dict()
+    )
+    original = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    assert any(v.dim() == 4 and k.endswith("lora_magnitude_vector") for k, v in original.items())
+    k = tmp_path / "k.safetensors"
+    assert cli("convert", "--adapter", tmp_path / "lora", "--to", "kohya", "--out", k)[0] == 0
+    assert any(n.endswith(".dora_scale") and v.shape[1:] == (1, 1, 1) for n, v in load_file(k).items())
+    assert cli("merge", "--base", base, "--adapter", k, "--out", tmp_path / "m")[0] == 0
+    assert_matches(read_component(tmp_path / "m", "unet"), peft_merge(unet), read_component(base, "unet"), atol=1e-5)
+    code, _, err = cli("convert", "--adapter", k, "--to", "diffusers", "--out", tmp_path / "d", "--base", base)
+    assert code == 0, err
+    again = load_file(tmp_path / "d" / "pytorch_lora_weights.safetensors")
+    assert again.keys() == original.keys() and all(torch.equal(again[n], original[n]) for n in original)
