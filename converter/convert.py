@@ -111,12 +111,22 @@ def convert(
             f"{sum(svd.values()) / len(svd):.3e}"
         )
     source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
-    files = write(modules, to, out, force=force, source=source, base_model=base or adapter.base_model, svd=svd,
+    files = write(modules, to, out, force=force, source=source, base_model=_public_base(base, adapter), svd=svd,
                   components=base_view.components() if base_view else set())  # fmt: skip
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
     return ConvertResult(out, files, len(modules), notes, svd)
+
+
+def _public_base(base: str | None, adapter: Adapter) -> str | None:
+    """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
+    from converter.sources import HUB_SPEC
+
+    for spec in (base, adapter.base_model):
+        if spec and not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):
+            return m["repo"]
+    return None
 
 
 def _check_out(out: Path, to: str, force: bool) -> None:

@@ -54,6 +54,7 @@ def test_kohya_round_trips_through_peft_and_diffusers_exactly(sd15, tmp_path, cl
     assert {p.name for p in (tmp_path / "peft").iterdir()} == {"unet", "text_encoder"}  # one PEFT folder each
     config = json.loads((tmp_path / "peft" / "unet" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["alpha_pattern"] and config["rank_pattern"]
+    assert config["base_model_name_or_path"] is None  # a local base path is never recorded
     for component in ("unet", "text_encoder"):
         assert_same_deltas(
             deltas(tmp_path / "peft" / component, base / component),
@@ -88,6 +89,12 @@ def test_kohya_round_trips_through_peft_and_diffusers_exactly(sd15, tmp_path, cl
     assert code == 0, err
     dif = tmp_path / "dif" / "pytorch_lora_weights.safetensors"
     assert_same_deltas(deltas(dif, base), original)
+    # PEFT → diffusers needs no base (dotted names), only which component the PEFT folder is for
+    code, _, err = cli("convert", "--adapter", tmp_path / "peft" / "unet", "--to", "diffusers", "--out",
+                       tmp_path / "dif_unet", "--component", "unet")  # fmt: skip
+    assert code == 0, err
+    unet_only = {k: v for k, v in original.items() if k.startswith("unet/")}
+    assert_same_deltas(deltas(tmp_path / "dif_unet" / "pytorch_lora_weights.safetensors", base), unet_only)
     code, _, err = cli("convert", "--adapter", dif, "--to", "kohya", "--out", tmp_path / "back.safetensors")
     assert code == 0, err
     assert_same_deltas(deltas(tmp_path / "back.safetensors", base), original)
