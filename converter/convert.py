@@ -308,7 +308,7 @@ def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, na
             f"{adapter.path}: {native} is an embedding LoRA (lora_embedding_A/B), which has no kohya/diffusers form"
         )
     if isinstance(patch, LowRank) and patch.mid is None:
-        return patch.down.load(), patch.up.load(), _alpha(adapter, ap, patch), magnitude
+        return _raw(patch.down), _raw(patch.up), _alpha(adapter, ap, patch), magnitude
     if not isinstance(patch, DeltaPatch):
         raise ConverterError(
             f"{adapter.path}: {native} is a {type(patch).__name__} patch (a full replacement or token rows, e.g. "
@@ -327,11 +327,16 @@ def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, na
     return down, up, float(down.shape[0]), None  # alpha = rank: scale 1, the singular values live in up
 
 
+def _raw(ref) -> torch.Tensor:
+    """A tensor exactly as the file stores it (dtype included): conversion copies, it does not compute."""
+    return ref.source.read(ref.name)
+
+
 def _magnitude(adapter: Adapter, patch: DoRA, native: str) -> torch.Tensor:
     """A DoRA magnitude as PEFT's per-output-channel vector (out,). LyCORIS `dora_scale` (out, 1, ..) is the same
     numbers; the input-axis (1, in, ..) of older LyCORIS/OneTrainer files has no PEFT form (§3 DoRA, LyCORIS#216)."""
     out = patch.lora.natural_shape()[0]
-    m = patch.magnitude.load()
+    m = _raw(patch.magnitude)
     if patch.style == "lycoris" and m.dim() >= 2 and m.shape[0] == 1 and out != 1:
         raise ConverterError(
             f"{adapter.path}: {native} has an input-axis dora_scale {list(m.shape)} (older LyCORIS/OneTrainer DoRA); "
@@ -405,11 +410,13 @@ def _fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows:
     if len({tuple(m.down.shape[1:]) for _, m in parts}) != 1:
         raise ConverterError(f"modules {', '.join(m.source for _, m in parts)} onto {key} disagree in input shape")
     total = sum(m.rank for _, m in parts)
-    down = torch.cat([m.down for _, m in parts])
-    up = torch.zeros(total_rows, total, *first.up.shape[2:], dtype=first.up.dtype)
+    # different scales are folded into float32 up blocks (folding in half precision would round twice)
+    dtype = first.up.dtype if len(scales) == 1 and len({m.up.dtype for _, m in parts}) == 1 else torch.float32
+    down = torch.cat([m.down.to(dtype) for _, m in parts])
+    up = torch.zeros(total_rows, total, *first.up.shape[2:], dtype=dtype)
     col = 0
     for (a, b), m in parts:
-        block = m.up if len(scales) == 1 else m.up * (m.alpha / m.rank)
+        block = m.up.to(dtype) if len(scales) == 1 else m.up.float() * (m.alpha / m.rank)
         up[a:b, col : col + m.rank] = block
         col += m.rank
     alpha = scales.pop() * total if len(scales) == 1 else float(total)

@@ -102,6 +102,10 @@ def test_kohya_round_trips_through_peft_and_diffusers_exactly(sd15, tmp_path, cl
     assert set(back) == set(lora) | {k for k in back if k.endswith(".alpha")}  # kohya's own names come back
     with safe_open(tmp_path / "back.safetensors", "pt") as f:
         assert "per module" in f.metadata()["converter_alphas"]
+    # half-precision files stay half precision: factors are copied, not recomputed
+    half = save({k: v.half() if v.dim() else v for k, v in lora.items()}, tmp_path / "half.safetensors")
+    assert cli("convert", "--adapter", half, "--to", "diffusers", "--out", tmp_path / "h", "--base", base)[0] == 0
+    assert {v.dtype for v in load_file(tmp_path / "h" / "pytorch_lora_weights.safetensors").values()} == {torch.float16}
 
 
 def test_converted_diffusers_file_loads_in_diffusers_like_our_merge_of_the_original(sd15, tmp_path, cli):
