@@ -44,6 +44,9 @@ def test_kohya_fused_modules_split_onto_diffusers_names_with_a_shared_down(flux,
     assert cli("merge", "--base", folder, "--adapter", src, "--out", tmp_path / "m")[0] == 0
     assert_matches(read_component(tmp_path / "m", "transformer"), reference, model.state_dict(), atol=1e-5)
 
+    code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "x", "--base", bfl)
+    assert code == 2 and "diffusers pipeline folder" in err and not (tmp_path / "x").exists()  # BFL names
+
     # and back onto the BFL layout: q/k/v (and mlp) fuse into one module with a block-diagonal up
     back = tmp_path / "back.safetensors"
     code, _, err = cli("convert", "--adapter", tmp_path / "d", "--to", "kohya", "--out", back, "--base", bfl)
