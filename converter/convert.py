@@ -431,6 +431,10 @@ def run_cli(args, log: Callable[[str], None] = print) -> int:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
     options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
                    allow_pickle=args.allow_pickle, log=log)  # fmt: skip
+    if args.rank is not None and args.rank < 1:
+        raise ConverterError(f"--rank {args.rank}: give a positive rank")
+    if args.push_pr and args.out:
+        raise ConverterError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
     if not args.push_pr:
         if not args.out:
             raise ConverterError("give --out (a folder, or a .safetensors file for --to kohya), or --push-pr")
