@@ -186,6 +186,10 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(sd15, tmp_path, cli):
     tiny_clip(16).save_pretrained(other)  # a model the LoRA is not for
     code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "d", "--base", other)
     assert code == 2 and "lands on no tensor" in err
+    code, _, err = cli("convert", "--adapter", src, "--to", "kohya", "--out", tmp_path / "k.safetensors", "--rank", "0")
+    assert code == 2 and "positive" in err
+    code, _, err = cli("convert", "--adapter", src, "--to", "kohya", "--out", tmp_path / "k.safetensors", "--push-pr")
+    assert code == 2 and "not both" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "other", "taken"]
 
 
