@@ -8,6 +8,7 @@ hands the app a fixed token (`MOCK_TOKEN`); the local Hub knows it as the demo u
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -38,6 +39,13 @@ def _adapter(base_model, folder: Path, seed: int, r: int) -> None:
     get_peft_model(base_model, lora).save_pretrained(folder)
 
 
+def _trained_on(adapter: Path, base: str) -> None:
+    """Name the base as a Hub id in adapter_config.json, as an adapter trained on the Hub model would."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = base
+    (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
 def seed_demo(server: HubServer, workdir: Path) -> None:
     """Add the demo user and, unless already there, the demo repos (a base, two adapters, one of the wrong size)."""
     server.add_user(DEMO_USER, MOCK_TOKEN)
@@ -54,6 +62,9 @@ def seed_demo(server: HubServer, workdir: Path) -> None:
                                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
                                          eos_token_id=2, pad_token_id=0))  # fmt: skip
     _adapter(other, workdir / "wrong", seed=6, r=4)
+    _trained_on(adapter_dir, BASE)
+    _trained_on(workdir / "lora-b", BASE)
+    _trained_on(workdir / "wrong", "demo/smaller-llama")
     server.seed_folder(BASE, base_dir)
     server.seed_folder(LORA, adapter_dir)
     server.seed_folder(LORA_B, workdir / "lora-b")
