@@ -114,7 +114,7 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     for name, file_meta in meta.files_metadata.items():
-        _sparse_standin(folder / name, file_meta, siblings[name].size if name in siblings else None)
+        _sparse_standin(folder / name, file_meta)
     checkpoint = Checkpoint(folder)
     params = sum(checkpoint.info(n).numel for n in checkpoint.names())
     return {
@@ -129,8 +129,8 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     }
 
 
-def _sparse_standin(path: Path, file_meta, size: int | None) -> None:
-    """A file with the real header and the real length whose data part is a hole (no disk used)."""
+def _sparse_standin(path: Path, file_meta) -> None:
+    """A file with the real header entries and the real data length, the data being a hole (no disk used)."""
     header: dict = {"__metadata__": file_meta.metadata} if file_meta.metadata else {}
     for name, t in file_meta.tensors.items():
         header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
