@@ -198,6 +198,12 @@ def test_browser_wrong_adapter_is_a_readable_error_and_creates_nothing(space, br
     assert "error:" in page.locator("#log textarea").input_value()
     assert not hub.exists("demo/never-created")
     assert MOCK_TOKEN not in page.content() + message + log_path.read_text()
+    # Bad input is refused before the job takes a worker; quotes and markup in messages are shown as typed.
+    _fill(page, "adapters", f"{LORA} <b>heavy</b>")
+    page.locator("#run").click()
+    toast = page.locator(".toast-body", has_text="is not a number")
+    toast.wait_for()
+    assert "weight '<b>heavy</b>' is not a number" in toast.inner_text()
     page.close()
 
 
