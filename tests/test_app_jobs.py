@@ -268,3 +268,43 @@ def test_space_deploy(hub, tmp_path):
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not a valid repo id" in bad.stderr
+
+
+def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
+    """`make run`: the embedded Hub is seeded, Gradio's login mock accepts the demo user, the app answers."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # no developer token or offline switch
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "converter.app_local", "--dir", str(tmp_path / "demo"), "--port", str(port)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        with httpx.Client(follow_redirects=True, timeout=60) as http:
+            assert http.get(f"http://127.0.0.1:{port}/login/huggingface").status_code == 200
+            assert any(c.name == "session" for c in http.cookies.jar)
+        printed = log.read_text()
+        assert f"Open http://127.0.0.1:{port}" in printed and "you are 'demo'" in printed
+        assert (tmp_path / "demo" / "hub").is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
