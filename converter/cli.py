@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="a text file with one prompt per line (default: a built-in set)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens compared per prompt (default 16)")
+    p.add_argument(
+        "--verify-memory",
+        help="memory verification may use, e.g. 8GB (default: what is available); larger models are offloaded to disk",
+    )
 
 
 def _verify_settings(args: argparse.Namespace) -> dict:
@@ -87,7 +91,10 @@ def _verify_settings(args: argparse.Namespace) -> dict:
             raise ConverterError(f"{args.prompts}: cannot read prompts ({e.strerror})") from None
         if not prompts:
             raise ConverterError(f"{args.prompts}: no prompts in the file (one per line)")
-    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens}
+    from converter.units import parse_size
+
+    memory = parse_size(args.verify_memory) if args.verify_memory else None
+    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory}
 
 
 def _merge_options(p: argparse.ArgumentParser) -> None:
@@ -97,7 +104,11 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
         "--adapter", action="append", default=[], help="adapter folder/file or Hub id (repeatable, in order)"
     )
     p.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
-    p.add_argument("--dtype", help="output dtype: float32, float16, bfloat16 (default: keep each tensor's)")
+    p.add_argument(
+        "--dtype",
+        help="output dtype: float32, float16, bfloat16, or bnb-nf4 / bnb-fp4 for a bitsandbytes 4-bit checkpoint "
+        "(default: keep each tensor's)",
+    )
     p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
     p.add_argument(
         "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
@@ -109,6 +120,12 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
         choices=["original", "dequantized"],
         help="QLoRA adapters: merge into the original weights (default) or into their 4-bit "
         "quantize-dequantize, what the adapter saw in training",
+    )
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="the adapters were trained on a 4-bit base (usually detected from their cards); verification then "
+        "measures both merge bases against the 4-bit training setting",
     )
     p.add_argument("--qlora-quant", choices=["nf4", "fp4"], help="4-bit type used in training (default nf4)")
     p.add_argument("--qlora-blocksize", type=int, help="quantization block size used in training (default 64)")
@@ -135,6 +152,7 @@ def _recipe_from_args(args: argparse.Namespace):
         if not args.base or not args.adapter:
             raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
         recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
+    recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
     for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):

@@ -45,6 +45,8 @@ class Keymap:
     stored_transposed: list[re.Pattern] = field(default_factory=list)
     fused: list[FusedRule] = field(default_factory=list)
     defaults: dict[str, str] = field(default_factory=dict)
+    # 2-D weights that are not linear layers (embeddings, heads): kept in full precision in 4-bit outputs.
+    unquantized: list[re.Pattern] = field(default_factory=list)
 
     @classmethod
     def from_yaml(cls, data: dict) -> Keymap:
@@ -56,7 +58,12 @@ class Keymap:
             stored_transposed=[re.compile(p) for p in data.get("stored_transposed", [])],
             fused=[FusedRule(re.compile(f["module"]), f["into"], f["parts"]) for f in data.get("fused", [])],
             defaults=data.get("defaults", {}),
+            unquantized=[re.compile(p) for p in data.get("unquantized", [])],
         )
+
+    def keeps_precision(self, key: str) -> bool:
+        """Whether a 4-bit output stores `key` unquantized, as transformers' load_in_4bit leaves it."""
+        return key in self.tied or key in self.tied.values() or any(p.fullmatch(key) for p in self.unquantized)
 
     def is_stored_transposed(self, key: str) -> bool | None:
         """True/False where this keymap knows the layout; None where it says nothing about layouts."""

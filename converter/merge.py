@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
 import re
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +16,13 @@ from pathlib import Path
 import torch
 
 from converter import __version__
+from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized, quantized_names
 from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
 from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
-from converter.keymap import keymap_for
+from converter.keymap import Keymap, keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import Recipe
@@ -78,7 +81,8 @@ def merge(
     `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
     it is never written anywhere.
     """
-    out_dtype = parse_user_dtype(recipe.dtype)
+    quant = parse_output(recipe.dtype)
+    out_dtype = None if quant else parse_user_dtype(recipe.dtype)
     max_shard = parse_size(recipe.max_shard_size)
     if not dry_run:
         if not recipe.out:
@@ -87,18 +91,38 @@ def merge(
 
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
-    checkpoint = Checkpoint(base.local)
-    quantization = checkpoint.config.get("quantization_config")
-    if quantization:
-        raise ConverterError(
-            f"{recipe.base}: a pre-quantized ({quantization.get('quant_method', '?')}) checkpoint; merge into the "
-            "original full-precision model it was made from (its card's base_model) instead"
+    with tempfile.TemporaryDirectory(prefix="converter-dequantized-") as scratch:
+        return _merge(recipe, base, fetched, Path(scratch), quant, out_dtype, max_shard, dry_run, force, log)
+
+
+def _merge(
+    recipe: Recipe,
+    base: Fetched,
+    fetched: list[Fetched],
+    scratch: Path,
+    quant: Quant4 | None,
+    out_dtype: str | None,
+    max_shard: int,
+    dry_run: bool,
+    force: bool,
+    log: Callable[[str], None],
+) -> MergeResult:
+    original = checkpoint = Checkpoint(base.local)
+    warnings = []
+    if prequant := prequantized(checkpoint.config):
+        where = card_metadata(base.card).get("base_model")
+        warnings.append(
+            f"{recipe.base} is a bitsandbytes {prequant.quant_type.upper()} 4-bit checkpoint: dequantizing it to "
+            "merge; the original full-precision weights would be better"
+            + (f" (probably {where}, this checkpoint's base_model)" if where else "")
         )
+        dequantize_folder(checkpoint, scratch)
+        checkpoint = Checkpoint(scratch)
     adapters = [
         (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
-    warnings = [w for a, _ in adapters for w in sanity_warnings(a, checkpoint)]
+    warnings += [w for a, _ in adapters for w in sanity_warnings(a, original)]
     if recipe.qlora_base == "original":
         warnings += [w for f, (a, _) in zip(fetched, adapters, strict=True) if (w := qlora_hint(a, f.card))]
     for w in warnings:
@@ -108,6 +132,11 @@ def merge(
     if recipe.qlora_base == "dequantized":
         requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
     plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched, requantize)
+    quantized = plan_4bit(plan, keymap, quant) if quant else set()
+    if original is not checkpoint:
+        plan.notes.append(
+            f"the base was bitsandbytes {prequant.quant_type.upper()} 4-bit; merged into its dequantization"
+        )
     check_finite(adapters)
     if dry_run:
         log(plan.describe())
@@ -128,10 +157,12 @@ def merge(
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
     )
     with atomic_folder(out, force) as tmp:
-        hashes = write_weights(checkpoint, plan, tmp, max_shard, log)
+        hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized)
+        if original is not checkpoint:  # provenance names the files that were downloaded, not our scratch copy
+            hashes = {f.path.name: file_sha256(f.path) for f in original.files}
         write_side_files(checkpoint, plan, tmp)
         (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
-        provenance = build_provenance(recipe, base, fetched, checkpoint, adapters, plan, hashes)
+        provenance = build_provenance(recipe, base, fetched, original, adapters, plan, hashes)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         write_card(tmp, load_name=f"./{out.name}")
         files = sorted(p.name for p in tmp.iterdir())
@@ -158,9 +189,23 @@ QLORA_SIGNS = re.compile(r"qlora|load_in_4bit|bnb_4bit|bitsandbytes|\b4-?bit\b",
 
 
 def qlora_hint(adapter: Adapter, card: str | None) -> str | None:
-    """QLoRA adapters are not marked in adapter_config.json; their cards and training configs usually say so."""
+    """QLoRA adapters are not marked in adapter_config.json; their cards, training configs and declared bases
+    (`unsloth/...-bnb-4bit`, or a local base folder whose config has a 4-bit quantization_config) usually say so."""
     config = adapter.model_config or {}
-    if QLORA_SIGNS.search(card or "") or (config.get("quantization_config") or {}).get("load_in_4bit"):
+    trained_on = adapter.base_model or ""
+    declared = Path(trained_on) / "config.json"
+    quantization: dict = {}
+    if trained_on and declared.is_file():  # a local base: its config says, not the wording of its path
+        with contextlib.suppress(ValueError, OSError):
+            quantization = json.loads(declared.read_text()).get("quantization_config") or {}
+        base_quantized = bool(quantization.get("load_in_4bit"))
+    else:  # a Hub id: 4-bit repos say so in their names (unsloth/...-bnb-4bit)
+        base_quantized = bool(QLORA_SIGNS.search(trained_on.split("/")[-1]))
+    if (
+        QLORA_SIGNS.search(card or "")
+        or base_quantized
+        or (config.get("quantization_config") or {}).get("load_in_4bit")
+    ):
         return (
             f"{adapter.path}: this looks like a QLoRA adapter (trained on a 4-bit base); merging into the original "
             "weights (the default). --qlora-base dequantized merges into the 4-bit weights it saw in training"
@@ -201,11 +246,43 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def plan_4bit(plan: MergePlan, keymap: Keymap, quant: Quant4) -> set[str]:
+    """The tensors a 4-bit output stores quantized; records quantization_config for config.json."""
+    if keymap.stored_transposed:
+        raise ConverterError(
+            f"--dtype bnb-{quant.quant_type}: {keymap.name} models store linear weights transposed (Conv1D), which "
+            "transformers' 4-bit loader does not take from a checkpoint; use a float dtype"
+        )
+    specs = [o.spec for o in plan.outputs]
+    quantized = quantized_names(specs, keymap.keeps_precision)
+    if not quantized:
+        raise ConverterError(f"--dtype bnb-{quant.quant_type}: the base has no linear weights to quantize")
+    kept = {s.name for s in specs if len(s.shape) == 2 and s.name not in quantized} | set(keymap.tied)
+    dtypes = [s.dtype for s in specs if s.name in quantized]
+    compute = max(set(dtypes), key=dtypes.count)
+    plan.config_updates["quantization_config"] = quant.config(compute, sorted(n.removesuffix(".weight") for n in kept))
+    plan.notes.append(
+        f"{len(quantized)} linear weights stored as bitsandbytes {quant.quant_type.upper()} 4-bit (block size "
+        f"{quant.blocksize}, double quantization {'on' if quant.double_quant else 'off'}), after merging in float32"
+    )
+    return quantized
+
+
 def write_weights(
-    checkpoint: Checkpoint, plan: MergePlan, folder: Path, max_shard: int, log: Callable[[str], None]
+    checkpoint: Checkpoint,
+    plan: MergePlan,
+    folder: Path,
+    max_shard: int,
+    log: Callable[[str], None],
+    quant: Quant4 | None = None,
+    quantized: set[str] = frozenset(),
 ) -> dict[str, str]:
     """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once)."""
-    writer = ShardedWriter(folder, [o.spec for o in plan.outputs], max_shard)
+    specs = [o.spec for o in plan.outputs]
+    if quant:
+        writer = Quantizing4bitWriter(folder, specs, max_shard, quant, quantized)
+    else:
+        writer = ShardedWriter(folder, specs, max_shard)
     readers = {f.path: SequentialReader(f) for f in checkpoint.files}
     try:
         _stream(checkpoint, plan, writer, readers, log)

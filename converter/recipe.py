@@ -37,6 +37,7 @@ class Recipe:
     allow_pickle: bool = False
     # QLoRA adapters: "original" merges into the full-precision base; "dequantized" first rounds each targeted
     # weight through 4-bit quantization with the training settings, which is exactly what the adapter saw.
+    qlora: bool = False  # the adapters were trained on a 4-bit base (also detected from cards and configs)
     qlora_base: str = "original"
     qlora_quant: str = "nf4"
     qlora_blocksize: int = 64

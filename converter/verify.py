@@ -11,12 +11,16 @@ import gc
 import json
 import math
 import resource
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from converter.dtypes import TORCH_TO_ST
 from converter.recipe import Recipe
+from converter.units import human_bytes
 
 PROMPTS = [
     "What is the capital of France?",
@@ -100,24 +104,48 @@ def verify(
     *,
     prompts: list[str] | None = None,
     max_new_tokens: int = 16,
+    memory: int | None = None,
     token: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model)."""
+    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model).
+
+    `memory` caps the bytes the models may take (default: what the machine has available); a model larger than
+    that is verified with accelerate's disk offloading, slower but exact."""
+    with tempfile.TemporaryDirectory(prefix="converter-verify-") as scratch:
+        return _verify(Path(merged), recipe, prompts, max_new_tokens, memory, token, log, Path(scratch))
+
+
+def _verify(
+    merged: Path,
+    recipe: Recipe,
+    prompts: list[str] | None,
+    max_new_tokens: int,
+    memory: int | None,
+    token: str | None,
+    log: Callable[[str], None],
+    scratch: Path,
+) -> dict:
     import torch
 
     from converter.sources import fetch
 
     started = time.time()
-    merged = Path(merged)
     output_dtype, params = _weights(merged)
-    compute = _compute_dtype(params)
-    if compute is None:
+    budget = memory or _available()
+    compute, offload = _placement(params, budget, scratch)
+    if offload and (_stored_4bit(merged) or recipe.qlora_base == "dequantized"):
+        return _skipped(
+            merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
+        )
+    if offload and shutil.disk_usage(scratch).free < params * 2 * 2:
         return _skipped(
             merged,
-            f"the model needs about {params * 2 / 1e9:.1f} GB to load and this machine has "
-            f"{_available() / 1e9:.1f} GB available",
+            f"the model needs about {human_bytes(params * 2)} to load, {human_bytes(budget)} of memory is available "
+            f"and {scratch} has too little disk to offload the rest",
         )
+    if offload:
+        log(f"the model does not fit in {human_bytes(budget)}: offloading weights to disk (accelerate); slower, exact")
     dtype = getattr(torch, compute)
     base = fetch(recipe.base, "model", token).local
     adapter_dirs = []
@@ -127,29 +155,43 @@ def verify(
     tok = _tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
     inputs, probe_ids, ppl_ids, template = _inputs(tok, prompts or PROMPTS, _vocab(merged))
 
-    kind = f"{recipe.qlora_quant} 4-bit base" if recipe.qlora_base == "dequantized" else "base"
+    four_bit = _four_bit_base(recipe, base)
+    kind = f"{four_bit} 4-bit base" if four_bit else "base"
     log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    clock = Clock()
     try:
         quantization = _quantization(recipe, merged, base, dtype)
-        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization)
+        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization, offload)
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return _skipped(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
+    clock.lap("load reference")
     ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
     with reference_model.disable_adapter():
         bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    clock.lap("run reference and bare base")
+    reference = "the base + adapters applied unmerged through PEFT"
+    stored_4bit = _stored_4bit(merged)
+    if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
+        # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
+        logical = stored_4bit["bnb_4bit_compute_dtype"]
+        output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
+        ref = _quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
+        reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
+        clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
     del reference_model
     gc.collect()
-    from transformers import AutoModelForCausalLM
 
-    candidate = AutoModelForCausalLM.from_pretrained(merged, dtype=dtype).eval()
+    candidate = _load(merged, dtype, offload=offload)
+    clock.lap("load merged")
     out = _run(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
     del candidate
     gc.collect()
+    clock.lap("run merged")
 
     # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
-    reference_precision = "F16" if recipe.qlora_base == "dequantized" else "F32"
+    reference_precision = "F16" if four_bit else "F32"
     tol = tolerance(output_dtype, reference_precision if compute == "float32" else output_dtype)
     merged_vs_ref = _compare(ref, out)
     base_vs_ref = _compare(ref, bare)
@@ -169,17 +211,26 @@ def verify(
         notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
     elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
-    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems else None
+    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems and not stored_4bit else None
     if culprit:
         problems.append(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
         )
+    qlora = None
+    if _is_qlora(recipe, adapter_dirs) and not _prequantized(base) and not stored_4bit:
+        log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
+        batch = (inputs, ppl_ids, max_new_tokens)
+        qlora = _qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
+        clock.lap("QLoRA study: other merge, 4-bit reference")
     report = {
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
+        "reference": reference,
         "compute_dtype": compute,
-        "output_dtype": output_dtype,
+        "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
+        "offload_memory_bytes": offload.max_memory if offload else None,
+        "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
         "tolerance": tol,
         "inputs": {
             "count": len(inputs),
@@ -191,12 +242,87 @@ def verify(
         "base_vs_reference": base_vs_ref,
         "first_disagreeing_module": culprit,
         "generations": _side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "qlora": qlora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": round(time.time() - started, 1),
+        "phase_seconds": clock.phases,
     }
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+class Clock:
+    """Seconds per phase: the verification benchmark compares the loads and the forward passes with one load."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 2)
+        self._last = now
+
+
+@dataclass
+class Offload:
+    """accelerate's disk offloading: what stays in memory, and where the rest goes."""
+
+    max_memory: int
+    folder: Path
+
+    def kwargs(self) -> dict:
+        folder = tempfile.mkdtemp(dir=self.folder)  # one per model loaded: offloaded files must not mix
+        return {"device_map": "auto", "max_memory": {"cpu": self.max_memory}, "offload_folder": folder}
+
+
+def _placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None]:
+    """float32 when one fp32 copy fits comfortably, else bfloat16, else bfloat16 with most weights on disk."""
+    if params * 4 * 1.5 < budget:
+        return "float32", None
+    if params * 2 * 1.5 < budget:
+        return "bfloat16", None
+    return "bfloat16", Offload(budget // 2, scratch)  # the other half: activations, logits, one layer loaded
+
+
+def _load(folder: Path, dtype, quantization=None, offload: Offload | None = None):
+    from transformers import AutoModelForCausalLM
+
+    extra = {"quantization_config": quantization} if quantization else {}
+    if offload:
+        extra.update(offload.kwargs())
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+
+
+def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
+    """PEFT's merge_and_unload of the reference, rounded to the 4-bit output's float dtype, saved and reloaded
+    with the output's BitsAndBytesConfig: exactly what a user gets from PEFT + transformers for the same merge."""
+    import torch
+
+    texts, probe_ids, ppl_ids, max_new_tokens = batch
+    logical = getattr(torch, q["bnb_4bit_compute_dtype"])
+    with tempfile.TemporaryDirectory(prefix="converter-4bit-reference-") as tmp:
+        model.merge_and_unload().to(logical).save_pretrained(tmp)
+        oracle = _load(Path(tmp), logical, _bnb_config(q, logical))
+        return _run(oracle, texts, probe_ids, ppl_ids, max_new_tokens)
+
+
+def _stored_4bit(folder: Path) -> dict | None:
+    q = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    return q if q.get("load_in_4bit") else None
+
+
+def _bnb_config(q: dict, dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q["bnb_4bit_quant_type"],
+        bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
+        bnb_4bit_compute_dtype=dtype,
+        llm_int8_skip_modules=q.get("llm_int8_skip_modules"),
+    )
 
 
 def _skipped(merged: Path, reason: str) -> dict:
@@ -250,16 +376,6 @@ def _available() -> int:
     return max(free, 0)
 
 
-def _compute_dtype(params: int) -> str | None:
-    """float32 when one fp32 copy fits comfortably, else bfloat16, else None (skip)."""
-    free = _available()
-    if params * 4 * 1.5 < free:
-        return "float32"
-    if params * 2 * 1.5 < free:
-        return "bfloat16"
-    return None
-
-
 def _vocab(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text())
     return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
@@ -298,6 +414,99 @@ def _inputs(tok, prompts: list[str], vocab: int):
     return inputs, inputs[0][:, :16], ppl, template
 
 
+def _four_bit_base(recipe: Recipe, base: Path) -> str | None:
+    """The 4-bit type the reference's base is loaded in: the QLoRA setting, or a pre-quantized base's own."""
+    if recipe.qlora_base == "dequantized":
+        return recipe.qlora_quant
+    own = _prequantized(base)
+    return own.get("bnb_4bit_quant_type", "fp4") if own else None
+
+
+def _prequantized(base: Path) -> dict | None:
+    own = json.loads((base / "config.json").read_text()).get("quantization_config") or {}
+    return own if own.get("load_in_4bit") else None
+
+
+def _is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
+    from converter.formats import load_adapter
+    from converter.merge import qlora_hint
+
+    if recipe.qlora or recipe.qlora_base == "dequantized":
+        return True
+    for folder in adapter_dirs:
+        card = folder / "README.md"
+        if qlora_hint(
+            load_adapter(folder, allow_pickle=recipe.allow_pickle), card.read_text() if card.is_file() else None
+        ):
+            return True
+    return False
+
+
+def _qlora_study(
+    merged: Path,
+    recipe: Recipe,
+    base: Path,
+    adapter_dirs: list[Path],
+    dtype,
+    batch: tuple,
+    runs: tuple[Run, Run],
+    token: str | None,
+) -> dict:
+    """QLoRA adapters: which merge base is closer to the adapters as trained (PEFT on the 4-bit base), measured.
+
+    One of the two merges is `merged` (`runs` = its reference and its own run); the other is made here in a temp
+    folder. Both are compared with the 4-bit reference and the full-precision one, and their perplexities reported
+    (the claimed ~20% perplexity cost of merging onto dequantized weights is checked here, not assumed)."""
+    from converter.merge import merge
+
+    texts, ppl_ids, max_new_tokens = batch
+    ref, out = runs
+
+    def measure(model) -> Run:
+        return _run(model, texts, None, ppl_ids, max_new_tokens)
+
+    this = recipe.qlora_base
+    other = "original" if this == "dequantized" else "dequantized"
+    vocab = _vocab(merged)
+    if this == "dequantized":
+        qlora_ref, full_ref = ref, measure(_reference(base, adapter_dirs, recipe, dtype, vocab))
+    else:
+        quantization = _quantization(replace(recipe, qlora_base="dequantized"), merged, base, dtype)
+        qlora_ref, full_ref = measure(_reference(base, adapter_dirs, recipe, dtype, vocab, quantization)), ref
+    with tempfile.TemporaryDirectory(prefix="converter-qlora-") as tmp:
+        merge(replace(recipe, qlora_base=other, out=str(Path(tmp) / "m")), token=token, log=lambda _line: None)
+        alternative = measure(_load(Path(tmp) / "m", dtype))
+    gc.collect()
+    by_mode = {this: out, other: alternative}
+    modes = {
+        mode: {
+            "this_merge": mode == this,
+            "vs_qlora_reference": _summary(_compare(qlora_ref, run)),
+            "vs_full_precision_reference": _summary(_compare(full_ref, run)),
+            "perplexity": run.perplexity,
+        }
+        for mode, run in by_mode.items()
+    }
+    kl = {mode: m["vs_qlora_reference"]["mean_kl"] for mode, m in modes.items()}
+    closer = min(kl, key=kl.get)
+    farther = other if closer == this else this
+    return {
+        "reference": f"base in {recipe.qlora_quant.upper()} 4-bit (block size {recipe.qlora_blocksize}, double "
+        f"quantization {'on' if recipe.qlora_double_quant else 'off'}) + adapters through PEFT",
+        "modes": modes,
+        "closer": closer,
+        "kl_ratio": kl[farther] / kl[closer] if kl[closer] > 0 else float("inf"),
+        "perplexity_qlora_reference": qlora_ref.perplexity,
+        "perplexity_full_precision_reference": full_ref.perplexity,
+        "dequantized_perplexity_change": by_mode["dequantized"].perplexity / by_mode["original"].perplexity - 1,
+    }
+
+
+def _summary(metrics: dict) -> dict:
+    keys = ("mean_kl", "max_abs_logit_diff", "top1_agreement", "greedy_identical", "greedy_total")
+    return {k: metrics[k] for k in keys}
+
+
 def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     """For a merge onto dequantized weights the reference is the QLoRA setting itself: the base loaded in 4-bit
     (the targeted linear layers only, as they were merged) with the adapters on top."""
@@ -324,17 +533,18 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     )
 
 
-def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None):
+def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, quantization_config=quantization)
+    model = _load(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
-    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+    # PEFT re-dispatches an offloaded model when it adds adapters: keep the placement accelerate chose.
+    placed = {**offload.kwargs(), "device_map": model.hf_device_map} if offload else {}
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
     for name, path in zip(names[1:], adapters[1:], strict=True):
-        model.load_adapter(path, adapter_name=name)
+        model.load_adapter(path, adapter_name=name, **placed)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
@@ -421,7 +631,7 @@ def markdown(report: dict) -> str:
     m, b, tol = report["merged_vs_reference"], report["base_vs_reference"], report["tolerance"]
     verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
     lines = [
-        f"{verdict}: the merged model was compared with the base + adapters applied unmerged through PEFT "
+        f"{verdict}: the merged model was compared with {report.get('reference', 'the base + adapters')} "
         f"({report['inputs']['count']} prompts, {report['compute_dtype']} compute, "
         f"weights in {report['output_dtype']}).",
         "",
@@ -438,11 +648,42 @@ def markdown(report: dict) -> str:
         f"{b['greedy_identical']}/{b['greedy_total']} | |",
         f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
     ]
+    if report.get("qlora"):
+        lines += ["", *_qlora_markdown(report["qlora"])]
     for p in report["problems"]:
         lines.append(f"\n- problem: {p}")
     for n in report["notes"]:
         lines.append(f"\n- note: {n}")
+    if report.get("offloaded"):
+        lines.append("\n- note: the models did not fit in memory and ran with weights offloaded to disk (accelerate)")
     return "\n".join(lines)
+
+
+def _qlora_markdown(q: dict) -> list[str]:
+    modes = q["modes"]
+    lines = [
+        f"**QLoRA**: the adapters were trained on a 4-bit base. Both merge bases against the training setting "
+        f"({q['reference']}):",
+        "",
+        "| merge base | mean KL vs 4-bit reference | top-1 agreement | mean KL vs full-precision reference | "
+        "perplexity |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in ("original", "dequantized"):
+        m = modes[mode]
+        name = f"{mode} (this merge)" if m["this_merge"] else mode
+        lines.append(
+            f"| {name} | {m['vs_qlora_reference']['mean_kl']:.3g} | {m['vs_qlora_reference']['top1_agreement']:.2%} "
+            f"| {m['vs_full_precision_reference']['mean_kl']:.3g} | {m['perplexity']:.4g} |"
+        )
+    lines += [
+        "",
+        f"Closer to the 4-bit reference: **{q['closer']}** (mean KL {q['kl_ratio']:.3g}x lower). Perplexity of the "
+        f"4-bit reference {q['perplexity_qlora_reference']:.4g}, of the full-precision reference "
+        f"{q['perplexity_full_precision_reference']:.4g}; the dequantized merge's is "
+        f"{q['dequantized_perplexity_change']:+.1%} relative to the original merge's.",
+    ]
+    return lines
 
 
 def _share(metrics: dict) -> str:

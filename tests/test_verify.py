@@ -150,3 +150,20 @@ def test_adapter_peft_cannot_load_is_skipped_not_failed(tmp_path, cli):
     report = report_of(tmp_path / "m")
     assert report["verdict"] == "skipped" and "PEFT cannot apply" in report["notes"][0]
     assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
+
+
+def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli):
+    """A memory budget below the model's size: accelerate offloads weights to disk, the verdict is unchanged."""
+    base, lora = llama
+    code, out, err = cli(
+        "merge", "--base", base, "--adapter", lora, "--out", tmp_path / "m", "--verify-memory", "200KB", verify=True
+    )
+    assert code == 0, out + err
+    report = report_of(tmp_path / "m")
+    assert report["offloaded"] and report["compute_dtype"] == "bfloat16" and report["verdict"] == "pass"
+    assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
+    assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
+    # The same sabotage as above is still caught when offloaded.
+    edit(tmp_path / "m", lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
+    code, out, err = cli("verify", tmp_path / "m", "--verify-memory", "200KB")
+    assert code == 3 and "model.layers.1.mlp.up_proj" in out + err
