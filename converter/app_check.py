@@ -187,11 +187,14 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
     requantize = None
     if recipe.qlora_base == "dequantized":
         requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
+    from converter.bnb4 import parse_output
     from converter.dtypes import parse_user_dtype
+    from converter.merge import plan_4bit
 
-    plan = build_plan(
-        checkpoint, pairs, keymap_for(checkpoint.config), parse_user_dtype(recipe.dtype), False, requantize
-    )
+    quant, keymap = parse_output(recipe.dtype), keymap_for(checkpoint.config)
+    plan = build_plan(checkpoint, pairs, keymap, None if quant else parse_user_dtype(recipe.dtype), False, requantize)
+    if quant:
+        plan_4bit(plan, keymap, quant)
     download = base["download"] + sum(a["download"] for a in adapters)
     rows = []
     for a, spec, cov in zip(adapters, recipe.adapters, plan.coverage, strict=True):

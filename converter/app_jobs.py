@@ -18,7 +18,7 @@ from converter.errors import ConverterError
 from converter.recipe import AdapterSpec, Recipe
 
 STAGES = ("check", "download", "merge", "verify", "upload")
-DTYPES = ("keep", "float32", "float16", "bfloat16")
+DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
 
 
 @dataclass

@@ -139,8 +139,11 @@ from converter.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
     report = check(recipe, {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin")
+    nf4 = check(Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r})], dtype="bnb-nf4"), {MOCK_TOKEN!r},
+                Path({str(tmp_path)!r}) / "standin4")
 result(dict(write=report.bytes_to_write, download=report.bytes_to_download, changed=report.changed_tensors,
-            total=report.total_tensors, adapters=report.adapters, warnings=report.warnings, md=report.markdown()))
+            total=report.total_tensors, adapters=report.adapters, warnings=report.warnings, md=report.markdown(),
+            nf4=nf4.notes))
 """,
         tmp_path,
     )
@@ -168,6 +171,7 @@ result(dict(write=report.bytes_to_write, download=report.bytes_to_download, chan
     ]
     assert out["download"] > out["write"] // 4 and out["warnings"] == []
     assert "| 2 | `demo/tiny-llama-lora-b@" in out["md"]
+    assert any("stored as bitsandbytes NF4 4-bit" in note for note in out["nf4"])  # 4-bit output planned too
 
 
 def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
