@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup fixtures lint bench clean
+.PHONY: run demo test setup fixtures chromium lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,11 +19,20 @@ setup: $(STAMP)
 fixtures: $(STAMP)
 	$(BIN)/python scripts/build_fixtures.py
 
+# The Space app on http://127.0.0.1:7860 against an embedded local Hub with demo repos (Ctrl-C stops it).
 run: $(STAMP)
+	$(BIN)/python -m converter.app_local
+
+# The command-line demo: a tiny base + LoRA built offline, merged and verified.
+demo: $(STAMP)
 	$(BIN)/converter demo
 
-test: $(STAMP) fixtures
-	$(BIN)/ruff check converter tests bench scripts
+# Browser tests drive the system Chromium; Playwright's own browser download is never used.
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
+
+test: $(STAMP) fixtures chromium
+	$(BIN)/ruff check converter tests bench scripts app.py
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

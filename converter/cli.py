@@ -1,4 +1,4 @@
-"""`converter inspect / merge / convert / verify / push / demo`: argument parsing and printing only.
+"""`converter inspect / merge / convert / verify / push / demo / space deploy`: argument parsing and printing only.
 
 Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
 """
@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
+
+    s = sub.add_parser("space", help="the Gradio app as a Hugging Face Space")
+    space_sub = s.add_subparsers(dest="space_command", required=True, parser_class=_Parser)
+    sd = space_sub.add_parser("deploy", help="create/update a Space with app.py and this package, in one commit")
+    sd.add_argument("--repo", required=True, help="the Space, namespace/name")
+    sd.add_argument("--source", help="checkout holding app.py, spaces/ and converter/ (default: this package's)")
+    sd.add_argument("--private", action="store_true", help="create the Space private")
+    sd.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     return p
 
 
@@ -256,6 +264,11 @@ def run(args: argparse.Namespace) -> int:
         from converter.demo import run_demo
 
         run_demo(args.dir, log=_log)
+        return 0
+    if args.command == "space":
+        from converter.space import deploy
+
+        deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
         return 0
     raise AssertionError(args.command)
 

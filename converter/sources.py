@@ -10,6 +10,9 @@ from __future__ import annotations
 import fnmatch
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +44,28 @@ ADAPTER_FILES = [
     "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "config.json", "README.md",
     *TOKENIZER_FILES,
 ]  # fmt: skip
+
+
+# Per-job settings of a server front end (the Space app): its own HF cache folder, and Hub ids only (a user of a
+# web form must not be able to name a file on the server). Context variables, so concurrent jobs do not mix.
+_CACHE_DIR: ContextVar[str | None] = ContextVar("converter_cache_dir", default=None)
+_HUB_ONLY: ContextVar[bool] = ContextVar("converter_hub_only", default=False)
+
+
+@contextmanager
+def job_sources(cache_dir: str | Path, hub_only: bool = True) -> Iterator[None]:
+    """Within this block (same thread), downloads go to `cache_dir` and, with `hub_only`, local paths are refused."""
+    tokens = (_CACHE_DIR.set(str(cache_dir)), _HUB_ONLY.set(hub_only))
+    try:
+        yield
+    finally:
+        _CACHE_DIR.reset(tokens[0])
+        _HUB_ONLY.reset(tokens[1])
+
+
+def cache_dir() -> str | None:
+    """The HF cache folder of the current job (None: huggingface_hub's default)."""
+    return _CACHE_DIR.get()
 
 
 @dataclass(frozen=True)
@@ -77,7 +102,10 @@ class Fetched:
 
 def parse_source(spec: str) -> Source:
     path = Path(spec).expanduser()
-    if path.exists():
+    if _HUB_ONLY.get():
+        if spec.startswith((".", "/", "~")) or not HUB_SPEC.match(spec) or ".." in spec:
+            raise ConverterError(f"{spec}: not a Hub id (write org/name, org/name@revision or org/name@rev/file)")
+    elif path.exists():
         return Source(spec, local=path.resolve())
     if spec.startswith((".", "/", "~")):
         raise ConverterError(f"{spec}: no such file or folder")
@@ -118,16 +146,29 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         _check_repo_kind(where, kind, wanted, siblings)
     from huggingface_hub import try_to_load_from_cache
 
-    missing = [n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, revision=sha), str)]
+    cache = cache_dir()
+    missing = [
+        n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, cache_dir=cache, revision=sha), str)
+    ]
     _check_disk(where, sum(siblings[n].size or 0 for n in missing) + need_bytes)
     if source.path is not None:
         paths = [
-            Path(hub.call(f"{where}/{n}", lambda n=n: hf_hub_download(repo, n, revision=sha, token=token)))
+            Path(
+                hub.call(
+                    f"{where}/{n}",
+                    lambda n=n: hf_hub_download(repo, n, revision=sha, token=token, cache_dir=cache),
+                )
+            )
             for n in wanted
         ]
         local = paths[0]
     else:
-        local = Path(hub.call(where, lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token)))
+        local = Path(
+            hub.call(
+                where,
+                lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache),
+            )
+        )
     files = [{"name": n, "size": siblings[n].size, "sha256": getattr(siblings[n].lfs, "sha256", None)} for n in wanted]
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
@@ -178,7 +219,7 @@ def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -
 def _check_disk(where: str, need: int) -> None:
     from huggingface_hub import constants
 
-    cache = Path(constants.HF_HUB_CACHE)
+    cache = Path(cache_dir() or constants.HF_HUB_CACHE)
     probe = cache if cache.exists() else next(p for p in cache.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if need > free:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import resource
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from converter.dtypes import TORCH_TO_ST
+from converter.errors import ConverterError
 from converter.recipe import Recipe
 from converter.units import human_bytes
 
@@ -282,6 +285,21 @@ class Offload:
         folder = tempfile.mkdtemp(dir=self.folder)  # one per model loaded: offloaded files must not mix
         return {"device_map": "auto", "max_memory": {"cpu": self.max_memory}, "offload_folder": folder}
 
+    def peft_safe(self, base: Path) -> Path:
+        """The base seen through a path PEFT's disk-offload rewrite can use safely.
+
+        PEFT 0.21 (`PeftModel._update_offload`) writes a renamed copy of every offloaded base shard at
+        `os.path.join(*path.split(os.sep))` with "-peft" appended to the first path part containing "--": an
+        absolute path loses its leading "/" (the copy lands under the working directory) and a path without "--"
+        is overwritten in place. A relative path through a `models--*` link in our scratch folder sends the copy
+        to a sibling inside the scratch folder, removed with it."""
+        link = self.folder / f"models--reference-{uuid.uuid4().hex[:8]}"
+        link.symlink_to(base.resolve(), target_is_directory=True)
+        relative = Path(os.path.relpath(link))
+        if next(part for part in relative.parts if "--" in part) != link.name:
+            raise ConverterError(f"{self.folder}: the temp folder's path contains '--'; set TMPDIR elsewhere")
+        return relative
+
 
 def _placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None]:
     """float32 when one fp32 copy fits comfortably, else bfloat16, else bfloat16 with most weights on disk."""
@@ -542,6 +560,8 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
 def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None):
     from peft import PeftModel
 
+    if offload:
+        base = offload.peft_safe(base)
     model = _load(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary

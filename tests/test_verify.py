@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -152,9 +153,12 @@ def test_adapter_peft_cannot_load_is_skipped_not_failed(tmp_path, cli):
     assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
 
 
-def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli):
+def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli, monkeypatch):
     """A memory budget below the model's size: accelerate offloads weights to disk, the verdict is unchanged."""
     base, lora = llama
+    before = hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     code, out, err = cli(
         "merge", "--base", base, "--adapter", lora, "--out", tmp_path / "m", "--verify-memory", "200KB", verify=True
     )
@@ -167,3 +171,6 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     edit(tmp_path / "m", lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
     code, out, err = cli("verify", tmp_path / "m", "--verify-memory", "200KB")
     assert code == 3 and "model.layers.1.mlp.up_proj" in out + err
+    # PEFT's offload rewrite copies base shards: never into the working directory, never over the base itself.
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() == before

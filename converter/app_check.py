@@ -1,0 +1,219 @@
+"""The Space's "Check" step: what a job would do (formats, coverage, bytes, warnings) before any weight is fetched.
+
+A Hub base is planned from its safetensors headers alone (read with HTTP range requests): they are written into
+sparse stand-in files of the real size, so the merge planner sees exactly the names, shapes and byte ranges it
+will see after the download, while the disk holds only the headers. Adapters are small and are fetched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from converter import hub
+from converter.checkpoint import Checkpoint
+from converter.errors import ConverterError
+from converter.recipe import Recipe
+from converter.sources import MODEL_FILES, _check_repo_kind, cache_dir, fetch, parse_source
+from converter.units import human_bytes, parse_size
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest job a server accepts: refused up front, before anything is downloaded."""
+
+    max_params: int = 4_000_000_000
+    max_bytes: int = 20 * 10**9
+
+    @classmethod
+    def from_env(cls) -> Limits:
+        """CONVERTER_APP_MAX_PARAMS (e.g. 4e9) and CONVERTER_APP_MAX_BYTES (e.g. 20GB) override the defaults."""
+        params = os.environ.get("CONVERTER_APP_MAX_PARAMS")
+        size = os.environ.get("CONVERTER_APP_MAX_BYTES")
+        return cls(
+            max_params=int(float(params)) if params else cls.max_params,
+            max_bytes=parse_size(size) if size else cls.max_bytes,
+        )
+
+
+@dataclass
+class CheckReport:
+    base: dict
+    adapters: list[dict]
+    bytes_to_download: int
+    bytes_to_write: int
+    changed_tensors: int
+    total_tensors: int
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        b = self.base
+        lines = [
+            f"**Base** `{b['pinned']}`: {b['architecture']} ({b['model_type']}), "
+            f"{b['parameters'] / 1e6:,.1f} M parameters, {human_bytes(b['size'])}",
+            "",
+            "| # | adapter | weight | format | rank | alpha | DoRA | tensors matched |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for i, a in enumerate(self.adapters, 1):
+            lines.append(
+                f"| {i} | `{_short(a['pinned'])}` | {a['weight']} | {a['format']} | {a['rank']} | {a['alpha']} | "
+                f"{'yes' if a['dora'] else 'no'} | {a['used']}/{a['tensors']} |"
+            )
+        lines += [
+            "",
+            f"**Download** {human_bytes(self.bytes_to_download)} · **write** {human_bytes(self.bytes_to_write)} · "
+            f"{self.changed_tensors} of {self.total_tensors} tensors change",
+        ]
+        lines += [f"\n- ⚠️ warning: {w}" for w in self.warnings]
+        lines += [f"\n- note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _short(pinned: str) -> str:
+    """`org/name@<40 hex>/file` -> `org/name@1234567/file`: tables stay readable; the full sha is in the card."""
+    return re.sub(r"@([0-9a-f]{7})[0-9a-f]{33}", r"@\1", pinned)
+
+
+def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
+    """A Hub base model from its config and safetensors headers: exists, architecture, size. No weights fetched."""
+    source = parse_source(spec)
+    if source.local is not None or source.path is not None:
+        raise ConverterError(f"{spec}: give the base as a Hub repo id, org/name or org/name@revision")
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(token=token)
+    repo, revision = source.repo_id, source.revision or "main"
+    where = f"{repo}@{revision}"
+    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    siblings = {s.rfilename: s for s in info.siblings or []}
+    wanted = [n for n in siblings if "/" not in n and any(fnmatch.fnmatch(n, p) for p in MODEL_FILES)]
+    _check_repo_kind(where, "model", wanted, siblings)
+    config_path = hub.call(
+        where,
+        lambda: hf_hub_download(repo, "config.json", revision=info.sha, token=token, cache_dir=cache_dir()),
+    )
+    config = json.loads(Path(config_path).read_text())
+    if config.get("quantization_config"):
+        raise ConverterError(
+            f"{where}: a pre-quantized ({config['quantization_config'].get('quant_method', '?')}) checkpoint; "
+            "use the original full-precision model it was made from (its card's base_model)"
+        )
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    try:
+        meta = hub.call(where, lambda: api.get_safetensors_metadata(repo, revision=info.sha, token=token))
+    except (NotASafetensorsRepoError, SafetensorsParsingError) as e:
+        raise ConverterError(f"{where}: cannot read its safetensors headers ({str(e).splitlines()[0]})") from None
+    folder = workdir / repo.split("/")[1]  # named like the repo: the trained-on-another-base check compares names
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name, file_meta in meta.files_metadata.items():
+        _sparse_standin(folder / name, file_meta)
+    checkpoint = Checkpoint(folder)
+    params = sum(checkpoint.info(n).numel for n in checkpoint.names())
+    return {
+        "pinned": f"{repo}@{info.sha}",
+        "sha": info.sha,
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "model_type": config.get("model_type"),
+        "parameters": params,
+        "size": sum(siblings[n].size or 0 for n in wanted if n.endswith(".safetensors")),
+        "download": sum(siblings[n].size or 0 for n in wanted),
+        "checkpoint": checkpoint,
+    }
+
+
+def _sparse_standin(path: Path, file_meta) -> None:
+    """A file with the real header entries and the real data length, the data being a hole (no disk used)."""
+    header: dict = {"__metadata__": file_meta.metadata} if file_meta.metadata else {}
+    for name, t in file_meta.tensors.items():
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
+    raw = json.dumps(header).encode()
+    data = max((t.data_offsets[1] for t in file_meta.tensors.values()), default=0)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + data)
+
+
+def describe_adapter(spec: str, token: str | None) -> dict:
+    """Fetch an adapter (small) and say what it is: format, rank, alpha, DoRA, tensors, trained-on base."""
+    from converter.formats import load_adapter
+
+    fetched = fetch(spec, "adapter", token)
+    adapter = load_adapter(fetched.local)
+    s = adapter.summary
+    ranks = s.get("ranks") or [s.get("r")]
+    return {
+        "pinned": fetched.pinned,
+        "format": adapter.format,
+        "rank": ", ".join(map(str, ranks)),
+        "alpha": s.get("lora_alpha"),
+        "dora": bool(s.get("use_dora")),
+        "tensors": len(adapter.tensors.names()),
+        "trained_on": adapter.base_model,
+        "download": sum(f["size"] or 0 for f in fetched.files),
+        "adapter": adapter,
+        "card": fetched.card,
+    }
+
+
+def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
+    """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
+    from converter.keymap import keymap_for
+    from converter.merge import qlora_hint, sanity_warnings
+    from converter.patches import Requantize
+    from converter.plan import build_plan
+
+    limits = limits or Limits.from_env()
+    base = describe_base(recipe.base, token, workdir)
+    if base["parameters"] > limits.max_params or base["download"] > limits.max_bytes:
+        raise ConverterError(
+            f"{recipe.base}: {base['parameters'] / 1e9:.2f} B parameters, {human_bytes(base['download'])} to "
+            f"download; this server merges models up to {limits.max_params / 1e9:.2f} B parameters and "
+            f"{human_bytes(limits.max_bytes)} (run `converter push` on your own machine for larger ones)"
+        )
+    adapters = [describe_adapter(spec.source, token) for spec in recipe.adapters]
+    checkpoint: Checkpoint = base["checkpoint"]
+    pairs = [(a["adapter"], spec) for a, spec in zip(adapters, recipe.adapters, strict=True)]
+    warnings = [w for adapter, _ in pairs for w in sanity_warnings(adapter, checkpoint)]
+    if recipe.qlora_base == "original":
+        warnings += [w for a in adapters if (w := qlora_hint(a["adapter"], a["card"]))]
+    requantize = None
+    if recipe.qlora_base == "dequantized":
+        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
+    from converter.bnb4 import parse_output
+    from converter.dtypes import parse_user_dtype
+    from converter.merge import plan_4bit
+
+    quant, keymap = parse_output(recipe.dtype), keymap_for(checkpoint.config)
+    plan = build_plan(checkpoint, pairs, keymap, None if quant else parse_user_dtype(recipe.dtype), False, requantize)
+    if quant:
+        plan_4bit(plan, keymap, quant)
+    download = base["download"] + sum(a["download"] for a in adapters)
+    rows = []
+    for a, spec, cov in zip(adapters, recipe.adapters, plan.coverage, strict=True):
+        rows.append(
+            {
+                **{k: a[k] for k in ("pinned", "format", "rank", "alpha", "dora", "trained_on")},
+                "weight": spec.weight,
+                "tensors": cov.total,
+                "used": cov.used,
+            }
+        )
+    base_row = {k: v for k, v in base.items() if k != "checkpoint"}
+    return CheckReport(
+        base=base_row,
+        adapters=rows,
+        bytes_to_download=download,
+        bytes_to_write=plan.bytes_to_write,
+        changed_tensors=len(plan.changed),
+        total_tensors=len(plan.outputs),
+        warnings=warnings,
+        notes=list(plan.notes),
+    )

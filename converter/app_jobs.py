@@ -1,0 +1,193 @@
+"""One Space job, start to end: check → download → merge → verify → upload, in its own temp folder and HF cache.
+
+Why a module of its own: a web server runs many jobs in one long-lived process, so each job must clean up after
+itself (the temp folder, cache included, is removed in `finally`, also on failure), must refuse jobs too large for
+the machine before downloading anything, and must never let the user's token reach a log line or an error.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from converter.errors import ConverterError
+from converter.recipe import AdapterSpec, Recipe
+
+STAGES = ("check", "download", "merge", "verify", "upload")
+DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
+
+
+@dataclass
+class JobRequest:
+    """What the form asks for; `adapters` is the text box (one `source [weight]` per line)."""
+
+    base: str
+    adapters: str
+    repo_id: str = ""
+    dtype: str = "keep"
+    qlora_base: str = "original"
+    verify: bool = True
+    prompts: str = ""
+    private: bool = False
+    create_pr: bool = False
+
+    def recipe(self) -> Recipe:
+        base = self.base.strip()
+        if not base:
+            raise ConverterError("base model: give a Hub repo id like org/name")
+        if self.dtype not in DTYPES:
+            raise ConverterError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        return Recipe(
+            base=base,
+            adapters=parse_adapters(self.adapters),
+            dtype=None if self.dtype == "keep" else self.dtype,
+            qlora_base=self.qlora_base,
+        )
+
+    def prompt_list(self) -> list[str] | None:
+        return [p.strip() for p in self.prompts.splitlines() if p.strip()] or None
+
+
+@dataclass
+class JobResult:
+    repo_id: str
+    url: str
+    pr_url: str | None
+    commit: str | None
+    changed: bool
+    report: dict | None
+    card: str
+    log: list[str] = field(default_factory=list)
+
+
+def parse_adapters(text: str) -> list[AdapterSpec]:
+    """`org/name[@rev][/file] [weight]`, one per line; the weight defaults to 1.0."""
+    specs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) > 2:
+            raise ConverterError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
+        weight = 1.0
+        if len(parts) == 2:
+            try:
+                weight = float(parts[1])
+            except ValueError:
+                raise ConverterError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
+        specs.append(AdapterSpec(parts[0], weight))
+    if not specs:
+        raise ConverterError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
+    return specs
+
+
+def _name(spec: str) -> str:
+    """The repo name of a source spec, without revision or file: `org/name@rev/file` -> `name`."""
+    return spec.split("@")[0].split("/")[1] if "/" in spec else spec
+
+
+def default_repo(user: str, base: str, adapters: str) -> str:
+    """`{user}/{base}-{adapter}-merged`, trimmed to what a repo name may hold."""
+    try:
+        first = parse_adapters(adapters)[0].source
+    except ConverterError:
+        first = "adapter"
+    name = f"{_name(base.strip()) if '/' in base else 'base'}-{_name(first)}-merged"
+    name = re.sub(r"[^\w.-]", "-", name).strip(".-")[:96]
+    return f"{user}/{name}"
+
+
+def redactor(token: str | None) -> Callable[[str], str]:
+    """A filter that replaces the token wherever it appears (a last line of defence for logs and errors)."""
+    if not token:
+        return lambda text: text
+    return lambda text: text.replace(token, "<token>")
+
+
+def check_namespace(repo_id: str, token: str) -> str:
+    """The signed-in user's name; refuses a target namespace the user cannot write (before any work starts)."""
+    from huggingface_hub import HfApi
+
+    from converter import hub
+    from converter.publish import check_repo_id
+
+    check_repo_id(repo_id)
+    me = hub.call("whoami", lambda: HfApi(token=token).whoami())
+    namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
+    namespace = repo_id.split("/")[0]
+    if namespace not in namespaces:
+        raise ConverterError(
+            f"{repo_id}: you ({me['name']}) cannot write under {namespace!r}; use {me['name']}/NAME or one of your "
+            "organizations"
+        )
+    return me["name"]
+
+
+def run_job(
+    request: JobRequest,
+    token: str,
+    *,
+    workroot: str | Path | None = None,
+    limits=None,
+    stage: Callable[[str], None] = lambda name: None,
+    log: Callable[[str], None] = print,
+) -> JobResult:
+    """Run the whole job with the user's `token` (required: nothing runs signed out). Raises ConverterError."""
+    from converter.app_check import check
+    from converter.merge import merge
+    from converter.pipeline import push, verify_folder
+    from converter.sources import fetch, job_sources
+
+    if not token:
+        raise ConverterError("sign in with Hugging Face first: every download and upload uses your account")
+    clean = redactor(token)
+    lines: list[str] = []
+
+    def say(message: str) -> None:
+        message = clean(message)
+        lines.append(message)
+        log(message)
+
+    recipe = request.recipe()
+    repo_id = request.repo_id.strip()
+    if workroot is not None:
+        Path(workroot).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="converter-job-", dir=workroot))
+    try:
+        with job_sources(tmp / "hf-cache"):
+            stage("check")
+            check_namespace(repo_id, token)
+            plan = check(recipe, token, tmp / "check", limits)
+            shutil.rmtree(tmp / "check", ignore_errors=True)
+            for w in plan.warnings:
+                say(f"warning: {w}")
+            stage("download")
+            say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
+            fetch(recipe.base, "model", token, need_bytes=plan.bytes_to_write)
+            for spec in recipe.adapters:
+                fetch(spec.source, "adapter", token)
+            stage("merge")
+            recipe.out = str(tmp / "out" / repo_id.split("/")[1])
+            out = merge(recipe, token=token, log=say).out
+            report = None
+            if request.verify:
+                stage("verify")
+                report = verify_folder(out, recipe, token=token, log=say, prompts=request.prompt_list())
+            stage("upload")
+            result = push(
+                repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say
+            )
+            card = (out / "README.md").read_text()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if result.pr_url:
+        say(f"pull request: {result.pr_url}")
+    elif not result.changed:
+        say(f"nothing changed: {result.url} already has these files")
+    else:
+        say(f"pushed: {result.url}/commit/{result.commit}")
+    return JobResult(repo_id, result.url, result.pr_url, result.commit, result.changed, report, card, lines)

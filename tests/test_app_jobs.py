@@ -1,0 +1,314 @@
+"""The Space's logic without a browser: form parsing, the header-only Check, the job runner's guarantees (own temp
+folder removed on failure, size limit up front, nothing created on failure), Hub-only sources, and the deploy.
+
+Hub code runs in subprocesses (huggingface_hub reads HF_ENDPOINT at import time; this process is offline).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from converter.app_check import Limits, _sparse_standin
+from converter.app_jobs import JobRequest, default_repo, parse_adapters, redactor
+from converter.app_local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
+from converter.checkpoint import SafetensorsFile
+from converter.errors import ConverterError
+from converter.sources import job_sources, parse_source
+from converter.testing.hub import HubServer, client_env, run_client
+
+ROOT = Path(__file__).resolve().parent.parent
+OTHER = "hf_fake_other_user_token_42"
+
+
+def test_parse_adapters_lines_and_weights():
+    specs = parse_adapters("a/one\n\n  b/two@main/x.safetensors 0.5 \n")
+    assert [(s.source, s.weight) for s in specs] == [("a/one", 1.0), ("b/two@main/x.safetensors", 0.5)]
+    with pytest.raises(ConverterError, match="line 1: weight 'heavy' is not a number"):
+        parse_adapters("a/one heavy")
+    with pytest.raises(ConverterError, match="at least one adapter"):
+        parse_adapters(" \n")
+    with pytest.raises(ConverterError, match="line 2: write `org/name \\[weight\\]`"):
+        parse_adapters("a/one\na/two 1 2")
+
+
+def test_request_and_default_repo():
+    assert default_repo("me", "org/Base-7B@v1", "x/my-lora\n") == "me/Base-7B-my-lora-merged"
+    assert default_repo("me", "org/base", "not a weight") == "me/base-adapter-merged"
+    assert default_repo("me", "org/base", "x/style-lora@abc/sub/file.safetensors 0.3") == "me/base-style-lora-merged"
+    recipe = JobRequest(base=" org/base ", adapters="x/a 0.5", dtype="bfloat16").recipe()
+    assert recipe.base == "org/base" and recipe.dtype == "bfloat16" and recipe.adapters[0].weight == 0.5
+    assert JobRequest(base="org/base", adapters="x/a").recipe().dtype is None  # "keep"
+    with pytest.raises(ConverterError, match="output dtype 'int8'"):
+        JobRequest(base="org/base", adapters="x/a", dtype="int8").recipe()
+    with pytest.raises(ConverterError, match="base model: give a Hub repo id"):
+        JobRequest(base=" ", adapters="x/a").recipe()
+
+
+def test_redactor_and_limits(monkeypatch):
+    assert redactor("hf_secret")("Bearer hf_secret failed") == "Bearer <token> failed"
+    assert redactor(None)("unchanged") == "unchanged"
+    monkeypatch.setenv("CONVERTER_APP_MAX_PARAMS", "1.5e9")
+    monkeypatch.setenv("CONVERTER_APP_MAX_BYTES", "3GB")
+    assert Limits.from_env() == Limits(max_params=1_500_000_000, max_bytes=3 * 10**9)
+
+
+def test_job_sources_are_hub_only(tmp_path):
+    """A web form must not read files on the server: inside a job, paths are refused, even existing folders."""
+    assert parse_source("converter").local is not None  # outside a job: an existing folder is local
+    with job_sources(tmp_path / "cache"):
+        for spec in ("/etc/passwd", "./converter", "~/x", "a/../../b"):
+            with pytest.raises(ConverterError, match="not a Hub id"):
+                parse_source(spec)
+        source = parse_source("converter/formats")  # exists in the checkout, but here it is a Hub id
+        assert source.local is None and source.repo_id == "converter/formats"
+    assert parse_source("converter/formats").local is not None
+
+
+def test_sparse_standin_plans_like_the_real_file(tmp_path):
+    """The Check plans from headers written into a sparse file of the real size: same names, shapes, offsets."""
+    real = tmp_path / "real" / "model.safetensors"
+    real.parent.mkdir()
+    save_file(
+        {"b.weight": torch.ones(512, 1024), "a.bias": torch.zeros(3, dtype=torch.bfloat16)}, real, {"format": "pt"}
+    )
+    original = SafetensorsFile(real)
+    meta = SimpleNamespace(
+        metadata=original.metadata,
+        tensors={
+            n: SimpleNamespace(dtype=t.dtype, shape=list(t.shape), data_offsets=(t.start - original.header_bytes,
+                                                                                  t.end - original.header_bytes))
+            for n, t in original.tensors.items()
+        },
+    )  # fmt: skip
+    standin = tmp_path / "standin" / "model.safetensors"
+    standin.parent.mkdir()
+    _sparse_standin(standin, meta)
+    copy = SafetensorsFile(standin)
+    assert copy.metadata == {"format": "pt"}
+    assert {n: (t.dtype, t.shape, t.nbytes) for n, t in copy.tensors.items()} == {
+        n: (t.dtype, t.shape, t.nbytes) for n, t in original.tensors.items()
+    }
+    assert copy.size - copy.header_bytes == original.size - original.header_bytes
+    assert standin.stat().st_blocks * 512 < real.stat().st_size // 4  # a hole, not 2 MB of zeros
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against the local Hub
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("apphub")
+    server = HubServer(root / "server").start()
+    seed_demo(server, root / "seed")
+    server.add_user("other", OTHER)
+    yield server
+    server.stop()
+
+
+def _client(hub: HubServer, code: str, tmp_path: Path) -> dict:
+    prelude = (
+        "import json, sys\n"
+        "from converter.errors import ConverterError\n"
+        "def result(obj):\n    print('RESULT ' + json.dumps(obj, default=str))\n"
+    )
+    proc = run_client(hub, prelude + code, token=None, home=tmp_path / "home", timeout=600)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
+    hub.reset_log()
+    out = _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app_check import check
+from converter.recipe import Recipe, AdapterSpec
+from converter.sources import job_sources
+recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
+with job_sources(Path({str(tmp_path)!r}) / "cache"):
+    report = check(recipe, {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin")
+    nf4 = check(Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r})], dtype="bnb-nf4"), {MOCK_TOKEN!r},
+                Path({str(tmp_path)!r}) / "standin4")
+result(dict(write=report.bytes_to_write, download=report.bytes_to_download, changed=report.changed_tensors,
+            total=report.total_tensors, adapters=report.adapters, warnings=report.warnings, md=report.markdown(),
+            nf4=nf4.notes))
+""",
+        tmp_path,
+    )
+    weights = [
+        s
+        for s in hub.seen
+        if s.method == "GET" and s.path.startswith(f"/{BASE}/resolve/") and s.path.endswith(".safetensors")
+    ]
+    assert weights and all(s.range for s in weights)  # only header ranges of the base weights were read
+    dry = subprocess.run(
+        [sys.executable, "-m", "converter", "merge", "--base", BASE, "--adapter", LORA, "--adapter", LORA_B,
+         "--weight", "1", "--weight", "0.5", "--dtype", "float32", "--dry-run"],
+        env=client_env(hub, MOCK_TOKEN, tmp_path / "home2"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert dry.returncode == 0, hub.redact(dry.stderr)
+    assert f"tensors: {out['total']} out, {out['changed']} changed" in dry.stdout
+    base_file = tmp_path / "base.safetensors"
+    base_file.write_bytes(hub.read_file(BASE, "model.safetensors"))
+    stored = SafetensorsFile(base_file).tensors.values()
+    assert {t.dtype for t in stored} == {"BF16"}
+    assert out["write"] == 2 * sum(t.nbytes for t in stored)  # the bf16 base written as float32
+    assert [(a["used"], a["tensors"], a["weight"], a["rank"]) for a in out["adapters"]] == [
+        (56, 56, 1.0, "8"),
+        (56, 56, 0.5, "4"),
+    ]
+    assert out["download"] > out["write"] // 4 and out["warnings"] == []
+    assert "| 2 | `demo/tiny-llama-lora-b@" in out["md"]
+    assert any("stored as bitsandbytes NF4 4-bit" in note for note in out["nf4"])  # 4-bit output planned too
+
+
+def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
+    out = _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app_check import check, Limits
+from converter.recipe import Recipe, AdapterSpec
+errors = []
+for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
+    try:
+        check(Recipe(base={BASE!r}, adapters=[AdapterSpec(adapter)]), {MOCK_TOKEN!r}, Path({str(tmp_path)!r}), limits)
+    except ConverterError as e:
+        errors.append(str(e))
+result(errors)
+""",
+        tmp_path,
+    )
+    assert len(out) == 2
+    assert "this server merges models up to 0.00 B parameters" in out[0] and "converter push" in out[0]
+    assert out[1].startswith(WRONG) and "adapter trained on a different model size?" in out[1]
+
+
+def _run_job(hub: HubServer, tmp_path: Path, token: str | None, **request) -> dict:
+    return _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app_jobs import JobRequest, run_job
+work = Path({str(tmp_path)!r}) / "jobs"
+stages, lines = [], []
+try:
+    r = run_job(JobRequest(**{request!r}), {token!r}, workroot=work, stage=stages.append, log=lines.append)
+    out = dict(url=r.url, pr=r.pr_url, changed=r.changed, card=r.card, report=r.report)
+except ConverterError as e:
+    out = dict(error=str(e))
+result(dict(out, stages=stages, log=lines, left=[p.name for p in work.iterdir()] if work.exists() else []))
+""",
+        tmp_path,
+    )
+
+
+def test_run_job_failure_leaves_nothing(hub, tmp_path):
+    out = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=WRONG, repo_id="demo/wrong-job", verify=False)
+    assert "different model size" in out["error"] and out["stages"] == ["check"]
+    assert out["left"] == [] and not hub.exists("demo/wrong-job")
+    out = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=LORA, repo_id="other/x", verify=False)
+    assert "you (demo) cannot write under 'other'" in out["error"] and out["left"] == []
+    out = _run_job(hub, tmp_path, None, base=BASE, adapters=LORA, repo_id="demo/x", verify=False)
+    assert out["error"].startswith("sign in with Hugging Face first") and out["stages"] == []
+
+
+def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
+    first = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=LORA, repo_id="demo/jobs-pr", verify=False)
+    assert first["stages"] == ["check", "download", "merge", "upload"] and first["changed"], first
+    assert first["left"] == [] and first["report"] is None and "demo/jobs-pr" in first["card"]
+    second = _run_job(
+        hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=f"{LORA} 0.5", repo_id="demo/jobs-pr", verify=False,
+        create_pr=True,
+    )  # fmt: skip
+    assert second["pr"] == f"{hub.url}/demo/jobs-pr/discussions/1", second
+    assert all(MOCK_TOKEN not in line for line in first["log"] + second["log"])
+
+
+def test_space_deploy(hub, tmp_path):
+    import gradio
+
+    env = client_env(hub, MOCK_TOKEN, tmp_path / "home")
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter", "space", "deploy", "--repo", "demo/lora-merge"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, hub.redact(proc.stderr)
+    assert "deployed" in proc.stdout and f"{hub.url}/spaces/demo/lora-merge" in proc.stdout
+    files = hub.files("demo/lora-merge", repo_type="space")
+    assert {
+        "app.py",
+        "README.md",
+        "requirements.txt",
+        "converter/app_jobs.py",
+        "converter/keymaps/generic.yaml",
+    } <= set(files)
+    assert not any(f.startswith("converter/testing/") or "__pycache__" in f for f in files)
+    readme = hub.read_file("demo/lora-merge", "README.md", repo_type="space").decode()
+    config = yaml.safe_load(readme.split("---")[1])
+    assert config["sdk"] == "gradio" and config["sdk_version"] == gradio.__version__  # the tested version
+    assert config["app_file"] == "app.py" and config["hf_oauth"] is True
+    assert config["hf_oauth_scopes"] == ["read-repos", "contribute-repos", "write-discussions"]
+    assert len(config["short_description"]) <= 60 and config["suggested_hardware"]
+    # The Space installs exactly the pins the package is tested with.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for line in hub.read_file("demo/lora-merge", "requirements.txt", repo_type="space").decode().splitlines():
+        if line and not line.startswith("#"):
+            assert f'"{line}"' in pyproject, line
+    bad = subprocess.run(
+        [sys.executable, "-m", "converter", "space", "deploy", "--repo", "not a repo"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not a valid repo id" in bad.stderr
+
+
+def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
+    """`make run`: the embedded Hub is seeded, Gradio's login mock accepts the demo user, the app answers."""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # no developer token or offline switch
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "converter.app_local", "--dir", str(tmp_path / "demo"), "--port", str(port)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        with httpx.Client(follow_redirects=True, timeout=60) as http:
+            assert http.get(f"http://127.0.0.1:{port}/login/huggingface").status_code == 200
+            assert any(c.name == "session" for c in http.cookies.jar)
+        printed = log.read_text()
+        assert f"Open http://127.0.0.1:{port}" in printed and "you are 'demo'" in printed
+        assert (tmp_path / "demo" / "hub").is_dir()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
