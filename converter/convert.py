@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -100,8 +101,9 @@ def convert(
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
     adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
-    base_view = _Base(fetch(base, "model", token).local) if base else None
-    modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
+    with tempfile.TemporaryDirectory(prefix="converter-base-headers-") as scratch:
+        base_view = _Base(base_names(base, token, Path(scratch))) if base else None
+        modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
     notes = list(adapter.warnings)
     if svd:
         worst = max(svd, key=svd.get)
@@ -136,6 +138,62 @@ def _check_out(out: Path, to: str, force: bool) -> None:
         raise ConverterError(f"--out {out}: {to} output is a folder; give a folder path")
     if out.exists() and not force and (out.is_file() or any(out.iterdir())):
         raise ConverterError(f"{out}: output already exists (use --force to replace it)")
+
+
+def base_names(spec: str, token: str | None, workdir: Path) -> Path:
+    """A base to look names up in. Local: the path itself. Hub: only its configs and safetensors *headers* (no
+    weights): each weights file becomes a sparse stand-in in `workdir` with the real header and length, so a
+    conversion against a 20 GB pipeline downloads a few kilobytes. A single file is `org/name[@rev]/file`."""
+    from converter import hub
+    from converter.sources import MODEL_FILES, diffusers_files, parse_source
+
+    source = parse_source(spec)
+    if source.local is not None:
+        return source.local
+    import fnmatch
+
+    from huggingface_hub import HfApi, hf_hub_download
+
+    api = HfApi(token=token)
+    repo, revision = source.repo_id, source.revision or "main"
+    where = f"{repo}@{revision}"
+    info = hub.call(where, lambda: api.model_info(repo, revision=revision))
+    names = [s.rfilename for s in info.siblings or []]
+    if source.path is not None:
+        if not source.path.endswith(".safetensors") or source.path not in names:
+            raise ConverterError(f"{where}: {source.path} is not a .safetensors file of the repo")
+        wanted = [source.path]
+    elif "model_index.json" in names:
+        wanted = diffusers_files(names)
+    else:
+        wanted = [n for n in names if "/" not in n and any(fnmatch.fnmatch(n, p) for p in MODEL_FILES)]
+        if "config.json" not in wanted:
+            raise ConverterError(f"{where}: not a model repo (no config.json or model_index.json)")
+    for name in wanted:
+        target = workdir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".safetensors"):
+            meta = hub.call(
+                f"{where}/{name}", lambda n=name: api.parse_safetensors_file_metadata(repo, n, revision=info.sha)
+            )
+            _sparse_standin(target, meta)
+        elif name.endswith((".json", ".txt")):
+            path = hub.call(f"{where}/{name}", lambda n=name: hf_hub_download(repo, n, revision=info.sha, token=token))
+            target.write_bytes(Path(path).read_bytes())
+    return workdir / source.path if source.path else workdir
+
+
+def _sparse_standin(path: Path, meta) -> None:
+    """The file's real header and length with its data left a hole: names, shapes and byte ranges, no weights."""
+    header: dict = {"__metadata__": meta.metadata} if meta.metadata else {}
+    for name, t in meta.tensors.items():
+        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    end = max((t.data_offsets[1] for t in meta.tensors.values()), default=0)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + end)
 
 
 class _Base:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from convert_helpers import assert_same_deltas, deltas
 from diffusion_helpers import TE_TARGETS, kohya_lora, kohya_modules, save, tiny_clip
 
@@ -81,3 +82,32 @@ def test_push_pr_opens_one_pr_reuses_it_and_skips_repos_that_have_the_format(hub
 
     code, _, err = cli(hub, "convert", "--adapter", hub.local["src"], "--to", "diffusers", "--push-pr")
     assert code == 2 and "Hub id" in err
+
+
+def test_hub_base_is_read_from_headers_only(hub, tmp_path):
+    """`--base org/name` (a diffusers pipeline repo) gives the same names as the local folder, and downloads
+    configs and safetensors headers only: no weights file lands in the HF cache."""
+    from diffusion_helpers import make_pipeline
+    from safetensors.torch import load_file
+    from test_convert import sd15_kohya
+
+    from converter.cli import main
+
+    models = make_pipeline(tmp_path / "sd15", "sd15")
+    hub.seed_folder("alice/tiny-sd15", tmp_path / "sd15")
+    src = save(sd15_kohya(models), tmp_path / "lora.safetensors")
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter", "convert", "--adapter", str(src), "--to", "diffusers",
+         "--out", str(tmp_path / "via-hub"), "--base", "alice/tiny-sd15"],
+        capture_output=True, text=True, env=client_env(hub, BOB, home), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    args = ["convert", "--adapter", str(src), "--to", "diffusers", "--out", str(tmp_path / "local")]
+    assert main([*args, "--base", str(tmp_path / "sd15")]) == 0
+    name = "pytorch_lora_weights.safetensors"
+    a, b = load_file(tmp_path / "via-hub" / name), load_file(tmp_path / "local" / name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cached = [p.name for p in home.rglob("*") if p.is_file() or p.is_symlink()]
+    assert "model_index.json" in cached and "config.json" in cached
+    assert not [n for n in cached if n.endswith(".safetensors")], cached
