@@ -47,6 +47,12 @@ def test_kohya_fused_modules_split_onto_diffusers_names_with_a_shared_down(flux,
     code, _, err = cli("convert", "--adapter", src, "--to", "diffusers", "--out", tmp_path / "x", "--base", bfl)
     assert code == 2 and "diffusers pipeline folder" in err and not (tmp_path / "x").exists()  # BFL names
 
+    # kohya-style with diffusers' DiT names (OneTrainer's lora_transformer_ spelling) when the base is a folder
+    ot = tmp_path / "onetrainer.safetensors"
+    assert cli("convert", "--adapter", src, "--to", "kohya", "--out", ot, "--base", folder)[0] == 0
+    assert "lora_transformer_transformer_blocks_0_attn_to_q.lora_down.weight" in load_file(ot)
+    assert_same_deltas(deltas(ot, folder), deltas(src, folder))
+
     # and back onto the BFL layout: q/k/v (and mlp) fuse into one module with a block-diagonal up
     back = tmp_path / "back.safetensors"
     code, _, err = cli("convert", "--adapter", tmp_path / "d", "--to", "kohya", "--out", back, "--base", bfl)
