@@ -298,3 +298,22 @@ def test_diffusers_dora_file_with_conv_to_kohya_and_back(sd15, tmp_path, cli):
     assert code == 0, err
     again = load_file(tmp_path / "d" / "pytorch_lora_weights.safetensors")
     assert again.keys() == original.keys() and all(torch.equal(again[n], original[n]) for n in original)
+
+
+def test_converting_imports_no_heavy_library(sd15, tmp_path):
+    """`converter convert` reads headers and copies factors: transformers/peft/diffusers are never imported."""
+    import subprocess
+    import sys
+
+    base, models = sd15
+    src = save(sd15_kohya(models), tmp_path / "lora.safetensors")
+    code = (
+        "import sys; from converter.cli import main; "
+        f"rc = main(['convert', '--adapter', {str(src)!r}, '--to', 'peft', '--out', {str(tmp_path / 'p')!r}, "
+        f"'--base', {str(base)!r}]); "
+        "heavy = [m for m in ('transformers', 'peft', 'accelerate', 'diffusers') if m in sys.modules]; "
+        "print('heavy:', heavy); sys.exit(rc or (3 if heavy else 0))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "heavy: []" in run.stdout
