@@ -15,10 +15,14 @@ shared/reference/lora-formats.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known 
   layout, §8 mflux#423), else every part shares it. Separate modules fuse into a block-diagonal up and stacked down.
 - LoHa / LoKr / full deltas / Tucker LoCon have no exact LoRA form: refused unless `--rank`, then an SVD with the
   reconstruction error reported.
+- DoRA: PEFT's magnitude vector and LyCORIS' output-axis `dora_scale` are the same numbers (§3, §7); the old
+  input-axis `dora_scale` has no PEFT form and is refused.
+- A Hub `--base` is read from its configs and safetensors headers only: names need no weights.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -485,7 +489,7 @@ def _fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows:
 # --- command line and pull requests -----------------------------------------------------------------------------
 
 
-def run_cli(args, log: Callable[[str], None] = print) -> int:
+def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
     options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
                    allow_pickle=args.allow_pickle, log=log)  # fmt: skip
@@ -523,8 +527,6 @@ def push_pr(
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (shared/reference/hub-protocol.md): our open PR with the same title is updated instead of
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
-    import tempfile
-
     from converter import hub
     from converter.publish import _our_open_pr
     from converter.sources import parse_source
