@@ -52,20 +52,27 @@ def perplexity(model, tok, texts: list[str]) -> float:
     return math.exp(total / count)
 
 
-def train_qlora(base: Path, out: Path, steps: int) -> None:
+def nf4():
+    """The QLoRA setting: NF4 with double quantization, computing in float32."""
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(base)
-    quant = BitsAndBytesConfig(
+    return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float32,
     )
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, quantization_config=quant)
+
+
+def train_qlora(base: Path, out: Path, steps: int) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, quantization_config=nf4())
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
     batch = tok(TRAIN, return_tensors="pt", padding=True)
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
     with tempfile.TemporaryDirectory(prefix="qlora-bench-") as tmp:
@@ -107,13 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         def fp(folder: Path):
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-        four_bit = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, quantization_config=quant)
+        four_bit = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, quantization_config=nf4())
         models = {
             "base, full precision (no adapter)": lambda: fp(base),
             "QLoRA setting: NF4 base + adapter (PEFT)": lambda: PeftModel.from_pretrained(four_bit, work / "lora"),
