@@ -165,10 +165,7 @@ def describe_adapter(spec: str, token: str | None) -> dict:
 
 def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
     """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
-    from converter.keymap import keymap_for
-    from converter.merge import qlora_hint, sanity_warnings
-    from converter.patches import Requantize
-    from converter.plan import build_plan
+    from converter.merge import plan_merge
 
     limits = limits or Limits.from_env()
     base = describe_base(recipe.base, token, workdir)
@@ -181,20 +178,7 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
     adapters = [describe_adapter(spec.source, token) for spec in recipe.adapters]
     checkpoint: Checkpoint = base["checkpoint"]
     pairs = [(a["adapter"], spec) for a, spec in zip(adapters, recipe.adapters, strict=True)]
-    warnings = [w for adapter, _ in pairs for w in sanity_warnings(adapter, checkpoint)]
-    if recipe.qlora_base == "original":
-        warnings += [w for a in adapters if (w := qlora_hint(a["adapter"], a["card"]))]
-    requantize = None
-    if recipe.qlora_base == "dequantized":
-        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
-    from converter.bnb4 import parse_output
-    from converter.dtypes import parse_user_dtype
-    from converter.merge import plan_4bit
-
-    quant, keymap = parse_output(recipe.dtype), keymap_for(checkpoint.config)
-    plan = build_plan(checkpoint, pairs, keymap, None if quant else parse_user_dtype(recipe.dtype), False, requantize)
-    if quant:
-        plan_4bit(plan, keymap, quant)
+    plan, warnings, _ = plan_merge(recipe, checkpoint, pairs, [a["card"] for a in adapters])
     download = base["download"] + sum(a["download"] for a in adapters)
     rows = []
     for a, spec, cov in zip(adapters, recipe.adapters, plan.coverage, strict=True):

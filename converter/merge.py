@@ -25,7 +25,7 @@ from converter.formats import Adapter, load_adapter
 from converter.keymap import Keymap, keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
-from converter.recipe import Recipe
+from converter.recipe import AdapterSpec, Recipe
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
@@ -82,7 +82,8 @@ def merge(
     it is never written anywhere.
     """
     quant = parse_output(recipe.dtype)
-    out_dtype = None if quant else parse_user_dtype(recipe.dtype)
+    if not quant:
+        parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
     max_shard = parse_size(recipe.max_shard_size)
     if not dry_run:
         if not recipe.out:
@@ -92,7 +93,7 @@ def merge(
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with tempfile.TemporaryDirectory(prefix="converter-dequantized-") as scratch:
-        return _merge(recipe, base, fetched, Path(scratch), quant, out_dtype, max_shard, dry_run, force, log)
+        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log)
 
 
 def _merge(
@@ -101,7 +102,6 @@ def _merge(
     fetched: list[Fetched],
     scratch: Path,
     quant: Quant4 | None,
-    out_dtype: str | None,
     max_shard: int,
     dry_run: bool,
     force: bool,
@@ -127,17 +127,11 @@ def _merge(
         (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
-    warnings += [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original))]
-    if recipe.qlora_base == "original":
-        warnings += [w for f, (a, _) in zip(fetched, adapters, strict=True) if (w := qlora_hint(a, f.card))]
+    cards = [f.card for f in fetched]
+    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original)
+    warnings += more
     for w in warnings:
         log(f"warning: {w}")
-    keymap = keymap_for(checkpoint.config)
-    requantize = None
-    if recipe.qlora_base == "dequantized":
-        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
-    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched, requantize)
-    quantized = plan_4bit(plan, keymap, quant) if quant else set()
     if original is not checkpoint:
         plan.notes.append(
             f"the base was bitsandbytes {prequant.quant_type.upper()} 4-bit; merged into its dequantization"
@@ -158,7 +152,7 @@ def _merge(
             f"{human_bytes(free)} free ({human_bytes(plan.bytes_to_write - free)} missing)"
         )
     log(
-        f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap.name} keymap): "
+        f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap_for(checkpoint.config).name} keymap): "
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
     )
     with atomic_folder(out, force) as tmp:
@@ -251,6 +245,29 @@ def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def plan_merge(
+    recipe: Recipe,
+    checkpoint: Checkpoint,
+    adapters: list[tuple[Adapter, AdapterSpec]],
+    cards: list[str | None],
+    original: Checkpoint | None = None,
+) -> tuple[MergePlan, list[str], set[str]]:
+    """What a merge decides before writing anything: warnings, the plan, and which tensors a 4-bit output
+    quantizes. Shared by `merge` and the Space's Check, so the Check shows exactly what the job will do."""
+    quant = parse_output(recipe.dtype)
+    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint))]
+    if recipe.qlora_base == "original":
+        warnings += [w for (a, _), card in zip(adapters, cards, strict=True) if (w := qlora_hint(a, card))]
+    keymap = keymap_for(checkpoint.config)
+    requantize = None
+    if recipe.qlora_base == "dequantized":
+        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
+    out_dtype = None if quant else parse_user_dtype(recipe.dtype)
+    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched, requantize)
+    quantized = plan_4bit(plan, keymap, quant) if quant else set()
+    return plan, warnings, quantized
 
 
 def plan_4bit(plan: MergePlan, keymap: Keymap, quant: Quant4) -> set[str]:
