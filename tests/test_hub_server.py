@@ -202,6 +202,17 @@ def test_model_info_and_tree(hub: HubServer, model_dir: Path) -> None:
     assert sum("/tree/" in r[1] for r in hub.requests) >= 3  # pages followed
 
 
+@pytest.mark.parametrize(
+    "blob", [b"\xff" * 64, (8).to_bytes(8, "little") + b"[1,2,3]", (4).to_bytes(8, "little") + b'{"w"'], ids=str
+)
+def test_model_info_survives_files_that_are_not_safetensors(hub: HubServer, blob: bytes) -> None:
+    repo = f"alice/odd-{hashlib.sha256(blob).hexdigest()[:8]}"
+    hub.create_repo(repo)
+    hub.commit_files(repo, {"model.safetensors": blob, "config.json": b"{}"})
+    out = client(hub, f"info = api.model_info({repo!r}); result(info.safetensors is None)")
+    assert out is True
+
+
 def test_private_repo_visibility(hub: HubServer) -> None:
     hub.create_repo("alice/private", private=True)
     hub.commit_files("alice/private", {"config.json": b"{}"})

@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -809,16 +810,17 @@ class HubServer:
             if not path.endswith(".safetensors") or entry.size < 8:
                 continue
             (n,) = struct.unpack("<Q", self._read_blob(entry.sha256, 0, 8))
+            if n > entry.size - 8:
+                continue  # not a safetensors file after all: the Hub leaves it out of the summary
             try:
                 header = json.loads(self._read_blob(entry.sha256, 8, n))
-            except ValueError:
+                counts = {
+                    name: (t["dtype"], math.prod(t["shape"])) for name, t in header.items() if name != "__metadata__"
+                }
+            except (ValueError, AttributeError, KeyError, TypeError):
                 continue
-            for name, tensor in header.items():
-                if name != "__metadata__":
-                    count = 1
-                    for dim in tensor["shape"]:
-                        count *= dim
-                    params[tensor["dtype"]] = params.get(tensor["dtype"], 0) + count
+            for dtype, count in counts.values():
+                params[dtype] = params.get(dtype, 0) + count
         return {"parameters": params, "total": sum(params.values())} if params else None
 
     def _tree_items(self, commit: Commit, path: str, recursive: bool) -> list[dict[str, Any]]:
