@@ -143,7 +143,7 @@ def _verify(
     output_dtype, params = _weights(merged)
     budget = memory or _available()
     compute, offload = _placement(params, budget, scratch)
-    if offload and (_stored_4bit(merged) or recipe.qlora_base == "dequantized"):
+    if offload and (_four_bit(merged) or recipe.qlora_base == "dequantized"):
         return _skipped(
             merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
         )
@@ -181,7 +181,7 @@ def _verify(
         bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
     clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
-    stored_4bit = _stored_4bit(merged)
+    stored_4bit = _four_bit(merged)
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
         # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
         logical = stored_4bit["bnb_4bit_compute_dtype"]
@@ -226,7 +226,7 @@ def _verify(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
         )
     qlora = None
-    if _is_qlora(recipe, adapter_dirs) and not _prequantized(base) and not stored_4bit:
+    if _is_qlora(recipe, adapter_dirs) and not _four_bit(base) and not stored_4bit:
         log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
         batch = (inputs, ppl_ids, max_new_tokens)
         qlora = _qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
@@ -328,24 +328,28 @@ def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
     logical = getattr(torch, q["bnb_4bit_compute_dtype"])
     with tempfile.TemporaryDirectory(prefix="converter-4bit-reference-") as tmp:
         model.merge_and_unload().to(logical).save_pretrained(tmp)
-        oracle = _load(Path(tmp), logical, _bnb_config(q, logical))
+        config = _bnb_config(
+            q["bnb_4bit_quant_type"], q["bnb_4bit_use_double_quant"], logical, q.get("llm_int8_skip_modules")
+        )
+        oracle = _load(Path(tmp), logical, config)
         return _run(oracle, texts, probe_ids, ppl_ids, max_new_tokens)
 
 
-def _stored_4bit(folder: Path) -> dict | None:
+def _four_bit(folder: Path) -> dict | None:
+    """A folder's bitsandbytes 4-bit quantization_config (our 4-bit output, or a pre-quantized base), else None."""
     q = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     return q if q.get("load_in_4bit") else None
 
 
-def _bnb_config(q: dict, dtype):
+def _bnb_config(quant_type: str, double_quant: bool, dtype, skip: list[str] | None):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=q["bnb_4bit_quant_type"],
-        bnb_4bit_use_double_quant=q["bnb_4bit_use_double_quant"],
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=dtype,
-        llm_int8_skip_modules=q.get("llm_int8_skip_modules"),
+        llm_int8_skip_modules=skip,
     )
 
 
@@ -442,13 +446,8 @@ def _four_bit_base(recipe: Recipe, base: Path) -> str | None:
     """The 4-bit type the reference's base is loaded in: the QLoRA setting, or a pre-quantized base's own."""
     if recipe.qlora_base == "dequantized":
         return recipe.qlora_quant
-    own = _prequantized(base)
+    own = _four_bit(base)
     return own.get("bnb_4bit_quant_type", "fp4") if own else None
-
-
-def _prequantized(base: Path) -> dict | None:
-    own = json.loads((base / "config.json").read_text()).get("quantization_config") or {}
-    return own if own.get("load_in_4bit") else None
 
 
 def _is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
@@ -536,8 +535,6 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     (the targeted linear layers only, as they were merged) with the adapters on top."""
     if recipe.qlora_base != "dequantized":
         return None
-    from transformers import BitsAndBytesConfig
-
     from converter.checkpoint import Checkpoint
     from converter.merge import PROVENANCE_FILE
 
@@ -548,13 +545,7 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
         for n in ckpt.names()
         if n.endswith(".weight") and len(ckpt.info(n).shape) == 2 and n not in changed
     ]
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=recipe.qlora_quant,
-        bnb_4bit_use_double_quant=recipe.qlora_double_quant,
-        bnb_4bit_compute_dtype=dtype,
-        llm_int8_skip_modules=["lm_head", *untouched],
-    )
+    return _bnb_config(recipe.qlora_quant, recipe.qlora_double_quant, dtype, ["lm_head", *untouched])
 
 
 def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None):
