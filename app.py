@@ -17,7 +17,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import html  # noqa: E402
 import logging  # noqa: E402
-import tempfile  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -27,6 +26,7 @@ import gradio as gr  # noqa: E402
 from converter.app_check import Limits, check, describe_adapter, describe_base  # noqa: E402
 from converter.app_jobs import DTYPES, STAGES, JobRequest, default_repo, parse_adapters, redactor, run_job  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
+from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
 from converter.sources import job_sources  # noqa: E402
 from converter.units import human_bytes  # noqa: E402
 
@@ -75,7 +75,7 @@ def base_info(base: str | None, oauth_token: gr.OAuthToken | None) -> str:
         return ""
     try:
         token = _token(oauth_token)
-        with tempfile.TemporaryDirectory(prefix="converter-base-") as tmp, job_sources(Path(tmp) / "cache"):
+        with temp_folder("base") as tmp, job_sources(Path(tmp) / "cache"):
             info = describe_base(base, token, Path(tmp) / "standin")
     except ConverterError as e:
         return f"❌ {html.escape(str(e))}"
@@ -94,7 +94,7 @@ def adapters_info(adapters: str | None, oauth_token: gr.OAuthToken | None) -> st
     except ConverterError as e:
         return f"❌ {html.escape(str(e))}" if adapters.strip() else ""
     lines = []
-    with tempfile.TemporaryDirectory(prefix="converter-adapter-") as tmp, job_sources(Path(tmp) / "cache"):
+    with temp_folder("adapter") as tmp, job_sources(Path(tmp) / "cache"):
         for spec in specs:
             try:
                 a = describe_adapter(spec.source, token)
@@ -138,7 +138,7 @@ def check_job(
     try:
         token = _token(oauth_token)
         request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, profile)
-        with tempfile.TemporaryDirectory(prefix="converter-check-") as tmp, job_sources(Path(tmp) / "cache"):
+        with temp_folder("check") as tmp, job_sources(Path(tmp) / "cache"):
             report = check(request.recipe(), token, Path(tmp) / "standin", Limits.from_env())
     except Exception as e:  # noqa: BLE001 - every failure becomes a readable message
         raise _fail(e, token) from None
@@ -270,6 +270,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("httpx", "httpx2"):  # one INFO line per HTTP request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    startup_cleanup(WORKROOT, log.info)  # job folders and HF caches of a previous (killed) process
     build().queue(max_size=QUEUE_SIZE, default_concurrency_limit=CONCURRENCY).launch()
 
 

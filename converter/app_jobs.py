@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.errors import ConverterError
 from converter.recipe import AdapterSpec, Recipe
+from converter.scratch import make_temp
 
 STAGES = ("check", "download", "merge", "verify", "upload")
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
@@ -156,7 +156,7 @@ def run_job(
     repo_id = request.repo_id.strip()
     if workroot is not None:
         Path(workroot).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="converter-job-", dir=workroot))
+    tmp = make_temp("job", workroot, say)
     try:
         with job_sources(tmp / "hf-cache"):
             stage("check")

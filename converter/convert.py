@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import re
-import tempfile
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch, load_adapter
 from converter.keymap import flatten
 from converter.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
+from converter.scratch import owned_name, stop_here, sweep, temp_folder
 
 TARGETS = ("peft", "diffusers", "kohya")
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
@@ -105,7 +104,7 @@ def convert(
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
     adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
-    with tempfile.TemporaryDirectory(prefix="converter-base-headers-") as scratch:
+    with temp_folder("base-headers", log=log) as scratch:
         base_view = _Base(base_names(base, token, Path(scratch))) if base else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
     notes = list(adapter.warnings)
@@ -546,7 +545,7 @@ def push_pr(
         log(f"{repo} already has a {TARGET_NAMES[to]} version ({have}); no pull request opened")
         return None
     title = PR_TITLE.format(fmt=TARGET_NAMES[to])
-    with tempfile.TemporaryDirectory(prefix="converter-convert-") as scratch:
+    with temp_folder("convert", log=log) as scratch:
         stem = Path(source.path).stem if source.path else "adapter"
         out = Path(scratch) / (f"{stem}_kohya.safetensors" if to == "kohya" else "out")
         result = convert(adapter_spec, to, out, base=base, rank=rank, component=component, token=token,
@@ -652,9 +651,11 @@ def _atomic_file(out: Path, tensors: dict, metadata: dict, force: bool) -> None:
     if out.exists() and not force:
         raise ConverterError(f"{out}: output already exists (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    sweep(out.parent, print, f".{out.name}.")
+    tmp = out.parent / owned_name("file", f".{out.name}.")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        stop_here("staged")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

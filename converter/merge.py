@@ -8,7 +8,6 @@ import fnmatch
 import json
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from converter.keymap import Keymap, keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import AdapterSpec, Recipe
+from converter.scratch import temp_folder
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
@@ -92,7 +92,7 @@ def merge(
 
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
-    with tempfile.TemporaryDirectory(prefix="converter-dequantized-") as scratch:
+    with temp_folder("dequantized", log=log) as scratch:
         return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log)
 
 
@@ -155,7 +155,7 @@ def _merge(
         f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap_for(checkpoint.config).name} keymap): "
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
     )
-    with atomic_folder(out, force) as tmp:
+    with atomic_folder(out, force, needs=plan.bytes_to_write, log=log) as tmp:
         hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized)
         if original is not checkpoint:  # provenance names the files that were downloaded, not our scratch copy
             hashes = {f.path.name: file_sha256(f.path) for f in original.files}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from converter.errors import ConverterError
 from converter.merge import PROVENANCE_FILE, RECIPE_FILE, merge, recorded_recipe
 from converter.publish import PushResult, check_repo_id, push_folder
 from converter.recipe import Recipe
+from converter.scratch import make_temp
 
 
 def push(
@@ -41,7 +41,7 @@ def push(
     tmp = None
     try:
         if recipe is not None:
-            tmp = Path(tempfile.mkdtemp(prefix="converter-push-", dir=workdir))
+            tmp = make_temp("push", workdir, log)
             recipe.out = str(tmp / repo_id.split("/")[1])
             folder = merge(recipe, token=token, log=log).out
         folder = Path(folder)

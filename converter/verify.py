@@ -23,6 +23,7 @@ from pathlib import Path
 from converter.dtypes import TORCH_TO_ST
 from converter.errors import ConverterError
 from converter.recipe import Recipe
+from converter.scratch import temp_folder
 from converter.units import human_bytes
 
 PROMPTS = [
@@ -115,7 +116,7 @@ def verify(
 
     `memory` caps the bytes the models may take (default: what the machine has available); a model larger than
     that is verified with accelerate's disk offloading, slower but exact."""
-    with tempfile.TemporaryDirectory(prefix="converter-verify-") as scratch:
+    with temp_folder("verify", log=log) as scratch:
         return _verify(Path(merged), recipe, prompts, max_new_tokens, memory, token, log, Path(scratch))
 
 
@@ -326,7 +327,7 @@ def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
 
     texts, probe_ids, ppl_ids, max_new_tokens = batch
     logical = getattr(torch, q["bnb_4bit_compute_dtype"])
-    with tempfile.TemporaryDirectory(prefix="converter-4bit-reference-") as tmp:
+    with temp_folder("4bit-reference") as tmp:
         model.merge_and_unload().to(logical).save_pretrained(tmp)
         config = _bnb_config(
             q["bnb_4bit_quant_type"], q["bnb_4bit_use_double_quant"], logical, q.get("llm_int8_skip_modules")
@@ -496,7 +497,7 @@ def _qlora_study(
     else:
         quantization = _quantization(replace(recipe, qlora_base="dequantized"), merged, base, dtype)
         qlora_ref, full_ref = measure(_reference(base, adapter_dirs, recipe, dtype, vocab, quantization)), ref
-    with tempfile.TemporaryDirectory(prefix="converter-qlora-") as tmp:
+    with temp_folder("qlora") as tmp:
         merge(replace(recipe, qlora_base=other, out=str(Path(tmp) / "m")), token=token, log=lambda _line: None)
         alternative = measure(_load(Path(tmp) / "m", dtype))
     gc.collect()

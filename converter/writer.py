@@ -1,4 +1,4 @@
-"""Sharded safetensors output written tensor by tensor, and the atomic output folder.
+"""Sharded safetensors output written tensor by tensor, and the atomic output folder (staged beside it).
 
 Every output tensor's dtype and shape are known before the first byte is written, so each shard's header is
 final when the shard is opened and tensors are streamed into it in order: memory never holds a shard.
@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter import scratch
 from converter.background import Worker
 from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
@@ -142,6 +141,7 @@ class ShardedWriter:
             _drop_cache(self._f)
             self._f.close()
             self._f = None
+            scratch.stop_here("shard")
 
     def close(self) -> list[str]:
         """Finish the last shard and write the index (for more than one shard). Returns the file names."""
@@ -165,26 +165,61 @@ class ShardedWriter:
 
 
 def check_output_target(out: Path, force: bool) -> None:
+    """Refuse a non-empty `out` (unless `force`) and a target another live run is writing right now."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ConverterError(f"{out}: output already exists and is not empty (use --force to replace it)")
+    _refuse_if_busy(out, scratch.live(out.parent, _lead(out)))
+
+
+def _lead(out: Path) -> str:
+    return f".{out.name}."
+
+
+def _refuse_if_busy(out: Path, others: list[tuple[scratch.Owned, Path]]) -> None:
+    if others:
+        owned, path = others[0]
+        raise ConverterError(
+            f"{out}: another converter run ({owned.owner.describe()}) is writing it right now; wait for it to finish "
+            f"(if that run is gone, remove {path})"
+        )
 
 
 @contextmanager
-def atomic_folder(out: Path, force: bool):
-    """Yield a temp sibling folder; on success it replaces `out` in one rename, on failure it disappears."""
+def atomic_folder(out: Path, force: bool, needs: int | None = None, log: Callable[[str], None] = print):
+    """Yield a folder to fill; on success it replaces `out` in one rename, on failure it disappears.
+
+    It lives in an owned staging folder beside `out` (`scratch`): leftovers of interrupted runs on the same
+    target are removed first, and a second run on a target a live run is writing is refused. `needs` (bytes)
+    goes into the error when the disk fills up on the way."""
     check_output_target(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _staging(out, log) as payload:
+            yield payload
+            scratch.stop_here("staged")
+            if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):  # a run that was quicker
+                raise ConverterError(f"{out}: another run wrote it meanwhile (use --force to replace it)")
+            if out.exists():  # --force: the old output goes into our staging folder, removed with it
+                out.rename(payload.parent / f"{out.name}.previous")
+            payload.rename(out)
+    except OSError as e:
+        if e.errno in scratch.DISK_FULL:
+            raise scratch.disk_full(out.parent, needs) from None
         raise
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _staging(out: Path, log: Callable[[str], None]):
+    """An owned folder beside `out` holding `<out.name>` to fill; removed at the end whatever happens."""
+    scratch.sweep(out.parent, log, _lead(out))
+    stage = out.parent / scratch.owned_name("out", _lead(out))
+    stage.mkdir()
+    try:
+        # Two runs that got here together both see each other: the one whose folder is older goes on.
+        mine = scratch.owner_of(stage).made
+        _refuse_if_busy(out, [(o, p) for o, p in scratch.live(out.parent, _lead(out)) if (o.made, p) < (mine, stage)])
+        payload = stage / out.name
+        payload.mkdir()
+        yield payload
+    finally:
+        scratch.remove(stage)
