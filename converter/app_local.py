@@ -11,9 +11,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
+from converter.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
 
 MOCK_TOKEN = "mock-oauth-token-for-local-dev"  # what gradio's local OAuth mock gives every handler
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(hub_env(server, token=MOCK_TOKEN, home=root / "client-home"))
     os.environ.update(GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(args.port))
     os.environ.setdefault("CONVERTER_APP_WORKDIR", str(root / "jobs"))
-    with tempfile.TemporaryDirectory(prefix="converter-demo-") as tmp:
+    with temp_folder("demo") as tmp:
         print(f"local Hub at {server.url} (repos in {root / 'hub'}); seeding the demo repos ...", flush=True)
         seed_demo(server, Path(tmp))
     print(

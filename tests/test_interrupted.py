@@ -217,6 +217,31 @@ def test_stale_folders_of_live_or_foreign_owners_are_kept(tmp_path):
     assert lines == [f"removed 1.00 KB left by 2 interrupted runs in {tmp_path.resolve()}"]
 
 
+def test_the_space_removes_dead_jobs_folders_on_start(tmp_path):
+    """app.py's start: job folders (their HF caches inside) no running process owns go; a live one stays."""
+    jobs = tmp_path / "jobs"
+    live = jobs / scratch.owned_name("job")
+    (live / "hf-cache").mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = jobs / live.name.replace(f".{os.getpid()}-", f".{done.stdout.strip()}-")
+    (dead / "hf-cache" / "models--org--base").mkdir(parents=True)
+    (dead / "hf-cache" / "models--org--base" / "blob").write_bytes(b"x" * 5000)
+    started = (
+        "import app\n"
+        "class Stub:\n"
+        "    def queue(self, **_): return self\n"
+        "    def launch(self): print('launched')\n"
+        "app.build = Stub\n"
+        "app.main()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CONVERTER_APP_WORKDIR": str(jobs), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", started], cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr
+    assert f"removed 5.00 KB left by an interrupted run in {jobs.resolve()}" in proc.stderr
+    assert [p.name for p in jobs.iterdir()] == [live.name]
+
+
 def test_full_disk_mid_write_is_a_one_line_error_and_leaves_nothing(models, tmp_path):
     """A 1-shard-too-small tmpfs in a private mount namespace: the weights fit (the up-front check passes), the
     rest of the output does not."""
