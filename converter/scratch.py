@@ -47,9 +47,11 @@ class Owner:
         """False only when we know it is gone: another host's process cannot be checked, so it counts as alive."""
         if self.host != _host():
             return True
+        if not _pid_exists(self.pid):
+            return False
         stat = _stat(self.pid)
-        if stat is None:  # without /proc (not Linux) only the pid can be checked
-            return not Path("/proc/self/stat").exists() and _pid_exists(self.pid)
+        if stat is None:  # no /proc, or one that hides other users' processes: the pid exists, assume it is ours
+            return True
         state, start = stat
         return state not in "ZX" and start == self.start  # a zombie writes nothing more
 
@@ -130,8 +132,9 @@ def remove(path: Path) -> None:
             path.unlink()
 
 
-def stale(parent: Path, lead: str | None = None) -> list[Path]:
-    """Our temp locations in `parent` (with that lead only, if given) whose owner is gone."""
+def stale(parent: Path, lead: str | None = None, other_hosts: bool = False) -> list[Path]:
+    """Our temp locations in `parent` (with that lead only, if given) whose owner is gone (`other_hosts`: or
+    runs on another host)."""
     try:
         entries = list(parent.iterdir())
     except OSError:
@@ -139,7 +142,9 @@ def stale(parent: Path, lead: str | None = None) -> list[Path]:
     out = []
     for p in entries:
         found = owner_of(p)
-        if found and (lead is None or found.lead == lead) and not found.owner.alive():
+        if found is None or (lead is not None and found.lead != lead):
+            continue
+        if not found.owner.alive() or (other_hosts and found.owner.host != _host()):
             out.append(p)
     return sorted(out)
 
@@ -154,10 +159,10 @@ def live(parent: Path, lead: str) -> list[tuple[Owned, Path]]:
     return sorted(((f, p) for f, p in found if f and f.lead == lead and f.owner.alive()), key=lambda fp: fp[0].made)
 
 
-def sweep(parent: Path, log: Callable[[str], None], lead: str | None = None) -> int:
+def sweep(parent: Path, log: Callable[[str], None], lead: str | None = None, other_hosts: bool = False) -> int:
     """Remove what interrupted runs left in `parent`; one line says how much. Returns the bytes removed."""
     removed, runs = 0, set()
-    for p in stale(parent, lead):
+    for p in stale(parent, lead, other_hosts):
         size = size_of(p)
         remove(p)
         if not p.exists() and not p.is_symlink():
@@ -215,9 +220,11 @@ def stop_here(point: str) -> None:
 
 
 def startup_cleanup(workroot: str | Path | None, log: Callable[[str], None] = print) -> int:
-    """For a server starting up: remove job folders (HF caches inside) that no running process owns, in the
-    jobs' folder and the temp dir. Returns the bytes removed."""
-    places = {Path(tempfile.gettempdir()).resolve()}
-    if workroot is not None and Path(workroot).is_dir():
-        places.add(Path(workroot).resolve())
-    return sum(sweep(p, log) for p in sorted(places))
+    """For a server starting up: remove job folders (HF caches inside) that no running process owns, in the temp
+    dir and in the server's own jobs' folder `workroot`. There, another host's folders go too: a Space restarted
+    in a new container may have a new hostname, and its previous container's jobs are not running."""
+    removed = sweep(Path(tempfile.gettempdir()), log)
+    own = workroot is not None and Path(workroot).is_dir()
+    if own and Path(workroot).resolve() != Path(tempfile.gettempdir()).resolve():
+        removed += sweep(Path(workroot), log, other_hosts=True)
+    return removed

@@ -200,21 +200,25 @@ def test_second_run_on_the_same_out_is_refused_while_the_first_runs(models, tmp_
     assert [p.name for p in out.parent.iterdir()] == ["merged"] and (out / "model.safetensors.index.json").is_file()
 
 
-def test_stale_folders_of_live_or_foreign_owners_are_kept(tmp_path):
-    mine = tmp_path / scratch.owned_name("job")
+def test_only_dead_owners_folders_go_and_a_reused_pid_is_seen(tmp_path, tmpdir_env):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    mine = jobs / scratch.owned_name("job")
     mine.mkdir()
-    foreign = tmp_path / mine.name.replace(f"@{scratch.me().host}", "@some-other-host")
+    foreign = jobs / mine.name.replace(f"@{scratch.me().host}", "@some-other-host")
     foreign.mkdir()
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / mine.name.replace(f".{os.getpid()}-", f".{proc.stdout.strip()}-")
+    gone = jobs / mine.name.replace(f".{os.getpid()}-", f".{proc.stdout.strip()}-")
     (gone / "hf-cache").mkdir(parents=True)
     (gone / "hf-cache" / "blob").write_bytes(b"x" * 1000)
-    reused = tmp_path / mine.name.replace(f"-{scratch.me().start}-", f"-{scratch.me().start + 1}-")  # pid reused
+    reused = jobs / mine.name.replace(f"-{scratch.me().start}-", f"-{scratch.me().start + 1}-")  # pid reused
     reused.mkdir()
     lines: list[str] = []
-    assert scratch.startup_cleanup(tmp_path, lines.append) == 1000
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, foreign.name])
-    assert lines == [f"removed 1.00 KB left by 2 interrupted runs in {tmp_path.resolve()}"]
+    assert scratch.sweep(jobs, lines.append) == 1000
+    assert sorted(p.name for p in jobs.iterdir()) == sorted([mine.name, foreign.name])
+    assert lines == [f"removed 1.00 KB left by 2 interrupted runs in {jobs}"]
+    # A server's own jobs' folder at its start: another host's leftovers are its previous container's.
+    assert scratch.startup_cleanup(jobs, lines.append) == 0 and [p.name for p in jobs.iterdir()] == [mine.name]
 
 
 def test_the_space_removes_dead_jobs_folders_on_start(tmp_path):
