@@ -168,11 +168,11 @@ def sweep(parent: Path, log: Callable[[str], None], lead: str | None = None, oth
         if not p.exists() and not p.is_symlink():
             removed += size
             runs.add(owner_of(p).owner)
-    count = len(runs)
-    if count == 1:
-        log(f"removed {human_bytes(removed)} left by an interrupted run in {parent}")
-    elif count:
-        log(f"removed {human_bytes(removed)} left by {count} interrupted runs in {parent}")
+    what = human_bytes(removed) if removed else "empty folders"
+    if len(runs) == 1:
+        log(f"removed {what} left by an interrupted run in {parent}")
+    elif runs:
+        log(f"removed {what} left by {len(runs)} interrupted runs in {parent}")
     return removed
 
 
