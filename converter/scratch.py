@@ -1,8 +1,9 @@
 """Temp folders that say whose they are, so the next run removes what an interrupted one left behind.
 
 A run killed with `kill -9` (OOM, a timeout, a Space restart) cannot clean up after itself. Every temp location
-we create therefore carries its owner in its own name: `converter-<kind>.<pid>-<start>-<random>@<host>`, where
-`<start>` is the process's start time from /proc (so a reused pid is told apart). The name is the record because
+we create therefore carries its owner in its own name: `converter-<kind>.<pid>-<start>-<made>@<host>`, where
+`<start>` is the process's start time from /proc (so a reused pid is told apart) and `<made>` when the folder was
+made (staging beside an output is `.<out>.converter-out.…`). The name is the record because
 `mkdir` makes it atomically: no instant exists where the folder is there and its owner unknown, and a folder half
 removed still says whose it was. Whoever next creates a temp location in the same place removes those whose owner
 is gone, and says so in one line; a live owner's (or another host's) are never touched.

@@ -7,6 +7,7 @@ lands mid-write every time, not by luck of timing.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import torch
 from conftest import make_adapter, make_base
 
 from converter import scratch
+from converter.errors import ConverterError
 from converter.testing.hub import HubServer, client_env
 
 ALICE = "hf_alice_interrupted_token_0123456789"
@@ -280,3 +282,11 @@ def test_full_disk_mid_write_is_a_one_line_error_and_leaves_nothing(models, tmp_
     assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: no space left on {mnt}: needs at least ")
     assert " free (" in err and "Traceback" not in err
     assert listing(tmp) == set()
+
+
+def test_a_full_temp_disk_is_a_one_line_error_and_the_scratch_folder_goes(tmp_path):
+    message = rf"^no space left on {tmp_path}: [0-9.]+ [KMGT]?B free \(temp folder for verify; set TMPDIR"
+    with pytest.raises(ConverterError, match=message), scratch.temp_folder("verify", tmp_path, print) as folder:
+        (folder / "offloaded.dat").write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
