@@ -290,3 +290,21 @@ def test_a_full_temp_disk_is_a_one_line_error_and_the_scratch_folder_goes(tmp_pa
         (folder / "offloaded.dat").write_bytes(b"x" * 100)
         raise OSError(errno.ENOSPC, "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_runs_reaching_the_staging_step_together_let_the_older_folder_win(tmp_path, monkeypatch):
+    """Both runs passed the early busy check at the same moment: each then sees the other's staging folder, and
+    only the one whose folder was made first goes on (the names order by creation time)."""
+    from converter import writer
+
+    out = tmp_path / "merged"
+    monkeypatch.setattr(writer, "check_output_target", lambda out, force: None)  # both got past it
+    other = tmp_path / scratch.owned_name("out", f".{out.name}.")  # a live owner (this process), made first
+    other.mkdir()
+    with pytest.raises(ConverterError, match="is writing it right now"), writer.atomic_folder(out, False, log=print):
+        pytest.fail("the younger run must not get a folder to fill")
+    assert [p.name for p in tmp_path.iterdir()] == [other.name] and not out.exists()
+    other.rename(tmp_path / other.name.replace(scratch.owner_of(other).made, "f" * 20))  # now the younger one
+    with writer.atomic_folder(out, False, log=print) as payload:
+        (payload / "model.safetensors").write_bytes(b"x")
+    assert (out / "model.safetensors").read_bytes() == b"x"
