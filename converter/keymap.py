@@ -298,7 +298,7 @@ class Resolver:
 
 
 def flatten(name: str) -> str:
-    """kohya's flattening: every '.' becomes '_' (sd-scripts lora.py create_modules; lora-formats.md §1)."""
+    """kohya's flattening: every '.' becomes '_' (sd-scripts lora.py create_modules; docs/FORMATS.md §1)."""
     return name.replace(".", "_")
 
 

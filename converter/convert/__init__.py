@@ -2,7 +2,7 @@
 
 Every format is read into `AdapterPatch`es (converter/formats/), turned here into plain LoRA modules
 (down, up, alpha on a dotted module path), and written by one small writer per format. Facts about each format:
-shared/reference/lora-formats.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known bugs).
+docs/FORMATS.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known bugs).
 
 - Names: kohya names are flattened ('.' -> '_') and cannot be parsed back, so a kohya file becomes PEFT/diffusers
   only with `--base`: its modules are looked up among the base's real keys (the merge's resolver) and take the base's

@@ -161,7 +161,7 @@ def _is_block_diagonal(up: torch.Tensor, rows: list[int]) -> bool:
 
 def _split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[LoraModule]:
     """A fused module (BFL qkv, linear1) onto separate base tensors, ΔW unchanged: down split with the up when
-    the up matrix is block-diagonal (kohya split_qkv), else shared by every part (lora-formats.md §4, §8)."""
+    the up matrix is block-diagonal (kohya split_qkv), else shared by every part (docs/FORMATS.md §4, §8)."""
     spans = [p.src for p in places]
     rows = [b - a for a, b in spans]
     block = _is_block_diagonal(up, rows)

@@ -25,7 +25,7 @@ def push_pr(
     log: Callable[[str], None] = print,
 ) -> str | None:
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
-    conversion bot (shared/reference/hub-protocol.md): our open PR with the same title is updated instead of
+    conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
     from converter import hub
     from converter.publish import _our_open_pr

@@ -19,12 +19,12 @@ from converter.keymap import flatten
 from converter.writer import atomic_folder, check_output_target
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-# kohya prefixes per output component (sd-scripts networks/lora.py, lora_flux.py; lora-formats.md §1)
+# kohya prefixes per output component (sd-scripts networks/lora.py, lora_flux.py; docs/FORMATS.md §1)
 # "denoiser" = a denoiser under its original (LDM, BFL, Wan ...) names; "transformer" = a DiT under diffusers' names,
 # which kohya-style files spell lora_transformer_ (OneTrainer; read by ComfyUI and diffusers, §5, §6).
 KOHYA_PREFIX = {"unet": "lora_unet_", "denoiser": "lora_unet_", "transformer": "lora_transformer_"}
 # kohya's CLIP text-encoder names come from transformers 4 module paths, which start with `text_model.`
-# (lora_te_text_model_encoder_layers_0_..., the only spelling ComfyUI/A1111 look up; lora-formats.md §1, §5);
+# (lora_te_text_model_encoder_layers_0_..., the only spelling ComfyUI/A1111 look up; docs/FORMATS.md §1, §5);
 # transformers 5 checkpoints and modules drop it. T5 (`encoder.block.`) never had it.
 KOHYA_TEXT_MODEL = re.compile(r"(encoder\.layers|embeddings|final_layer_norm)\.")
 
@@ -77,7 +77,7 @@ def _most_common(values: list) -> object:
 
 def kohya_prefix(component: str | None, components: set) -> str:
     """sd-scripts' prefixes: lora_unet for every denoiser, lora_te for a single text encoder, lora_te1/2/3 when
-    there are several (lora-formats.md §1)."""
+    there are several (docs/FORMATS.md §1)."""
     if component in KOHYA_PREFIX:
         return KOHYA_PREFIX[component]
     if component == "text_encoder":
