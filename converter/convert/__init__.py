@@ -18,6 +18,9 @@ docs/FORMATS.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known bugs).
 - DoRA: PEFT's magnitude vector and LyCORIS' output-axis `dora_scale` are the same numbers (§3, §7); the old
   input-axis `dora_scale` has no PEFT form and is refused.
 - A Hub `--base` is read from its configs and safetensors headers only: names need no weights.
+
+The package: `core` (`convert()`), `names` (looking modules up on the base), `modules` (the math: factors, fused
+<-> split, SVD), `writers` (kohya, PEFT, diffusers), `pr` (`--push-pr`), `cli` (`converter convert`).
 """
 
 from __future__ import annotations

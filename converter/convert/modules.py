@@ -39,7 +39,7 @@ class LoraModule:
         return self.down.shape[0]
 
 
-def _output_component(ap: AdapterPatch, component: str | None) -> str | None:
+def output_component(ap: AdapterPatch, component: str | None) -> str | None:
     return component or (None if ap.component in (None, "denoiser") and not ap.flat else ap.component)
 
 
@@ -66,7 +66,7 @@ def _alpha(adapter: Adapter, ap: AdapterPatch, lora: LowRank) -> float:
     return float(r) if lora.scale == 1.0 else lora.scale * r
 
 
-def _lowrank(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, native: str):
+def lowrank_factors(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: dict, native: str):
     """(down, up, alpha, magnitude) of a patch: a LoRA as stored, or an SVD of any other delta when `rank` is
     given; `magnitude` is a DoRA module's per-output-channel magnitude (out,), else None."""
     patch = ap.patch
@@ -159,7 +159,7 @@ def _is_block_diagonal(up: torch.Tensor, rows: list[int]) -> bool:
     return True
 
 
-def _split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[LoraModule]:
+def split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[LoraModule]:
     """A fused module (BFL qkv, linear1) onto separate base tensors, ΔW unchanged: down split with the up when
     the up matrix is block-diagonal (kohya split_qkv), else shared by every part (docs/FORMATS.md §4, §8)."""
     spans = [p.src for p in places]
@@ -175,12 +175,12 @@ def _split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list
             part_alpha = alpha * w / r  # same scale alpha / r on a rank-w part
         else:
             d, u, part_alpha = down, up[a:b], alpha
-        comp = comp or _output_component(ap, None)
+        comp = comp or output_component(ap, None)
         out.append(LoraModule(comp, name, d.clone(), u.clone(), part_alpha, f"{native}[{a}:{b}]"))
     return out
 
 
-def _fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows: int) -> LoraModule:
+def fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows: int) -> LoraModule:
     """Separate modules (to_q/to_k/to_v) onto one fused base tensor (qkv): stacked downs and a block-diagonal up,
     ΔW unchanged. Equal scales stay in alpha; different ones are folded into each part's up block."""
     parts = sorted(parts, key=lambda p: p[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converter.convert.modules import LoraModule, _fuse, _lowrank, _output_component, _split_modules
+from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
 
@@ -93,7 +93,7 @@ def collect(
                 f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "
                 "is not supported (a LoRA in kohya/PEFT/diffusers form has none)"
             )
-        down, up, alpha, magnitude = _lowrank(adapter, ap, rank, svd, native)
+        down, up, alpha, magnitude = lowrank_factors(adapter, ap, rank, svd, native)
         if base is None:
             modules.append(_unresolved(adapter, ap, down, up, alpha, to, component, native))
             modules[-1].magnitude = magnitude
@@ -107,11 +107,11 @@ def collect(
             raise ConverterError(f"{adapter.path}: {native} is DoRA on a fused module that this base splits (or the "
                                  "reverse); a DoRA norm does not split by rows, so it is not converted")  # fmt: skip
         if len(places) > 1:  # a fused module onto separate base tensors: split by rows
-            modules.extend(_split_modules(base, ap, places, down, up, alpha, native))
+            modules.extend(split_modules(base, ap, places, down, up, alpha, native))
             continue
         place = places[0]
         comp, name = base.split_key(place.key, ap.param)
-        comp = comp or _output_component(ap, component)
+        comp = comp or output_component(ap, component)
         module = LoraModule(comp, name, down, up, alpha, native, magnitude=magnitude)
         if place.rows is not None:  # a slice of a fused base tensor: fused with its siblings below
             fused.setdefault(place.key, []).append((place.rows, module))
@@ -123,7 +123,7 @@ def collect(
                 f"{adapter.path}: {parts[0][1].source} lands on rows of {key}, which has no module name a LoRA "
                 "could be written under; give --base in diffusers layout (a pipeline folder) instead"
             )
-        modules.append(_fuse(key, parts, base.rows(key)))  # type: ignore[union-attr]
+        modules.append(fuse(key, parts, base.rows(key)))  # type: ignore[union-attr]
     seen: dict[tuple, str] = {}
     for m in modules:
         ident = (m.component, m.name)
