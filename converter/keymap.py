@@ -138,10 +138,14 @@ def keymap_folder() -> Traversable:
     return checkout
 
 
+# libyaml's safe loader when pyyaml has it: the same data, parsed ~10x faster than the pure-Python one
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_keymap(name: str, raw: str) -> Keymap:
     """Parse and validate one keymap file's text; every mistake is a ConverterError naming the file and key."""
     try:
-        data = yaml.safe_load(raw)
+        data = yaml.load(raw, Loader=_LOADER)  # a safe loader (see _LOADER)
     except yaml.YAMLError as e:
         raise KeymapError(f"keymap {name}: not valid YAML ({str(e).splitlines()[0]})") from None
     try:
