@@ -1,24 +1,23 @@
 """The Space's "Check" step: what a job would do (formats, coverage, bytes, warnings) before any weight is fetched.
 
-A Hub base is planned from its safetensors headers alone (read with HTTP range requests): they are written into
-sparse stand-in files of the real size, so the merge planner sees exactly the names, shapes and byte ranges it
-will see after the download, while the disk holds only the headers. Adapters are small and are fetched.
+A Hub base is planned from its safetensors headers alone (converter.hub_headers: sparse stand-in files of the
+real size), so the merge planner sees exactly the names, shapes and byte ranges it will see after the download,
+while the disk holds only the headers. Adapters are small and are fetched.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter import hub
 from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
+from converter.hub_headers import hub_base_headers
+from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
 from converter.recipe import Recipe
-from converter.sources import MODEL_FILES, _check_repo_kind, cache_dir, fetch, parse_source
+from converter.sources import fetch, parse_source
 from converter.units import human_bytes, parse_size
 
 
@@ -85,60 +84,30 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     source = parse_source(spec)
     if source.local is not None or source.path is not None:
         raise ConverterError(f"{spec}: give the base as a Hub repo id, org/name or org/name@revision")
-    from huggingface_hub import HfApi, hf_hub_download
-
-    api = HfApi(token=token)
-    repo, revision = source.repo_id, source.revision or "main"
-    where = f"{repo}@{revision}"
-    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
-    siblings = {s.rfilename: s for s in info.siblings or []}
-    wanted = [n for n in siblings if "/" not in n and any(fnmatch.fnmatch(n, p) for p in MODEL_FILES)]
-    _check_repo_kind(where, "model", wanted, siblings)
-    config_path = hub.call(
-        where,
-        lambda: hf_hub_download(repo, "config.json", revision=info.sha, token=token, cache_dir=cache_dir()),
-    )
-    config = json.loads(Path(config_path).read_text())
+    base = hub_base_headers(source, token, workdir)
+    if (base.path / "model_index.json").is_file():
+        raise ConverterError(
+            f"{base.where}: a diffusers pipeline; this server merges transformers models (run `converter merge` "
+            "on your own machine for pipelines)"
+        )
+    checkpoint = Checkpoint(base.path)
+    config = checkpoint.config
     if config.get("quantization_config"):
         raise ConverterError(
-            f"{where}: a pre-quantized ({config['quantization_config'].get('quant_method', '?')}) checkpoint; "
+            f"{base.where}: a pre-quantized ({config['quantization_config'].get('quant_method', '?')}) checkpoint; "
             "use the original full-precision model it was made from (its card's base_model)"
         )
-    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
-
-    try:
-        meta = hub.call(where, lambda: api.get_safetensors_metadata(repo, revision=info.sha, token=token))
-    except (NotASafetensorsRepoError, SafetensorsParsingError) as e:
-        raise ConverterError(f"{where}: cannot read its safetensors headers ({str(e).splitlines()[0]})") from None
-    folder = workdir / repo.split("/")[1]  # named like the repo: the trained-on-another-base check compares names
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name, file_meta in meta.files_metadata.items():
-        _sparse_standin(folder / name, file_meta)
-    checkpoint = Checkpoint(folder)
     params = sum(checkpoint.info(n).numel for n in checkpoint.names())
     return {
-        "pinned": f"{repo}@{info.sha}",
-        "sha": info.sha,
+        "pinned": base.pinned,
+        "sha": base.sha,
         "architecture": (config.get("architectures") or ["?"])[0],
         "model_type": config.get("model_type"),
         "parameters": params,
-        "size": sum(siblings[n].size or 0 for n in wanted if n.endswith(".safetensors")),
-        "download": sum(siblings[n].size or 0 for n in wanted),
+        "size": sum(base.sizes[n] for n in base.files if n.endswith(".safetensors")),
+        "download": sum(base.sizes[n] for n in base.files),
         "checkpoint": checkpoint,
     }
-
-
-def _sparse_standin(path: Path, file_meta) -> None:
-    """A file with the real header entries and the real data length, the data being a hole (no disk used)."""
-    header: dict = {"__metadata__": file_meta.metadata} if file_meta.metadata else {}
-    for name, t in file_meta.tensors.items():
-        header[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
-    raw = json.dumps(header).encode()
-    data = max((t.data_offsets[1] for t in file_meta.tensors.values()), default=0)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        f.truncate(8 + len(raw) + data)
 
 
 def describe_adapter(spec: str, token: str | None) -> dict:

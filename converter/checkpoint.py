@@ -1,6 +1,6 @@
 """Lazy, validated views of safetensors files and model folders: names, shapes, dtypes; one tensor at a time.
 
-We parse the safetensors header ourselves (8-byte length + JSON) so that a truncated or corrupt file is
+We parse the safetensors header ourselves (converter.safetensors_header) so that a truncated or corrupt file is
 reported with its name before any work starts, and so untouched tensors can be copied as raw bytes.
 """
 
@@ -19,8 +19,8 @@ import torch
 from converter.background import Worker
 from converter.dtypes import ITEMSIZE, ST_TO_TORCH
 from converter.errors import ConverterError
+from converter.safetensors_header import HeaderError, decode_header
 
-MAX_HEADER = 100 * 1024 * 1024
 CHUNK = 16 * 1024 * 1024
 
 
@@ -48,20 +48,10 @@ class SafetensorsFile:
         self.path = Path(path)
         self.size = self.path.stat().st_size
         with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise self._bad("file is shorter than a safetensors header")
-            header_len = int.from_bytes(head, "little")
-            if header_len > MAX_HEADER or 8 + header_len > self.size:
-                raise self._bad("header length is larger than the file (truncated or not safetensors)")
-            raw = f.read(header_len)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise self._bad("header is not valid JSON (corrupt or not safetensors)") from None
-        if not isinstance(header, dict):
-            raise self._bad("header is not a JSON object")
-        self.header_bytes = 8 + header_len
+            try:
+                header, self.header_bytes = decode_header(f, self.size)
+            except HeaderError as e:
+                raise self._bad(str(e)) from None
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.tensors: dict[str, TensorInfo] = {}
         data_end = 0

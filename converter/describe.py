@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from converter import hub
 from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.formats import load_adapter
+from converter.hub_headers import hub_base_headers
 from converter.keymap import keymap_for
+from converter.scratch import temp_folder
 from converter.sources import Source, fetch, parse_source
 from converter.units import human_bytes
 
@@ -62,36 +65,24 @@ def inspect_diffusion(path: Path) -> dict:
 
 
 def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
-    """A Hub repo without downloading weights: adapters are small (fetched), models are read from headers."""
-    from huggingface_hub import HfApi, hf_hub_download
+    """A Hub repo without downloading weights: adapters are small (fetched), models are read from their
+    headers (sparse stand-ins, converter.hub_headers) and described like a local folder."""
+    from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     where = f"{source.repo_id}@{source.revision or 'main'}"
-    info = hub.call(where, lambda: api.model_info(source.repo_id, revision=source.revision, files_metadata=True))
-    names = {s.rfilename: s for s in info.siblings or []}
+    info = hub.call(where, lambda: api.model_info(source.repo_id, revision=source.revision))
+    names = {s.rfilename for s in info.siblings or []}
     if source.path or "adapter_config.json" in names:
         fetched = fetch(source.spec, "adapter", token)
         return {**inspect_adapter(fetched.local, allow_pickle), "path": fetched.pinned}
-    if "config.json" not in names:
+    if "config.json" not in names and "model_index.json" not in names:
         raise ConverterError(f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)")
-    config_path = hub.call(
-        where, lambda: hf_hub_download(source.repo_id, "config.json", revision=info.sha, token=token)
-    )
-    config = json.loads(Path(config_path).read_text())
-    meta = hub.call(where, lambda: api.get_safetensors_metadata(source.repo_id, revision=info.sha))
-    dtypes = Counter()
-    for file_meta in meta.files_metadata.values():
-        for dtype, count in file_meta.parameter_count.items():
-            dtypes[dtype] += count
-    shards = sorted(meta.files_metadata)
-    return _model_summary(
-        f"{source.repo_id}@{info.sha}",
-        config,
-        dtypes,
-        len(meta.weight_map),
-        shards,
-        sum(names[s].size or 0 for s in shards),
-    )
+    with temp_folder("headers", log=lambda line: print(line, file=sys.stderr)) as scratch:
+        base = hub_base_headers(source, token, Path(scratch))
+        diffusion = (base.path / "model_index.json").is_file()
+        described = inspect_diffusion(base.path) if diffusion else inspect_model(base.path)
+    return {**described, "path": base.pinned}
 
 
 def inspect_model(path: Path) -> dict:

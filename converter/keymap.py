@@ -13,10 +13,13 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
 
 import yaml
 
 from converter.errors import ConverterError
+from converter.keymap_schema import KeymapError, validate
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,11 @@ class Keymap:
             prefixes=[tuple(p) for p in data.get("prefixes", [])],
             tied=data.get("tied", {}),
             stored_transposed=[re.compile(p) for p in data.get("stored_transposed", [])],
-            fused=[FusedRule(re.compile(f["module"]), f["into"], f["parts"]) for f in data.get("fused", [])],
-            defaults=data.get("defaults", {}),
+            fused=[
+                FusedRule(re.compile(f["module"]), f["into"], {k: str(v) for k, v in f["parts"].items()})
+                for f in data.get("fused", [])
+            ],
+            defaults={k: str(v) for k, v in (data.get("defaults") or {}).items()},
             unquantized=[re.compile(p) for p in data.get("unquantized", [])],
             pipelines=data.get("pipelines", []),
             detect=[re.compile(p) for p in data.get("detect", [])],
@@ -120,14 +126,42 @@ class Keymap:
         return any(p.fullmatch(key) for p in self.stored_transposed)
 
 
+def keymap_folder() -> Traversable:
+    """The shipped keymaps: `converter/keymaps` in an installed wheel or a deployed Space (pyproject maps the
+    repository's top-level `keymaps/` there), the top-level `keymaps/` itself in a source checkout."""
+    packaged = resources.files("converter") / "keymaps"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parent.parent / "keymaps"
+    if not checkout.is_dir():
+        raise ConverterError(f"no keymaps found (neither {packaged} nor {checkout}); reinstall converter")
+    return checkout
+
+
+# libyaml's safe loader when pyyaml has it: the same data, parsed ~10x faster than the pure-Python one
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_keymap(name: str, raw: str) -> Keymap:
+    """Parse and validate one keymap file's text; every mistake is a ConverterError naming the file and key."""
+    try:
+        data = yaml.load(raw, Loader=_LOADER)  # a safe loader (see _LOADER)
+    except yaml.YAMLError as e:
+        raise KeymapError(f"keymap {name}: not valid YAML ({str(e).splitlines()[0]})") from None
+    try:
+        validate(data)
+    except KeymapError as e:
+        raise KeymapError(f"keymap {name}: {e}") from None
+    stem = name.rsplit("/", 1)[-1].removesuffix(".yaml")
+    if data["name"] != stem:
+        raise KeymapError(f"keymap {name}: name {data['name']!r} differs from the file name (call it {stem!r})")
+    return Keymap.from_yaml(data)
+
+
 @cache
 def all_keymaps() -> tuple[Keymap, ...]:
-    folder = resources.files("converter") / "keymaps"
-    return tuple(
-        Keymap.from_yaml(yaml.safe_load(f.read_text()))
-        for f in sorted(folder.iterdir(), key=lambda p: p.name)
-        if f.name.endswith(".yaml")
-    )
+    files = sorted((f for f in keymap_folder().iterdir() if f.name.endswith(".yaml")), key=lambda p: p.name)
+    return tuple(load_keymap(f"keymaps/{f.name}", f.read_text()) for f in files)
 
 
 def keymap_for(config: dict) -> Keymap:
@@ -268,7 +302,7 @@ class Resolver:
 
 
 def flatten(name: str) -> str:
-    """kohya's flattening: every '.' becomes '_' (sd-scripts lora.py create_modules; lora-formats.md §1)."""
+    """kohya's flattening: every '.' becomes '_' (sd-scripts lora.py create_modules; docs/FORMATS.md §1)."""
     return name.replace(".", "_")
 
 

@@ -68,7 +68,7 @@ class Patch:
 def _lowrank_delta(up: torch.Tensor, down: torch.Tensor, mid: torch.Tensor | None) -> torch.Tensor:
     """up @ down for linear, 1x1 and kxk (2-D or 3-D) convolutions, with an optional Tucker core.
 
-    kohya/LyCORIS conv LoRA (lora-formats.md §1, §3): down (r, in, *k), up (out, r, 1, ..);
+    kohya/LyCORIS conv LoRA (docs/FORMATS.md §1, §3): down (r, in, *k), up (out, r, 1, ..);
     ΔW = mm(up.flatten(1), down.flatten(1)).reshape(out, in, *k), which equals sd-scripts'
     conv2d(down.permute(1,0,..), up).permute(1,0,..). Tucker (`lora_mid`, LyCORIS rebuild_tucker):
     down (r, in, 1, 1), mid (r, r, *k), up (out, r, 1, 1): einsum("i j ..., i p, j r -> p r ...").
@@ -170,7 +170,7 @@ def _tucker(t: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor) -> torch.Tensor
 
 @dataclass
 class LoHa(DeltaPatch):
-    """LyCORIS LoHa: ΔW = scale · (w1a @ w1b) ⊙ (w2a @ w2b), reshaped to W (lora-formats.md §3).
+    """LyCORIS LoHa: ΔW = scale · (w1a @ w1b) ⊙ (w2a @ w2b), reshaped to W (docs/FORMATS.md §3).
 
     With Tucker cores t1/t2 (conv kxk) each factor is rebuild_tucker(t, wa, wb) and wa is (r, out).
     scale = alpha / rank, rank = w1b.shape[0] (alpha absent: rank, so scale 1).
@@ -211,7 +211,7 @@ class LoHa(DeltaPatch):
 
 @dataclass
 class LoKr(DeltaPatch):
-    """LyCORIS LoKr: ΔW = scale · kron(w1, w2), reshaped to W (lora-formats.md §3).
+    """LyCORIS LoKr: ΔW = scale · kron(w1, w2), reshaped to W (docs/FORMATS.md §3).
 
     Each factor is full (`lokr_w1`) or low rank (`lokr_w1_a @ lokr_w1_b`); w2 may have a Tucker core t2.
     The scale rule is the caller's (LyCORIS: 1 when both factors are full, else alpha/rank).
@@ -253,7 +253,7 @@ class LoKr(DeltaPatch):
 
 @dataclass
 class FullDelta(DeltaPatch):
-    """LyCORIS full (`diff`): ΔW stored whole, no alpha (lora-formats.md §3); the merge weight scales it."""
+    """LyCORIS full (`diff`): ΔW stored whole, no alpha (docs/FORMATS.md §3); the merge weight scales it."""
 
     diff: Ref
     weight: float = 1.0
@@ -285,7 +285,7 @@ class DoRA(Patch):
     unmerged forward (DoRA rescales the running result) and in merge_and_unload. The adapter weight scales ΔW
     (PEFT's `set_scale`); the magnitude vector is used as trained.
 
-    LyCORIS/kohya `dora_scale` (style "lycoris", lora-formats.md §3 DoRA): the axis is told by its shape,
+    LyCORIS/kohya `dora_scale` (style "lycoris", docs/FORMATS.md §3 DoRA): the axis is told by its shape,
     (out, 1, ..) per output channel or (1, in, ..) per input column (files before 2025-04); the merge weight m
     interpolates the factor instead of scaling ΔW: f' = m·(f - 1) + 1, with ΔW unweighted.
     """
@@ -340,7 +340,7 @@ class DoRA(Patch):
 class RowsOf(Patch):
     """Rows [start, end) of another patch's delta: a fused adapter module (kohya's BFL `img_attn.qkv`, linear1)
     landing on separate base tensors (diffusers to_q / to_k / to_v / proj_mlp). For a LoRA that is
-    up[start:end] @ down, exactly the split diffusers itself makes (lora-formats.md §4 _convert_to_ai_toolkit_cat)."""
+    up[start:end] @ down, exactly the split diffusers itself makes (docs/FORMATS.md §4 _convert_to_ai_toolkit_cat)."""
 
     inner: DeltaPatch
     start: int

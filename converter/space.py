@@ -1,6 +1,7 @@
 """`converter space deploy`: publish the Gradio app as a Hugging Face Space, in one commit.
 
-The Space gets `app.py`, the `converter` package (without the test Hub and the local launcher) and, from
+The Space gets `app.py`, the `converter` package (without the test Hub and the local launcher) with the
+repository's top-level `keymaps/` inside it as `converter/keymaps/` (the layout of an installed wheel) and, from
 `spaces/`, its README.md (the Space config) and requirements.txt. They are read from the checkout the package
 runs from, so what is deployed is what was tested.
 """
@@ -25,11 +26,16 @@ def space_files(source: Path) -> dict[str, Path]:
             f"{source}: no app.py, spaces/README.md and converter/ here; run from a checkout of the converter "
             "repository or pass --source"
         )
+    keymaps = sorted((source / "keymaps").glob("*.yaml"))
+    if not keymaps:
+        raise ConverterError(f"{source}: no keymaps/*.yaml here; run from a checkout of the converter repository")
     files = {"app.py": app, "README.md": spaces / "README.md", "requirements.txt": spaces / "requirements.txt"}
     for path in sorted(package.rglob("*")):
         rel = path.relative_to(package).as_posix()
         if path.is_file() and path.suffix in (".py", ".yaml") and not rel.startswith(SKIP) and rel not in SKIP:
             files[f"converter/{rel}"] = path
+    # where an installed wheel has them too: converter.keymap.keymap_folder() finds them next to the package
+    files.update({f"converter/keymaps/{path.name}": path for path in keymaps})
     return files
 
 

@@ -18,6 +18,7 @@ from converter import scratch
 from converter.background import Worker
 from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
+from converter.safetensors_header import encode_header, entry
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,11 @@ def shard_names(count: int, stem: str = "model") -> list[str]:
 
 
 def _header(shard: list[OutSpec], metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
-    header: dict = {"__metadata__": {**dict(metadata), "format": "pt"}}
-    offset = 0
+    tensors, offset = {}, 0
     for spec in shard:
-        header[spec.name] = {
-            "dtype": spec.dtype,
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
+        tensors[spec.name] = entry(spec.dtype, spec.shape, offset, offset + spec.nbytes)
         offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # 8-byte alignment, as the safetensors library writes it
-    return len(raw).to_bytes(8, "little") + raw
+    return encode_header(tensors, {**dict(metadata), "format": "pt"})
 
 
 class ShardedWriter:

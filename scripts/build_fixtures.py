@@ -122,7 +122,7 @@ def convert(gguf: Path, out: Path) -> dict[str, Any]:
 
     ``save_pretrained`` refuses a GGUF-loaded model because it still carries the GGUF
     quantizer; the weights are already plain tensors, so dropping the quantizer and its config
-    entry is enough (see shared/reference/environment-notes.md).
+    entry is enough (docs/PEERS.md, "Environment").
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,7 +1,7 @@
 """Tiny diffusion models from configs, community-format LoRAs written with the writers' real naming, and
 diffusers' own LoRA loader as the oracle (load_lora_into_* + PEFT's merge of every LoRA layer).
 
-Facts on names and math: shared/reference/lora-formats.md (§1 kohya, §3 LyCORIS, §4 diffusers).
+Facts on names and math: docs/FORMATS.md (§1 kohya, §3 LyCORIS, §4 diffusers).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FLUX.1 adapters into diffusers-layout and BFL single-file bases, with diffusers' own loader as the referee.
 
-The BFL checkpoint is built from the diffusers transformer with the documented key map (lora-formats.md §1
+The BFL checkpoint is built from the diffusers transformer with the documented key map (docs/FORMATS.md §1
 flux_merge_lora, §4): q/k/v fused into img_attn.qkv / txt_attn.qkv, q/k/v/mlp rows in single_blocks.N.linear1.
 diffusers' own Flux converters hard-code FLUX.1's width (3072) for linear1, so the tiny model is mapped here.
 """
@@ -295,7 +295,7 @@ def test_fused_module_of_another_width_is_refused(flux, tmp_path, cli):
 
 def test_kohya_split_qkv_layout_is_pointed_out(flux, tmp_path, cli):
     """sd-scripts' split_qkv saves q/k/v LoRAs fused (down stacked, up block-diagonal) with the per-part alpha:
-    merged with alpha / (3r) like every loader, and said so (lora-formats.md §8, sd-scripts#2204)."""
+    merged with alpha / (3r) like every loader, and said so (docs/FORMATS.md §8, sd-scripts#2204)."""
     from safetensors.torch import load_file
 
     model, folder, bfl = flux

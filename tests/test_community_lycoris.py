@@ -2,7 +2,7 @@
 community format.
 
 diffusers cannot load LoHa/LoKr/full and drops `dora_scale`, so the references here are the published formulas
-(shared/reference/lora-formats.md §3 and §6), computed in float64 with plain tensor algebra.
+(docs/FORMATS.md §3 and §6), computed in float64 with plain tensor algebra.
 """
 
 from __future__ import annotations

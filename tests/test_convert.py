@@ -141,7 +141,7 @@ def test_kohya_text_encoder_lora_to_peft_loads_in_peft_model(tmp_path, cli):
 
 
 def test_peft_to_kohya_writes_the_real_alpha(tmp_path, cli):
-    """diffusers' convert_state_dict_to_kohya writes alpha = rank (lora-formats.md §4); the real lora_alpha and
+    """diffusers' convert_state_dict_to_kohya writes alpha = rank (docs/FORMATS.md §4); the real lora_alpha and
     alpha_pattern must survive, checked against PEFT's own merge."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import CLIPTextModel
@@ -228,7 +228,7 @@ def test_sdxl_kohya_with_sgm_names_to_diffusers_and_back_to_the_same_names(tmp_p
 
 
 def test_dora_moves_between_peft_and_kohya_dora_scale(tmp_path, cli):
-    """PEFT's lora_magnitude_vector and LyCORIS' output-axis dora_scale are the same numbers (lora-formats.md §3,
+    """PEFT's lora_magnitude_vector and LyCORIS' output-axis dora_scale are the same numbers (docs/FORMATS.md §3,
     §7): PEFT DoRA → kohya → PEFT keeps every tensor, and PEFT itself merges the result like the original."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import CLIPTextModel

@@ -64,7 +64,7 @@ def test_kohya_fused_modules_split_onto_diffusers_names_with_a_shared_down(flux,
 
 
 def test_block_diagonal_up_splits_the_down_too(flux, tmp_path, cli):
-    """sd-scripts' split_qkv layout (lora-formats.md §8): each part gets its own rows of down (rank r/3) with the
+    """sd-scripts' split_qkv layout (docs/FORMATS.md §8): each part gets its own rows of down (rank r/3) with the
     scale the file implies (alpha / 3r, like every loader), so ΔW is unchanged."""
     model, folder, bfl = flux
     g = torch.Generator().manual_seed(4)

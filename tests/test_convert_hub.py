@@ -3,6 +3,7 @@ one PR on the adapter's own repo with the converted files, reused on a second ru
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -84,9 +85,10 @@ def test_push_pr_opens_one_pr_reuses_it_and_skips_repos_that_have_the_format(hub
     assert code == 2 and "Hub id" in err
 
 
-def test_hub_base_is_read_from_headers_only(hub, tmp_path):
+def test_hub_base_is_read_from_headers_only(hub, tmp_path, capsys):
     """`--base org/name` (a diffusers pipeline repo) gives the same names as the local folder, and downloads
-    configs and safetensors headers only: no weights file lands in the HF cache."""
+    configs and safetensors headers only: no weights file lands in the HF cache. `inspect` of the repo agrees with
+    `inspect` of the folder."""
     from diffusion_helpers import make_pipeline
     from safetensors.torch import load_file
     from test_convert import sd15_kohya
@@ -111,3 +113,13 @@ def test_hub_base_is_read_from_headers_only(hub, tmp_path):
     cached = [p.name for p in home.rglob("*") if p.is_file() or p.is_symlink()]
     assert "model_index.json" in cached and "config.json" in cached
     assert not [n for n in cached if n.endswith(".safetensors")], cached
+
+    # `inspect` reads a Hub pipeline the same way (headers only) and describes it as it describes the folder
+    code, out, err = cli(hub, "inspect", "alice/tiny-sd15", "--json")
+    assert code == 0, err
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "sd15"), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    remote = json.loads(out)
+    assert remote.pop("path") == f"alice/tiny-sd15@{hub.head('alice/tiny-sd15')}"
+    assert {**local, "path": None} == {**remote, "path": None} and local["parameters"] > 0

@@ -2,7 +2,7 @@
 LyCORIS (LoHa, LoKr, full, DoRA), OneTrainer, SimpleTuner `lycoris_`, diffusers (PEFT-style and older layouts),
 ComfyUI / ai-toolkit `diffusion_model.`, xlabs Flux.
 
-Facts from each writer's own source: shared/reference/lora-formats.md (sections cited below). Names are kept as the
+Facts from each writer's own source: docs/FORMATS.md (sections cited below). Names are kept as the
 file spells them; where they are flattened with '_' (kohya), `flat` is set and the resolver looks them up among
 the base's keys flattened the same way, never by guessing where the dots were.
 """
@@ -407,7 +407,7 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
 
 def _split_qkv(module: str, tensors, roles: dict[str, str], rank: int) -> bool:
     """kohya lora_flux `split_qkv` saves q/k/v(/mlp) LoRAs fused: down concatenated, up block-diagonal
-    (lora-formats.md §1, §8). True when the up matrix has exactly that shape and zeros off its diagonal blocks."""
+    (docs/FORMATS.md §1, §8). True when the up matrix has exactly that shape and zeros off its diagonal blocks."""
     n = 3 if module.endswith(("img_attn_qkv", "txt_attn_qkv")) else 4 if module.endswith("linear1") else 0
     if not n or rank % n:
         return False

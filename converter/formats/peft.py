@@ -1,6 +1,6 @@
 """PEFT adapters (LoRA, DoRA, rsLoRA, embedding LoRA, modules_to_save, trainable tokens).
 
-Facts from PEFT 0.21 (shared/reference/lora-formats.md §7): keys are `base_model.model.<module>.lora_A.weight`
+Facts from PEFT 0.21 (docs/FORMATS.md §7): keys are `base_model.model.<module>.lora_A.weight`
 (r, in) and `.lora_B.weight` (out, r); scaling alpha/r or alpha/sqrt(r) with rsLoRA, per-module overrides from
 rank_pattern/alpha_pattern matched with `re.match(rf"(.*\\.)?({key})$", module)` (first match wins).
 """

@@ -2,7 +2,7 @@
 
 Why: the converter downloads bases/adapters and publishes merged repos, PRs and a Space. Mocking
 ``huggingface_hub`` functions would test our assumptions about the client, not the client; this server speaks the
-wire protocol the client really uses (see shared/reference/hub-protocol.md, "4. huggingface_hub protocol"), keeps
+wire protocol the client really uses (docs/PEERS.md, "The huggingface_hub protocol"), keeps
 real commit history on disk, enforces auth/private/gated rules, and injects faults (5xx, 429, dropped connections,
 slowness) on demand so retry and resume paths can be tested offline.
 

@@ -1,0 +1,85 @@
+"""`convert()`: fetch the adapter, look its names up, write the target format atomically."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from converter.convert.names import BaseNames, base_names, collect
+from converter.convert.writers import write
+from converter.errors import ConverterError
+from converter.formats import Adapter, load_adapter
+from converter.scratch import temp_folder
+from converter.writer import check_output_target
+
+TARGETS = ("peft", "diffusers", "kohya")
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    files: list[str]
+    modules: int
+    notes: list[str] = field(default_factory=list)
+    svd_errors: dict[str, float] = field(default_factory=dict)
+
+
+def convert(
+    adapter_spec: str,
+    to: str,
+    out: str | Path,
+    *,
+    base: str | None = None,
+    rank: int | None = None,
+    component: str | None = None,
+    force: bool = False,
+    token: str | None = None,
+    allow_pickle: bool = False,
+    log: Callable[[str], None] = print,
+) -> ConvertResult:
+    """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically."""
+    from converter.sources import fetch
+
+    if to not in TARGETS:
+        raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+    out = Path(out)
+    _check_out(out, to, force)
+    fetched = fetch(adapter_spec, "adapter", token)
+    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
+    with temp_folder("base-headers", log=log) as scratch:
+        base_view = BaseNames(base_names(base, token, Path(scratch))) if base else None
+        modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
+    notes = list(adapter.warnings)
+    if svd:
+        worst = max(svd, key=svd.get)
+        notes.append(
+            f"{len(svd)} modules (LoHa/LoKr/full/Tucker) approximated by SVD at rank {rank}: relative "
+            f"reconstruction error ‖ΔW − ΔW_r‖/‖ΔW‖ max {svd[worst]:.3e} ({worst}), mean "
+            f"{sum(svd.values()) / len(svd):.3e}"
+        )
+    source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
+    files = write(modules, to, out, force=force, source=source, base_model=_public_base(base, adapter), svd=svd,
+                  components=base_view.components() if base_view else set())  # fmt: skip
+    for note in notes:
+        log(f"note: {note}")
+    log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
+    return ConvertResult(out, files, len(modules), notes, svd)
+
+
+def _public_base(base: str | None, adapter: Adapter) -> str | None:
+    """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
+    from converter.sources import HUB_SPEC
+
+    for spec in (base, adapter.base_model):
+        if spec and not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):
+            return m["repo"]
+    return None
+
+
+def _check_out(out: Path, to: str, force: bool) -> None:
+    if to == "kohya" and out.suffix != ".safetensors":
+        raise ConverterError(f"--out {out}: a kohya LoRA is one file; give a path ending in .safetensors")
+    if to != "kohya" and out.suffix == ".safetensors":
+        raise ConverterError(f"--out {out}: {to} output is a folder; give a folder path")
+    check_output_target(out, force)

@@ -1,0 +1,150 @@
+"""The schema every keymap YAML file must follow, checked at load: a misspelt or misplaced key is an error.
+
+Written out by hand rather than with pydantic: the merge path loads keymaps, and pydantic's import alone
+costs several times what yaml does. Each check raises `KeymapError` with the path of the bad value
+(`fused[0].parts`), and the loader prefixes the file name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from types import UnionType
+
+from converter.errors import ConverterError
+
+Check = Callable[[object, str], None]
+
+
+class KeymapError(ConverterError):
+    """A keymap file that does not follow the schema."""
+
+
+def _fail(where: str, why: str) -> KeymapError:
+    return KeymapError(f"{where}: {why}" if where else why)
+
+
+def _kind(value: object) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "true/false", type(None): "empty"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def text(value: object, where: str) -> None:
+    if not isinstance(value, str):
+        raise _fail(where, f"expected a string, got {_kind(value)} ({value!r})")
+
+
+def expr(value: object, where: str) -> None:
+    """A size expression over config values ('num_key_value_heads * head_dim') or a plain integer."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise _fail(where, f"expected an expression (a string or an integer), got {_kind(value)} ({value!r})")
+
+
+def regex(value: object, where: str) -> None:
+    text(value, where)
+    try:
+        re.compile(value)  # type: ignore[arg-type]
+    except re.error as e:
+        raise _fail(where, f"not a valid regular expression ({e})") from None
+
+
+def list_of(item: Check) -> Check:
+    def check(value: object, where: str) -> None:
+        if not isinstance(value, list):
+            raise _fail(where, f"expected a list, got {_kind(value)} ({value!r})")
+        for i, v in enumerate(value):
+            item(v, f"{where}[{i}]")
+
+    return check
+
+
+def pair(item: Check) -> Check:
+    def check(value: object, where: str) -> None:
+        if not isinstance(value, list) or len(value) != 2:
+            raise _fail(where, f"expected a list of two values, got {value!r}")
+        for i, v in enumerate(value):
+            item(v, f"{where}[{i}]")
+
+    return check
+
+
+def map_of(item: Check) -> Check:
+    """A mapping with free-form string keys (component names, module names) and checked values."""
+
+    def check(value: object, where: str) -> None:
+        if not isinstance(value, dict):
+            raise _fail(where, f"expected a mapping, got {_kind(value)} ({value!r})")
+        for k, v in value.items():
+            text(k, f"{where} key")
+            item(v, f"{where}.{k}")
+
+    return check
+
+
+def record(fields: dict[str, Check], required: tuple[str, ...] = ()) -> Check:
+    """A mapping with a fixed set of keys: unknown keys and missing required ones are errors."""
+
+    def check(value: object, where: str) -> None:
+        if not isinstance(value, dict):
+            raise _fail(where, f"expected a mapping, got {_kind(value)} ({value!r})")
+        for k, v in value.items():
+            at = f"{where}.{k}" if where else str(k)
+            if k not in fields:
+                close = difflib.get_close_matches(str(k), fields, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise _fail(at, f"unknown key ({hint}allowed: {', '.join(fields)})")
+            fields[k](v, at)
+        for k in required:
+            if k not in value:
+                raise _fail(where, f"missing required key {k!r}")
+
+    return check
+
+
+def one_of(*checks: tuple[Check, type | UnionType], what: str) -> Check:
+    """The first check whose type matches decides (a string, or a mapping, or a list of them)."""
+
+    def check(value: object, where: str) -> None:
+        for c, kind in checks:
+            if isinstance(value, kind):
+                return c(value, where)
+        raise _fail(where, f"expected {what}, got {_kind(value)} ({value!r})")
+
+    return check
+
+
+_TARGET = record({"key": text, "rows": pair(expr), "src": pair(expr)}, required=("key",))
+_ONE_TARGET = one_of((text, str), (_TARGET, dict), what="a key template or {key, rows, src}")
+_ALIAS = record(
+    {"from": regex, "to": one_of((_ONE_TARGET, str | dict), (list_of(_ONE_TARGET), list), what="a target or a list"),
+     "when": text},
+    required=("from", "to"),
+)  # fmt: skip
+_FUSED = record({"module": regex, "into": text, "parts": map_of(expr)}, required=("module", "into", "parts"))
+
+KEYMAP = record(
+    {
+        "name": text,
+        "model_types": list_of(text),
+        "prefixes": list_of(pair(text)),
+        "tied": map_of(text),
+        "stored_transposed": list_of(regex),
+        "fused": list_of(_FUSED),
+        "defaults": map_of(expr),
+        "unquantized": list_of(regex),
+        "pipelines": list_of(text),
+        "detect": list_of(regex),
+        "components": map_of(list_of(text)),
+        "component_aliases": map_of(list_of(text)),
+        "aliases": map_of(list_of(_ALIAS)),
+        "tables": map_of(map_of(text)),
+    },
+    required=("name", "model_types"),
+)
+
+
+def validate(data: object) -> None:
+    """Raise KeymapError naming the first value that does not follow the schema."""
+    KEYMAP(data, "")
