@@ -164,7 +164,7 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     )
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
-    assert report["offloaded"] and report["compute_dtype"] == "bfloat16" and report["verdict"] == "pass"
+    assert report["offloaded"] and report["compute_dtype"] == "float32" and report["verdict"] == "pass"
     assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
     assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
     # The same sabotage as above is still caught when offloaded.
@@ -201,12 +201,12 @@ def _sabotage(kind, right, base, folder):
             ),
         )
         return None
-    name = next(n for n in changed if ".1." in n and n.endswith(".weight"))  # a layer-1 weight: not the first
+    name = next(n for n in changed if ".1.mlp." in n)  # a layer-1 weight: not the first module that runs
 
-    def off_by_a_quarter_delta(t):  # as large as a wrong scale on this one tensor
-        t[name] = (t[name].float() + (t[name].float() - original[name].float()) / 4).to(t[name].dtype)
+    def shifted(t):  # the perturbation test_perturbed_tensor_fails_and_is_located uses
+        t[name] = (t[name].float() + 0.2).to(t[name].dtype)
 
-    edit(folder, off_by_a_quarter_delta)
+    edit(folder, shifted)
     return name.removesuffix(".weight")
 
 
@@ -238,7 +238,9 @@ def verdict_of(folder, memory=None):
     from converter.merge import recorded_recipe
     from converter.verify import verify
 
-    return verify(folder, recorded_recipe(folder), memory=memory, log=lambda _line: None)
+    # Greedy continuations are reported, not judged: two short ones keep the matrix affordable (offloaded
+    # generation reads every weight from disk per token).
+    return verify(folder, recorded_recipe(folder), prompts=["a", "b"], max_new_tokens=2, memory=memory, log=print)
 
 
 def check_verdict(report, folders, kind):
