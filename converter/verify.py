@@ -40,6 +40,9 @@ PERPLEXITY_TEXT = (
 UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
 REPORT_FILE = "verification.json"
 CONFIDENT_GAP = 0.5  # nats between the reference's top-1 and top-2 logits
+# A 4-bit reference is judged against its own measured kernel noise: KL is quadratic in the logit error, so 4x
+# the noise's KL allows twice its amplitude (the noise is measured on a few inputs: it varies between them).
+NOISE_MARGIN = 4.0
 
 
 @dataclass
@@ -182,6 +185,8 @@ def _verify(
         )
     clock.lap("load reference")
     ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
+    # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (see _kernel_noise)
+    noise = _kernel_noise(reference_model, ref, inputs, probe_ids) if four_bit else None
     with reference_model.disable_adapter():
         bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
     clock.lap("run reference and bare base")
@@ -204,9 +209,14 @@ def _verify(
     gc.collect()
     clock.lap("run merged")
 
-    # bitsandbytes' 4-bit kernels do not reproduce a float32 matmul bit for bit: judge at half precision then.
-    reference_precision = "F16" if four_bit else "F32"
-    tol = tolerance(output_dtype, reference_precision if compute == "float32" else TORCH_TO_ST[dtype])
+    tol = tolerance(output_dtype, TORCH_TO_ST[dtype])
+    if noise and not stored_4bit:  # the 4-bit reference's own noise bounds the agreement a right merge can reach
+        tol = {
+            **tol,
+            "mean_kl": tol["mean_kl"] + NOISE_MARGIN * noise["mean_kl"],
+            "confident_top1_agreement": min(tol["confident_top1_agreement"], 0.99),  # as for any inexact compute
+            "kernel_noise_mean_kl": noise["mean_kl"],
+        }
     merged_vs_ref = _compare(ref, out)
     base_vs_ref = _compare(ref, bare)
     merged_vs_ref["perplexity_reference"] = ref.perplexity
@@ -225,7 +235,12 @@ def _verify(
         notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
     elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
-    culprit = _first_disagreement(ref.probe, out.probe, tol["module_rel_err"]) if problems and not stored_4bit else None
+    module_noise = (noise or {}).get("module_rel_err", {})
+    culprit = (
+        _first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
+        if problems and not stored_4bit
+        else None
+    )
     if culprit:
         problems.append(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
@@ -639,15 +654,55 @@ def _probe(model, ids, prefix: str) -> dict:
     return outputs
 
 
-def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
+def _first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
+    """The first module (in execution order) whose output is off by more than rounding, or than
+    NOISE_MARGIN times the reference's measured 4-bit kernel noise at that module."""
     for name, r in ref.items():
         m = merged.get(name)
         if m is None or m.shape != r.shape:
             continue
         err = ((m - r).norm() / r.norm().clamp_min(1e-12)).item()
-        if err > tol:
+        if err > max(tol, NOISE_MARGIN * (noise or {}).get(name, 0.0)):
             return {"module": name, "relative_error": err}
     return None
+
+
+def _kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
+    """How far bitsandbytes' 4-bit kernels are from exact math on the very weights they hold: the reference
+    (4-bit base + adapters) against itself with each 4-bit layer computing x @ dequantize(W).T, same inputs.
+
+    A right merge onto the dequantized weights is that exact math folded into one weight, so it differs from the
+    reference by this noise (plus one rounding): the yardstick is measured on this machine's kernels (their CPU
+    path computes in bfloat16 where the CPU can), never a constant."""
+    import bitsandbytes as bnb
+    import torch
+
+    patched = []
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+
+            def exact(x, m=module):
+                if getattr(m.weight.quant_state, "packing_format_for_cpu", False):
+                    m.state_dict()  # bitsandbytes repacks CPU weights for its kernel; saving restores the layout
+                w = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(x.dtype)
+                return torch.nn.functional.linear(x, w, None if m.bias is None else m.bias.to(x.dtype))
+
+            module.forward = exact
+            patched.append(module)
+    try:
+        with torch.no_grad():
+            twin = Run(logits=[model(input_ids=ids).logits[0].float() for ids in inputs])
+            probe = _probe(model, probe_ids, "base_model.model.")
+    finally:
+        for module in patched:
+            del module.forward  # the class's own forward again
+    kl = _compare(Run(logits=ref.logits), twin)["mean_kl"]
+    rel = {
+        name: ((probe[name] - r).norm() / r.norm().clamp_min(1e-12)).item()
+        for name, r in ref.probe.items()
+        if name in probe and probe[name].shape == r.shape
+    }
+    return {"mean_kl": kl, "module_rel_err": rel}
 
 
 def _side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: int = 3) -> list[dict]:
@@ -686,6 +741,11 @@ def markdown(report: dict) -> str:
         f"{b['greedy_identical']}/{b['greedy_total']} | |",
         f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
     ]
+    if "kernel_noise_mean_kl" in tol:
+        lines.append(
+            f"\nThe reference runs bitsandbytes' 4-bit kernels, measured {tol['kernel_noise_mean_kl']:.3g} mean KL "
+            f"from exact math on their own weights: the KL threshold is rounding + {NOISE_MARGIN:g}x that noise."
+        )
     if report.get("qlora"):
         lines += ["", *_qlora_markdown(report["qlora"])]
     for p in report["problems"]:
