@@ -26,12 +26,11 @@ from converter.keymap import Keymap, keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import AdapterSpec, Recipe
+from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
 
-RECIPE_FILE = "converter_recipe.yaml"
-PROVENANCE_FILE = "converter_provenance.json"
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
 SKIP_SUFFIXES = (
     ".safetensors",
@@ -490,11 +489,3 @@ def _diffusion_record(checkpoint: Checkpoint) -> dict:
     if checkpoint.diffusion == "single_file":
         record["file"] = checkpoint.parts[0].single_file
     return record
-
-
-def recorded_recipe(folder: str | Path) -> Recipe:
-    """The recipe an output folder was merged from (its converter_recipe.yaml)."""
-    path = Path(folder) / RECIPE_FILE
-    if not path.is_file():
-        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
-    return Recipe.load(path)
