@@ -284,3 +284,24 @@ def test_offloaded_verdict_equals_in_memory_verdict(sabotaged, kind, dtype):
 
 def _module(value):
     return value["module"] if isinstance(value, dict) else value
+
+
+def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, monkeypatch):
+    """Too little disk for float32 offloading: bfloat16 compute, judged by bfloat16's rounding (not the float32
+    output's), so a right float32 merge still passes and a sabotage still fails."""
+    from converter.verify import loading
+
+    folders = sabotaged("llama", torch.float32)
+    params = sum(t.numel() for t in load_file(folders["right"][0] / "model.safetensors").values())
+    monkeypatch.setattr(loading, "_free_disk", lambda _folder: params * 2 * 3 + 1)  # bf16 fits, float32 does not
+    for kind in ("right", "perturbed"):
+        report = verdict_of(folders[kind][0], memory=OFFLOAD)
+        assert report["offloaded"] and report["compute_dtype"] == "bfloat16"
+        assert report["tolerance"]["mean_kl"] == tolerance_of("F32", "BF16")
+        check_verdict(report, folders, kind)
+
+
+def tolerance_of(output, compute):
+    from converter.verify import tolerance
+
+    return tolerance(output, compute)["mean_kl"]
