@@ -20,29 +20,29 @@ from converter.recipe import Recipe
 from converter.records import REPORT_FILE
 from converter.units import human_bytes
 from converter.verify.fourbit import (
-    _four_bit,
-    _four_bit_base,
-    _is_qlora,
-    _kernel_noise,
-    _qlora_study,
-    _quantization,
-    _quantized_peft_merge,
+    four_bit_base,
+    four_bit_config,
+    is_qlora,
+    kernel_noise,
+    qlora_quantization,
+    qlora_study,
+    quantized_peft_merge,
 )
 from converter.verify.loading import (
     PERPLEXITY_TEXT,
     PROMPTS,
     Offload,
-    _available,
-    _inputs,
-    _load,
-    _placement,
-    _reference,
-    _tokenizer,
-    _vocab,
-    _weights,
+    available_memory,
+    build_inputs,
+    choose_placement,
+    load_model,
+    load_reference,
+    load_tokenizer,
+    vocab_size,
+    weights_summary,
 )
-from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, _compare, _first_disagreement, _run, tolerance
-from converter.verify.report import Clock, _side_by_side, _skipped, markdown
+from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, compare, first_disagreement, run_model, tolerance
+from converter.verify.report import Clock, markdown, side_by_side, skipped_report
 
 __all__ = [
     "NOISE_MARGIN",
@@ -92,23 +92,23 @@ def _verify(
 
     started = time.time()
     if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
-        return _skipped(
+        return skipped_report(
             merged,
             "the base is a diffusion model; its merge is checked against diffusers' own LoRA loader in "
             "converter's tests, and there is no per-merge generation check for it yet",
         )
-    output_dtype, params = _weights(merged)
-    budget = memory or _available()
-    placement = _placement(params, budget, scratch)
+    output_dtype, params = weights_summary(merged)
+    budget = memory or available_memory()
+    placement = choose_placement(params, budget, scratch)
     if placement is None:
-        return _skipped(
+        return skipped_report(
             merged,
             f"the model needs about {human_bytes(params * 2)} to load, {human_bytes(budget)} of memory is available "
             f"and {scratch} has too little disk to offload the rest",
         )
     compute, offload = placement
-    if offload and (_four_bit(merged) or recipe.qlora_base == "dequantized"):
-        return _skipped(
+    if offload and (four_bit_config(merged) or recipe.qlora_base == "dequantized"):
+        return skipped_report(
             merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
         )
     if offload:
@@ -122,42 +122,42 @@ def _verify(
     for spec in recipe.adapters:
         local = fetch(spec.source, "adapter", token).local
         adapter_dirs.append(local if local.is_dir() else local.parent)
-    tok = _tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
-    inputs, probe_ids, ppl_ids, template = _inputs(tok, prompts or PROMPTS, _vocab(merged))
+    tok = load_tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
+    inputs, probe_ids, ppl_ids, template = build_inputs(tok, prompts or PROMPTS, vocab_size(merged))
 
-    four_bit = _four_bit_base(recipe, base)
+    four_bit = four_bit_base(recipe, base)
     kind = f"{four_bit} 4-bit base" if four_bit else "base"
     log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
     clock = Clock()
     try:
-        quantization = _quantization(recipe, merged, base, dtype)
-        reference_model = _reference(base, adapter_dirs, recipe, dtype, _vocab(merged), quantization, offload)
+        quantization = qlora_quantization(recipe, merged, base, dtype)
+        reference_model = load_reference(base, adapter_dirs, recipe, dtype, vocab_size(merged), quantization, offload)
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
-        return _skipped(
+        return skipped_report(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
     clock.lap("load reference")
-    ref = _run(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
-    # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (see _kernel_noise)
-    noise = _kernel_noise(reference_model, ref, inputs, probe_ids) if four_bit else None
+    ref = run_model(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
+    # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (see kernel_noise)
+    noise = kernel_noise(reference_model, ref, inputs, probe_ids) if four_bit else None
     with reference_model.disable_adapter():
-        bare = _run(reference_model, inputs, None, ppl_ids, max_new_tokens)
+        bare = run_model(reference_model, inputs, None, ppl_ids, max_new_tokens)
     clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
-    stored_4bit = _four_bit(merged)
+    stored_4bit = four_bit_config(merged)
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
         # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
         logical = stored_4bit["bnb_4bit_compute_dtype"]
         output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
-        ref = _quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
+        ref = quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
         reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
         clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
     del reference_model
     gc.collect()
 
-    candidate = _load(merged, dtype, offload=offload)
+    candidate = load_model(merged, dtype, offload=offload)
     clock.lap("load merged")
-    out = _run(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
+    out = run_model(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
     del candidate
     gc.collect()
     clock.lap("run merged")
@@ -170,8 +170,8 @@ def _verify(
             "confident_top1_agreement": min(tol["confident_top1_agreement"], 0.99),  # as for any inexact compute
             "kernel_noise_mean_kl": noise["mean_kl"],
         }
-    merged_vs_ref = _compare(ref, out)
-    base_vs_ref = _compare(ref, bare)
+    merged_vs_ref = compare(ref, out)
+    base_vs_ref = compare(ref, bare)
     merged_vs_ref["perplexity_reference"] = ref.perplexity
     base_vs_ref["perplexity_reference"] = ref.perplexity
     problems = []
@@ -190,7 +190,7 @@ def _verify(
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
     module_noise = (noise or {}).get("module_rel_err", {})
     culprit = (
-        _first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
+        first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
         if problems and not stored_4bit
         else None
     )
@@ -199,10 +199,10 @@ def _verify(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
         )
     qlora = None
-    if _is_qlora(recipe, adapter_dirs) and not _four_bit(base) and not stored_4bit:
+    if is_qlora(recipe, adapter_dirs) and not four_bit_config(base) and not stored_4bit:
         log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
         batch = (inputs, ppl_ids, max_new_tokens)
-        qlora = _qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
+        qlora = qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
         clock.lap("QLoRA study: other merge, 4-bit reference")
     report = {
         "verdict": "fail" if problems else "pass",
@@ -223,7 +223,7 @@ def _verify(
         "merged_vs_reference": merged_vs_ref,
         "base_vs_reference": base_vs_ref,
         "first_disagreeing_module": culprit,
-        "generations": _side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "generations": side_by_side(tok, prompts or PROMPTS, bare, ref, out),
         "qlora": qlora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": round(time.time() - started, 1),

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from converter.recipe import Recipe
 from converter.records import PROVENANCE_FILE
-from converter.verify.loading import _load, _reference, _vocab
-from converter.verify.metrics import Run, _compare, _probe, _run, _summary
+from converter.verify.loading import load_model, load_reference, vocab_size
+from converter.verify.metrics import Run, compare, probe_modules, run_model, summary
 
 
-def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
+def quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
     """PEFT's merge_and_unload of the reference, rounded to the 4-bit output's float dtype, saved and reloaded
     with the output's BitsAndBytesConfig: exactly what a user gets from PEFT + transformers for the same merge."""
     import torch
@@ -28,11 +28,11 @@ def _quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
         config = _bnb_config(
             q["bnb_4bit_quant_type"], q["bnb_4bit_use_double_quant"], logical, q.get("llm_int8_skip_modules")
         )
-        oracle = _load(Path(tmp), logical, config)
-        return _run(oracle, texts, probe_ids, ppl_ids, max_new_tokens)
+        oracle = load_model(Path(tmp), logical, config)
+        return run_model(oracle, texts, probe_ids, ppl_ids, max_new_tokens)
 
 
-def _four_bit(folder: Path) -> dict | None:
+def four_bit_config(folder: Path) -> dict | None:
     """A folder's bitsandbytes 4-bit quantization_config (our 4-bit output, or a pre-quantized base), else None."""
     q = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     return q if q.get("load_in_4bit") else None
@@ -50,17 +50,17 @@ def _bnb_config(quant_type: str, double_quant: bool, dtype, skip: list[str] | No
     )
 
 
-def _four_bit_base(recipe: Recipe, base: Path) -> str | None:
+def four_bit_base(recipe: Recipe, base: Path) -> str | None:
     """The 4-bit type the reference's base is loaded in: the QLoRA setting, or a pre-quantized base's own."""
     if recipe.qlora_base == "dequantized":
         return recipe.qlora_quant
-    own = _four_bit(base)
+    own = four_bit_config(base)
     return own.get("bnb_4bit_quant_type", "fp4") if own else None
 
 
-def _is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
+def is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
     from converter.formats import load_adapter
-    from converter.merge import qlora_hint
+    from converter.plan import qlora_hint
 
     if recipe.qlora or recipe.qlora_base == "dequantized":
         return True
@@ -73,7 +73,7 @@ def _is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
     return False
 
 
-def _qlora_study(
+def qlora_study(
     merged: Path,
     recipe: Recipe,
     base: Path,
@@ -94,26 +94,26 @@ def _qlora_study(
     ref, out = runs
 
     def measure(model) -> Run:
-        return _run(model, texts, None, ppl_ids, max_new_tokens)
+        return run_model(model, texts, None, ppl_ids, max_new_tokens)
 
     this = recipe.qlora_base
     other = "original" if this == "dequantized" else "dequantized"
-    vocab = _vocab(merged)
+    vocab = vocab_size(merged)
     if this == "dequantized":
-        qlora_ref, full_ref = ref, measure(_reference(base, adapter_dirs, recipe, dtype, vocab))
+        qlora_ref, full_ref = ref, measure(load_reference(base, adapter_dirs, recipe, dtype, vocab))
     else:
-        quantization = _quantization(replace(recipe, qlora_base="dequantized"), merged, base, dtype)
-        qlora_ref, full_ref = measure(_reference(base, adapter_dirs, recipe, dtype, vocab, quantization)), ref
+        quantization = qlora_quantization(replace(recipe, qlora_base="dequantized"), merged, base, dtype)
+        qlora_ref, full_ref = measure(load_reference(base, adapter_dirs, recipe, dtype, vocab, quantization)), ref
     with tempfile.TemporaryDirectory(prefix="converter-qlora-") as tmp:
         merge(replace(recipe, qlora_base=other, out=str(Path(tmp) / "m")), token=token, log=lambda _line: None)
-        alternative = measure(_load(Path(tmp) / "m", dtype))
+        alternative = measure(load_model(Path(tmp) / "m", dtype))
     gc.collect()
     by_mode = {this: out, other: alternative}
     modes = {
         mode: {
             "this_merge": mode == this,
-            "vs_qlora_reference": _summary(_compare(qlora_ref, run)),
-            "vs_full_precision_reference": _summary(_compare(full_ref, run)),
+            "vs_qlora_reference": summary(compare(qlora_ref, run)),
+            "vs_full_precision_reference": summary(compare(full_ref, run)),
             "perplexity": run.perplexity,
         }
         for mode, run in by_mode.items()
@@ -133,7 +133,7 @@ def _qlora_study(
     }
 
 
-def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
+def qlora_quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     """For a merge onto dequantized weights the reference is the QLoRA setting itself: the base loaded in 4-bit
     (the targeted linear layers only, as they were merged) with the adapters on top."""
     if recipe.qlora_base != "dequantized":
@@ -150,7 +150,7 @@ def _quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     return _bnb_config(recipe.qlora_quant, recipe.qlora_double_quant, dtype, ["lm_head", *untouched])
 
 
-def _kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
+def kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
     """How far bitsandbytes' 4-bit kernels are from exact math on the very weights they hold: the reference
     (4-bit base + adapters) against itself with each 4-bit layer computing x @ dequantize(W).T, same inputs.
 
@@ -175,11 +175,11 @@ def _kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
     try:
         with torch.no_grad():
             twin = Run(logits=[model(input_ids=ids).logits[0].float() for ids in inputs])
-            probe = _probe(model, probe_ids, "base_model.model.")
+            probe = probe_modules(model, probe_ids, "base_model.model.")
     finally:
         for module in patched:
             del module.forward  # the class's own forward again
-    kl = _compare(Run(logits=ref.logits), twin)["mean_kl"]
+    kl = compare(Run(logits=ref.logits), twin)["mean_kl"]
     rel = {
         name: ((probe[name] - r).norm() / r.norm().clamp_min(1e-12)).item()
         for name, r in ref.probe.items()

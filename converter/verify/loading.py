@@ -55,7 +55,7 @@ class Offload:
         return relative
 
 
-def _placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None] | None:
+def choose_placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None] | None:
     """float32 when one fp32 copy fits comfortably, else bfloat16; when neither fits, weights go to disk and the
     compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one), else bfloat16.
     None: not even that fits."""
@@ -76,7 +76,7 @@ def _free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def _load(folder: Path, dtype, quantization=None, offload: Offload | None = None):
+def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None):
     from transformers import AutoModelForCausalLM
 
     extra = {"quantization_config": quantization} if quantization else {}
@@ -85,7 +85,7 @@ def _load(folder: Path, dtype, quantization=None, offload: Offload | None = None
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
 
 
-def _weights(folder: Path) -> tuple[str, int]:
+def weights_summary(folder: Path) -> tuple[str, int]:
     """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
     from converter.checkpoint import Checkpoint
 
@@ -97,7 +97,7 @@ def _weights(folder: Path) -> tuple[str, int]:
     return max(counts, key=counts.get), sum(counts.values())
 
 
-def _available() -> int:
+def available_memory() -> int:
     """Memory this process may still use: MemAvailable, capped by its memory cgroup's limit (v1 or v2)."""
     free = 8 * 2**30
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -125,12 +125,12 @@ def _available() -> int:
     return max(free, 0)
 
 
-def _vocab(folder: Path) -> int:
+def vocab_size(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text())
     return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
 
 
-def _tokenizer(folder: Path, sample: str):
+def load_tokenizer(folder: Path, sample: str):
     from transformers import AutoTokenizer
 
     try:
@@ -141,7 +141,7 @@ def _tokenizer(folder: Path, sample: str):
     return tok if len(set(tok(sample).input_ids)) >= 3 else None
 
 
-def _inputs(tok, prompts: list[str], vocab: int):
+def build_inputs(tok, prompts: list[str], vocab: int):
     """Token ids for each prompt (chat template when there is one); random ids when the model has no tokenizer."""
     import torch
 
@@ -163,12 +163,14 @@ def _inputs(tok, prompts: list[str], vocab: int):
     return inputs, inputs[0][:, :16], ppl, template
 
 
-def _reference(base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None):
+def load_reference(
+    base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
+):
     from peft import PeftModel
 
     if offload:
         base = offload.peft_safe(base)
-    model = _load(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
+    model = load_model(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]

@@ -38,7 +38,7 @@ def tolerance(output_dtype: str, compute_dtype: str) -> dict:
     }
 
 
-def _compare(ref: Run, other: Run) -> dict:
+def compare(ref: Run, other: Run) -> dict:
     max_abs, abs_sum, count, kl_sum, agree, positions, sure, sure_agree = 0.0, 0.0, 0, 0.0, 0, 0, 0, 0
     for r, o in zip(ref.logits, other.logits, strict=True):
         n = min(r.shape[-1], o.shape[-1])  # a resized vocabulary: compare the shared rows
@@ -76,12 +76,12 @@ def _compare(ref: Run, other: Run) -> dict:
     }
 
 
-def _summary(metrics: dict) -> dict:
+def summary(metrics: dict) -> dict:
     keys = ("mean_kl", "max_abs_logit_diff", "top1_agreement", "greedy_identical", "greedy_total")
     return {k: metrics[k] for k in keys}
 
 
-def _run(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "") -> Run:
+def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "") -> Run:
     import torch
 
     run = Run()
@@ -99,11 +99,11 @@ def _run(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "
         loss = model(input_ids=ppl_ids, labels=ppl_ids).loss.float().item()
         run.perplexity = math.exp(min(loss, 50.0))
         if probe_ids is not None:
-            run.probe = _probe(model, probe_ids, prefix)
+            run.probe = probe_modules(model, probe_ids, prefix)
     return run
 
 
-def _probe(model, ids, prefix: str) -> dict:
+def probe_modules(model, ids, prefix: str) -> dict:
     """Outputs of every leaf module (named as in the merged model) on a short input, in execution order."""
     outputs: dict = {}
     hooks = []
@@ -127,7 +127,7 @@ def _probe(model, ids, prefix: str) -> dict:
     return outputs
 
 
-def _first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
+def first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
     """The first module (in execution order) whose output is off by more than rounding, or than
     NOISE_MARGIN times the reference's measured 4-bit kernel noise at that module."""
     for name, r in ref.items():

@@ -23,7 +23,7 @@ class Clock:
         self._last = now
 
 
-def _skipped(merged: Path, reason: str) -> dict:
+def skipped_report(merged: Path, reason: str) -> dict:
     report = {
         "verdict": "skipped",
         "problems": [],
@@ -34,7 +34,7 @@ def _skipped(merged: Path, reason: str) -> dict:
     return report
 
 
-def _side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: int = 3) -> list[dict]:
+def side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: int = 3) -> list[dict]:
     def text(ids: list[int]) -> str:
         return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
 
