@@ -1,8 +1,11 @@
 """Prove a merge: the merged folder must behave like the base with the adapters applied *unmerged* (PEFT itself).
 
 Reference and merged model are loaded one after the other, never together. Both run in float32 when that fits
-in memory, so the only expected difference is the one rounding of each merged weight to its dtype; thresholds
-are derived from that dtype's unit roundoff. The bare base is measured too, so a merge that changed nothing fails.
+(in memory, or offloaded to a disk that holds it), so the only expected difference is the one rounding of each
+merged weight to its dtype; thresholds are derived from that dtype's unit roundoff, or, for a reference on a 4-bit
+base, from its kernels' noise measured on the same inputs. The bare base is measured too, so a merge that changed
+nothing fails. Modules: metrics (runs and thresholds), loading (models, offload, inputs), fourbit (4-bit references
+and the QLoRA study), report (JSON + Markdown).
 """
 
 from __future__ import annotations
