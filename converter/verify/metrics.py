@@ -14,6 +14,9 @@ CONFIDENT_GAP = 0.5  # nats between the reference's top-1 and top-2 logits
 # A 4-bit reference is judged against its own measured kernel noise: KL is quadratic in the logit error, so 4x
 # the noise's KL allows twice its amplitude (the noise is measured on a few inputs: it varies between them).
 NOISE_MARGIN = 4.0
+# How much a right module may amplify the relative error of its inputs (norms, attention and the MLP's product are
+# not contractions): measured up to 1.8x per module (o_proj) on the tiny llama in bfloat16 compute; 2x allowed.
+UPSTREAM_GAIN = 2.0
 
 
 @dataclass
@@ -128,13 +131,17 @@ def probe_modules(model, ids, prefix: str) -> dict:
 
 
 def first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
-    """The first module (in execution order) whose output is off by more than rounding, or than
-    NOISE_MARGIN times the reference's measured 4-bit kernel noise at that module."""
+    """The first module (in execution order) whose output is off by more than its own rounding (or NOISE_MARGIN
+    times the reference's measured 4-bit kernel noise there) on top of what it inherits: a right module passes
+    on the relative error of its inputs, so in low-precision compute, where rounding accumulates layer by layer,
+    each module may carry UPSTREAM_GAIN times the largest error seen upstream of it; a wrong one jumps past that."""
+    upstream = 0.0
     for name, r in ref.items():
         m = merged.get(name)
         if m is None or m.shape != r.shape:
             continue
         err = ((m - r).norm() / r.norm().clamp_min(1e-12)).item()
-        if err > max(tol, NOISE_MARGIN * (noise or {}).get(name, 0.0)):
+        if err > max(tol, NOISE_MARGIN * (noise or {}).get(name, 0.0)) + UPSTREAM_GAIN * upstream:
             return {"module": name, "relative_error": err}
+        upstream = max(upstream, err)
     return None
