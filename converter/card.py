@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from converter.errors import ConverterError
+from converter.records import PROVENANCE_FILE, RECIPE_FILE, REPORT_FILE, read_provenance, read_report
 
 TOOL_TAG = "converter"
 FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*\n", re.S)
@@ -193,14 +193,8 @@ def public_recipe(prov: dict) -> str:
 
 def write_card(folder: Path, load_name: str | None = None) -> Path:
     """(Re)write folder/README.md from the folder's provenance record and verification report, if any."""
-    from converter.merge import PROVENANCE_FILE
-
-    prov_path = folder / PROVENANCE_FILE
-    if not prov_path.is_file():
-        raise ConverterError(f"{folder}: no {PROVENANCE_FILE}; it was not written by converter merge")
-    provenance = json.loads(prov_path.read_text())
-    report = folder / "verification.json"
-    verification = json.loads(report.read_text()) if report.is_file() else None
+    provenance = read_provenance(folder)
+    verification = read_report(folder)
     text = build_card(provenance, verification, load_name or f"./{folder.name}")
     (folder / "README.md").write_text(text)
     return folder / "README.md"
@@ -214,10 +208,7 @@ RUN_SPECIFIC = ("seconds", "phase_seconds", "peak_rss_mb", "offload_memory_bytes
 def public_records(folder: Path) -> dict[str, bytes]:
     """The recipe, provenance and verification report as published: local sources named by folder name only,
     never by path, and no run-specific measurements."""
-    from converter.merge import PROVENANCE_FILE, RECIPE_FILE
-    from converter.verify import REPORT_FILE
-
-    prov = json.loads((folder / PROVENANCE_FILE).read_text())
+    prov = read_provenance(folder)
     for record in (prov["base"], *prov["adapters"]):
         if not record.get("repo_id"):
             record["source"] = public_name(record)
@@ -230,6 +221,6 @@ def public_records(folder: Path) -> dict[str, bytes]:
         RECIPE_FILE: public_recipe(prov).encode(),
     }
     if (folder / REPORT_FILE).is_file():
-        report = {k: v for k, v in json.loads((folder / REPORT_FILE).read_text()).items() if k not in RUN_SPECIFIC}
+        report = {k: v for k, v in read_report(folder).items() if k not in RUN_SPECIFIC}
         records[REPORT_FILE] = (json.dumps(report, indent=2) + "\n").encode()
     return records

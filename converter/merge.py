@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import fnmatch
 import json
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,23 +13,22 @@ from pathlib import Path
 import torch
 
 from converter import __version__
-from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized, quantized_names
+from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
 from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256, open_base
 from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
-from converter.keymap import Keymap, keymap_for
+from converter.keymap import keymap_for
 from converter.patches import Replace, Requantize, all_finite
-from converter.plan import MergePlan, OutputTensor, build_plan
-from converter.recipe import AdapterSpec, Recipe
+from converter.plan import MergePlan, OutputTensor, plan_merge
+from converter.recipe import Recipe
+from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
 from converter.scratch import temp_folder
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
 
-RECIPE_FILE = "converter_recipe.yaml"
-PROVENANCE_FILE = "converter_provenance.json"
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
 SKIP_SUFFIXES = (
     ".safetensors",
@@ -46,18 +43,6 @@ SKIP_SUFFIXES = (
     ".index.json",
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
-SANITY_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "max_position_embeddings",
-)
 
 
 @dataclass
@@ -169,51 +154,6 @@ def _merge(
     return MergeResult(out, plan, files, warnings)
 
 
-def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
-    """Say so before merging when the adapter looks trained on another base."""
-    out = []
-    trained_on = adapter.base_model
-    base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
-    if getattr(checkpoint, "path", None) is not None:  # a single-file base: kohya records the file it trained on
-        base_names |= {checkpoint.path.name.lower(), checkpoint.path.stem.lower()}
-    if trained_on and trained_on.rstrip("/").split("/")[-1].lower() not in {n.split("/")[-1] for n in base_names}:
-        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {checkpoint.folder.name!r}")
-    if adapter.model_config:
-        for key in SANITY_KEYS:
-            theirs, ours = adapter.model_config.get(key), checkpoint.config.get(key)
-            if theirs is not None and ours is not None and theirs != ours:
-                out.append(f"{adapter.path}: its config.json has {key}={theirs!r}, the base has {ours!r}")
-    return out
-
-
-QLORA_SIGNS = re.compile(r"qlora|load_in_4bit|bnb_4bit|bitsandbytes|\b4-?bit\b", re.I)
-
-
-def qlora_hint(adapter: Adapter, card: str | None) -> str | None:
-    """QLoRA adapters are not marked in adapter_config.json; their cards, training configs and declared bases
-    (`unsloth/...-bnb-4bit`, or a local base folder whose config has a 4-bit quantization_config) usually say so."""
-    config = adapter.model_config or {}
-    trained_on = adapter.base_model or ""
-    declared = Path(trained_on) / "config.json"
-    quantization: dict = {}
-    if trained_on and declared.is_file():  # a local base: its config says, not the wording of its path
-        with contextlib.suppress(ValueError, OSError):
-            quantization = json.loads(declared.read_text()).get("quantization_config") or {}
-        base_quantized = bool(quantization.get("load_in_4bit"))
-    else:  # a Hub id: 4-bit repos say so in their names (unsloth/...-bnb-4bit)
-        base_quantized = bool(QLORA_SIGNS.search(trained_on.split("/")[-1]))
-    if (
-        QLORA_SIGNS.search(card or "")
-        or base_quantized
-        or (config.get("quantization_config") or {}).get("load_in_4bit")
-    ):
-        return (
-            f"{adapter.path}: this looks like a QLoRA adapter (trained on a 4-bit base); merging into the original "
-            "weights (the default). --qlora-base dequantized merges into the 4-bit weights it saw in training"
-        )
-    return None
-
-
 def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
     for adapter, _ in adapters:
         for ap in adapter.patches:
@@ -245,51 +185,6 @@ def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def plan_merge(
-    recipe: Recipe,
-    checkpoint: Checkpoint,
-    adapters: list[tuple[Adapter, AdapterSpec]],
-    cards: list[str | None],
-    original: Checkpoint | None = None,
-) -> tuple[MergePlan, list[str], set[str]]:
-    """What a merge decides before writing anything: warnings, the plan, and which tensors a 4-bit output
-    quantizes. Shared by `merge` and the Space's Check, so the Check shows exactly what the job will do."""
-    quant = parse_output(recipe.dtype)
-    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint))]
-    if recipe.qlora_base == "original":
-        warnings += [w for (a, _), card in zip(adapters, cards, strict=True) if (w := qlora_hint(a, card))]
-    keymap = keymap_for(checkpoint.config)
-    requantize = None
-    if recipe.qlora_base == "dequantized":
-        requantize = Requantize(recipe.qlora_quant, recipe.qlora_blocksize, recipe.qlora_double_quant)
-    out_dtype = None if quant else parse_user_dtype(recipe.dtype)
-    plan = build_plan(checkpoint, adapters, keymap, out_dtype, recipe.allow_unmatched, requantize)
-    quantized = plan_4bit(plan, keymap, quant) if quant else set()
-    return plan, warnings, quantized
-
-
-def plan_4bit(plan: MergePlan, keymap: Keymap, quant: Quant4) -> set[str]:
-    """The tensors a 4-bit output stores quantized; records quantization_config for config.json."""
-    if keymap.stored_transposed:
-        raise ConverterError(
-            f"--dtype bnb-{quant.quant_type}: {keymap.name} models store linear weights transposed (Conv1D), which "
-            "transformers' 4-bit loader does not take from a checkpoint; use a float dtype"
-        )
-    specs = [o.spec for o in plan.outputs]
-    quantized = quantized_names(specs, keymap.keeps_precision)
-    if not quantized:
-        raise ConverterError(f"--dtype bnb-{quant.quant_type}: the base has no linear weights to quantize")
-    kept = {s.name for s in specs if len(s.shape) == 2 and s.name not in quantized} | set(keymap.tied)
-    dtypes = [s.dtype for s in specs if s.name in quantized]
-    compute = max(set(dtypes), key=dtypes.count)
-    plan.config_updates["quantization_config"] = quant.config(compute, sorted(n.removesuffix(".weight") for n in kept))
-    plan.notes.append(
-        f"{len(quantized)} linear weights stored as bitsandbytes {quant.quant_type.upper()} 4-bit (block size "
-        f"{quant.blocksize}, double quantization {'on' if quant.double_quant else 'off'}), after merging in float32"
-    )
-    return quantized
 
 
 def write_weights(
@@ -490,11 +385,3 @@ def _diffusion_record(checkpoint: Checkpoint) -> dict:
     if checkpoint.diffusion == "single_file":
         record["file"] = checkpoint.parts[0].single_file
     return record
-
-
-def recorded_recipe(folder: str | Path) -> Recipe:
-    """The recipe an output folder was merged from (its converter_recipe.yaml)."""
-    path = Path(folder) / RECIPE_FILE
-    if not path.is_file():
-        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
-    return Recipe.load(path)

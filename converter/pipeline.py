@@ -10,10 +10,12 @@ from pathlib import Path
 from converter import hub
 from converter.card import public_records, write_card
 from converter.errors import ConverterError
-from converter.merge import PROVENANCE_FILE, RECIPE_FILE, merge, recorded_recipe
+from converter.merge import merge
 from converter.publish import PushResult, check_repo_id, push_folder
 from converter.recipe import Recipe
+from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
 from converter.scratch import make_temp
+from converter.verify import require_pass, verify
 
 
 def push(
@@ -76,8 +78,6 @@ def verify_folder(
     **settings,
 ) -> dict:
     """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
-    from converter.verify import require_pass, verify
-
     folder = Path(folder)
     report = verify(folder, recipe, token=token, log=log, **settings)
     if report_path:

@@ -147,9 +147,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     from huggingface_hub import try_to_load_from_cache
 
     cache = cache_dir()
-    missing = [
-        n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, cache_dir=cache, revision=sha), str)
-    ]
+    missing = [n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, cache_dir=cache, revision=sha), str)]
     _check_disk(where, sum(siblings[n].size or 0 for n in missing) + need_bytes)
     if source.path is not None:
         paths = [

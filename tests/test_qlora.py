@@ -248,3 +248,43 @@ def test_4bit_output_is_verified_and_a_4bit_base_is_caught(tmp_path, cli):
         (noop / name).write_bytes((tmp_path / "q" / name).read_bytes())
     code, out, err = cli("verify", noop)
     assert code == 3 and "as far from the reference as the bare base" in out + err
+
+
+def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, cli):
+    """A right --qlora-base dequantized merge passes against the 4-bit reference whatever its kernels' noise (the
+    threshold is that noise, measured), and wrong merges fail by orders of magnitude."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from converter.verify import NOISE_MARGIN, tolerance
+
+    base = make_base(tmp_path / "base", "llama", hidden_size=128, intermediate_size=256)
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
+    args = ["merge", "--base", base, "--adapter", adapter, "--qlora-base", "dequantized", "--max-new-tokens", "2"]
+    code, out, err = cli(*args, "--out", tmp_path / "right", verify=True)
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "right" / "verification.json").read_text())
+    tol, noise = report["tolerance"], report["tolerance"]["kernel_noise_mean_kl"]
+    assert report["verdict"] == "pass" and noise > 0
+    assert tol["mean_kl"] == pytest.approx(tolerance("F32", "F32")["mean_kl"] + NOISE_MARGIN * noise)
+    right = report["merged_vs_reference"]["mean_kl"]
+    assert right <= tol["mean_kl"] and "4-bit kernels, measured" in report["markdown"]
+    # Wrong: merged onto the original weights (dequantization forgotten), and one tensor off.
+    assert cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "orig")[0] == 0
+    wrong = {}
+    for kind in ("forgot_dequantize", "perturbed"):
+        folder = tmp_path / kind
+        shutil.copytree(tmp_path / "right", folder)
+        if kind == "forgot_dequantize":
+            shutil.copyfile(tmp_path / "orig" / "model.safetensors", folder / "model.safetensors")
+        else:
+            tensors = load_file(folder / "model.safetensors")
+            tensors["model.layers.1.mlp.up_proj.weight"] += 0.2
+            save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        code, out, err = cli("verify", folder, "--max-new-tokens", "2")
+        assert code == 3, out + err
+        wrong[kind] = json.loads((folder / "verification.json").read_text())["merged_vs_reference"]["mean_kl"]
+    print(f"QLoRA margins: right {right:.3g}, threshold {tol['mean_kl']:.3g} (noise {noise:.3g}), wrong {wrong}")
+    assert min(wrong.values()) > 100 * tol["mean_kl"]
+    assert "model.layers.1.mlp.up_proj" in err  # the perturbed module is named, past the kernels' own noise

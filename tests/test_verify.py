@@ -164,7 +164,7 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     )
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
-    assert report["offloaded"] and report["compute_dtype"] == "bfloat16" and report["verdict"] == "pass"
+    assert report["offloaded"] and report["compute_dtype"] == "float32" and report["verdict"] == "pass"
     assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
     assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
     # The same sabotage as above is still caught when offloaded.
@@ -174,3 +174,134 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     # PEFT's offload rewrite copies base shards: never into the working directory, never over the base itself.
     assert list((tmp_path / "cwd").iterdir()) == []
     assert hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() == before
+
+
+# Self-test of the verification metrics: a right merge passes and each sabotage fails, naming the module, on the
+# in-memory and the offloaded path alike. Every family in memory with one sabotage each; on llama the whole
+# sabotage x path x dtype matrix. Merges are made once per (family, dtype) and sabotaged as copies.
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"]
+SABOTAGES = ["perturbed", "scale_dropped", "nothing_merged"]
+OFFLOAD = 200_000  # bytes: below any tiny model's size, so accelerate offloads weights to disk
+
+
+def _sabotage(kind, right, base, folder):
+    """A copy of the right merge with one defect: one tensor off, the adapter scale (alpha/r = 2) lost, or no
+    merge at all. Returns the module verification must name (None: any adapted module)."""
+    shutil.copytree(right, folder)
+    if kind == "nothing_merged":
+        shutil.copyfile(base / "model.safetensors", folder / "model.safetensors")
+        return None
+    original = load_file(base / "model.safetensors")
+    changed = json.loads((right / "converter_provenance.json").read_text())["tensors"]["changed"]
+    if kind == "scale_dropped":
+        edit(
+            folder,
+            lambda t: t.update(
+                {n: (original[n].float() + (t[n].float() - original[n].float()) / 2).to(t[n].dtype) for n in changed}
+            ),
+        )
+        return None
+    name = next(n for n in changed if ".1.mlp." in n)  # a layer-1 weight: not the first module that runs
+
+    def shifted(t):  # the perturbation test_perturbed_tensor_fails_and_is_located uses
+        t[name] = (t[name].float() + 0.2).to(t[name].dtype)
+
+    edit(folder, shifted)
+    return name.removesuffix(".weight")
+
+
+@pytest.fixture(scope="module")
+def sabotaged(tmp_path_factory):
+    """(family, dtype) -> {"right": folder, sabotage: (folder, module to name)}, each built once."""
+    from converter.cli import main
+
+    built = {}
+
+    def get(family, dtype):
+        if (family, dtype) not in built:
+            root = tmp_path_factory.mktemp(f"{family}-{str(dtype).split('.')[-1]}")
+            base = make_base(root / "base", family, dtype=dtype)
+            lora = make_adapter(base, root / "lora", r=4, lora_alpha=8)
+            right = root / "right"
+            assert main(["merge", "--base", str(base), "--adapter", str(lora), "--out", str(right), "--no-verify"]) == 0
+            changed = json.loads((right / "converter_provenance.json").read_text())["tensors"]["changed"]
+            folders = {"right": (right, None), "adapted": {n.removesuffix(".weight") for n in changed}}
+            for kind in SABOTAGES:
+                folders[kind] = (root / kind, _sabotage(kind, right, base, root / kind))
+            built[family, dtype] = folders
+        return built[family, dtype]
+
+    return get
+
+
+def verdict_of(folder, memory=None):
+    from converter.merge import recorded_recipe
+    from converter.verify import verify
+
+    # Greedy continuations are reported, not judged: two short ones keep the matrix affordable (offloaded
+    # generation reads every weight from disk per token).
+    return verify(folder, recorded_recipe(folder), prompts=["a", "b"], max_new_tokens=2, memory=memory, log=print)
+
+
+def check_verdict(report, folders, kind):
+    if kind == "right":
+        assert report["verdict"] == "pass", report["problems"]
+        return
+    assert report["verdict"] == "fail", f"{kind} passed: {report['merged_vs_reference']}"
+    culprit = report["first_disagreeing_module"]
+    assert culprit is not None, report["problems"]
+    expected = folders[kind][1]
+    if expected:
+        assert culprit["module"] == expected
+    else:
+        assert culprit["module"] in folders["adapted"]
+    if kind == "nothing_merged":
+        assert any("as far from the reference as the bare base" in p for p in report["problems"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_right_merge_passes_and_a_sabotage_fails(sabotaged, family):
+    folders = sabotaged(family, torch.float32)
+    kind = SABOTAGES[FAMILIES.index(family) % len(SABOTAGES)]
+    check_verdict(verdict_of(folders["right"][0]), folders, "right")
+    check_verdict(verdict_of(folders[kind][0]), folders, kind)
+
+
+@pytest.mark.parametrize("kind", ["right", *SABOTAGES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_offloaded_verdict_equals_in_memory_verdict(sabotaged, kind, dtype):
+    folders = sabotaged("llama", dtype)
+    in_memory = verdict_of(folders[kind][0])
+    offloaded = verdict_of(folders[kind][0], memory=OFFLOAD)
+    assert not in_memory["offloaded"] and offloaded["offloaded"]
+    check_verdict(in_memory, folders, kind)
+    check_verdict(offloaded, folders, kind)
+    same = ("verdict", "first_disagreeing_module")
+    assert [in_memory[k] and _module(in_memory[k]) for k in same] == [
+        offloaded[k] and _module(offloaded[k]) for k in same
+    ]
+
+
+def _module(value):
+    return value["module"] if isinstance(value, dict) else value
+
+
+def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, monkeypatch):
+    """Too little disk for float32 offloading: bfloat16 compute, judged by bfloat16's rounding (not the float32
+    output's), so a right float32 merge still passes and a sabotage still fails."""
+    from converter.verify import loading
+
+    folders = sabotaged("llama", torch.float32)
+    params = sum(t.numel() for t in load_file(folders["right"][0] / "model.safetensors").values())
+    monkeypatch.setattr(loading, "_free_disk", lambda _folder: params * 2 * 3 + 1)  # bf16 fits, float32 does not
+    for kind in ("right", "perturbed"):
+        report = verdict_of(folders[kind][0], memory=OFFLOAD)
+        assert report["offloaded"] and report["compute_dtype"] == "bfloat16"
+        assert report["tolerance"]["mean_kl"] == tolerance_of("F32", "BF16")
+        check_verdict(report, folders, kind)
+
+
+def tolerance_of(output, compute):
+    from converter.verify import tolerance
+
+    return tolerance(output, compute)["mean_kl"]

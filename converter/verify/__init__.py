@@ -1,0 +1,244 @@
+"""Prove a merge: the merged folder must behave like the base with the adapters applied *unmerged* (PEFT itself).
+
+Reference and merged model are loaded one after the other, never together. Both run in float32 when that fits
+(in memory, or offloaded to a disk that holds it), so the only expected difference is the one rounding of each
+merged weight to its dtype; thresholds are derived from that dtype's unit roundoff, or, for a reference on a 4-bit
+base, from its kernels' noise measured on the same inputs. The bare base is measured too, so a merge that changed
+nothing fails. Modules: metrics (runs and thresholds), loading (models, offload, inputs), fourbit (4-bit references
+and the QLoRA study), report (JSON + Markdown).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.dtypes import TORCH_TO_ST
+from converter.recipe import Recipe
+from converter.records import REPORT_FILE
+from converter.scratch import temp_folder
+from converter.units import human_bytes
+from converter.verify.fourbit import (
+    four_bit_base,
+    four_bit_config,
+    is_qlora,
+    kernel_noise,
+    qlora_quantization,
+    qlora_study,
+    quantized_peft_merge,
+)
+from converter.verify.loading import (
+    PERPLEXITY_TEXT,
+    PROMPTS,
+    Offload,
+    available_memory,
+    build_inputs,
+    choose_placement,
+    load_model,
+    load_reference,
+    load_tokenizer,
+    vocab_size,
+    weights_summary,
+)
+from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, compare, first_disagreement, run_model, tolerance
+from converter.verify.report import Clock, markdown, side_by_side, skipped_report
+
+__all__ = [
+    "NOISE_MARGIN",
+    "PROMPTS",
+    "REPORT_FILE",
+    "UNIT_ROUNDOFF",
+    "Offload",
+    "Run",
+    "markdown",
+    "require_pass",
+    "tolerance",
+    "verify",
+]
+
+
+def verify(
+    merged: Path,
+    recipe: Recipe,
+    *,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 16,
+    memory: int | None = None,
+    token: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model).
+
+    `memory` caps the bytes the models may take (default: what the machine has available); a model larger than
+    that is verified with accelerate's disk offloading, slower but exact."""
+    with temp_folder("verify", log=log) as scratch:
+        return _verify(Path(merged), recipe, prompts, max_new_tokens, memory, token, log, Path(scratch))
+
+
+def _verify(
+    merged: Path,
+    recipe: Recipe,
+    prompts: list[str] | None,
+    max_new_tokens: int,
+    memory: int | None,
+    token: str | None,
+    log: Callable[[str], None],
+    scratch: Path,
+) -> dict:
+    import torch
+
+    from converter.sources import fetch
+
+    started = time.time()
+    if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
+        return skipped_report(
+            merged,
+            "the base is a diffusion model; its merge is checked against diffusers' own LoRA loader in "
+            "converter's tests, and there is no per-merge generation check for it yet",
+        )
+    output_dtype, params = weights_summary(merged)
+    budget = memory or available_memory()
+    placement = choose_placement(params, budget, scratch)
+    if placement is None:
+        return skipped_report(
+            merged,
+            f"the model needs about {human_bytes(params * 2)} to load, {human_bytes(budget)} of memory is available "
+            f"and {scratch} has too little disk to offload the rest",
+        )
+    compute, offload = placement
+    if offload and (four_bit_config(merged) or recipe.qlora_base == "dequantized"):
+        return skipped_report(
+            merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
+        )
+    if offload:
+        log(
+            f"the model does not fit in {human_bytes(budget)}: offloading weights to disk (accelerate), computing "
+            f"in {compute}; slower, exact"
+        )
+    dtype = getattr(torch, compute)
+    base = fetch(recipe.base, "model", token).local
+    adapter_dirs = []
+    for spec in recipe.adapters:
+        local = fetch(spec.source, "adapter", token).local
+        adapter_dirs.append(local if local.is_dir() else local.parent)
+    tok = load_tokenizer(merged, " ".join([*(prompts or PROMPTS), PERPLEXITY_TEXT]))
+    inputs, probe_ids, ppl_ids, template = build_inputs(tok, prompts or PROMPTS, vocab_size(merged))
+
+    four_bit = four_bit_base(recipe, base)
+    kind = f"{four_bit} 4-bit base" if four_bit else "base"
+    log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    clock = Clock()
+    try:
+        quantization = qlora_quantization(recipe, merged, base, dtype)
+        reference_model = load_reference(base, adapter_dirs, recipe, dtype, vocab_size(merged), quantization, offload)
+    except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
+        return skipped_report(
+            merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
+        )
+    clock.lap("load reference")
+    ref = run_model(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
+    # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (see kernel_noise)
+    noise = kernel_noise(reference_model, ref, inputs, probe_ids) if four_bit else None
+    with reference_model.disable_adapter():
+        bare = run_model(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    clock.lap("run reference and bare base")
+    reference = "the base + adapters applied unmerged through PEFT"
+    stored_4bit = four_bit_config(merged)
+    if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
+        # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
+        logical = stored_4bit["bnb_4bit_compute_dtype"]
+        output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
+        ref = quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
+        reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
+        clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
+    del reference_model
+    gc.collect()
+
+    candidate = load_model(merged, dtype, offload=offload)
+    clock.lap("load merged")
+    out = run_model(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
+    del candidate
+    gc.collect()
+    clock.lap("run merged")
+
+    tol = tolerance(output_dtype, TORCH_TO_ST[dtype])
+    if noise and not stored_4bit:  # the 4-bit reference's own noise bounds the agreement a right merge can reach
+        tol = {
+            **tol,
+            "mean_kl": tol["mean_kl"] + NOISE_MARGIN * noise["mean_kl"],
+            "confident_top1_agreement": min(tol["confident_top1_agreement"], 0.99),  # as for any inexact compute
+            "kernel_noise_mean_kl": noise["mean_kl"],
+        }
+    merged_vs_ref = compare(ref, out)
+    base_vs_ref = compare(ref, bare)
+    merged_vs_ref["perplexity_reference"] = ref.perplexity
+    base_vs_ref["perplexity_reference"] = ref.perplexity
+    problems = []
+    if merged_vs_ref["mean_kl"] > tol["mean_kl"]:
+        problems.append(f"mean KL(reference‖merged) {merged_vs_ref['mean_kl']:.3g} > {tol['mean_kl']:.3g}")
+    if merged_vs_ref["confident_top1_agreement"] < tol["confident_top1_agreement"]:
+        problems.append(
+            f"top-1 agreement where the reference is confident {merged_vs_ref['confident_top1_agreement']:.2%} "
+            f"< {tol['confident_top1_agreement']:.0%}"
+        )
+    effect = base_vs_ref["mean_kl"]
+    notes = []
+    if effect <= tol["mean_kl"]:
+        notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
+    elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
+        problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
+    module_noise = (noise or {}).get("module_rel_err", {})
+    culprit = (
+        first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
+        if problems and not stored_4bit
+        else None
+    )
+    if culprit:
+        problems.append(
+            f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
+        )
+    qlora = None
+    if is_qlora(recipe, adapter_dirs) and not four_bit_config(base) and not stored_4bit:
+        log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
+        batch = (inputs, ppl_ids, max_new_tokens)
+        qlora = qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
+        clock.lap("QLoRA study: other merge, 4-bit reference")
+    report = {
+        "verdict": "fail" if problems else "pass",
+        "problems": problems,
+        "notes": notes,
+        "reference": reference,
+        "compute_dtype": compute,
+        "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
+        "offload_memory_bytes": offload.max_memory if offload else None,
+        "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
+        "tolerance": tol,
+        "inputs": {
+            "count": len(inputs),
+            "chat_template": template,
+            "tokenizer": tok is not None,
+            "max_new_tokens": max_new_tokens,
+        },
+        "merged_vs_reference": merged_vs_ref,
+        "base_vs_reference": base_vs_ref,
+        "first_disagreeing_module": culprit,
+        "generations": side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "qlora": qlora,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": round(time.time() - started, 1),
+        "phase_seconds": clock.phases,
+    }
+    report["markdown"] = markdown(report)
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def require_pass(report: dict) -> None:
+    from converter.errors import VerificationFailed
+
+    if report["verdict"] == "fail":
+        raise VerificationFailed("verification failed: " + "; ".join(report["problems"]))

@@ -1,0 +1,193 @@
+"""Loading the models verification compares: the merged folder, PEFT's unmerged reference, with accelerate's
+disk offloading when they do not fit in memory; and the inputs they run on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from converter.errors import ConverterError
+from converter.recipe import Recipe
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers.",
+]
+PERPLEXITY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Rivers flow to the sea, and the sea gives back the rain. "
+    "Every merge should be checked before it is published."
+)
+
+
+@dataclass
+class Offload:
+    """accelerate's disk offloading: what stays in memory, and where the rest goes."""
+
+    max_memory: int
+    folder: Path
+
+    def kwargs(self) -> dict:
+        folder = tempfile.mkdtemp(dir=self.folder)  # one per model loaded: offloaded files must not mix
+        return {"device_map": "auto", "max_memory": {"cpu": self.max_memory}, "offload_folder": folder}
+
+    def peft_safe(self, base: Path) -> Path:
+        """The base seen through a path PEFT's disk-offload rewrite can use safely.
+
+        PEFT 0.21 (`PeftModel._update_offload`) writes a renamed copy of every offloaded base shard at
+        `os.path.join(*path.split(os.sep))` with "-peft" appended to the first path part containing "--": an
+        absolute path loses its leading "/" (the copy lands under the working directory) and a path without "--"
+        is overwritten in place. A relative path through a `models--*` link in our scratch folder sends the copy
+        to a sibling inside the scratch folder, removed with it."""
+        link = self.folder / f"models--reference-{uuid.uuid4().hex[:8]}"
+        link.symlink_to(base.resolve(), target_is_directory=True)
+        relative = Path(os.path.relpath(link))
+        if next(part for part in relative.parts if "--" in part) != link.name:
+            raise ConverterError(f"{self.folder}: the temp folder's path contains '--'; set TMPDIR elsewhere")
+        return relative
+
+
+def choose_placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None] | None:
+    """float32 when one fp32 copy fits comfortably, else bfloat16; when neither fits, weights go to disk and the
+    compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one), else bfloat16.
+    None: not even that fits."""
+    if params * 4 * 1.5 < budget:
+        return "float32", None
+    if params * 2 * 1.5 < budget:
+        return "bfloat16", None
+    offload = Offload(budget // 2, scratch)  # the other half: activations, logits, one layer loaded
+    free = _free_disk(scratch)
+    # Both models' offloaded weights (kept until the end) plus PEFT's renamed copies of the base's shards.
+    for compute, size in (("float32", 4), ("bfloat16", 2)):
+        if params * size * 3 < free:
+            return compute, offload
+    return None
+
+
+def _free_disk(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None):
+    from transformers import AutoModelForCausalLM
+
+    extra = {"quantization_config": quantization} if quantization else {}
+    if offload:
+        extra.update(offload.kwargs())
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+
+
+def weights_summary(folder: Path) -> tuple[str, int]:
+    """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
+    from converter.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(folder)
+    counts: dict[str, int] = {}
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
+    return max(counts, key=counts.get), sum(counts.values())
+
+
+def available_memory() -> int:
+    """Memory this process may still use: MemAvailable, capped by its memory cgroup's limit (v1 or v2)."""
+    free = 8 * 2**30
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            free = int(line.split()[1]) * 1024
+    try:
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return free
+    for line in groups:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2
+            limit, usage = Path(f"/sys/fs/cgroup{path}/memory.max"), Path(f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            folder = Path(f"/sys/fs/cgroup/memory{path}")
+            limit, usage = folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            cap = limit.read_text().strip()
+            if cap != "max" and int(cap) < 2**60:
+                free = min(free, int(cap) - int(usage.read_text()))
+        except (OSError, ValueError):
+            continue
+    return max(free, 0)
+
+
+def vocab_size(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+
+
+def load_tokenizer(folder: Path, sample: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+    # Some model types get a tokenizer with only special tokens when the folder has no tokenizer files.
+    return tok if len(set(tok(sample).input_ids)) >= 3 else None
+
+
+def build_inputs(tok, prompts: list[str], vocab: int):
+    """Token ids for each prompt (chat template when there is one); random ids when the model has no tokenizer."""
+    import torch
+
+    if tok is None:
+        g = torch.Generator().manual_seed(0)
+        inputs = [torch.randint(0, vocab, (1, 12 + 3 * i), generator=g) for i in range(len(prompts))]
+        return inputs, inputs[0][:, :16], torch.randint(0, vocab, (1, 48), generator=g), False
+    template = bool(getattr(tok, "chat_template", None))
+    inputs = []
+    for prompt in prompts:
+        if template:
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt
+        inputs.append(tok(text, return_tensors="pt", add_special_tokens=not template).input_ids)
+    ppl = tok(PERPLEXITY_TEXT, return_tensors="pt").input_ids
+    return inputs, inputs[0][:, :16], ppl, template
+
+
+def load_reference(
+    base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
+):
+    from peft import PeftModel
+
+    if offload:
+        base = offload.peft_safe(base)
+    model = load_model(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
+    if model.get_input_embeddings().weight.shape[0] != vocab:
+        model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
+    names = [f"adapter{i}" for i in range(len(adapters))]
+    # PEFT re-dispatches an offloaded model when it adds adapters: keep the placement accelerate chose.
+    placed = {**offload.kwargs(), "device_map": model.hf_device_map} if offload else {}
+    with warnings.catch_warnings():
+        # Offloaded: torch warns that copying the adapter weights into meta parameters is a no-op, but PEFT then
+        # writes them to the offload folder; the offloaded reference equals the in-memory one (tested).
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* is a no-op")
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
+        for name, path in zip(names[1:], adapters[1:], strict=True):
+            model.load_adapter(path, adapter_name=name, **placed)
+    if len(names) > 1:
+        model.base_model.set_adapter(names)
+    for name, spec in zip(names, recipe.adapters, strict=True):
+        for module_name, module in model.named_modules():
+            if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+                key = module_name.removeprefix("base_model.model.") + ".weight"
+                module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
+    return model.eval()

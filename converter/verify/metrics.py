@@ -1,0 +1,147 @@
+"""What a model produced on the verification inputs, and how two such runs are compared and judged.
+
+Thresholds come from the dtypes' unit roundoff, or from a 4-bit reference's measured kernel noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Unit roundoff of each output dtype: the relative error of rounding one weight once.
+UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+CONFIDENT_GAP = 0.5  # nats between the reference's top-1 and top-2 logits
+# A 4-bit reference is judged against its own measured kernel noise: KL is quadratic in the logit error, so 4x
+# the noise's KL allows twice its amplitude (the noise is measured on a few inputs: it varies between them).
+NOISE_MARGIN = 4.0
+# How much a right module may amplify the relative error of its inputs (norms, attention and the MLP's product are
+# not contractions): measured up to 1.8x per module (o_proj) on the tiny llama in bfloat16 compute; 2x allowed.
+UPSTREAM_GAIN = 2.0
+
+
+@dataclass
+class Run:
+    """What one model produced on the verification inputs."""
+
+    logits: list = field(default_factory=list)  # per input: float32 [positions, vocab]
+    generations: list[list[int]] = field(default_factory=list)
+    perplexity: float = float("nan")
+    probe: dict = field(default_factory=dict)  # leaf module name -> output on the probe input
+
+
+def tolerance(output_dtype: str, compute_dtype: str) -> dict:
+    """Pass thresholds from rounding: mean KL grows with the square of the weights' relative rounding error."""
+    u = max(UNIT_ROUNDOFF.get(output_dtype, 2.0**-8), UNIT_ROUNDOFF.get(compute_dtype, 2.0**-24))
+    return {
+        "mean_kl": 100 * u * u + 1e-9,
+        # Judged only where the reference is decided (top-1 beats top-2 by CONFIDENT_GAP nats): on near-ties
+        # any rounding may flip the argmax, and overfit or random models have many of them.
+        "confident_top1_agreement": 1.0 if u < 1e-6 else 0.99,
+        "module_rel_err": 4 * u + 1e-5,
+    }
+
+
+def compare(ref: Run, other: Run) -> dict:
+    max_abs, abs_sum, count, kl_sum, agree, positions, sure, sure_agree = 0.0, 0.0, 0, 0.0, 0, 0, 0, 0
+    for r, o in zip(ref.logits, other.logits, strict=True):
+        n = min(r.shape[-1], o.shape[-1])  # a resized vocabulary: compare the shared rows
+        r, o = r[:, :n], o[:, :n]
+        diff = (r - o).abs()
+        max_abs = max(max_abs, diff.max().item())
+        abs_sum += diff.sum().item()
+        count += diff.numel()
+        lr, lo = r.double().log_softmax(-1), o.double().log_softmax(-1)  # float32 KL has a ~1e-7 noise floor
+        kl_sum += (lr.exp() * (lr - lo)).sum(-1).clamp_min(0).sum().item()
+        same = r.argmax(-1) == o.argmax(-1)
+        top2 = r.topk(2, dim=-1).values
+        confident = (top2[:, 0] - top2[:, 1]) > CONFIDENT_GAP
+        agree += same.sum().item()
+        sure += confident.sum().item()
+        sure_agree += (same & confident).sum().item()
+        positions += r.shape[0]
+    divergence = []
+    for a, b in zip(ref.generations, other.generations, strict=True):
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if first is None and len(a) != len(b):
+            first = min(len(a), len(b))
+        divergence.append(first)
+    return {
+        "max_abs_logit_diff": max_abs,
+        "mean_abs_logit_diff": abs_sum / max(count, 1),
+        "mean_kl": kl_sum / max(positions, 1),
+        "top1_agreement": agree / max(positions, 1),
+        "confident_positions": sure,
+        "confident_top1_agreement": sure_agree / sure if sure else 1.0,
+        "greedy_identical": sum(d is None for d in divergence),
+        "greedy_total": len(divergence),
+        "first_divergence": divergence,
+        "perplexity": other.perplexity,
+    }
+
+
+def summary(metrics: dict) -> dict:
+    keys = ("mean_kl", "max_abs_logit_diff", "top1_agreement", "greedy_identical", "greedy_total")
+    return {k: metrics[k] for k in keys}
+
+
+def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "") -> Run:
+    import torch
+
+    run = Run()
+    with torch.no_grad():
+        for ids in inputs:
+            run.logits.append(model(input_ids=ids).logits[0].float())
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            run.generations.append(out[0, ids.shape[1] :].tolist())
+        loss = model(input_ids=ppl_ids, labels=ppl_ids).loss.float().item()
+        run.perplexity = math.exp(min(loss, 50.0))
+        if probe_ids is not None:
+            run.probe = probe_modules(model, probe_ids, prefix)
+    return run
+
+
+def probe_modules(model, ids, prefix: str) -> dict:
+    """Outputs of every leaf module (named as in the merged model) on a short input, in execution order."""
+    outputs: dict = {}
+    hooks = []
+    for name, module in model.named_modules():
+        plain = name.removeprefix(prefix)
+        if not plain or ".lora_" in plain or plain.endswith(".base_layer") or ".base_layer." in plain:
+            continue
+        is_leaf = not any(True for _ in module.children()) or hasattr(module, "base_layer")
+        if is_leaf:
+
+            def hook(_m, _i, out, plain=plain):
+                if hasattr(out, "float"):
+                    outputs.setdefault(plain, out.detach().float().clone())
+
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
+    """The first module (in execution order) whose output is off by more than its own rounding (or NOISE_MARGIN
+    times the reference's measured 4-bit kernel noise there) on top of what it inherits: a right module passes
+    on the relative error of its inputs, so in low-precision compute, where rounding accumulates layer by layer,
+    each module may carry UPSTREAM_GAIN times the largest error seen upstream of it; a wrong one jumps past that."""
+    upstream = 0.0
+    for name, r in ref.items():
+        m = merged.get(name)
+        if m is None or m.shape != r.shape:
+            continue
+        err = ((m - r).norm() / r.norm().clamp_min(1e-12)).item()
+        if err > max(tol, NOISE_MARGIN * (noise or {}).get(name, 0.0)) + UPSTREAM_GAIN * upstream:
+            return {"module": name, "relative_error": err}
+        upstream = max(upstream, err)
+    return None
