@@ -95,6 +95,7 @@ def convert(
     token: str | None = None,
     allow_pickle: bool = False,
     log: Callable[[str], None] = print,
+    lora_alpha: float | None = None,
 ) -> ConvertResult:
     """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically."""
     from converter.sources import fetch
@@ -104,7 +105,7 @@ def convert(
     out = Path(out)
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
-    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
+    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
     with tempfile.TemporaryDirectory(prefix="converter-base-headers-") as scratch:
         base_view = _Base(base_names(base, token, Path(scratch))) if base else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
@@ -492,7 +493,7 @@ def _fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows:
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
     options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
-                   allow_pickle=args.allow_pickle, log=log)  # fmt: skip
+                   allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha)  # fmt: skip
     if args.rank is not None and args.rank < 1:
         raise ConverterError(f"--rank {args.rank}: give a positive rank")
     if args.push_pr and args.out:
@@ -523,6 +524,7 @@ def push_pr(
     token: str | None = None,
     allow_pickle: bool = False,
     log: Callable[[str], None] = print,
+    lora_alpha: float | None = None,
 ) -> str | None:
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (shared/reference/hub-protocol.md): our open PR with the same title is updated instead of
@@ -550,7 +552,7 @@ def push_pr(
         stem = Path(source.path).stem if source.path else "adapter"
         out = Path(scratch) / (f"{stem}_kohya.safetensors" if to == "kohya" else "out")
         result = convert(adapter_spec, to, out, base=base, rank=rank, component=component, token=token,
-                         allow_pickle=allow_pickle, log=log)  # fmt: skip
+                         allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha)  # fmt: skip
         paths = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
         ops = [
             CommitOperationAdd(

@@ -124,7 +124,7 @@ def _merge(
         dequantize_folder(checkpoint, scratch)
         checkpoint = Checkpoint(scratch)
     adapters = [
-        (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
+        (load_adapter(f.local, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
     cards = [f.card for f in fetched]
