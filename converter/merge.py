@@ -26,7 +26,7 @@ from converter.keymap import Keymap, keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, build_plan
 from converter.recipe import AdapterSpec, Recipe
-from converter.sources import TOKENIZER_FILES, Fetched, fetch
+from converter.sources import TOKENIZER_FILES, Fetched, fetch, same_hub_model
 from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
 
@@ -128,7 +128,8 @@ def _merge(
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
     cards = [f.card for f in fetched]
-    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original)
+    base_id = base.pinned if base.source.repo_id else None
+    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
     warnings += more
     for w in warnings:
         log(f"warning: {w}")
@@ -169,10 +170,17 @@ def _merge(
     return MergeResult(out, plan, files, warnings)
 
 
-def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
-    """Say so before merging when the adapter looks trained on another base."""
+def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint, base_id: str | None = None) -> list[str]:
+    """Say so before merging when the adapter looks trained on another base (`base_id`: a Hub base's pinned id)."""
     out = []
     trained_on = adapter.base_model
+    declared = str(adapter.config.get("revision") or "") or None
+    same = same_hub_model(trained_on, declared, base_id) if trained_on and base_id else None
+    if same is not None:
+        if not same:
+            at = f"@{declared}" if declared and "@" not in trained_on else ""
+            out.append(f"{adapter.path}: adapter was trained on {trained_on + at!r}, merging into {base_id!r}")
+        trained_on = None  # decided by the pinned ids; the folder name of a Hub base is only a cache entry
     base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
     if getattr(checkpoint, "path", None) is not None:  # a single-file base: kohya records the file it trained on
         base_names |= {checkpoint.path.name.lower(), checkpoint.path.stem.lower()}
@@ -253,11 +261,12 @@ def plan_merge(
     adapters: list[tuple[Adapter, AdapterSpec]],
     cards: list[str | None],
     original: Checkpoint | None = None,
+    base_id: str | None = None,
 ) -> tuple[MergePlan, list[str], set[str]]:
     """What a merge decides before writing anything: warnings, the plan, and which tensors a 4-bit output
     quantizes. Shared by `merge` and the Space's Check, so the Check shows exactly what the job will do."""
     quant = parse_output(recipe.dtype)
-    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint))]
+    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint, base_id))]
     if recipe.qlora_base == "original":
         warnings += [w for (a, _), card in zip(adapters, cards, strict=True) if (w := qlora_hint(a, card))]
     keymap = keymap_for(checkpoint.config)

@@ -100,6 +100,21 @@ class Fetched:
         return f"{self.source.repo_id}@{self.sha}" + (f"/{self.source.path}" if self.source.path else "")
 
 
+def same_hub_model(declared: str, declared_revision: str | None, pinned: str) -> bool | None:
+    """Whether an adapter's declared base (`org/name[@rev]`, PEFT's base_model_name_or_path + revision) is the
+    pinned base `org/name@sha`: repo ids compared as the Hub does (case-insensitively), a declared commit against
+    the resolved sha. None when either is not a Hub id (then only names can be compared). A declared branch or
+    tag is taken as agreeing: resolving it would need the Hub, and a warning that may be wrong is worse."""
+    ours, theirs = HUB_SPEC.match(pinned), HUB_SPEC.match(declared.strip())
+    if not ours or not theirs or theirs["path"] or Path(declared).is_absolute() or declared.startswith("."):
+        return None
+    if ours["repo"].lower() != theirs["repo"].lower():
+        return False
+    revision, sha = theirs["rev"] or declared_revision, ours["rev"] or ""
+    is_commit = bool(revision and re.fullmatch(r"[0-9a-f]{7,40}", revision))
+    return not (is_commit and sha and not sha.startswith(revision))
+
+
 def parse_source(spec: str) -> Source:
     path = Path(spec).expanduser()
     if _HUB_ONLY.get():

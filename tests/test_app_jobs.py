@@ -235,6 +235,36 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     )  # fmt: skip
     assert second["pr"] == f"{hub.url}/demo/jobs-pr/discussions/1", second
     assert all(MOCK_TOKEN not in line for line in first["log"] + second["log"])
+    # The demo adapters name demo/tiny-llama as their base: the same repo as the pinned base, so no warning (it
+    # used to compare the name with the cache folder '<sha>'); and the log names repos, never server paths.
+    assert not [line for line in first["log"] if "trained on" in line], first["log"]
+    leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-job-" in x or "/tmp" in x]
+    assert not leaks and any(line.startswith("wrote jobs-pr ") for line in first["log"]), first["log"]
+
+
+def test_public_paths_show_repo_names_only(tmp_path):
+    from converter.app_jobs import public_paths
+
+    job = tmp_path / "jobs" / "converter-job-abc"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cached = f"{job}/hf-cache/models--org--my-lora/snapshots/{sha}/adapter_model.safetensors"
+    line = f"warning: {cached}: something; wrote {job}/out/merged (3 MB); {job}/check/base/config.json"
+    assert public_paths(line, job, tmp_path / "jobs") == (
+        "warning: org/my-lora@0123456: something; wrote merged (3 MB); base/config.json"
+    ).replace("org/my-lora@0123456", "org/my-lora@0123456/adapter_model.safetensors")
+    assert public_paths(f"left {tmp_path}/jobs/other-job", job, tmp_path / "jobs") == "left other-job"
+
+
+def test_same_base_is_decided_by_pinned_ids():
+    from converter.sources import same_hub_model
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert same_hub_model("Org/Base", None, f"org/base@{sha}") is True  # Hub ids are case-insensitive
+    assert same_hub_model("org/base", "0123456", f"org/base@{sha}") is True  # declared commit = resolved sha
+    assert same_hub_model("org/base", "main", f"org/base@{sha}") is True  # a branch: not resolvable offline
+    assert same_hub_model("org/base@fedcba9", None, f"org/base@{sha}") is False
+    assert same_hub_model("org/other", None, f"org/base@{sha}") is False
+    assert same_hub_model("/data/models/base", None, f"org/base@{sha}") is None  # a path: names decide
 
 
 def test_space_deploy(hub, tmp_path):
