@@ -41,6 +41,23 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked eagerly, tensor bytes read on demand."""
 
@@ -56,13 +73,17 @@ class SafetensorsFile:
                 raise self._bad("header length is larger than the file (truncated or not safetensors)")
             raw = f.read(header_len)
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            header = json.loads(raw, object_pairs_hook=_unique_keys)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise self._bad("header is not valid JSON (corrupt or not safetensors)") from None
+        except _DuplicateKey as e:
+            raise self._bad(f"header names {e.args[0]!r} twice (corrupt file)") from None
         if not isinstance(header, dict):
             raise self._bad("header is not a JSON object")
         self.header_bytes = 8 + header_len
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            raise self._bad("__metadata__ must map names to strings")
         self.tensors: dict[str, TensorInfo] = {}
         data_end = 0
         for name, entry in header.items():
@@ -70,12 +91,18 @@ class SafetensorsFile:
                 dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"tensor {name!r} has a malformed header entry") from None
-            if dtype not in ST_TO_TORCH:
-                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype}")
-            if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
+            if not isinstance(dtype, str) or dtype not in ST_TO_TORCH:
+                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype!r}")
+            if not all(_count(n) for n in (*shape, begin, end)):
+                raise self._bad(f"tensor {name!r}: shape and data_offsets must be non-negative integers")
+            if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
                 raise self._bad(f"tensor {name!r}: byte range does not match its shape {list(shape)}")
             self.tensors[name] = TensorInfo(name, dtype, shape, self.header_bytes + begin, self.header_bytes + end)
             data_end = max(data_end, end)
+        spans = sorted((t.start, t.end, t.name) for t in self.tensors.values() if t.end > t.start)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise self._bad(f"tensors {first!r} and {second!r} share bytes (overlapping data_offsets; corrupt)")
         if self.header_bytes + data_end > self.size:
             missing = self.header_bytes + data_end - self.size
             raise self._bad(f"file is truncated: {missing} bytes of tensor data are missing (re-download it)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter import hub
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError
 from converter.units import human_bytes
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
@@ -146,6 +146,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
     sha = info.sha
     siblings = {s.rfilename: s for s in info.siblings or []}
+    _check_names(where, repo, revision, siblings)
     if source.path is not None:
         if source.path not in siblings:
             raise ConverterError(f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})")
@@ -188,6 +189,19 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
     return Fetched(source, local, sha, files, card)
+
+
+def _check_names(where: str, repo: str, revision: str, names) -> None:
+    """A server that lists `../x`, `/etc/x` or `a\\b` is not a Hub we can trust with paths on this disk."""
+    for name in names:
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or "" in parts[:-1]:
+            raise HubError(
+                f"{where}: the Hub lists a file named {name!r}, which is not a path inside a repo; refusing to "
+                "download from it (check HF_ENDPOINT)",
+                repo_id=repo,
+                revision=revision,
+            )
 
 
 def diffusers_files(names: list[str]) -> list[str]:

@@ -147,6 +147,13 @@ def parse(
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
         module, role = _split(key)
+        if role in groups[module]:  # e.g. `x.lora_A.weight` beside `x.lora_A.default.weight`: which one is it?
+            raise AdapterFormatError(
+                f"{weights_path}: {groups[module][role]} and {key} are the same tensor after name mapping; "
+                "keep one of them",
+                file=weights_path,
+                tensor=key,
+            )
         groups[module][role] = key
 
     rslora = bool(config.get("use_rslora", False))
@@ -187,6 +194,13 @@ def parse(
                 )
             down, up = ref(pair[0]), ref(pair[1])
             r = down.shape[0]
+            if len(up.shape) < 2 or up.shape[1] != r:
+                raise AdapterFormatError(
+                    f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: "
+                    "their ranks (lora_B dim 1, lora_A dim 0) must agree (damaged or hand-edited file)",
+                    file=weights_path,
+                    tensor=up.name,
+                )
             ranks.add(r)
             r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8), config_path)
             if r_cfg != r:
