@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError, UsageError
 from converter.recipe import AdapterSpec, Recipe
 
 STAGES = ("check", "download", "merge", "verify", "upload")
@@ -38,9 +38,9 @@ class JobRequest:
     def recipe(self) -> Recipe:
         base = self.base.strip()
         if not base:
-            raise ConverterError("base model: give a Hub repo id like org/name")
+            raise UsageError("base model: give a Hub repo id like org/name")
         if self.dtype not in DTYPES:
-            raise ConverterError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+            raise UsageError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         return Recipe(
             base=base,
             adapters=parse_adapters(self.adapters),
@@ -72,16 +72,16 @@ def parse_adapters(text: str) -> list[AdapterSpec]:
         if not parts:
             continue
         if len(parts) > 2:
-            raise ConverterError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
+            raise UsageError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
         weight = 1.0
         if len(parts) == 2:
             try:
                 weight = float(parts[1])
             except ValueError:
-                raise ConverterError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
+                raise UsageError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
         specs.append(AdapterSpec(parts[0], weight))
     if not specs:
-        raise ConverterError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
+        raise UsageError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
     return specs
 
 
@@ -134,9 +134,10 @@ def check_namespace(repo_id: str, token: str) -> str:
     namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
     namespace = repo_id.split("/")[0]
     if namespace not in namespaces:
-        raise ConverterError(
+        raise HubError(
             f"{repo_id}: you ({me['name']}) cannot write under {namespace!r}; use {me['name']}/NAME or one of your "
-            "organizations"
+            "organizations",
+            repo_id=repo_id,
         )
     return me["name"]
 
@@ -152,7 +153,7 @@ def run_job(
 ) -> JobResult:
     """Run the whole job with the user's `token` (required: nothing runs signed out). Raises ConverterError."""
     if not token:
-        raise ConverterError("sign in with Hugging Face first: every download and upload uses your account")
+        raise UsageError("sign in with Hugging Face first: every download and upload uses your account")
     clean = redactor(token)
     recipe = request.recipe()
     if workroot is not None:

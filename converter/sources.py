@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter import hub
-from converter.errors import ConverterError, HubError
+from converter.errors import BadInputError, ConverterError, HubError, UsageError
 from converter.units import human_bytes
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
@@ -119,14 +119,14 @@ def parse_source(spec: str) -> Source:
     path = Path(spec).expanduser()
     if _HUB_ONLY.get():
         if spec.startswith((".", "/", "~")) or not HUB_SPEC.match(spec) or ".." in spec:
-            raise ConverterError(f"{spec}: not a Hub id (write org/name, org/name@revision or org/name@rev/file)")
+            raise UsageError(f"{spec}: not a Hub id (write org/name, org/name@revision or org/name@rev/file)")
     elif path.exists():
         return Source(spec, local=path.resolve())
     if spec.startswith((".", "/", "~")):
-        raise ConverterError(f"{spec}: no such file or folder")
+        raise BadInputError(f"{spec}: no such file or folder", file=spec)
     m = HUB_SPEC.match(spec)
     if not m or ".." in spec:
-        raise ConverterError(
+        raise UsageError(
             f"{spec}: neither a local path nor a Hub id (write org/name, org/name@revision or org/name@rev/file)"
         )
     return Source(spec, repo_id=m["repo"], revision=m["rev"], path=m["path"])
@@ -149,7 +149,11 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     _check_names(where, repo, revision, siblings)
     if source.path is not None:
         if source.path not in siblings:
-            raise ConverterError(f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})")
+            raise HubError(
+                f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})",
+                repo_id=repo,
+                revision=revision,
+            )
         folder = source.path.rsplit("/", 1)[0] + "/" if "/" in source.path else ""
         wanted = [source.path] + [
             f"{folder}{n}" for n in ("adapter_config.json", "README.md") if f"{folder}{n}" in siblings
@@ -232,16 +236,19 @@ def _sample(names) -> str:
 
 
 def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -> None:
+    repo = where.split("@")[0]
     if kind == "model":
         if "config.json" not in wanted:
             hint = " (it looks like an adapter: pass it as --adapter)" if "adapter_config.json" in siblings else ""
-            raise ConverterError(f"{where}: not a model repo: no config.json{hint}")
+            raise HubError(f"{where}: not a model repo: no config.json{hint}", repo_id=repo)
         if not any(n.endswith(".safetensors") for n in wanted):
-            raise ConverterError(f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})")
+            raise HubError(
+                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", repo_id=repo
+            )
     elif "adapter_config.json" not in wanted:
-        repo = where.split("@")[0]
-        raise ConverterError(
-            f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors"
+        raise HubError(
+            f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors",
+            repo_id=repo,
         )
 
 

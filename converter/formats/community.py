@@ -9,6 +9,7 @@ the base's keys flattened the same way, never by guessing where the dots were.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -341,6 +342,7 @@ def parse(
     alphas: set[float] = set()
     components: set[str] = set()
     for stem, roles in groups.items():
+        _check_factor_shapes(tensors, roles, weights)
         component, module, flat = _name(stem, weights)
         components.add(component or "?")
         flavours.add(_flavour(stem, roles))
@@ -388,6 +390,7 @@ def parse(
                 tensor=next(iter(roles.values())),
             )
         if delta is not None:
+            _check_delta(delta, tensors, weights, stem)
             patch = delta
             if "dora" in roles:
                 patch = DoRA(delta, Ref(tensors, roles["dora"]), style="lycoris")
@@ -472,6 +475,62 @@ def parse(
         files=[weights],
         warnings=warnings,
     )
+
+
+class _Shapes:
+    """A tensor source of empty 'meta' tensors: a patch's math runs on the shapes alone, no data is read."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors.shape(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return torch.empty(self.tensors.shape(name), device="meta")
+
+
+def _check_delta(delta: DeltaPatch, tensors, where: Path, stem: str) -> None:
+    """Factors whose shapes do not fit together (hand-edited or damaged files) are refused now, with the module's
+    name, instead of failing in the middle of a merge: the delta is computed on shapes only."""
+    meta = _Shapes(tensors)
+
+    def swap(value):
+        if isinstance(value, Ref):
+            return Ref(meta, value.name)
+        return tuple(swap(v) for v in value) if isinstance(value, tuple) else value
+
+    shadow = dataclasses.replace(delta, **{f.name: swap(getattr(delta, f.name)) for f in dataclasses.fields(delta)})
+    try:
+        numel = shadow.raw_delta().numel()
+    except (RuntimeError, ValueError, IndexError) as e:
+        numel, why = -1, str(e).splitlines()[0][:120]
+    else:
+        why = f"their product has {numel} numbers for a {list(delta.natural_shape())} weight"
+    if numel != math.prod(delta.natural_shape()):
+        shapes = ", ".join(f"{n.rsplit('.', 1)[-1]} {list(tensors.shape(n))}" for n in delta.sources)
+        raise AdapterFormatError(
+            f"{where}: module {stem}: factor shapes do not fit together ({shapes}: {why}); damaged file?",
+            file=where,
+            tensor=delta.sources[0],
+        )
+
+
+# Factor matrices (and Tucker cores): at least 2-D with no empty axis, else there is no rank or product to form.
+_FACTORS = {"down", "up", "mid", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lokr_w1",
+            "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"}  # fmt: skip
+
+
+def _check_factor_shapes(tensors, roles: dict[str, str], where: Path) -> None:
+    for role, key in roles.items():
+        shape = tensors.shape(key)
+        if role in _FACTORS and (len(shape) < 2 or 0 in shape):
+            raise AdapterFormatError(
+                f"{where}: {key} has shape {list(shape)}; a {role} factor must be a matrix with no empty axis "
+                "(damaged file?)",
+                file=where,
+                tensor=key,
+            )
 
 
 def _split_qkv(module: str, tensors, roles: dict[str, str], rank: int) -> bool:
