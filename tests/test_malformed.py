@@ -296,6 +296,29 @@ CASES: dict[str, tuple[Callable, str]] = {
         lambda w, d: merge(w, d, None, community(d, {**kohya(), "lora_unet_mid.alpha": torch.tensor(1.0)})),
         "no weights to merge",
     ),
+    "community: LoHa factors that do not multiply": (
+        lambda w, d: merge(
+            w,
+            d,
+            None,
+            community(
+                d,
+                {
+                    "lora_unet_x.hada_w1_a": torch.ones(4, 2),
+                    "lora_unet_x.hada_w1_b": torch.ones(3, 5),
+                    "lora_unet_x.hada_w2_a": torch.ones(4, 2),
+                    "lora_unet_x.hada_w2_b": torch.ones(2, 5),
+                },
+            ),
+        ),
+        "factor shapes do not fit together",
+    ),
+    "community: LoKr factor with no axes": (
+        lambda w, d: merge(
+            w, d, None, community(d, {"lora_unet_x.lokr_w1": torch.ones(()), "lora_unet_x.lokr_w2": torch.ones(2, 2)})
+        ),
+        "must be a matrix",
+    ),
     "community: up without down": (
         lambda w, d: merge(w, d, None, community(d, {"lora_unet_x.lora_up.weight": torch.zeros(8, 4)})),
         "lora_down",
