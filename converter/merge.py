@@ -184,8 +184,11 @@ def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint, base_id: str | Non
     base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
     if getattr(checkpoint, "path", None) is not None:  # a single-file base: kohya records the file it trained on
         base_names |= {checkpoint.path.name.lower(), checkpoint.path.stem.lower()}
+    if base_id:  # a Hub base is named by its repo, not by its cache folder (the commit sha)
+        base_names.add(base_id.split("@")[0].lower())
     if trained_on and trained_on.rstrip("/").split("/")[-1].lower() not in {n.split("/")[-1] for n in base_names}:
-        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {checkpoint.folder.name!r}")
+        where = base_id or checkpoint.folder.name
+        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {where!r}")
     if adapter.model_config:
         for key in SANITY_KEYS:
             theirs, ours = adapter.model_config.get(key), checkpoint.config.get(key)

@@ -342,3 +342,26 @@ def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_trained_on_warning_compares_pinned_ids(tmp_path):
+    """A Hub base lives in the cache under its commit sha: the warning compares the adapter's declared base with
+    the pinned repo id (and a declared commit with the resolved one), never with that folder's name."""
+    from converter.merge import sanity_warnings
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cached = SimpleNamespace(folder=tmp_path / sha, config={"_name_or_path": str(tmp_path / sha)})
+
+    def warnings(base_model, revision=None, base_id=f"org/Base-7B@{sha}"):
+        adapter = SimpleNamespace(
+            base_model=base_model, config={"revision": revision}, path="org/lora@abc1234", model_config=None
+        )
+        return sanity_warnings(adapter, cached, base_id)
+
+    assert warnings("org/base-7b") == [] and warnings("org/Base-7B", revision=sha[:7]) == []
+    assert warnings("/home/me/models/Base-7B") == []  # a local path: the repo name decides, not the sha folder
+    assert warnings("org/Base-7B", revision="fedcba9") == [
+        f"org/lora@abc1234: adapter was trained on 'org/Base-7B@fedcba9', merging into 'org/Base-7B@{sha}'"
+    ]
+    assert "trained on 'other/Model'" in warnings("other/Model")[0]
+    assert "merging into" in warnings("other/Model", base_id=None)[0]  # a local base: names as before
