@@ -24,7 +24,16 @@ from pathlib import Path  # noqa: E402
 import gradio as gr  # noqa: E402
 
 from converter.app_check import Limits, check, describe_adapter, describe_base  # noqa: E402
-from converter.app_jobs import DTYPES, STAGES, JobRequest, default_repo, parse_adapters, redactor, run_job  # noqa: E402
+from converter.app_jobs import (  # noqa: E402
+    DTYPES,
+    STAGES,
+    JobRequest,
+    default_repo,
+    parse_adapters,
+    public_paths,
+    redactor,
+    run_job,
+)
 from converter.errors import ConverterError  # noqa: E402
 from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
 from converter.sources import job_sources  # noqa: E402
@@ -139,10 +148,15 @@ def check_job(
         token = _token(oauth_token)
         request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, profile)
         with temp_folder("check") as tmp, job_sources(Path(tmp) / "cache"):
-            report = check(request.recipe(), token, Path(tmp) / "standin", Limits.from_env())
+            try:
+                report = check(request.recipe(), token, Path(tmp) / "standin", Limits.from_env())
+                plan = public_paths(report.markdown(), tmp)
+            except ConverterError as e:  # the page names Hub repos, never where the server keeps them
+                e.args = (public_paths(str(e), tmp),)
+                raise
     except Exception as e:  # noqa: BLE001 - every failure becomes a readable message
         raise _fail(e, token) from None
-    return f"### Plan → `{html.escape(request.repo_id)}`\n\n" + report.markdown()
+    return f"### Plan → `{html.escape(request.repo_id)}`\n\n" + plan
 
 
 def run(

@@ -147,7 +147,7 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
     adapters = [describe_adapter(spec.source, token) for spec in recipe.adapters]
     checkpoint: Checkpoint = base["checkpoint"]
     pairs = [(a["adapter"], spec) for a, spec in zip(adapters, recipe.adapters, strict=True)]
-    plan, warnings, _ = plan_merge(recipe, checkpoint, pairs, [a["card"] for a in adapters])
+    plan, warnings, _ = plan_merge(recipe, checkpoint, pairs, [a["card"] for a in adapters], base_id=base["pinned"])
     download = base["download"] + sum(a["download"] for a in adapters)
     rows = []
     for a, spec, cov in zip(adapters, recipe.adapters, plan.coverage, strict=True):

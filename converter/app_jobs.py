@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError, UsageError
 from converter.recipe import AdapterSpec, Recipe
 from converter.scratch import make_temp
 
@@ -38,9 +38,9 @@ class JobRequest:
     def recipe(self) -> Recipe:
         base = self.base.strip()
         if not base:
-            raise ConverterError("base model: give a Hub repo id like org/name")
+            raise UsageError("base model: give a Hub repo id like org/name")
         if self.dtype not in DTYPES:
-            raise ConverterError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+            raise UsageError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         return Recipe(
             base=base,
             adapters=parse_adapters(self.adapters),
@@ -72,16 +72,16 @@ def parse_adapters(text: str) -> list[AdapterSpec]:
         if not parts:
             continue
         if len(parts) > 2:
-            raise ConverterError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
+            raise UsageError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
         weight = 1.0
         if len(parts) == 2:
             try:
                 weight = float(parts[1])
             except ValueError:
-                raise ConverterError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
+                raise UsageError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
         specs.append(AdapterSpec(parts[0], weight))
     if not specs:
-        raise ConverterError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
+        raise UsageError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
     return specs
 
 
@@ -108,6 +108,20 @@ def redactor(token: str | None) -> Callable[[str], str]:
     return lambda text: text.replace(token, "<token>")
 
 
+# A file in an HF cache: .../models--org--name/snapshots/<sha>[/path]; shown as org/name@<sha7>[/path].
+_CACHED = re.compile(r"[^\s'\"(]*/models--([^/\s]+?)--([^/\s]+)/snapshots/([0-9a-f]{7})[0-9a-f]*(/[^\s'\",)]*)?")
+
+
+def public_paths(text: str, *roots: Path | str) -> str:
+    """Server paths out of a line a user sees: cached Hub files by repo name, and anything under the job's own
+    folders (`roots`: the jobs folder, a check's temp folder) relative to them. The user named Hub ids only; the
+    server's layout is none of their business (and can say who else is running jobs)."""
+    text = _CACHED.sub(lambda m: f"{m[1]}/{m[2]}@{m[3]}{m[4] or ''}", text)
+    for root in sorted({str(Path(r)) for r in roots if r}, key=len, reverse=True):
+        text = re.sub(re.escape(root) + r"/(?:(?:out|check|standin)/)?", "", text).replace(root, "<job>")
+    return text
+
+
 def check_namespace(repo_id: str, token: str) -> str:
     """The signed-in user's name; refuses a target namespace the user cannot write (before any work starts)."""
     from huggingface_hub import HfApi
@@ -120,9 +134,10 @@ def check_namespace(repo_id: str, token: str) -> str:
     namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
     namespace = repo_id.split("/")[0]
     if namespace not in namespaces:
-        raise ConverterError(
+        raise HubError(
             f"{repo_id}: you ({me['name']}) cannot write under {namespace!r}; use {me['name']}/NAME or one of your "
-            "organizations"
+            "organizations",
+            repo_id=repo_id,
         )
     return me["name"]
 
@@ -137,53 +152,59 @@ def run_job(
     log: Callable[[str], None] = print,
 ) -> JobResult:
     """Run the whole job with the user's `token` (required: nothing runs signed out). Raises ConverterError."""
+    if not token:
+        raise UsageError("sign in with Hugging Face first: every download and upload uses your account")
+    clean = redactor(token)
+    recipe = request.recipe()
+    if workroot is not None:
+        Path(workroot).mkdir(parents=True, exist_ok=True)
+    tmp = make_temp("job", workroot, log)
+    roots = (tmp, *([workroot] if workroot else []))
+    lines: list[str] = []
+
+    def say(message: str) -> None:
+        message = public_paths(clean(message), *roots)
+        lines.append(message)
+        log(message)
+
+    try:
+        return _job(request, token, recipe, tmp, limits, stage, say, lines)
+    except ConverterError as e:  # the page shows the message: no server paths in it either
+        e.args = (public_paths(clean(str(e)), *roots),)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
     from converter.app_check import check
     from converter.merge import merge
     from converter.pipeline import push, verify_folder
     from converter.sources import fetch, job_sources
 
-    if not token:
-        raise ConverterError("sign in with Hugging Face first: every download and upload uses your account")
-    clean = redactor(token)
-    lines: list[str] = []
-
-    def say(message: str) -> None:
-        message = clean(message)
-        lines.append(message)
-        log(message)
-
-    recipe = request.recipe()
     repo_id = request.repo_id.strip()
-    if workroot is not None:
-        Path(workroot).mkdir(parents=True, exist_ok=True)
-    tmp = make_temp("job", workroot, say)
-    try:
-        with job_sources(tmp / "hf-cache"):
-            stage("check")
-            check_namespace(repo_id, token)
-            plan = check(recipe, token, tmp / "check", limits)
-            shutil.rmtree(tmp / "check", ignore_errors=True)
-            for w in plan.warnings:
-                say(f"warning: {w}")
-            stage("download")
-            say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
-            fetch(recipe.base, "model", token, need_bytes=plan.bytes_to_write)
-            for spec in recipe.adapters:
-                fetch(spec.source, "adapter", token)
-            stage("merge")
-            recipe.out = str(tmp / "out" / repo_id.split("/")[1])
-            out = merge(recipe, token=token, log=say).out
-            report = None
-            if request.verify:
-                stage("verify")
-                report = verify_folder(out, recipe, token=token, log=say, prompts=request.prompt_list())
-            stage("upload")
-            result = push(
-                repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say
-            )
-            card = (out / "README.md").read_text()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with job_sources(tmp / "hf-cache"):
+        stage("check")
+        check_namespace(repo_id, token)
+        plan = check(recipe, token, tmp / "check", limits)
+        shutil.rmtree(tmp / "check", ignore_errors=True)
+        for w in plan.warnings:
+            say(f"warning: {w}")
+        stage("download")
+        say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
+        fetch(recipe.base, "model", token, need_bytes=plan.bytes_to_write)
+        for spec in recipe.adapters:
+            fetch(spec.source, "adapter", token)
+        stage("merge")
+        recipe.out = str(tmp / "out" / repo_id.split("/")[1])
+        out = merge(recipe, token=token, log=say).out
+        report = None
+        if request.verify:
+            stage("verify")
+            report = verify_folder(out, recipe, token=token, log=say, prompts=request.prompt_list())
+        stage("upload")
+        result = push(repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say)
+        card = (out / "README.md").read_text()
     if result.pr_url:
         say(f"pull request: {result.pr_url}")
     elif not result.changed:

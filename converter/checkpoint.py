@@ -41,6 +41,10 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+def _count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked eagerly, tensor bytes read on demand."""
 
@@ -53,6 +57,8 @@ class SafetensorsFile:
             except HeaderError as e:
                 raise self._bad(str(e)) from None
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            raise self._bad("__metadata__ must map names to strings")
         self.tensors: dict[str, TensorInfo] = {}
         data_end = 0
         for name, entry in header.items():
@@ -60,12 +66,18 @@ class SafetensorsFile:
                 dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"tensor {name!r} has a malformed header entry") from None
-            if dtype not in ST_TO_TORCH:
-                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype}")
-            if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
+            if not isinstance(dtype, str) or dtype not in ST_TO_TORCH:
+                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype!r}")
+            if not all(_count(n) for n in (*shape, begin, end)):
+                raise self._bad(f"tensor {name!r}: shape and data_offsets must be non-negative integers")
+            if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
                 raise self._bad(f"tensor {name!r}: byte range does not match its shape {list(shape)}")
             self.tensors[name] = TensorInfo(name, dtype, shape, self.header_bytes + begin, self.header_bytes + end)
             data_end = max(data_end, end)
+        spans = sorted((t.start, t.end, t.name) for t in self.tensors.values() if t.end > t.start)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise self._bad(f"tensors {first!r} and {second!r} share bytes (overlapping data_offsets; corrupt)")
         if self.header_bytes + data_end > self.size:
             missing = self.header_bytes + data_end - self.size
             raise self._bad(f"file is truncated: {missing} bytes of tensor data are missing (re-download it)")

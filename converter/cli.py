@@ -9,7 +9,7 @@ import argparse
 import sys
 import traceback
 
-from converter.errors import ConverterError
+from converter.errors import BadInputError, ConverterError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,7 +84,24 @@ def _convert_parser(sub) -> None:
     c.add_argument("--push-pr", action="store_true", help="open a pull request adding the result to the adapter's repo")
     c.add_argument("--force", action="store_true", help="replace an existing --out")
     c.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
+    c.add_argument("--lora-alpha", type=_alpha, help=LORA_ALPHA_HELP)
     c.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+
+
+LORA_ALPHA_HELP = (
+    "the adapter's lora_alpha where its files do not say it (PEFT weights without adapter_config.json); "
+    "each module is scaled by lora_alpha / its rank"
+)
+
+
+def _alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: give lora_alpha as a number, e.g. 16")
+    return value
 
 
 def _weight(text: str) -> float | dict[str, float]:
@@ -114,9 +131,9 @@ def _verify_settings(args: argparse.Namespace) -> dict:
         try:
             prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
         except OSError as e:
-            raise ConverterError(f"{args.prompts}: cannot read prompts ({e.strerror})") from None
+            raise BadInputError(f"{args.prompts}: cannot read prompts ({e.strerror})", file=args.prompts) from None
         if not prompts:
-            raise ConverterError(f"{args.prompts}: no prompts in the file (one per line)")
+            raise BadInputError(f"{args.prompts}: no prompts in the file (one per line)", file=args.prompts)
     from converter.units import parse_size
 
     memory = parse_size(args.verify_memory) if args.verify_memory else None
@@ -140,6 +157,9 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
         "--dtype",
         help="output dtype: float32, float16, bfloat16, or bnb-nf4 / bnb-fp4 for a bitsandbytes 4-bit checkpoint "
         "(default: keep each tensor's)",
+    )
+    p.add_argument(
+        "--lora-alpha", action="append", type=_alpha, default=[], help=LORA_ALPHA_HELP + " (one per --adapter)"
     )
     p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
     p.add_argument(
@@ -168,9 +188,15 @@ def _adapter_specs(args: argparse.Namespace) -> list:
     from converter.recipe import AdapterSpec
 
     if args.weight and len(args.weight) != len(args.adapter):
-        raise ConverterError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
+        raise UsageError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
+    alphas = getattr(args, "lora_alpha", [])
+    if alphas and len(alphas) != len(args.adapter):
+        raise UsageError(f"{len(alphas)} --lora-alpha for {len(args.adapter)} --adapter: give one per adapter")
     weights = args.weight or [1.0] * len(args.adapter)
-    return [AdapterSpec(a, w) for a, w in zip(args.adapter, weights, strict=True)]
+    return [
+        AdapterSpec(a, w, lora_alpha=alphas[i] if alphas else None)
+        for i, (a, w) in enumerate(zip(args.adapter, weights, strict=True))
+    ]
 
 
 def _recipe_from_args(args: argparse.Namespace):
@@ -179,10 +205,12 @@ def _recipe_from_args(args: argparse.Namespace):
     if args.recipe:
         recipe = Recipe.load(args.recipe)
         if args.adapter:
-            raise ConverterError("give adapters either in --recipe or with --adapter, not both")
+            raise UsageError("give adapters either in --recipe or with --adapter, not both")
+        if args.lora_alpha:
+            raise UsageError("with --recipe, give lora_alpha in the recipe (per adapter), not --lora-alpha")
     else:
         if not args.base or not args.adapter:
-            raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
+            raise UsageError("merge needs --base and at least one --adapter (or --recipe FILE)")
         recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
@@ -223,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
 
         if args.adapter:
             if not args.base:
-                raise ConverterError("give --base with --adapter (or neither: the folder's recipe says both)")
+                raise UsageError("give --base with --adapter (or neither: the folder's recipe says both)")
             from converter.recipe import Recipe
 
             recipe = Recipe(base=args.base, adapters=_adapter_specs(args))

@@ -117,7 +117,7 @@ def _model_summary(where: str, cfg: dict, dtypes: Counter, tensors: int, shards:
 
 
 def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
-    adapter = load_adapter(path, allow_pickle=allow_pickle)
+    adapter = load_adapter(path, allow_pickle=allow_pickle, require_scale=False)
     names = adapter.tensors.names()
     params = sum(_numel(adapter.tensors.shape(n)) for n in names)
     kinds = Counter(type(ap.patch).__name__ for ap in adapter.patches)

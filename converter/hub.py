@@ -7,11 +7,12 @@ HF_HUB_DISABLE_XET at import time, so it must not be imported before a caller ha
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError
 
 T = TypeVar("T")
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -80,6 +81,12 @@ def call(what: str, fn: Callable[[], T]) -> T:
 
 def explain(what: str, err: Exception) -> ConverterError:
     """Turn a huggingface_hub exception into one line that says what to do. Never includes a token."""
+    m = re.match(r"([\w.-]+/[\w.-]+)(?:@([^/\s]+))?", what)
+    error = _explain(what, err)
+    return HubError(str(error), repo_id=m[1] if m else None, revision=m[2] if m else None)
+
+
+def _explain(what: str, err: Exception) -> ConverterError:
     from huggingface_hub import errors
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")

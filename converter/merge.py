@@ -109,11 +109,12 @@ def _merge(
         dequantize_folder(checkpoint, scratch)
         checkpoint = Checkpoint(scratch)
     adapters = [
-        (load_adapter(f.local, allow_pickle=recipe.allow_pickle), s)
+        (load_adapter(f.local, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
     cards = [f.card for f in fetched]
-    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original)
+    base_id = base.pinned if base.source.repo_id else None
+    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
     warnings += more
     for w in warnings:
         log(f"warning: {w}")

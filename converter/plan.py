@@ -20,6 +20,7 @@ from converter.formats import Adapter
 from converter.keymap import Keymap, Resolver, keymap_for
 from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, RowsOf
 from converter.recipe import AdapterSpec, Recipe
+from converter.sources import same_hub_model
 from converter.units import human_bytes
 from converter.writer import OutSpec
 
@@ -298,15 +299,25 @@ SANITY_KEYS = (
 )
 
 
-def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint) -> list[str]:
-    """Say so before merging when the adapter looks trained on another base."""
+def sanity_warnings(adapter: Adapter, checkpoint: Checkpoint, base_id: str | None = None) -> list[str]:
+    """Say so before merging when the adapter looks trained on another base (`base_id`: a Hub base's pinned id)."""
     out = []
     trained_on = adapter.base_model
+    declared = str(adapter.config.get("revision") or "") or None
+    same = same_hub_model(trained_on, declared, base_id) if trained_on and base_id else None
+    if same is not None:
+        if not same:
+            at = f"@{declared}" if declared and "@" not in trained_on else ""
+            out.append(f"{adapter.path}: adapter was trained on {trained_on + at!r}, merging into {base_id!r}")
+        trained_on = None  # decided by the pinned ids; the folder name of a Hub base is only a cache entry
     base_names = {checkpoint.folder.name.lower(), str(checkpoint.config.get("_name_or_path", "")).lower()}
     if getattr(checkpoint, "path", None) is not None:  # a single-file base: kohya records the file it trained on
         base_names |= {checkpoint.path.name.lower(), checkpoint.path.stem.lower()}
+    if base_id:  # a Hub base is named by its repo, not by its cache folder (the commit sha)
+        base_names.add(base_id.split("@")[0].lower())
     if trained_on and trained_on.rstrip("/").split("/")[-1].lower() not in {n.split("/")[-1] for n in base_names}:
-        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {checkpoint.folder.name!r}")
+        where = base_id or checkpoint.folder.name
+        out.append(f"{adapter.path}: adapter was trained on {trained_on!r}, merging into {where!r}")
     if adapter.model_config:
         for key in SANITY_KEYS:
             theirs, ours = adapter.model_config.get(key), checkpoint.config.get(key)
@@ -349,11 +360,12 @@ def plan_merge(
     adapters: list[tuple[Adapter, AdapterSpec]],
     cards: list[str | None],
     original: Checkpoint | None = None,
+    base_id: str | None = None,
 ) -> tuple[MergePlan, list[str], set[str]]:
     """What a merge decides before writing anything: warnings, the plan, and which tensors a 4-bit output
     quantizes. Shared by `merge` and the Space's Check, so the Check shows exactly what the job will do."""
     quant = parse_output(recipe.dtype)
-    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint))]
+    warnings = [w for a, _ in adapters for w in (*a.warnings, *sanity_warnings(a, original or checkpoint, base_id))]
     if recipe.qlora_base == "original":
         warnings += [w for (a, _), card in zip(adapters, cards, strict=True) if (w := qlora_hint(a, card))]
     keymap = keymap_for(checkpoint.config)

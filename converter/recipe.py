@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
 
-from converter.errors import ConverterError
+from converter.errors import RecipeError
 
 # Names a per-component weight may use (kohya "strength" for UNet and text encoder separately).
 COMPONENT_WEIGHTS = {"unet", "transformer", "denoiser", "text_encoder", "text_encoder_2", "text_encoder_3", "default"}
@@ -24,6 +25,9 @@ class AdapterSpec:
     # given) and do not match exclude.
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+    # The scale where the adapter's files do not say it (PEFT weights without adapter_config.json): each module
+    # is scaled by lora_alpha / its rank. None: from the files, or refused when they do not say.
+    lora_alpha: float | None = None
 
     def weight_for(self, component: str | None) -> float:
         """The weight for a patch on `component` (a base subfolder or the adapter's component name)."""
@@ -62,15 +66,17 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.qlora_base not in ("original", "dequantized"):
-            raise ConverterError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
+            raise RecipeError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
         if self.qlora_quant not in ("nf4", "fp4"):
-            raise ConverterError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
+            raise RecipeError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
         if not self.adapters:
-            raise ConverterError("recipe has no adapters: give at least one --adapter")
+            raise RecipeError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:
+            if spec.lora_alpha is not None and not _is_number(spec.lora_alpha):
+                raise RecipeError(f"adapter {spec.source}: lora_alpha {spec.lora_alpha!r} must be a number")
             if isinstance(spec.weight, dict) and not set(spec.weight) <= COMPONENT_WEIGHTS:
                 unknown = sorted(set(spec.weight) - COMPONENT_WEIGHTS)
-                raise ConverterError(
+                raise RecipeError(
                     f"adapter {spec.source}: weight for unknown component {unknown[0]!r} "
                     f"(use {', '.join(sorted(COMPONENT_WEIGHTS))})"
                 )
@@ -78,9 +84,7 @@ class Recipe:
                 try:
                     re.compile(pattern)
                 except re.error as e:
-                    raise ConverterError(
-                        f"adapter {spec.source}: bad include/exclude regex {pattern!r} ({e})"
-                    ) from None
+                    raise RecipeError(f"adapter {spec.source}: bad include/exclude regex {pattern!r} ({e})") from None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -91,32 +95,37 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Recipe:
+    def from_dict(cls, data: dict, where: str = "recipe") -> Recipe:
         if not isinstance(data, dict) or "base" not in data:
-            raise ConverterError("recipe needs a 'base' and a list of 'adapters'")
+            raise RecipeError(f"{where}: needs a 'base' and a list of 'adapters'", file=_file(where))
+        entries = data.get("adapters") or []
+        if not isinstance(entries, list):
+            raise RecipeError(f"{where}: 'adapters' must be a list (one entry per adapter)", file=_file(where))
         adapters = []
-        for entry in data.get("adapters") or []:
+        for i, entry in enumerate(entries):
             if isinstance(entry, str):
                 entry = {"source": entry}
-            try:
-                adapters.append(AdapterSpec(**entry))
-            except TypeError as e:
-                raise ConverterError(f"recipe adapter entry {entry!r}: {e}") from None
-        fields = {k: v for k, v in data.items() if k != "adapters"}
-        try:
-            return cls(adapters=adapters, **fields)
-        except TypeError as e:
-            raise ConverterError(f"recipe: {e}") from None
+            if not isinstance(entry, dict) or "source" not in entry:
+                raise RecipeError(f"{where}: adapter entry {i + 1} needs a 'source'", file=_file(where))
+            _check_types(entry, AdapterSpec, f"{where}: adapter entry {i + 1}", where)
+            adapters.append(AdapterSpec(**entry))
+        top = {k: v for k, v in data.items() if k != "adapters"}
+        _check_types(top, cls, where, where)
+        return cls(adapters=adapters, **top)
 
     @classmethod
     def load(cls, path: Path) -> Recipe:
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConverterError(f"{path}: recipe file not found") from None
+            raise RecipeError(f"{path}: recipe file not found", file=path) from None
+        except IsADirectoryError:
+            raise RecipeError(f"{path}: is a folder; give the recipe YAML file", file=path) from None
+        except UnicodeDecodeError:
+            raise RecipeError(f"{path}: not UTF-8 text; give a YAML recipe", file=path) from None
         except yaml.YAMLError as e:
-            raise ConverterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-        recipe = cls.from_dict(data)
+            raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})", file=path) from None
+        recipe = cls.from_dict(data, str(path))
         # Local paths in a recipe are relative to the recipe file, so a recipe travels with its folder.
         here = Path(path).resolve().parent
         recipe.base = _relative_to(recipe.base, here)
@@ -125,6 +134,56 @@ class Recipe:
         if recipe.out:
             recipe.out = str(here / recipe.out) if not Path(recipe.out).is_absolute() else recipe.out
         return recipe
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _file(where: str) -> str | None:
+    return None if where == "recipe" else where
+
+
+# YAML types each recipe field takes (checked before the dataclass sees them, so a typo is one clear line).
+_TYPES = {
+    "source": (str,),
+    "weight": (int, float, dict),
+    "include": (list,),
+    "exclude": (list,),
+    "lora_alpha": (int, float),
+    "base": (str,),
+    "dtype": (str,),
+    "out": (str,),
+    "max_shard_size": (str, int),
+    "allow_unmatched": (bool,),
+    "allow_pickle": (bool,),
+    "qlora": (bool,),
+    "qlora_base": (str,),
+    "qlora_quant": (str,),
+    "qlora_blocksize": (int,),
+    "qlora_double_quant": (bool,),
+}
+
+
+def _check_types(entry: dict, cls: type, what: str, where: str) -> None:
+    known = {f.name for f in fields(cls)} - {"adapters"}
+    for key, value in entry.items():
+        if key not in known:
+            raise RecipeError(f"{what}: unknown key {key!r} (known: {', '.join(sorted(known))})", file=_file(where))
+        types = _TYPES.get(key, (object,))
+        bad = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if key in ("include", "exclude") and not bad:
+            bad = not all(isinstance(p, str) for p in value)
+        if key == "weight" and isinstance(value, dict) and not bad:
+            bad = not all(_is_number(w) for w in value.values())
+        if value is None and key in ("dtype", "out", "lora_alpha"):
+            bad = False
+        if bad:
+            want = " or ".join(
+                "a list of strings" if t is list else {dict: "a mapping of component: weight"}.get(t, t.__name__)
+                for t in types
+            )
+            raise RecipeError(f"{what}: {key} is {value!r}; it must be {want}", file=_file(where))
 
 
 def _relative_to(spec: str, here: Path) -> str:

@@ -33,7 +33,8 @@ def encode_header(tensors: dict[str, dict], metadata: dict[str, str] | None = No
 
 def decode_header(f: BinaryIO, size: int) -> tuple[dict, int]:
     """Read the header at the start of `f` (a file of `size` bytes): (parsed JSON object, bytes before the
-    data). Raises HeaderError for a short file, an impossible length, invalid JSON or a non-object."""
+    data). Raises HeaderError for a short file, an impossible length, invalid JSON, a name given twice (JSON
+    would silently keep the last) or a non-object."""
     head = f.read(8)
     if len(head) < 8:
         raise HeaderError("file is shorter than a safetensors header")
@@ -42,9 +43,18 @@ def decode_header(f: BinaryIO, size: int) -> tuple[dict, int]:
         raise HeaderError("header length is larger than the file (truncated or not safetensors)")
     raw = f.read(length)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise HeaderError("header is not valid JSON (corrupt or not safetensors)") from None
     if not isinstance(header, dict):
         raise HeaderError("header is not a JSON object")
     return header, 8 + length
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeaderError(f"header names {key!r} twice (corrupt file)")
+        out[key] = value
+    return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter import hub
-from converter.errors import ConverterError
+from converter.errors import BadInputError, ConverterError, HubError, UsageError
 from converter.units import human_bytes
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
@@ -100,18 +100,33 @@ class Fetched:
         return f"{self.source.repo_id}@{self.sha}" + (f"/{self.source.path}" if self.source.path else "")
 
 
+def same_hub_model(declared: str, declared_revision: str | None, pinned: str) -> bool | None:
+    """Whether an adapter's declared base (`org/name[@rev]`, PEFT's base_model_name_or_path + revision) is the
+    pinned base `org/name@sha`: repo ids compared as the Hub does (case-insensitively), a declared commit against
+    the resolved sha. None when either is not a Hub id (then only names can be compared). A declared branch or
+    tag is taken as agreeing: resolving it would need the Hub, and a warning that may be wrong is worse."""
+    ours, theirs = HUB_SPEC.match(pinned), HUB_SPEC.match(declared.strip())
+    if not ours or not theirs or theirs["path"] or Path(declared).is_absolute() or declared.startswith("."):
+        return None
+    if ours["repo"].lower() != theirs["repo"].lower():
+        return False
+    revision, sha = theirs["rev"] or declared_revision, ours["rev"] or ""
+    is_commit = bool(revision and re.fullmatch(r"[0-9a-f]{7,40}", revision))
+    return not (is_commit and sha and not sha.startswith(revision))
+
+
 def parse_source(spec: str) -> Source:
     path = Path(spec).expanduser()
     if _HUB_ONLY.get():
         if spec.startswith((".", "/", "~")) or not HUB_SPEC.match(spec) or ".." in spec:
-            raise ConverterError(f"{spec}: not a Hub id (write org/name, org/name@revision or org/name@rev/file)")
+            raise UsageError(f"{spec}: not a Hub id (write org/name, org/name@revision or org/name@rev/file)")
     elif path.exists():
         return Source(spec, local=path.resolve())
     if spec.startswith((".", "/", "~")):
-        raise ConverterError(f"{spec}: no such file or folder")
+        raise BadInputError(f"{spec}: no such file or folder", file=spec)
     m = HUB_SPEC.match(spec)
     if not m or ".." in spec:
-        raise ConverterError(
+        raise UsageError(
             f"{spec}: neither a local path nor a Hub id (write org/name, org/name@revision or org/name@rev/file)"
         )
     return Source(spec, repo_id=m["repo"], revision=m["rev"], path=m["path"])
@@ -131,9 +146,14 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
     sha = info.sha
     siblings = {s.rfilename: s for s in info.siblings or []}
+    _check_names(where, repo, revision, siblings)
     if source.path is not None:
         if source.path not in siblings:
-            raise ConverterError(f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})")
+            raise HubError(
+                f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})",
+                repo_id=repo,
+                revision=revision,
+            )
         folder = source.path.rsplit("/", 1)[0] + "/" if "/" in source.path else ""
         wanted = [source.path] + [
             f"{folder}{n}" for n in ("adapter_config.json", "README.md") if f"{folder}{n}" in siblings
@@ -173,6 +193,19 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     return Fetched(source, local, sha, files, card)
 
 
+def _check_names(where: str, repo: str, revision: str, names) -> None:
+    """A server that lists `../x`, `/etc/x` or `a\\b` is not a Hub we can trust with paths on this disk."""
+    for name in names:
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in parts or "" in parts[:-1]:
+            raise HubError(
+                f"{where}: the Hub lists a file named {name!r}, which is not a path inside a repo; refusing to "
+                "download from it (check HF_ENDPOINT)",
+                repo_id=repo,
+                revision=revision,
+            )
+
+
 def diffusers_files(names: list[str]) -> list[str]:
     """What a merge needs from a diffusers pipeline repo: model_index.json, the card and licence, and in each
     component folder its configs, tokenizer files and safetensors weights, without the `.fp16.`-style variants
@@ -201,16 +234,19 @@ def _sample(names) -> str:
 
 
 def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -> None:
+    repo = where.split("@")[0]
     if kind == "model":
         if "config.json" not in wanted:
             hint = " (it looks like an adapter: pass it as --adapter)" if "adapter_config.json" in siblings else ""
-            raise ConverterError(f"{where}: not a model repo: no config.json{hint}")
+            raise HubError(f"{where}: not a model repo: no config.json{hint}", repo_id=repo)
         if not any(n.endswith(".safetensors") for n in wanted):
-            raise ConverterError(f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})")
+            raise HubError(
+                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", repo_id=repo
+            )
     elif "adapter_config.json" not in wanted:
-        repo = where.split("@")[0]
-        raise ConverterError(
-            f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors"
+        raise HubError(
+            f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors",
+            repo_id=repo,
         )
 
 

@@ -235,6 +235,36 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     )  # fmt: skip
     assert second["pr"] == f"{hub.url}/demo/jobs-pr/discussions/1", second
     assert all(MOCK_TOKEN not in line for line in first["log"] + second["log"])
+    # The demo adapters name demo/tiny-llama as their base: the same repo as the pinned base, so no warning (it
+    # used to compare the name with the cache folder '<sha>'); and the log names repos, never server paths.
+    assert not [line for line in first["log"] if "trained on" in line], first["log"]
+    leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-job-" in x or "/tmp" in x]
+    assert not leaks and any(line.startswith("wrote jobs-pr ") for line in first["log"]), first["log"]
+
+
+def test_public_paths_show_repo_names_only(tmp_path):
+    from converter.app_jobs import public_paths
+
+    job = tmp_path / "jobs" / "converter-job-abc"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cached = f"{job}/hf-cache/models--org--my-lora/snapshots/{sha}/adapter_model.safetensors"
+    line = f"warning: {cached}: something; wrote {job}/out/merged (3 MB); {job}/check/base/config.json"
+    assert public_paths(line, job, tmp_path / "jobs") == (
+        "warning: org/my-lora@0123456: something; wrote merged (3 MB); base/config.json"
+    ).replace("org/my-lora@0123456", "org/my-lora@0123456/adapter_model.safetensors")
+    assert public_paths(f"left {tmp_path}/jobs/other-job", job, tmp_path / "jobs") == "left other-job"
+
+
+def test_same_base_is_decided_by_pinned_ids():
+    from converter.sources import same_hub_model
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert same_hub_model("Org/Base", None, f"org/base@{sha}") is True  # Hub ids are case-insensitive
+    assert same_hub_model("org/base", "0123456", f"org/base@{sha}") is True  # declared commit = resolved sha
+    assert same_hub_model("org/base", "main", f"org/base@{sha}") is True  # a branch: not resolvable offline
+    assert same_hub_model("org/base@fedcba9", None, f"org/base@{sha}") is False
+    assert same_hub_model("org/other", None, f"org/base@{sha}") is False
+    assert same_hub_model("/data/models/base", None, f"org/base@{sha}") is None  # a path: names decide
 
 
 def test_space_deploy(hub, tmp_path):
@@ -312,3 +342,26 @@ def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_trained_on_warning_compares_pinned_ids(tmp_path):
+    """A Hub base lives in the cache under its commit sha: the warning compares the adapter's declared base with
+    the pinned repo id (and a declared commit with the resolved one), never with that folder's name."""
+    from converter.plan import sanity_warnings
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    cached = SimpleNamespace(folder=tmp_path / sha, config={"_name_or_path": str(tmp_path / sha)})
+
+    def warnings(base_model, revision=None, base_id=f"org/Base-7B@{sha}"):
+        adapter = SimpleNamespace(
+            base_model=base_model, config={"revision": revision}, path="org/lora@abc1234", model_config=None
+        )
+        return sanity_warnings(adapter, cached, base_id)
+
+    assert warnings("org/base-7b") == [] and warnings("org/Base-7B", revision=sha[:7]) == []
+    assert warnings("/home/me/models/Base-7B") == []  # a local path: the repo name decides, not the sha folder
+    assert warnings("org/Base-7B", revision="fedcba9") == [
+        f"org/lora@abc1234: adapter was trained on 'org/Base-7B@fedcba9', merging into 'org/Base-7B@{sha}'"
+    ]
+    assert "trained on 'other/Model'" in warnings("other/Model")[0]
+    assert "merging into" in warnings("other/Model", base_id=None)[0]  # a local base: names as before

@@ -29,19 +29,45 @@ def test_kohya_text_encoder_lora_into_a_clip_folder(tmp_path, cli):
         torch.testing.assert_close(ours[f"{path}.weight"], before[f"{path}.weight"] + delta, atol=1e-6, rtol=1e-6)
 
 
-def test_peft_weights_without_their_config_merge_with_scale_one_and_say_so(tmp_path, cli):
+def test_peft_weights_without_their_config_need_a_stated_alpha(tmp_path, cli):
+    """alpha and r live in adapter_config.json: without it the scale is unknown, so the merge is refused (it
+    used to be merged at scale 1, wrong whenever lora_alpha != r) unless --lora-alpha / a recipe's lora_alpha
+    states it; r is then each module's rank. PEFT's own merge (with the config) is the oracle."""
+    import yaml
+
     base = make_base(tmp_path / "base", "llama")
-    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=4, target_modules=["q_proj", "down_proj"])
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
     (tmp_path / "bare").mkdir()
     shutil.copy(adapter / "adapter_model.safetensors", tmp_path / "bare" / "lora.safetensors")
-    code, out, err = cli(
-        "merge", "--base", base, "--adapter", tmp_path / "bare" / "lora.safetensors", "--out", tmp_path / "m"
-    )
+    bare = tmp_path / "bare" / "lora.safetensors"
+    code, out, err = cli("merge", "--base", base, "--adapter", bare, "--out", tmp_path / "m")
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and "adapter_config.json" in err and "--lora-alpha" in err, err
+    assert not (tmp_path / "m").exists()
+    code, out, err = cli("inspect", bare)  # inspect still describes it, and says why a merge needs more
+    assert code == 0 and "lora_alpha: unknown (no adapter_config.json" in out, out + err
+
+    reference = peft_merged_fp64(base, adapter)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"base": str(base), "adapters": [{"source": str(bare), "lora_alpha": 8}]}))
+    for how in (["--adapter", bare, "--lora-alpha", "8"], ["--recipe", recipe]):
+        out_dir = tmp_path / f"m{len(how)}"
+        code, out, err = cli("merge", "--base", base, *how, "--out", out_dir)
+        assert code == 0, err
+        ours = read_tensors(out_dir)
+        changed = 0
+        for name, tensor in ours.items():
+            torch.testing.assert_close(tensor, reference[name].float(), atol=1e-6, rtol=1e-6)
+            changed += "q_proj" in name or "down_proj" in name
+        assert changed == 4
+        assert "lora_alpha: 8" in (out_dir / "converter_recipe.yaml").read_text()  # the rerunnable record
+
+
+def test_a_stated_alpha_must_not_contradict_the_files(tmp_path, cli):
+    base = make_base(tmp_path / "base", "llama")
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--lora-alpha", "4", "--out", tmp_path / "m")
+    assert code == 2 and "lora_alpha=8" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "m").exists()
+    code, _, err = cli("merge", "--base", base, "--adapter", adapter, "--lora-alpha", "8", "--out", tmp_path / "m")
     assert code == 0, err
-    assert "no alpha anywhere" in out and "scale 1" in out
-    ours, reference = read_tensors(tmp_path / "m"), peft_merged_fp64(base, adapter)
-    changed = 0
-    for name, tensor in ours.items():
-        torch.testing.assert_close(tensor, reference[name].float(), atol=1e-6, rtol=1e-6)
-        changed += "q_proj" in name or "down_proj" in name
-    assert changed == 4

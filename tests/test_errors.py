@@ -177,3 +177,54 @@ def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "heavy: []" in run.stdout
+
+
+def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
+    """Python callers catch the narrow class and read the file / tensor / repo from it; all are ConverterErrors
+    (exit 2, verification 3), so `except ConverterError` still catches everything."""
+    import shutil
+
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from safetensors.torch import load_file, save_file
+
+    from converter import hub
+    from converter.errors import (
+        AdapterFormatError,
+        BadInputError,
+        ConverterError,
+        HubError,
+        RecipeError,
+        UsageError,
+        VerificationFailed,
+    )
+    from converter.formats import load_adapter
+    from converter.recipe import Recipe
+    from converter.sources import _check_names, parse_source
+
+    broken = tmp_path / "broken"
+    shutil.copytree(lora, broken)
+    f = broken / "adapter_model.safetensors"
+    tensors = load_file(f)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[name] = torch.zeros(64, 3)
+    save_file(tensors, f)
+    with pytest.raises(AdapterFormatError) as caught:
+        load_adapter(broken)
+    assert isinstance(caught.value, BadInputError) and caught.value.exit_code == 2
+    assert caught.value.file == str(f) and caught.value.tensor == name
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {lora}\nadapters: [{lora}]\nmax_shard: 1GB\n")
+    with pytest.raises(RecipeError, match="unknown key 'max_shard'") as caught:
+        Recipe.load(recipe)
+    assert caught.value.file == str(recipe) and caught.value.tensor is None
+
+    with pytest.raises(HubError) as caught:
+        _check_names("org/name@main", "org/name", "main", ["config.json", "../../etc/x"])
+    assert (caught.value.repo_id, caught.value.revision) == ("org/name", "main")
+    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"))
+    assert isinstance(error, HubError) and (error.repo_id, error.revision) == ("org/name", "v1")
+
+    with pytest.raises(UsageError):
+        parse_source("not a path or an id")
+    assert issubclass(VerificationFailed, ConverterError) and VerificationFailed.exit_code == 3

@@ -325,3 +325,27 @@ def test_phi3_split_adapter_lands_on_fused_rows(tmp_path, cli):
         + 2 * lora[f"{p}.lora_B.weight"] @ lora[f"{p}.lora_A.weight"]
     )
     torch.testing.assert_close(merged["model.layers.1.mlp.gate_up_proj.weight"][128:], up)
+
+
+def test_convert_peft_weights_without_config_needs_and_keeps_a_stated_alpha(llama, tmp_path, cli):
+    """`convert` follows merge's rule for PEFT weights shared without adapter_config.json: refused unless
+    --lora-alpha states the scale, which then travels as each kohya module's `.alpha` (ΔW unchanged)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    adapter = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj"])
+    (tmp_path / "bare").mkdir()
+    shutil.copy(adapter / "adapter_model.safetensors", tmp_path / "bare" / "adapter_model.safetensors")
+    out = tmp_path / "k.safetensors"
+    code, _, err = cli("convert", "--adapter", tmp_path / "bare", "--to", "kohya", "--out", out)
+    assert code == 2 and "adapter_config.json" in err and not out.exists(), err
+    code, _, err = cli("convert", "--adapter", tmp_path / "bare", "--to", "kohya", "--out", out, "--lora-alpha", "8")
+    assert code == 0, err
+    kohya, peft = load_file(out), load_file(adapter / "adapter_model.safetensors")
+    stem = "lora_unet_model_layers_0_self_attn_q_proj"
+    assert float(kohya[f"{stem}.alpha"]) == 8.0
+    module = "base_model.model.model.layers.0.self_attn.q_proj"
+    ours = kohya[f"{stem}.lora_up.weight"].float() @ kohya[f"{stem}.lora_down.weight"].float() * 8 / 4
+    theirs = peft[f"{module}.lora_B.weight"] @ peft[f"{module}.lora_A.weight"] * 8 / 4
+    torch.testing.assert_close(ours, theirs)

@@ -37,6 +37,7 @@ def convert(
     token: str | None = None,
     allow_pickle: bool = False,
     log: Callable[[str], None] = print,
+    lora_alpha: float | None = None,
 ) -> ConvertResult:
     """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically."""
     from converter.sources import fetch
@@ -46,7 +47,7 @@ def convert(
     out = Path(out)
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
-    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
+    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
     with temp_folder("base-headers", log=log) as scratch:
         base_view = BaseNames(base_names(base, token, Path(scratch))) if base else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)

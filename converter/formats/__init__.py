@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError, ConverterError
 from converter.formats import community, peft
 from converter.formats.base import Adapter, AdapterPatch
 
@@ -13,18 +13,28 @@ FORMATS = [peft, community]
 __all__ = ["Adapter", "AdapterPatch", "load_adapter"]
 
 
-def load_adapter(path: Path, *, allow_pickle: bool = False) -> Adapter:
-    """Detect the format of the adapter at `path` and parse it."""
+def load_adapter(
+    path: Path, *, allow_pickle: bool = False, lora_alpha: float | None = None, require_scale: bool = True
+) -> Adapter:
+    """Detect the format of the adapter at `path` and parse it.
+
+    `lora_alpha` is the user's word on the scale where the files say nothing (PEFT weights without their
+    adapter_config.json): each module's scale is then lora_alpha / its rank. Without it such weights are refused
+    unless `require_scale` is False (inspect: describe them with a warning, merged at scale 1).
+    """
     path = Path(path)
     if not path.exists():
-        raise ConverterError(f"{path}: adapter not found (give a folder with adapter_config.json or a file)")
+        raise AdapterFormatError(
+            f"{path}: adapter not found (give a folder with adapter_config.json or a file)", file=path
+        )
     for fmt in FORMATS:
         if fmt.detect(path):
-            return fmt.parse(path, allow_pickle=allow_pickle)
-    raise ConverterError(
+            return fmt.parse(path, allow_pickle=allow_pickle, lora_alpha=lora_alpha, require_scale=require_scale)
+    raise AdapterFormatError(
         f"{path}: not a recognised adapter{_sample(path)}; tried PEFT (a folder with adapter_config.json), "
         "kohya/LyCORIS/OneTrainer/musubi (lora_unet_*, lora_te*_*, lycoris_*), diffusers/ComfyUI (unet.*, "
-        "transformer.*, diffusion_model.* with lora_A/lora_B or lora_down/lora_up)"
+        "transformer.*, diffusion_model.* with lora_A/lora_B or lora_down/lora_up)",
+        file=path,
     )
 
 

@@ -9,7 +9,7 @@ import torch
 
 from converter.checkpoint import SafetensorsFile
 from converter.dtypes import TORCH_TO_ST
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError
 from converter.patches import Patch
 
 
@@ -43,11 +43,11 @@ class PickleSource:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-            raise ConverterError(
-                f"{path}: cannot load as a weights-only torch checkpoint ({type(e).__name__})"
+            raise AdapterFormatError(
+                f"{path}: cannot load as a weights-only torch checkpoint ({type(e).__name__})", file=path
             ) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ConverterError(f"{path}: expected a dict of tensors")
+            raise AdapterFormatError(f"{path}: expected a dict of tensors", file=path)
         self.tensors: dict[str, torch.Tensor] = state
 
     def names(self) -> list[str]:
@@ -70,9 +70,10 @@ def open_tensor_file(path: Path, allow_pickle: bool) -> TensorFile:
     if path.suffix == ".safetensors":
         return SafetensorsSource(path)
     if not allow_pickle:
-        raise ConverterError(
+        raise AdapterFormatError(
             f"{path}: pickle checkpoints can run code when loaded; pass --allow-pickle to load it "
-            "(weights only), or convert it to .safetensors"
+            "(weights only), or convert it to .safetensors",
+            file=path,
         )
     return PickleSource(path)
 

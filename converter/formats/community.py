@@ -9,6 +9,7 @@ the base's keys flattened the same way, never by guessing where the dots were.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
 from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
 
@@ -139,9 +140,10 @@ def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
             if stem.startswith(prefix):
                 rest = stem[len(prefix) :]
                 if any(rest.startswith(p) for p in (*FLAT_PREFIXES, *DOTTED_PREFIXES)):
-                    raise ConverterError(
+                    raise AdapterFormatError(
                         f"{where}: tensor names start with a doubled prefix ({stem.split('.')[0][:60]}...): "
-                        "the file was converted twice; strip one prefix and retry"
+                        "the file was converted twice; strip one prefix and retry",
+                        file=where,
                     )
                 return component, _normalise(rest, component), flat
     return "denoiser", _normalise(stem, "denoiser"), False  # bare diffusers/xlabs/DiffSynth names
@@ -180,7 +182,11 @@ def _alpha(tensors, roles: dict[str, str]) -> float | None:
         return None
     t = tensors.read(roles["alpha"])
     if t.numel() != 1:
-        raise ConverterError(f"{roles['alpha']}: alpha must be a single number, found shape {list(t.shape)}")
+        raise AdapterFormatError(
+            f"{tensors.path}: {roles['alpha']}: alpha must be a single number, found shape {list(t.shape)}",
+            file=tensors.path,
+            tensor=roles["alpha"],
+        )
     return float(t.reshape(()).item())
 
 
@@ -189,18 +195,25 @@ def _scale(alpha: float | None, rank: int) -> float:
     return 1.0 if alpha in (None, 0.0) else alpha / rank
 
 
-def _diffusers_alphas(metadata: dict[str, str]) -> dict:
+def _diffusers_alphas(metadata: dict[str, str], where: Path) -> dict:
     """`lora_adapter_metadata` (§4): LoraConfig fields, prefixed per component when saved by a pipeline."""
     raw = metadata.get("lora_adapter_metadata")
     if not raw:
         return {}
     try:
-        return json.loads(raw)
+        meta = json.loads(raw)
     except json.JSONDecodeError:
-        raise ConverterError("lora_adapter_metadata in the file is not valid JSON") from None
+        meta = None
+    if not isinstance(meta, dict):
+        raise AdapterFormatError(
+            f"{where}: lora_adapter_metadata in the file's header is not a JSON object of LoraConfig fields; "
+            "remove it or fix it",
+            file=where,
+        )
+    return meta
 
 
-def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: int) -> float | None:
+def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: int, where: Path) -> float | None:
     """Scale from diffusers' saved LoraConfig (lora_alpha / r, rank/alpha patterns, rsLoRA), or None."""
     from converter.formats.peft import pattern_value
 
@@ -212,7 +225,11 @@ def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: i
     alpha = get("lora_alpha")
     if alpha is None:
         return None
-    alpha = pattern_value(get("alpha_pattern") or {}, module, alpha)
+    alpha = pattern_value(get("alpha_pattern") or {}, module, alpha, where)
+    if not _is_number(alpha):
+        raise AdapterFormatError(
+            f"{where}: lora_adapter_metadata gives lora_alpha {alpha!r} for {module}; it must be a number", file=where
+        )
     return alpha / math.sqrt(rank) if get("use_rslora") else alpha / rank
 
 
@@ -224,9 +241,11 @@ def _need(roles: dict[str, str], wanted: tuple[str, ...], stem: str, where: Path
     missing = [r for r in wanted if r not in roles]
     if missing:
         have = ", ".join(sorted(roles))
-        raise ConverterError(
+        raise AdapterFormatError(
             f"{where}: module {stem} has {have} but no {', '.join(ROLE_LABEL.get(m, m) for m in missing)} "
-            "(incomplete or damaged file)"
+            "(incomplete or damaged file)",
+            file=where,
+            tensor=next(iter(roles.values()), None),
         )
 
 
@@ -272,36 +291,58 @@ def _lokr(tensors, roles, stem, where) -> DeltaPatch:
     return LoKr(w1, w2, scale, tuple(shape), t2, alpha)
 
 
-def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _peft_style(weights: Path, stems) -> bool:
+    """PEFT's own save (its file name, or its `base_model.model.` prefix): its alpha lives in adapter_config.json."""
+    return weights.name == "adapter_model.safetensors" or any(s.startswith("base_model.model.") for s in stems)
+
+
+def parse(
+    path: Path, *, allow_pickle: bool = False, lora_alpha: float | None = None, require_scale: bool = True
+) -> Adapter:
     weights = _weights_file(path)
     if weights is None:
-        raise ConverterError(f"{path}: not a single .safetensors adapter file")
+        raise AdapterFormatError(f"{path}: not a single .safetensors adapter file", file=path)
     tensors = open_tensor_file(weights, allow_pickle)
-    meta = _diffusers_alphas(tensors.metadata)
+    meta = _diffusers_alphas(tensors.metadata, weights)
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
         for suffix, algo in UNSUPPORTED.items():
             if key.endswith(suffix):
-                raise ConverterError(f"{weights}: {key} is a LyCORIS {algo} tensor; {algo} cannot be merged yet")
+                raise AdapterFormatError(
+                    f"{weights}: {key} is a LyCORIS {algo} tensor; {algo} cannot be merged yet",
+                    file=weights,
+                    tensor=key,
+                )
         split = _split_suffix(key)
         if split is None:
-            raise ConverterError(
+            raise AdapterFormatError(
                 f"{weights}: tensor {key} is not part of any adapter format converter knows "
-                "(expected lora_down/lora_up/alpha, lora_A/lora_B, hada_*, lokr_*, diff, dora_scale ...)"
+                "(expected lora_down/lora_up/alpha, lora_A/lora_B, hada_*, lokr_*, diff, dora_scale ...)",
+                file=weights,
+                tensor=key,
             )
         stem, role = split
         if role in groups[stem]:
-            raise ConverterError(f"{weights}: module {stem} has two {role} tensors ({groups[stem][role]}, {key})")
+            raise AdapterFormatError(
+                f"{weights}: module {stem} has two {role} tensors ({groups[stem][role]}, {key})",
+                file=weights,
+                tensor=key,
+            )
         groups[stem][role] = key
 
     patches: list[AdapterPatch] = []
     split_qkv: list[str] = []
-    no_alpha = 0
+    no_alpha = stated = 0
     flavours: set[str] = set()
     ranks: set[int] = set()
     alphas: set[float] = set()
     components: set[str] = set()
     for stem, roles in groups.items():
+        _check_factor_shapes(tensors, roles, weights)
         component, module, flat = _name(stem, weights)
         components.add(component or "?")
         flavours.add(_flavour(stem, roles))
@@ -312,17 +353,22 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
             mid = _ref(tensors, roles, "mid")
             rank = down.shape[0]
             if up.shape[1] != rank or (mid is None and len(down.shape) != len(up.shape)):
-                raise ConverterError(
+                raise AdapterFormatError(
                     f"{weights}: {roles['up']} has shape {list(up.shape)} but {roles['down']} has "
-                    f"{list(down.shape)}: their ranks (up dim 1, down dim 0) must agree"
+                    f"{list(down.shape)}: their ranks (up dim 1, down dim 0) must agree",
+                    file=weights,
+                    tensor=roles["up"],
                 )
             alpha = _alpha(tensors, roles)
             scale = _scale(alpha, rank)
-            if alpha is None and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
-                no_alpha += 1
             if alpha is None and meta:
                 prefix = stem.split(".", 1)[0] if not flat else None
-                scale = _config_scale(meta, prefix, module, rank) or scale
+                scale = _config_scale(meta, prefix, module, rank, weights) or scale
+            elif alpha is None and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
+                if lora_alpha is None:
+                    no_alpha += 1
+                else:  # the user's word: lora_alpha over the factors' own rank (PEFT's rule without rsLoRA)
+                    alpha, scale, stated = float(lora_alpha), float(lora_alpha) / rank, stated + 1
             ranks.add(rank)
             if alpha is not None:
                 alphas.add(alpha)
@@ -337,11 +383,14 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         elif "diff" in roles:
             delta = FullDelta(Ref(tensors, roles["diff"]))
         if delta is None and not ({"diff_b"} & roles.keys()):
-            raise ConverterError(
+            raise AdapterFormatError(
                 f"{weights}: module {stem} has only {', '.join(sorted(roles))} and no weights to merge "
-                "(an alpha or dora_scale without its lora_down/lora_up? incomplete file)"
+                "(an alpha or dora_scale without its lora_down/lora_up? incomplete file)",
+                file=weights,
+                tensor=next(iter(roles.values())),
             )
         if delta is not None:
+            _check_delta(delta, tensors, weights, stem)
             patch = delta
             if "dora" in roles:
                 patch = DoRA(delta, Ref(tensors, roles["dora"]), style="lycoris")
@@ -378,8 +427,31 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
     }
     if meta:
         summary["lora_adapter_metadata"] = True
+    if lora_alpha is not None and not stated:
+        raise AdapterFormatError(
+            f"{weights}: every module's scale is already known from the file (.alpha tensors, kohya's alpha = rank "
+            "rule, or lora_adapter_metadata); drop lora_alpha for this adapter",
+            file=weights,
+        )
+    if stated:
+        summary["lora_alpha"] = float(lora_alpha)
+        summary["lora_alpha_from"] = "stated by the user"
+    peft_style = _peft_style(weights, groups)
+    if no_alpha and peft_style and require_scale:
+        raise AdapterFormatError(
+            f"{weights}: PEFT weights without their adapter_config.json, so lora_alpha (and with it the scale "
+            "lora_alpha / r) is unknown; put adapter_config.json beside them, or state it with --lora-alpha N "
+            "(recipe: lora_alpha: N per adapter; r is each module's rank)",
+            file=weights,
+        )
     warnings = []
-    if no_alpha and not meta:
+    if no_alpha and peft_style:  # only when require_scale is False (inspect)
+        summary["lora_alpha"] = "unknown (no adapter_config.json; merging needs it or --lora-alpha)"
+        warnings.append(
+            f"{weights}: PEFT weights without adapter_config.json: lora_alpha unknown, shown at scale 1; merging "
+            "needs adapter_config.json or --lora-alpha"
+        )
+    elif no_alpha:
         warnings.append(
             f"{weights}: {no_alpha} lora_A/lora_B pairs and no alpha anywhere (no .alpha tensors, no "
             "lora_adapter_metadata): merged with scale 1 as diffusers does; if it was trained with lora_alpha != r, "
@@ -403,6 +475,62 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         files=[weights],
         warnings=warnings,
     )
+
+
+class _Shapes:
+    """A tensor source of empty 'meta' tensors: a patch's math runs on the shapes alone, no data is read."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors.shape(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return torch.empty(self.tensors.shape(name), device="meta")
+
+
+def _check_delta(delta: DeltaPatch, tensors, where: Path, stem: str) -> None:
+    """Factors whose shapes do not fit together (hand-edited or damaged files) are refused now, with the module's
+    name, instead of failing in the middle of a merge: the delta is computed on shapes only."""
+    meta = _Shapes(tensors)
+
+    def swap(value):
+        if isinstance(value, Ref):
+            return Ref(meta, value.name)
+        return tuple(swap(v) for v in value) if isinstance(value, tuple) else value
+
+    shadow = dataclasses.replace(delta, **{f.name: swap(getattr(delta, f.name)) for f in dataclasses.fields(delta)})
+    try:
+        numel = shadow.raw_delta().numel()
+    except (RuntimeError, ValueError, IndexError) as e:
+        numel, why = -1, str(e).splitlines()[0][:120]
+    else:
+        why = f"their product has {numel} numbers for a {list(delta.natural_shape())} weight"
+    if numel != math.prod(delta.natural_shape()):
+        shapes = ", ".join(f"{n.rsplit('.', 1)[-1]} {list(tensors.shape(n))}" for n in delta.sources)
+        raise AdapterFormatError(
+            f"{where}: module {stem}: factor shapes do not fit together ({shapes}: {why}); damaged file?",
+            file=where,
+            tensor=delta.sources[0],
+        )
+
+
+# Factor matrices (and Tucker cores): at least 2-D with no empty axis, else there is no rank or product to form.
+_FACTORS = {"down", "up", "mid", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "lokr_w1",
+            "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2"}  # fmt: skip
+
+
+def _check_factor_shapes(tensors, roles: dict[str, str], where: Path) -> None:
+    for role, key in roles.items():
+        shape = tensors.shape(key)
+        if role in _FACTORS and (len(shape) < 2 or 0 in shape):
+            raise AdapterFormatError(
+                f"{where}: {key} has shape {list(shape)}; a {role} factor must be a matrix with no empty axis "
+                "(damaged file?)",
+                file=where,
+                tensor=key,
+            )
 
 
 def _split_qkv(module: str, tensors, roles: dict[str, str], rank: int) -> bool:

@@ -8,11 +8,12 @@ rank_pattern/alpha_pattern matched with `re.match(rf"(.*\\.)?({key})$", module)`
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter, AdapterPatch, open_tensor_file
 from converter.patches import BiasDelta, DoRA, LowRank, Ref, Replace, RowReplace, lora_scale
 
@@ -51,17 +52,28 @@ def _paths(path: Path) -> tuple[Path, Path] | None:
     for name in WEIGHT_FILES:
         if (folder / name).is_file():
             return config, folder / name
-    raise ConverterError(f"{folder}: has adapter_config.json but no adapter_model.safetensors (or .bin)")
+    raise AdapterFormatError(
+        f"{folder}: has adapter_config.json but no adapter_model.safetensors (or .bin)",
+        file=folder / "adapter_config.json",
+    )
 
 
 def detect(path: Path) -> bool:
     return _paths(path) is not None
 
 
-def pattern_value(patterns: dict, module: str, default):
+def pattern_value(patterns: dict, module: str, default, where: Path | None = None):
     """PEFT's rule for rank_pattern / alpha_pattern: a regex suffix of the module name, first match wins."""
+    if not isinstance(patterns, dict):
+        raise AdapterFormatError(f"{where}: rank_pattern / alpha_pattern must be a JSON object", file=where)
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as e:
+            raise AdapterFormatError(
+                f"{where}: rank_pattern / alpha_pattern key {key!r} is not a valid regex ({e})", file=where
+            ) from None
+        if matched:
             return value
     return default
 
@@ -90,27 +102,58 @@ def _token_indices(config: dict, module: str) -> list[int]:
         for name, ids in spec.items():
             if module == name or module.endswith("." + name):
                 return ids
-    raise ConverterError(
-        f"trainable tokens saved for {module} but adapter_config.json has no trainable_token_indices for it"
+    raise AdapterFormatError(
+        f"trainable tokens saved for {module} but adapter_config.json has no trainable_token_indices for it",
+        tensor=module,
     )
 
 
-def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
+def _number(value, what: str, where: Path) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise AdapterFormatError(f"{where}: {what} is {value!r}; it must be a number", file=where)
+    return value
+
+
+def parse(
+    path: Path, *, allow_pickle: bool = False, lora_alpha: float | None = None, require_scale: bool = True
+) -> Adapter:
     config_path, weights_path = _paths(path)  # type: ignore[misc]
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        raise AdapterFormatError(
+            f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})", file=config_path
+        ) from None
+    except UnicodeDecodeError:
+        raise AdapterFormatError(
+            f"{config_path}: not UTF-8 text; is it really a JSON config?", file=config_path
+        ) from None
+    if not isinstance(config, dict):
+        raise AdapterFormatError(f"{config_path}: expected a JSON object of LoraConfig fields", file=config_path)
+    if lora_alpha is not None and lora_alpha != config.get("lora_alpha", 8):
+        raise AdapterFormatError(
+            f"{config_path}: says lora_alpha={config.get('lora_alpha', 8)!r} but lora_alpha {lora_alpha:g} was "
+            "given; drop the stated value (the config is what the adapter was trained with)",
+            file=config_path,
+        )
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type not in SUPPORTED_TYPES:
-        raise ConverterError(
-            f"{config_path}: PEFT type {peft_type} is not supported yet (supported: LORA, TRAINABLE_TOKENS)"
+        raise AdapterFormatError(
+            f"{config_path}: PEFT type {peft_type} is not supported yet (supported: LORA, TRAINABLE_TOKENS)",
+            file=config_path,
         )
     tensors = open_tensor_file(weights_path, allow_pickle)
 
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
         module, role = _split(key)
+        if role in groups[module]:  # e.g. `x.lora_A.weight` beside `x.lora_A.default.weight`: which one is it?
+            raise AdapterFormatError(
+                f"{weights_path}: {groups[module][role]} and {key} are the same tensor after name mapping; "
+                "keep one of them",
+                file=weights_path,
+                tensor=key,
+            )
         groups[module][role] = key
 
     rslora = bool(config.get("use_rslora", False))
@@ -131,7 +174,11 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
             # the untrained layer. Both extra copies are accounted for but not used.
             variants = [f"{kind}:{param}" for kind in ("full", "copy", "original") if f"{kind}:{param}" in roles]
             if variants[0].startswith("original"):
-                raise ConverterError(f"{weights_path}: {roles[variants[0]]} has no trained copy beside it")
+                raise AdapterFormatError(
+                    f"{weights_path}: {roles[variants[0]]} has no trained copy beside it",
+                    file=weights_path,
+                    tensor=roles[variants[0]],
+                )
             value, *rest = (roles[v] for v in variants)
             patches.append(AdapterPatch(module, param, Replace(Ref(tensors, value), tuple(rest))))
 
@@ -139,19 +186,31 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
         if pair[0] in roles or pair[1] in roles:
             if pair[0] not in roles or pair[1] not in roles:
                 missing = pair[1] if pair[0] in roles else pair[0]
-                raise ConverterError(
+                raise AdapterFormatError(
                     f"{weights_path}: module {module} has only half a LoRA pair "
-                    f"({'lora_B' if missing.endswith('B') else 'lora_A'} is missing)"
+                    f"({'lora_B' if missing.endswith('B') else 'lora_A'} is missing)",
+                    file=weights_path,
+                    tensor=roles[pair[0] if pair[0] in roles else pair[1]],
                 )
             down, up = ref(pair[0]), ref(pair[1])
             r = down.shape[0]
-            ranks.add(r)
-            r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
-            if r_cfg != r:
-                raise ConverterError(
-                    f"{weights_path}: {down.name} has rank {r} but adapter_config.json says r={r_cfg} for {module}"
+            if len(up.shape) < 2 or up.shape[1] != r:
+                raise AdapterFormatError(
+                    f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: "
+                    "their ranks (lora_B dim 1, lora_A dim 0) must agree (damaged or hand-edited file)",
+                    file=weights_path,
+                    tensor=up.name,
                 )
-            alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
+            ranks.add(r)
+            r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8), config_path)
+            if r_cfg != r:
+                raise AdapterFormatError(
+                    f"{weights_path}: {down.name} has rank {r} but adapter_config.json says r={r_cfg} for {module}",
+                    file=weights_path,
+                    tensor=down.name,
+                )
+            alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8), config_path)
+            alpha = _number(alpha, f"lora_alpha for {module}", config_path)
             scale = lora_scale(alpha, r, rslora)
             lora = LowRank(down, up, scale, flip=pair[0] == "emb_A")
             patch = DoRA(lora, ref("magnitude")) if "magnitude" in roles else lora
@@ -159,14 +218,18 @@ def parse(path: Path, *, allow_pickle: bool = False) -> Adapter:
             if "B_bias" in roles:
                 patches.append(AdapterPatch(module, "bias", BiasDelta(ref("B_bias"), scale)))
         elif "magnitude" in roles or "B_bias" in roles:
-            raise ConverterError(f"{weights_path}: module {module} has DoRA/bias tensors but no lora_A/lora_B")
+            raise AdapterFormatError(
+                f"{weights_path}: module {module} has DoRA/bias tensors but no lora_A/lora_B", file=weights_path
+            )
         if "tokens" in roles:
             indices = tuple(_token_indices(config, module))
             rows = ref("tokens")
             if rows.shape[0] != len(indices):
-                raise ConverterError(
+                raise AdapterFormatError(
                     f"{weights_path}: {rows.name} has {rows.shape[0]} rows "
-                    f"but trainable_token_indices lists {len(indices)}"
+                    f"but trainable_token_indices lists {len(indices)}",
+                    file=weights_path,
+                    tensor=rows.name,
                 )
             patches.append(AdapterPatch(module, "weight", RowReplace(rows, indices), follows_tie=True))
 

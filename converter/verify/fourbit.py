@@ -67,7 +67,8 @@ def is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
     for folder in adapter_dirs:
         card = folder / "README.md"
         if qlora_hint(
-            load_adapter(folder, allow_pickle=recipe.allow_pickle), card.read_text() if card.is_file() else None
+            load_adapter(folder, allow_pickle=recipe.allow_pickle, require_scale=False),
+            card.read_text() if card.is_file() else None,
         ):
             return True
     return False
