@@ -165,9 +165,12 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
     driver = batch(hub, cluster, jobs, wait=False)
     try:
         child = _stopped_child()
-        worker = int((Path("/proc") / str(child) / "stat").read_text().rsplit(")", 1)[1].split()[2])
-        assert b"default_worker" in (Path("/proc") / str(worker) / "cmdline").read_bytes()
+        worker = int((Path("/proc") / str(child) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        title = (Path("/proc") / str(worker) / "cmdline").read_bytes()
+        assert title.startswith(f"ray::converter-batch:{KILLED}".encode())  # the Ray worker running the task
         assert not hub.exists("bob/merged")  # merged and staged, nothing uploaded yet
+        owned = [p.name for p in cluster.tmp.iterdir() if f".{child}-" in p.name or f".{worker}-" in p.name]
+        assert any(f".{worker}-" in p for p in owned) and any(f"push.{child}-" in p for p in owned), owned
         os.kill(worker, signal.SIGKILL)  # the Ray worker dies mid-job (as under the OOM killer)
         for _ in range(100):  # its child dies with it instead of running on unowned
             if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
@@ -185,9 +188,8 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
     files = hub.files("bob/merged")
     assert {"model.safetensors", "config.json", "README.md", "converter_recipe.yaml"} <= set(files), files
     uploads = [c for c in hub.history("bob/merged") if "converter" in c.title]
-    assert len(uploads) == 1 and row["url"].endswith(uploads[0].oid)
-    leftovers = [p.name for p in cluster.tmp.iterdir() if f".{child}-" in p.name or f".{worker}-" in p.name]
-    assert leftovers == []  # the killed attempt's temp folders were swept by the retry
+    assert len(uploads) == 1 and row["url"].endswith(uploads[0].sha)
+    assert not [p for p in owned if (cluster.tmp / p).exists()]  # the killed attempt's folders: swept by the retry
     assert_no_token(out, err, files=[tmp_path])
 
     code, out, err = batch(hub, cluster, jobs)
