@@ -246,3 +246,15 @@ def test_hub_search_gives_one_convert_job_per_model():
         ("convert", "b/other-lora", {"to": "diffusers", "base": "org/flux"}),
     ]
     assert isinstance(jobs[0], Job)
+
+
+def test_memory_reserved_per_job_follows_the_base_size(tmp_path):
+    from converter.batch.run import CONVERT_BYTES, PROCESS_BYTES, estimate_memory
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"\0" * 3000)
+    merge = Job("merge", "me/out", {"base": str(base), "adapter": "a/b"})
+    assert estimate_memory(merge) == PROCESS_BYTES + 2 * 3000  # one float32 copy of a 16-bit base
+    assert estimate_memory(Job("merge", "me/out", {"base": str(base), "adapter": "a/b"}, memory=5 << 30)) == 5 << 30
+    assert estimate_memory(Job("convert", str(base / "model.safetensors"))) == CONVERT_BYTES + 4 * 3000

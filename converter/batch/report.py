@@ -7,6 +7,7 @@ Built from the state file only, so the report of a resumed batch covers the earl
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from converter.batch.state import Row
 from converter.units import human_bytes
@@ -14,8 +15,17 @@ from converter.units import human_bytes
 COLUMNS = ("job", "source@sha", "result", "link", "verification", "time", "peak memory", "error")
 
 
+def source_at(source: str, sha: str | None) -> str:
+    """`org/name@sha10/path` for a Hub source at its commit; a local path as it is."""
+    if not sha:
+        return source
+    org, rest = source.split("/", 1)
+    name, _, path = rest.partition("/")
+    return f"{org}/{name.partition('@')[0]}@{sha[:10]}" + (f"/{path}" if path else "")
+
+
 def cells(row: Row, skipped: bool) -> list[str]:
-    sources = ", ".join(f"{s}@{sha[:10]}" if sha else s for s, sha in row.sources.items()) or row.target
+    sources = ", ".join(source_at(s, sha) for s, sha in row.sources.items()) or row.target
     result = row.result or row.status
     if skipped:
         result = f"{result} (skipped: done earlier)"
@@ -67,7 +77,7 @@ def markdown(rows: list[Row], skipped: set[str], elapsed: float | None = None) -
     for row in rows:
         c = [esc(x) for x in cells(row, row.id in skipped)]
         if c[3]:
-            c[3] = f"[{c[3].rsplit('/', 2)[-2:][0]}/{c[3].rsplit('/', 1)[-1]}]({c[3]})"
+            c[3] = f"[{urlsplit(c[3]).path.lstrip('/')}]({c[3]})"
         out.append("| " + " | ".join(c) + " |")
     return "\n".join(out) + "\n"
 

@@ -28,7 +28,9 @@ from converter.batch.jobs import Job, is_hub_id
 from converter.batch.state import State
 from converter.errors import ConverterError
 
-#: A Python process with torch imported, plus transformers + peft for verification: measured ~0.6-0.9 GB resident.
+#: A `converter` process before its data. Measured peaks on tiny models: convert (torch imported) ~250 MB, merge +
+#: verify (transformers + peft too) ~440 MB; the reserve leaves room for real tokenizers and generation buffers.
+CONVERT_BYTES = 512 << 20
 PROCESS_BYTES = 1 << 30
 #: Error lines from the CLI that mean the Hub failed (after the CLI's own retries), not the job: Ray retries these.
 TRANSIENT = re.compile(r"Hub error (429|5\d\d)|cannot reach the Hub|timed out|Connection (reset|refused|aborted)")
@@ -164,7 +166,7 @@ def _read_outcome(job: Job, code: int | None, out: str, err: str, timeout: float
             error = last_error or (err.strip().splitlines() or ["no error message"])[-1]
         result = "error" if code == 2 else "crashed"
         return {"status": "failed", "result": result, "error": error, "transient": bool(TRANSIENT.search(error))}
-    verdict = None
+    verdict = "n/a (no merge)"
     if job.kind in ("merge", "verify"):
         skipped = "**Not verified**" in out or not job.options.get("verify", True)
         verdict = "skipped" if skipped else "passed"
@@ -200,12 +202,12 @@ def estimate_memory(job: Job) -> int:
     if job.memory:
         return job.memory
     if job.kind == "convert":
-        return PROCESS_BYTES + 4 * _weight_bytes(job.target, adapter=True)
+        return CONVERT_BYTES + 4 * _weight_bytes(job.target)
     model = job.options["base"] if job.kind == "merge" else job.target
-    return PROCESS_BYTES + 2 * _weight_bytes(model, adapter=False)  # 16-bit on disk → float32: ×2 (upper bound)
+    return PROCESS_BYTES + 2 * _weight_bytes(model)  # 16-bit on disk → float32: ×2 (upper bound)
 
 
-def _weight_bytes(source: str, adapter: bool) -> int:
+def _weight_bytes(source: str) -> int:
     """Bytes of the safetensors weights of a source (Hub: from the file listing; local: the files), 0 if unknown."""
     try:
         if not is_hub_id(source):
