@@ -239,8 +239,8 @@ def test_hub_search_gives_one_convert_job_per_model():
             calls.append(kwargs)
             return [SimpleNamespace(id="a/flux-lora"), SimpleNamespace(id="b/other-lora")]
 
-    jobs = jobs_from_search("kohya lora flux", 2, to="diffusers", base="org/flux", api=Api())
-    assert calls == [{"search": "kohya lora flux", "limit": 2, "sort": "created_at"}]
+    jobs = jobs_from_search("flux", 2, filters=["lora"], to="diffusers", base="org/flux", api=Api())
+    assert calls == [{"search": "flux", "limit": 2, "sort": "downloads", "filter": ["lora"]}]
     assert [(j.kind, j.target, j.options) for j in jobs] == [
         ("convert", "a/flux-lora", {"to": "diffusers", "base": "org/flux"}),
         ("convert", "b/other-lora", {"to": "diffusers", "base": "org/flux"}),

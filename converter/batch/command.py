@@ -15,7 +15,10 @@ SOME_FAILED = 4
 def add_parser(sub) -> None:
     b = sub.add_parser("batch", help="run many convert / merge / verify jobs on Ray (resumable, with a report)")
     b.add_argument("jobs", nargs="?", help="job list YAML (see README: Converting many LoRAs)")
-    b.add_argument("--from-hub-search", metavar="QUERY", help="build the job list from a Hub search instead")
+    b.add_argument("--from-hub-search", metavar="TEXT",
+                   help="build the job list from a Hub search instead: repos whose id contains TEXT")  # fmt: skip
+    b.add_argument("--filter", action="append", default=[], metavar="TAG",
+                   help="with --from-hub-search: only repos with this tag (repeatable), e.g. lora")  # fmt: skip
     b.add_argument("--limit", type=int, default=20, help="how many search results (default 20)")
     b.add_argument("--to", default="diffusers", choices=["peft", "diffusers", "kohya"],
                    help="target format of search-built convert jobs (default diffusers)")  # fmt: skip
@@ -38,12 +41,15 @@ def add_parser(sub) -> None:
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from converter.batch import jobs as joblist
 
-    if bool(args.jobs) == bool(args.from_hub_search):
-        raise ConverterError("give a job list JOBS.yaml or --from-hub-search QUERY (one of them)")
-    if args.from_hub_search:
+    searching = args.from_hub_search is not None
+    if bool(args.jobs) == searching:
+        raise ConverterError("give a job list JOBS.yaml or --from-hub-search TEXT (one of them)")
+    if searching:
         if args.limit < 1:
             raise ConverterError(f"--limit {args.limit}: give a positive number")
-        jobs = joblist.jobs_from_search(args.from_hub_search, args.limit, to=args.to, base=args.base)
+        jobs = joblist.jobs_from_search(
+            args.from_hub_search, args.limit, filters=args.filter, to=args.to, base=args.base
+        )
         if not jobs:
             raise ConverterError(f"the Hub search {args.from_hub_search!r} found no models")
         stem = Path(args.state or "batch").with_suffix("")

@@ -153,9 +153,16 @@ def parse_job(entry: Any, defaults: dict[str, Any], where: str) -> Job:
 
 
 def jobs_from_search(
-    query: str, limit: int, *, to: str = "diffusers", base: str | None = None, api: Any = None
+    query: str,
+    limit: int,
+    *,
+    filters: list[str] | None = None,
+    to: str = "diffusers",
+    base: str | None = None,
+    api: Any = None,
 ) -> list[Job]:
-    """A convert job per model the Hub's search returns (`HfApi.list_models(search=...)`), newest first."""
+    """A convert job per model the Hub's search returns, most downloaded first: `HfApi.list_models` with
+    `search` (text contained in the repo id) and `filter` (tags, e.g. `lora`, `base_model:org/name`)."""
     if api is None:
         from huggingface_hub import HfApi
 
@@ -163,7 +170,10 @@ def jobs_from_search(
     options: dict[str, Any] = {"to": to} | ({"base": base} if base else {})
     from converter import hub
 
-    models = hub.call(f"search {query!r}", lambda: list(api.list_models(search=query, limit=limit, sort="created_at")))
+    kwargs: dict[str, Any] = {"search": query or None, "limit": limit, "sort": "downloads"}
+    if filters:
+        kwargs["filter"] = list(filters)
+    models = hub.call(f"search {query!r}", lambda: list(api.list_models(**kwargs)))
     return [Job("convert", m.id, dict(options)) for m in models]
 
 

@@ -60,7 +60,8 @@ def terminal(rows: list[Row], skipped: set[str]) -> str:
     keep = [0, 1, 2, 4, 5, 6, 7]
     table = [[COLUMNS[i] for i in keep]] + [[cells(r, r.id in skipped)[i] for i in keep] for r in rows]
     widths = [min(max(len(line[i]) for line in table), 60) for i in range(len(keep))]
-    lines = ["  ".join(c[:60].ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table]
+    widths[-1] = max(len(line[-1]) for line in table)  # the error is never cut
+    lines = ["  ".join(c[:w].ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines + ["", summary(rows, skipped)])
 
