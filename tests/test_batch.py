@@ -45,6 +45,9 @@ def hub(tmp_path_factory):
     for i, repo in enumerate(GOOD):
         save(kohya_lora(modules, rank=2, alpha=1.0, seed=i), root / repo / "style.safetensors")
         server.seed_folder(repo, root / repo)
+    for repo in ("alice/flaky", "alice/slow"):
+        save(kohya_lora(modules, rank=2, seed=50), root / repo / "style.safetensors")
+        server.seed_folder(repo, root / repo)
     broken = save(kohya_lora(modules, rank=2, seed=99), root / "broken" / "style.safetensors")
     broken.write_bytes(broken.read_bytes()[:-100])  # truncated: the header promises more bytes than there are
     server.seed_folder("alice/broken-lora", broken.parent)
@@ -194,6 +197,34 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
 
     code, out, err = batch(hub, cluster, jobs)
     assert code == 0 and "1 job(s) already done (skipped); 0 to run" in out, out + err
+
+
+def test_hub_faults_beyond_the_clis_retries_are_retried_by_ray_and_a_slow_job_times_out(hub, cluster, tmp_path):
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(yaml.safe_dump({
+        "defaults": {"to": "diffusers", "base": str(hub.local.clip), "component": "text_encoder"},
+        "jobs": [{"convert": "alice/flaky/style.safetensors"},
+                 {"convert": "alice/slow/style.safetensors", "timeout": 1}],
+    }))  # fmt: skip
+    # 503 on resolving the adapter's commit: more than one attempt's 2 tries (CONVERTER_HUB_RETRIES) can absorb,
+    # even if the driver's size look-up takes one of them
+    fault = hub.inject("GET", r"^/api/models/alice/flaky/revision/", status=503, times=4)
+    code, out, err = batch(hub, cluster, jobs)
+    assert code == 4, out + err
+    assert fault.hits == 4
+    state = {r["target"].split("/")[1]: r for r in rows(jobs.with_suffix(".state.sqlite")).values()}
+    assert state["flaky"]["status"] == "done" and len(hub.repo("alice/flaky").discussions) == 1, state["flaky"]
+    assert state["slow"]["status"] == "failed" and state["slow"]["result"] == "timed out", state["slow"]
+    assert "timed out after 1 s" in state["slow"]["error"] and hub.repo("alice/slow").discussions == []
+    running = [p for p in Path("/proc").glob("[0-9]*/cmdline") if b"alice/slow" in _read(p)]
+    assert running == []  # the timed-out job's process group was killed
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 def test_job_list_mistakes_are_one_line_errors(tmp_path, capsys):
