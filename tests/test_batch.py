@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -65,11 +67,12 @@ def cluster(hub, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ray")
     (root / "tmp").mkdir()
+    sessions = Path(tempfile.mkdtemp(prefix="cvb-ray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     env = hub_env(hub, BOB) | {"TMPDIR": str(root / "tmp"), "CONVERTER_HUB_RETRIES": "2", STOP_ENV: f"{KILLED}=staged"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the raylet and its workers keep the environment they started in
     try:
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(root / "r"), logging_level=logging.WARNING)
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(sessions), logging_level=logging.WARNING)
         address = ray.get_runtime_context().gcs_address
     finally:
         for k, v in saved.items():
@@ -77,8 +80,9 @@ def cluster(hub, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    yield SimpleNamespace(address=address, tmp=root / "tmp", logs=root / "r")
+    yield SimpleNamespace(address=address, tmp=root / "tmp", logs=sessions)
     ray.shutdown()
+    shutil.rmtree(sessions, ignore_errors=True)
 
 
 def batch(hub, cluster, *args, wait: bool = True):
