@@ -86,6 +86,7 @@ def main() -> None:
     root = Path(args.workdir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    load = os.getloadavg()[0]
     with HubServer(root / "hub") as hub:
         hub.add_user("w1", TOKEN, orgs=["w2"])
         results = [run(hub, root, w, args.jobs) for w in (1, 2)]
@@ -95,7 +96,8 @@ def main() -> None:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
         f"{args.jobs} jobs, each `convert --to diffusers --push-pr` of a tiny kohya text-encoder LoRA to its own "
         "repo on the local Hub server; a local Ray cluster started by the CLI (`--num-cpus N`). "
-        "Command: `python bench/batch_bench.py`.",
+        f"Command: `python bench/batch_bench.py`. Load average at the start: {load:.1f} (other work on the machine "
+        "makes these numbers noisy).",
         "",
         "| workers | jobs | first submit → last result | jobs/min | whole command (Ray start/stop included) |",
         "|---|---|---|---|---|",
