@@ -199,8 +199,15 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
     assert not [p for p in owned if (cluster.tmp / p).exists()]  # the killed attempt's folders: swept by the retry
     assert_no_token(out, err, files=[tmp_path])
 
+    jobs.write_text(yaml.safe_dump({"jobs": [  # the same list plus a verification of what it pushed
+        {"merge": "bob/merged", "id": KILLED, "base": "alice/tiny-llama", "adapter": "alice/tiny-lora"},
+        {"verify": "bob/merged"},
+    ]}))  # fmt: skip
     code, out, err = batch(hub, cluster, jobs)
-    assert code == 0 and "1 job(s) already done (skipped); 0 to run" in out, out + err
+    assert code == 0 and "1 job(s) already done (skipped); 1 to run" in out, out + err
+    verify = [r for r in rows(jobs.with_suffix(".state.sqlite")).values() if r["kind"] == "verify"]
+    assert [(r["status"], r["result"], r["verdict"]) for r in verify] == [("done", "verified", "passed")], verify
+    assert yaml.safe_load(verify[0]["sources"]) == {"bob/merged": hub.head("bob/merged")}
 
 
 def test_hub_faults_beyond_the_clis_retries_are_retried_by_ray_and_a_slow_job_times_out(hub, cluster, tmp_path):
@@ -248,6 +255,17 @@ def test_job_list_mistakes_are_one_line_errors(tmp_path, capsys):
         assert message in err and err.count("\n") == 1 and "jobs.yaml" in err, err
     assert main(["batch"]) == 2 and "give a job list" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.sqlite"))  # nothing written for a list that does not load
+
+
+def test_joining_a_cluster_without_ray_client_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("ray")
+    if __import__("importlib").util.find_spec("grpc") is not None:
+        pytest.skip("ray[client] is installed here; this checks the message of a minimal install")
+    (tmp_path / "jobs.yaml").write_text("jobs: [{convert: a/b}]")
+    assert main(["batch", str(tmp_path / "jobs.yaml"), "--address", "ray://127.0.0.1:10001"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot join the Ray cluster at ray://127.0.0.1:10001" in err and "ray[client]" in err, err
+    assert err.count("\n") == 1 and not list(tmp_path.glob("*.sqlite"))  # no state file from a batch that never ran
 
 
 def test_job_ids_are_stable_and_arguments_carry_no_token(tmp_path):

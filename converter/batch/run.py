@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,7 @@ def run_batch(
     """Run every job not already done; record each outcome in the state file as it arrives.
 
     Returns (ids run now, ids skipped as done, seconds from the first submission to the last result)."""
+    created = not Path(state_path).exists()
     state = State(state_path)
     try:
         state.add(jobs)
@@ -250,8 +252,14 @@ def run_batch(
             log(f"{len(skipped)} job(s) already done (skipped); {len(todo)} to run")
         if not todo:
             return [], skipped, 0.0
-        elapsed = _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout,
-                              token_in_runtime_env, log)  # fmt: skip
+        try:
+            elapsed = _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout,
+                                  token_in_runtime_env, log)  # fmt: skip
+        except ConverterError:
+            if created and all(state.status(j.id) == "pending" for j in jobs):  # Ray never started: leave nothing
+                state.close()
+                Path(state_path).unlink(missing_ok=True)
+            raise
         return [j.id for j in todo], skipped, elapsed
     finally:
         state.close()
@@ -264,21 +272,27 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
     from tqdm import tqdm
 
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        env = {k: os.environ[k] for k in FORWARDED if k in os.environ}
-        if token_in_runtime_env and os.environ.get("HF_TOKEN"):
-            env["HF_TOKEN"] = os.environ["HF_TOKEN"]
-        ray.init(address=address, runtime_env={"env_vars": env} if env else None, logging_level=logging.WARNING,
-                 log_to_driver=False)  # fmt: skip
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
     try:
-        capacity = ray.cluster_resources().get("memory") or None
+        if address:
+            env = {k: os.environ[k] for k in FORWARDED if k in os.environ}
+            if token_in_runtime_env and os.environ.get("HF_TOKEN"):
+                env["HF_TOKEN"] = os.environ["HF_TOKEN"]
+            ray.init(address=address, runtime_env={"env_vars": env} if env else None, **quiet)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+    except (ConnectionError, ValueError, RuntimeError) as e:  # Ray's own message says what is missing
+        where = f"join the Ray cluster at {address}" if address else "start a local Ray cluster"
+        raise ConverterError(f"cannot {where}: {str(e).strip().splitlines()[0]}") from None
+    try:
+        # the most memory one node offers: a task asking for more could never be placed
+        capacity = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)
         task = ray.remote(run_job)
         refs = {}
         started = time.monotonic()
-        for job in todo:
-            memory = estimate_memory(job)
+        with ThreadPoolExecutor(8) as pool:  # one Hub listing per job: look them up side by side
+            memories = list(pool.map(estimate_memory, todo))
+        for job, memory in zip(todo, memories, strict=True):
             if capacity:
                 memory = min(memory, int(capacity))  # too big for any node: verification offloads instead
             ref = task.options(
