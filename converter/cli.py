@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_options(v)
 
     _convert_parser(sub)
+    from converter.batch.command import add_parser as add_batch_parser
+
+    add_batch_parser(sub)
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
@@ -288,6 +291,10 @@ def run(args: argparse.Namespace) -> int:
         from converter.convert import run_cli
 
         return run_cli(args, log=_log)
+    if args.command == "batch":
+        from converter.batch.command import run_cli as run_batch_cli
+
+        return run_batch_cli(args, log=_log)
     if args.command == "demo":
         from converter.demo import run_demo
 
