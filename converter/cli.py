@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_options(v)
 
     _convert_parser(sub)
+    from converter.methods.cli import add_parsers
+
+    add_parsers(sub)  # extract / resize / combine
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
@@ -260,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
         from converter.convert import run_cli
 
         return run_cli(args, log=_log)
+    if args.command in ("extract", "resize", "combine"):
+        from converter.methods.cli import run as run_method
+
+        return run_method(args, log=_log)
     if args.command == "demo":
         from converter.demo import run_demo
 
