@@ -165,6 +165,10 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qlora-quant", choices=["nf4", "fp4"], help="4-bit type used in training (default nf4)")
     p.add_argument("--qlora-blocksize", type=int, help="quantization block size used in training (default 64)")
     p.add_argument("--no-double-quant", action="store_true", help="training did not use double quantization")
+    p.add_argument("--method", choices=["sum", "ties", "dare", "dare_ties", "magnitude_prune"],
+                   help="how the adapters' deltas combine on each tensor (default sum)")  # fmt: skip
+    p.add_argument("--density", type=float, help="ties/dare: the fraction of each delta kept, in (0, 1]")
+    p.add_argument("--seed", type=int, help="dare: the seed of the drop masks (default 0)")
 
 
 def _adapter_specs(args: argparse.Namespace) -> list:
@@ -190,7 +194,8 @@ def _recipe_from_args(args: argparse.Namespace):
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
-    for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):
+    methods = ("method", "density", "seed")  # ties / dare (converter.methods.taskmerge)
+    for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize", *methods):
         if getattr(args, field, None):
             setattr(recipe, field, getattr(args, field))
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
@@ -214,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+        if settings is not None and recipe.method not in (None, "sum"):
+            _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
+                 f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
+            settings = None
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
         if settings is not None:
             from converter.pipeline import verify_folder
@@ -234,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
+            if recipe.method not in (None, "sum"):
+                raise ConverterError(
+                    f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
+                    "unmerged sum of the adapters, which that merge is not meant to equal"
+                )
         verify_folder(
             args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
         )
@@ -249,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             private=args.private,
             create_pr=args.create_pr,
             overwrite=args.overwrite,
-            verify=None if args.no_verify else _verify_settings(args),
+            verify=None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args),
             log=_log,
         )
         if result.pr_url:
