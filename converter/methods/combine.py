@@ -7,6 +7,8 @@ For each module, with wᵢ the adapter weight and sᵢ = alphaᵢ / rankᵢ its 
   rank. These act on factors, so ΔW is not the weighted sum: a cheap approximation, as in PEFT.
 - `svd` and `<method>_svd`: the method applied to the full ΔWᵢ = sᵢ·Bᵢ·Aᵢ, then an SVD truncated to --rank (default:
   the largest input rank), U·S in B and Vh in A, optionally clamped at a quantile of their values (PEFT's svd_clamp).
+  `svd`'s ΔW has rank <= Σ rᵢ, so its SVD comes from QRs of the stacked factors (float64, exact); the pruned ones
+  are full rank and get a float32 SVD, like PEFT's on a float32 model.
 The output has scale 1 per module (alpha = rank). A module only some adapters have is combined from those. One
 adapter alone is combined with `linear`, as PEFT does. The input factors are read per adapter (adapter-sized);
 one module's ΔW at a time is formed.
@@ -92,14 +94,20 @@ def combine_module(
                          for (i, _, _), t in zip(parts, tensors, strict=True)]  # fmt: skip
             out.append(combine_tensors(tensors, weights, method, density, masks, sign_method))
         return out[0], out[1], None
+    tail = first.down.shape[1:]
+    if method == "svd":  # Σ wᵢ·ΔWᵢ has rank <= Σ rᵢ: its SVD from the stacked factors, exact and cheap
+        from converter.methods.resize import lora_svd
+
+        up = torch.cat([m.up.float().flatten(1) for _, _, m in parts], dim=1)
+        down = torch.cat([m.down.float().flatten(1) * (w * m.alpha / m.rank) for _, w, m in parts])
+        return svd_factors(up.double() @ down.double(), rank, tail, svd_clamp, lora_svd(up, down))
     deltas = [_delta(m) for _, _, m in parts]
     masks = None
     if method.startswith("dare"):
         masks = [dare_mask(tuple(d.shape), density, seed, *where, "delta", i)
                  for (i, _, _), d in zip(parts, deltas, strict=True)]  # fmt: skip
-    base = "linear" if method == "svd" else method.removesuffix("_svd")
-    delta = combine_tensors(deltas, [w for _, w, _ in parts], base, density, masks, sign_method)
-    return svd_factors(delta, rank, first.down.shape[1:], svd_clamp)
+    delta = combine_tensors(deltas, [w for _, w, _ in parts], method.removesuffix("_svd"), density, masks, sign_method)
+    return svd_factors(delta, rank, tail, svd_clamp)
 
 
 def _delta(m: LoraModule) -> torch.Tensor:
@@ -108,18 +116,19 @@ def _delta(m: LoraModule) -> torch.Tensor:
 
 
 def svd_factors(
-    delta: torch.Tensor, rank: int, down_tail: tuple[int, ...], clamp: float | None = None
+    delta: torch.Tensor, rank: int, down_tail: tuple[int, ...], clamp: float | None = None, usv=None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Rank-`rank` factors of an (out, in·k) ΔW: up = U·S, down = Vh (float64 SVD, float32 factors), shaped like
-    the input module's (conv: down (r, in, *k), up (out, r, 1, ..)); and the relative error of the factors."""
-    mat = delta.double()
-    u, s, vh = torch.linalg.svd(mat, full_matrices=False)
+    """Rank-`rank` factors of an (out, in·k) ΔW: up = U·S, down = Vh (a float32 SVD, as PEFT's in float32, or the
+    given `usv`), shaped like the input module's (conv: down (r, in, *k), up (out, r, 1, ..)); and the relative
+    error of the float32 factors, measured in float64."""
+    u, s, vh = usv if usv is not None else torch.linalg.svd(delta.float(), full_matrices=False)
     r = max(1, min(rank, s.numel()))
     up, down = u[:, :r] * s[:r], vh[:r]
     if clamp is not None:
         hi = torch.quantile(torch.cat([up.flatten(), down.flatten()]), clamp)
         up, down = up.clamp(-hi, hi), down.clamp(-hi, hi)
     up, down = up.float(), down.float()
+    mat = delta.double()
     norm = torch.linalg.norm(mat)
     error = float(torch.linalg.norm(mat - up.double() @ down.double()) / norm) if norm > 0 else 0.0
     down = down.reshape(r, *down_tail)
