@@ -195,7 +195,7 @@ def test_dare_rescales_survivors_and_reproduces_by_seed(trio, tmp_path, cli):
     """One adapter kept with DARE density d: every value is 0 or value/d (PEFT switches one adapter to linear, so
     this goes through combine_module directly); the same seed gives the same file, another seed another."""
     from converter.convert.modules import LoraModule
-    from converter.methods.combine import combine_module
+    from converter.methods.combination import combine_module
 
     g = torch.Generator().manual_seed(0)
     m = LoraModule(None, "x", torch.randn(4, 16, generator=g), torch.randn(8, 4, generator=g), 4.0, "x")
@@ -228,3 +228,23 @@ def test_bad_combinations_are_one_line_errors(trio, tmp_path, cli):
                        "--out", tmp_path / "o")  # fmt: skip
     assert code == 2 and "svd methods only" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_python_api_names_the_functions(trio, tmp_path):
+    """`from converter.methods import combine` is the function even after its module was imported."""
+    import converter.methods.combination  # noqa: F401
+    from converter.methods import combine, extract, resize
+
+    assert all(callable(f) and f.__module__.startswith("converter.methods.") for f in (combine, extract, resize))
+    _, a, b, _ = trio
+    result = combine([str(a), str(b)], tmp_path / "o", weights=[1.0, 0.5], method="cat", log=lambda m: None)
+    assert result.modules == 6 and (tmp_path / "o" / "adapter_model.safetensors").is_file()
+
+
+def test_building_the_parser_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, converter.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

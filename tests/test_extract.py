@@ -14,7 +14,7 @@ import torch
 from conftest import load_merged, logits, make_adapter, make_base, reference_model, token_ids
 from safetensors.torch import load_file, save_file
 
-from converter.methods.extract import extract_factors
+from converter.methods.extraction import extract_factors
 from converter.methods.ranks import choose_rank
 
 EPS32 = float(np.finfo(np.float32).eps)

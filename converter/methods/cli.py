@@ -66,18 +66,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     """Run one of COMMANDS from parsed arguments; errors are ConverterErrors (exit code 2)."""
     common = dict(to=args.to, force=args.force, token=args.token, allow_pickle=args.allow_pickle, log=log)
     if args.command == "extract":
-        from converter.methods.extract import extract
+        from converter.methods.extraction import extract
 
         result = extract(args.base, args.tuned, args.out, rank=args.rank, rule=args.rank_rule, param=args.rank_param,
                          include=args.include, exclude=args.exclude,
                          modules_to_save=not args.no_modules_to_save, **common)  # fmt: skip
     elif args.command == "resize":
-        from converter.methods.resize import resize
+        from converter.methods.resizing import resize
 
         result = resize(args.adapter, args.out, rank=args.rank, rule=args.rank_rule, param=args.rank_param,
                         base=args.base, component=args.component, **common)  # fmt: skip
     else:
-        from converter.methods.combine import combine
+        from converter.methods.combination import combine
 
         result = combine(args.adapter, args.out, weights=args.weight, method=args.method, density=args.density,
                          rank=args.rank, seed=args.seed, sign_method=args.majority_sign, svd_clamp=args.svd_clamp,

@@ -96,7 +96,7 @@ def combine_module(
         return out[0], out[1], None
     tail = first.down.shape[1:]
     if method == "svd":  # Σ wᵢ·ΔWᵢ has rank <= Σ rᵢ: its SVD from the stacked factors, exact and cheap
-        from converter.methods.resize import lora_svd
+        from converter.methods.resizing import lora_svd
 
         up = torch.cat([m.up.float().flatten(1) for _, _, m in parts], dim=1)
         down = torch.cat([m.down.float().flatten(1) * (w * m.alpha / m.rank) for _, w, m in parts])
