@@ -200,3 +200,42 @@ def test_unet_convs_through_diffusers_load_lora_weights(tmp_path, cli):
             assert not torch.equal(got, base_sd[k])
         else:
             assert torch.equal(got, want), k
+
+
+def test_gpt2_conv1d_is_refused_with_a_way_out(tmp_path, cli):
+    make_base(tmp_path / "base", arch="gpt2")
+    shutil.copytree(tmp_path / "base", tmp_path / "tuned")
+    path = tmp_path / "tuned" / "model.safetensors"
+    sd = load_file(path)
+    for k in sd:
+        if k.endswith(("c_attn.weight", "c_proj.weight")) or k == "lm_head.weight":
+            sd[k] = sd[k] + 0.01
+    save_file(sd, path, metadata={"format": "pt"})
+    code, _, err = cli("extract", "--base", tmp_path / "base", "--tuned", tmp_path / "tuned", "--rank", "2",
+                       "--out", tmp_path / "x")  # fmt: skip
+    assert code == 2 and "stored transposed" in err and "--exclude" in err and not (tmp_path / "x").exists()
+
+
+def test_changed_embedding_is_saved_whole_and_peft_reproduces_the_logits(tmp_path, cli):
+    """An (untied) embedding that changed goes to modules_to_save; with an exact-rank q_proj change, PEFT on the
+    base with the extracted adapter gives the tuned logits up to float32 noise (measured: PEFT's own merge)."""
+    base = make_base(tmp_path / "base", tie_word_embeddings=False)
+    shutil.copytree(base, tmp_path / "tuned")
+    path = tmp_path / "tuned" / "model.safetensors"
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(4)
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] + 0.05 * torch.randn(256, 64, generator=g)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    sd[q] = sd[q] + 0.05 * torch.randn(64, 2, generator=g) @ torch.randn(2, 64, generator=g)
+    save_file(sd, path, metadata={"format": "pt"})
+    code, out, err = cli("extract", "--base", base, "--tuned", tmp_path / "tuned", "--rank", "2", "--out",
+                         tmp_path / "x")  # fmt: skip
+    assert code == 0, err
+    config = json.loads((tmp_path / "x" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.embed_tokens"] and config["target_modules"] == [q[:-7]]
+    ids = token_ids()
+    got, model = _peft_logits(base, tmp_path / "x", ids)
+    noise = float((got - logits(model.merge_and_unload(), ids)).abs().max())
+    want = logits(load_merged(tmp_path / "tuned"), ids)
+    assert float((got - want).abs().max()) <= 2 * noise + 64 * EPS32 * float(want.abs().max())
+    assert float((logits(load_merged(base), ids) - want).abs().max()) > 1e-2  # the change is visible

@@ -105,6 +105,7 @@ def extract(
     if missing:
         raise ConverterError(f"{tuned}: tensor {missing[0]} is not in the base ({len(missing)} such): another "
                              "architecture? (--exclude them if they are new layers you do not want)")  # fmt: skip
+    _refuse_transposed(b, keys)
     whole = _whole_modules(b, t, keys)
     if whole and (not modules_to_save or to != "peft"):
         first = next(iter(whole.values()))
@@ -139,6 +140,21 @@ def extract(
     log(f"wrote {out}: {len(modules)} LoRA modules extracted as {to} ({', '.join(files)})")
     names = [f"{c}/{m}" if c else m for c, m in saved]
     return ExtractResult(out, files, len(modules), names, report, notes)
+
+
+def _refuse_transposed(b, keys: list[str]) -> None:
+    """Weights stored (in, out) (GPT-2's Conv1D) would need PEFT's fan_in_fan_out, which no writer produces."""
+    if b.diffusion:
+        return
+    from converter.keymap import keymap_for
+
+    keymap = keymap_for(b.config)
+    transposed = [k for k in keys if keymap.is_stored_transposed(k)]
+    if transposed:
+        raise ConverterError(
+            f"{transposed[0]} is stored transposed ({keymap.name} Conv1D, {len(transposed)} such): its LoRA would "
+            "need PEFT's fan_in_fan_out layout, which is not written; --exclude them to extract the rest"
+        )
 
 
 def _filter(include: list[str], exclude: list[str]) -> Callable[[str], bool]:
