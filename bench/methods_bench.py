@@ -6,7 +6,7 @@ loaded whole, then the same float32 SVD per linear weight (written here: mergeki
 `save_pretrained`. Measured with merge_bench's launcher (GNU time: peak RSS of the one child). Timings on a shared
 2-core machine are noisy: compare runs, not single numbers.
 
-    python bench/methods_bench.py [--workdir bench/work/methods] [--no-record]
+    python bench/methods_bench.py [--workdir bench/work/methods] [--no-record] [--only extract|combine]
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", default=str(HERE / "work" / "methods"))
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--only", choices=["extract", "combine"], help="run one pair only")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -104,6 +105,8 @@ def main() -> None:
                                    "--out", str(work / "c"), "--force"]),
         ("PEFT add_weighted_adapter svd", [py, "-c", PEFT_COMBINE, str(base), str(a), str(b), str(work / "p")]),
     ]  # fmt: skip
+    if args.only:
+        runs = runs[:2] if args.only == "extract" else runs[2:]
     results = [measure(name, cmd, work / f"{i}.log", cold=False) for i, (name, cmd) in enumerate(runs)]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
