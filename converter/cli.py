@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     from converter.batch.command import add_parser as add_batch_parser
 
     add_batch_parser(sub)
+    from converter.methods.cli import add_parsers
+
+    add_parsers(sub)  # extract / resize / combine
 
     d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
     d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
@@ -185,6 +188,10 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qlora-quant", choices=["nf4", "fp4"], help="4-bit type used in training (default nf4)")
     p.add_argument("--qlora-blocksize", type=int, help="quantization block size used in training (default 64)")
     p.add_argument("--no-double-quant", action="store_true", help="training did not use double quantization")
+    p.add_argument("--method", choices=["sum", "ties", "dare", "dare_ties", "magnitude_prune"],
+                   help="how the adapters' deltas combine on each tensor (default sum)")  # fmt: skip
+    p.add_argument("--density", type=float, help="ties/dare: the fraction of each delta kept, in (0, 1]")
+    p.add_argument("--seed", type=int, help="dare: the seed of the drop masks (default 0)")
 
 
 def _adapter_specs(args: argparse.Namespace) -> list:
@@ -218,7 +225,8 @@ def _recipe_from_args(args: argparse.Namespace):
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
-    for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize"):
+    methods = ("method", "density", "seed")  # ties / dare (converter.methods.taskmerge)
+    for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize", *methods):
         if getattr(args, field, None):
             setattr(recipe, field, getattr(args, field))
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
@@ -242,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+        if settings is not None and recipe.method not in (None, "sum"):
+            _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
+                 f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
+            settings = None
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
         if settings is not None:
             from converter.pipeline import verify_folder
@@ -262,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
+            if recipe.method not in (None, "sum"):
+                raise ConverterError(
+                    f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
+                    "unmerged sum of the adapters, which that merge is not meant to equal"
+                )
         verify_folder(
             args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
         )
@@ -277,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             private=args.private,
             create_pr=args.create_pr,
             overwrite=args.overwrite,
-            verify=None if args.no_verify else _verify_settings(args),
+            verify=None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args),
             log=_log,
         )
         if result.pr_url:
@@ -295,6 +312,10 @@ def run(args: argparse.Namespace) -> int:
         from converter.batch.command import run_cli as run_batch_cli
 
         return run_batch_cli(args, log=_log)
+    if args.command in ("extract", "resize", "combine"):
+        from converter.methods.cli import run as run_method
+
+        return run_method(args, log=_log)
     if args.command == "demo":
         from converter.demo import run_demo
 

@@ -70,6 +70,9 @@ def merge(
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
     max_shard = parse_size(recipe.max_shard_size)
+    from converter.methods.taskmerge import TaskMerge
+
+    task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched
     if not dry_run:
         if not recipe.out:
             raise ConverterError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
@@ -78,7 +81,7 @@ def merge(
     base = fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
-        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log)
+        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge)
 
 
 def _merge(
@@ -91,6 +94,7 @@ def _merge(
     dry_run: bool,
     force: bool,
     log: Callable[[str], None],
+    task_merge=None,
 ) -> MergeResult:
     original = checkpoint = open_base(base.local)
     if quant and checkpoint.diffusion:
@@ -115,6 +119,7 @@ def _merge(
     cards = [f.card for f in fetched]
     base_id = base.pinned if base.source.repo_id else None
     plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
+    plan.task_merge = task_merge
     warnings += more
     for w in warnings:
         log(f"warning: {w}")
@@ -239,7 +244,8 @@ def _stream(checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dic
             writer.write(name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
-            result = (_patched(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
+            merged = plan.task_merge or _patched
+            result = (merged(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
             if o.patches and not all_finite(result):
                 raise ConverterError(
                     f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "

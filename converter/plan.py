@@ -68,6 +68,7 @@ class MergePlan:
     config_updates: dict
     tokenizer_from: Path | None
     notes: list[str]
+    task_merge: object | None = None  # TIES/DARE instead of the sum (converter.methods.taskmerge), set by merge
 
     @property
     def changed(self) -> list[OutputTensor]:

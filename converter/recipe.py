@@ -63,6 +63,11 @@ class Recipe:
     qlora_quant: str = "nf4"
     qlora_blocksize: int = 64
     qlora_double_quant: bool = True
+    # Not a plain sum: "ties", "dare", "dare_ties" or "magnitude_prune" on each tensor's deltas (None: the sum);
+    # density = fraction of each delta kept, seed = DARE's masks (converter.methods.taskmerge).
+    method: str | None = None
+    density: float | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.qlora_base not in ("original", "dequantized"):
