@@ -181,7 +181,7 @@ def _recipe_from_args(args: argparse.Namespace):
         if args.adapter:
             raise ConverterError("give adapters either in --recipe or with --adapter, not both")
     else:
-        if not args.base or not args.adapter:
+        if not args.base or not (args.adapter or _training_base(args.base)):
             raise ConverterError("merge needs --base and at least one --adapter (or --recipe FILE)")
         recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
@@ -193,6 +193,15 @@ def _recipe_from_args(args: argparse.Namespace):
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
     recipe.allow_pickle = recipe.allow_pickle or args.allow_pickle
     return recipe
+
+
+def _training_base(base: str) -> bool:
+    """A training checkpoint (verl FSDP / DCP) is a complete model by itself: it needs no --adapter."""
+    from pathlib import Path
+
+    from converter.training import is_training_checkpoint
+
+    return is_training_checkpoint(Path(base))
 
 
 def _log(msg: str) -> None:

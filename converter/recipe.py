@@ -65,7 +65,7 @@ class Recipe:
             raise ConverterError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
         if self.qlora_quant not in ("nf4", "fp4"):
             raise ConverterError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
-        if not self.adapters:
+        if not self.adapters and not _is_training_checkpoint(self.base):  # a training run's state is whole
             raise ConverterError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:
             if isinstance(spec.weight, dict) and not set(spec.weight) <= COMPONENT_WEIGHTS:
@@ -130,3 +130,9 @@ class Recipe:
 def _relative_to(spec: str, here: Path) -> str:
     candidate = here / spec
     return str(candidate) if not Path(spec).is_absolute() and candidate.exists() else spec
+
+
+def _is_training_checkpoint(base: str | None) -> bool:
+    from converter.training import is_training_checkpoint
+
+    return bool(base) and is_training_checkpoint(Path(base))

@@ -1,0 +1,240 @@
+"""A training checkpoint seen as a merge base: Hugging Face names, the LoRA inside fused, a tied head dropped.
+
+The reader underneath (FSDP rank files, DCP) rebuilds one tensor from its shards on demand; this view gives it
+the `checkpoint.Checkpoint` interface (`names`, `info`, `read`, `files`, `where`, `parts`, `config`) so planning,
+streaming and writing are the ones every other base goes through. `folder` is the `huggingface/` folder verl
+saves beside the weights: config, tokenizer and generation config are carried over from there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
+from converter.dtypes import ITEMSIZE, TORCH_TO_ST
+from converter.errors import ConverterError
+from converter.patches import lora_scale
+
+PEFT_PREFIX = "base_model.model."
+LORA_ROLES = (  # (suffix, role): verl keeps PEFT's adapter name ("default") in the sharded state dict
+    (".lora_A.default.weight", "A"),
+    (".lora_B.default.weight", "B"),
+    (".lora_A.weight", "A"),
+    (".lora_B.weight", "B"),
+    (".base_layer.weight", "weight"),
+    (".base_layer.bias", "bias"),
+)
+UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_dropout")
+ROLES_DIR = ("actor", "critic")
+
+
+def actor_folder(path: Path) -> Path:
+    """`global_step_N/` → its `actor/` (or `critic/` when there is no actor); anything else as given."""
+    if path.is_dir() and not _has_weights(path):
+        for sub in ROLES_DIR:
+            if (path / sub).is_dir() and _has_weights(path / sub):
+                return path / sub
+    return path
+
+
+def _has_weights(folder: Path) -> bool:
+    return (folder / ".metadata").is_file() or any(folder.glob("model_world_size_*_rank_*.pt"))
+
+
+def is_training_checkpoint(path: Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and _has_weights(actor_folder(path))
+
+
+class _RankFile:
+    """One weight file of the checkpoint, as `merge.write_weights` sees files: hashed for provenance."""
+
+    def __init__(self, path: Path, owner: TrainingCheckpoint, tensors: dict[str, TensorInfo]):
+        self.path = path
+        self.size = path.stat().st_size
+        self.tensors = tensors
+        self.owner = owner
+
+    def reader(self) -> _Reader:
+        return _Reader(self)
+
+
+class _Reader:
+    """The `SequentialReader` interface over a sharded source: tensors rebuilt from every rank, in plan order;
+    the file's sha256 is taken at the end (a second read of the file, never held in memory)."""
+
+    def __init__(self, file: _RankFile):
+        self.file = file
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        return self.file.owner.read(info.name)
+
+    def copy(self, info: TensorInfo, sink) -> None:
+        t = self.file.owner.read(info.name)
+        sink(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+    def finish(self) -> str:
+        return file_sha256(self.file.path)
+
+    def abort(self) -> None:
+        pass
+
+
+class TrainingCheckpoint(Checkpoint):
+    """A sharded training checkpoint (`source`: an FsdpSource or a DcpSource) as a base."""
+
+    parts = (Part(),)
+    diffusion = None
+
+    def __init__(self, folder: Path, source, *, lora_alpha: float | None = None):  # noqa: D107 - no super()
+        self.weights_folder = Path(folder)
+        self.source = source
+        self.notes: list[str] = []
+        hf = self.weights_folder / "huggingface"
+        config_path = hf / "config.json"
+        if not config_path.is_file():
+            raise ConverterError(
+                f"{self.weights_folder}: training checkpoint without huggingface/config.json (verl saves the "
+                "model's config, tokenizer and generation config there); copy the base model's config.json into "
+                f"{hf}"
+            )
+        try:
+            self.config: dict = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        self.folder = hf
+        self._build_names(lora_alpha)
+        infos = {n: self._info(n) for n in self._order}
+        files = [Path(p) for p in source.files]
+        self.files = [_RankFile(files[0], self, infos)] + [_RankFile(p, self, {}) for p in files[1:]]
+        self.where = dict.fromkeys(infos, self.files[0])
+        self._infos = infos
+        self.notes.insert(
+            0,
+            f"base reassembled from {source.kind} shards ({len(files)} files, read weights-only, one tensor at a time)",
+        )
+
+    def _build_names(self, lora_alpha: float | None) -> None:
+        """HF name → (source key, LoRA (A key, B key) or None); keys in the source's order."""
+        groups: dict[str, dict[str, str]] = {}
+        plain: dict[str, str] = {}
+        for key in self.source.names():
+            bare = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
+            if any(f".{u}." in bare or bare.endswith(f".{u}") for u in UNSUPPORTED_LORA):
+                raise ConverterError(
+                    f"{self.weights_folder}: tensor {key}: embedding LoRA / DoRA inside a training checkpoint is "
+                    "not supported yet; save the adapter with PEFT and merge it as an adapter"
+                )
+            for suffix, role in LORA_ROLES:
+                if bare.endswith(suffix):
+                    groups.setdefault(bare[: -len(suffix)], {})[role] = key
+                    break
+            else:
+                plain[bare] = key
+        self._map: dict[str, str] = {}
+        self._lora: dict[str, tuple[str, str, float]] = {}
+        ranks = set()
+        alpha = None
+        for module, roles in groups.items():
+            if ("A" in roles) != ("B" in roles):
+                raise ConverterError(f"{self.weights_folder}: module {module} has only half a LoRA pair")
+            if "weight" not in roles:
+                raise ConverterError(f"{self.weights_folder}: module {module} has a LoRA but no base_layer.weight")
+            self._map[f"{module}.weight"] = roles["weight"]
+            if "bias" in roles:
+                self._map[f"{module}.bias"] = roles["bias"]
+            if "A" in roles:
+                r = self.source.shape(roles["A"])[0]
+                ranks.add(r)
+                if alpha is None:
+                    alpha = self._alpha(lora_alpha)
+                self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(alpha[0], r, alpha[1]))
+        self._map.update(plain)
+        order = {k: i for i, k in enumerate(self.source.names())}
+        self._order = sorted(self._map, key=lambda n: order[self._map[n]])
+        self._drop_tied_head()
+        if self._lora:
+            self.notes.append(
+                f"LoRA inside the checkpoint fused into {len(self._lora)} weights (rank {', '.join(map(str, sorted(ranks)))}, "
+                f"lora_alpha {alpha[0]:g} from {alpha[2]}, scale alpha/{'sqrt(r)' if alpha[1] else 'r'}), in float32, "
+                "rounded once"
+            )
+        stored = {TORCH_TO_ST[self.source.dtype(self._map[n])] for n in self._order}
+        declared = self.config.get("dtype") or self.config.get("torch_dtype")
+        if declared and stored == {"F32"} and declared != "float32":
+            self.notes.append(
+                f"the training state is float32 (FSDP master weights) while config.json says {declared}; "
+                f"written as stored unless --dtype {declared} is given"
+            )
+
+    def _alpha(self, explicit: float | None) -> tuple[float, bool, str]:
+        """(lora_alpha, use_rslora, where it came from): --lora-alpha, lora_train_meta.json, lora_adapter/."""
+        rslora = False
+        sources = []
+        for path in (self.weights_folder / "lora_train_meta.json", self.weights_folder / "lora_adapter" /
+                     "adapter_config.json"):  # fmt: skip
+            if path.is_file():
+                try:
+                    meta = json.loads(path.read_text())
+                except json.JSONDecodeError as e:
+                    raise ConverterError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+                rslora = rslora or bool(meta.get("use_rslora", False))
+                if meta.get("lora_alpha") is not None:
+                    sources.append((float(meta["lora_alpha"]), path.relative_to(self.weights_folder)))
+        if explicit is not None:
+            return float(explicit), rslora, "--lora-alpha"
+        if sources:
+            return sources[0][0], rslora, str(sources[0][1])
+        raise ConverterError(
+            f"{self.weights_folder}: the checkpoint holds a LoRA but no lora_alpha (no lora_train_meta.json or "
+            "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
+        )
+
+    def _drop_tied_head(self) -> None:
+        """transformers saves a tied head once (the embedding); the training state lists both names."""
+        from converter.keymap import keymap_for
+
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
+        tied = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        if not tied:
+            return
+        for head, emb in keymap_for(self.config).tied.items():
+            if head in self._map and emb in self._map and head not in self._lora and emb not in self._lora:
+                shared = self.source.storage_of(self._map[head]) == self.source.storage_of(self._map[emb])
+                self._order.remove(head)
+                del self._map[head]
+                self.notes.append(
+                    f"{head} dropped: tied to {emb} (tie_word_embeddings)"
+                    + ("" if shared else ", though the training state stored it separately")
+                )
+
+    def _info(self, name: str) -> TensorInfo:
+        key = self._map[name]
+        dtype = TORCH_TO_ST[self.source.dtype(key)]
+        shape = tuple(self.source.shape(key))
+        n = ITEMSIZE[dtype]
+        for d in shape:
+            n *= d
+        return TensorInfo(name, dtype, shape, 0, n)
+
+    def names(self) -> list[str]:
+        return list(self._order)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        t = self.source.read(self._map[name])
+        if name not in self._lora:
+            return t
+        a_key, b_key, scale = self._lora[name]
+        w = t.to(torch.float32, copy=True)
+        w.addmm_(self.source.read(b_key).to(torch.float32), self.source.read(a_key).to(torch.float32), alpha=scale)
+        return w.to(t.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
