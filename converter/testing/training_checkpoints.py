@@ -4,7 +4,8 @@
   ref/<variant>/base       the model before sharding (save_pretrained), the exact expected output
   ref/<variant>/adapter    the PEFT adapter trained into it (LoRA variants), PEFT's forward is the oracle
   <variant>/actor/         model_world_size_W_rank_r.pt, fsdp_config.json, huggingface/, lora_train_meta.json
-  dcp/                     the `plain` model's sharded state dict saved with torch.distributed.checkpoint
+  dcp/actor/               the `plain` model's sharded state dict saved with torch.distributed.checkpoint
+  partial/                 rank files holding a `Partial` DTensor (to be refused)
 Variants: `plain` (untied Llama, odd vocab so the shards are uneven), `lora` (tied Llama with a PEFT LoRA on
 all linear layers, kept unmerged as verl does: base_layer + lora_A/lora_B.default). Needs transformers and peft.
 """
@@ -81,8 +82,9 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int) -
         if rank == 0:
             model.save_pretrained(root / "ref/plain/base")
             _side_files(config, root / "plain/actor", world, None)
+            config.save_pretrained(root / "dcp/actor/huggingface")
         dist.barrier()
-        _shard_and_save(model, root / "plain/actor", rank, world, dcp=root / "dcp")
+        _shard_and_save(model, root / "plain/actor", rank, world, dcp=root / "dcp/actor")
 
         from peft import LoraConfig, get_peft_model
 
@@ -103,8 +105,20 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int) -
         dist.barrier()
         _shard_and_save(model, root / "lora/actor", rank, world)
         dist.barrier()
+        _partial(root / "partial", rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _partial(folder: Path, rank: int, world: int) -> None:
+    """A rank file whose tensor is a `Partial` DTensor (an unreduced sum): a reader must refuse it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    folder.mkdir(parents=True, exist_ok=True)
+    value = DTensor.from_local(torch.ones(4, 4), mesh, [Partial()], run_check=False)
+    torch.save({"model.norm.weight": value}, folder / f"model_world_size_{world}_rank_{rank}.pt")
 
 
 def free_port() -> int:
