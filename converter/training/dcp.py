@@ -62,9 +62,7 @@ class DcpSource:
 
         self.folder = Path(folder)
         meta = load_metadata(self.folder / ".metadata", allow_pickle)
-        self.tensors = {
-            fqn: m for fqn, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
-        }
+        self.tensors = {fqn: m for fqn, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
         if not self.tensors:
             raise ConverterError(f"{self.folder / '.metadata'}: the checkpoint holds no tensors")
         self.where: dict[str, list] = {fqn: [] for fqn in self.tensors}

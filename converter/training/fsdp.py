@@ -260,5 +260,3 @@ class FsdpSource:
                 out.narrow(e.dim, at, n).copy_(read_piece(piece, e.dtype, self.sizes[piece.path], name))
             at += n
         return out
-
-

@@ -158,7 +158,8 @@ class TrainingCheckpoint(Checkpoint):
         self._drop_tied_head()
         if self._lora:
             self.notes.append(
-                f"LoRA inside the checkpoint fused into {len(self._lora)} weights (rank {', '.join(map(str, sorted(ranks)))}, "
+                f"LoRA inside the checkpoint fused into {len(self._lora)} weights "
+                f"(rank {', '.join(map(str, sorted(ranks)))}, "
                 f"lora_alpha {alpha[0]:g} from {alpha[2]}, scale alpha/{'sqrt(r)' if alpha[1] else 'r'}), in float32, "
                 "rounded once"
             )
