@@ -1,0 +1,205 @@
+"""Training checkpoints as bases: real verl-style FSDP2 rank files and a DCP folder, made by 2 gloo processes.
+
+The oracle is the model before sharding (bit for bit where there is no LoRA) and PEFT's own unmerged forward
+(and its float64 merge, rounded once) where the checkpoint carries a LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import load_merged, logits, peft_merged_fp64, read_tensors, reference_model
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """One build of every checkpoint (two processes, ~30 s on 2 cores), shared by the module."""
+    root = tmp_path_factory.mktemp("training")
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter.testing.training_checkpoints", str(root), "--world", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("layout", ["plain/actor", "dcp/actor"])
+def test_reassembled_base_is_bit_identical_to_the_model_before_sharding(ckpts, layout, tmp_path, cli):
+    code, out, err = cli("merge", "--base", ckpts / layout, "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "reassembled from" in out
+    ours, expected = read_tensors(tmp_path / "m"), read_tensors(ckpts / "ref/plain/base")
+    assert set(ours) == set(expected)
+    assert all(_bytes_equal(ours[k], expected[k]) for k in expected)
+    assert ours["model.embed_tokens.weight"].shape[0] == 67  # uneven shards (34 + 33 rows) put back together
+    provenance = json.loads((tmp_path / "m/converter_provenance.json").read_text())
+    names = {f["name"] for f in provenance["base"]["files"]}
+    if layout.startswith("plain"):
+        assert names == {"model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"}
+    else:
+        assert ".metadata" in names and "__0_0.distcp" in names
+    model = load_merged(tmp_path / "m")
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(model, ids), logits(load_merged(ckpts / "ref/plain/base"), ids))
+
+
+def test_lora_inside_is_fused_like_peft(ckpts, tmp_path, cli):
+    """verl's state keeps base_layer + lora_A/lora_B.default: fused with alpha from lora_train_meta.json."""
+    code, out, err = cli("merge", "--base", ckpts / "lora", "--out", tmp_path / "m")  # global_step_N-style folder
+    assert code == 0, err
+    assert "LoRA inside the checkpoint fused into 14 weights" in out and "lora_alpha 8" in out
+    ours = read_tensors(tmp_path / "m")
+    base = read_tensors(ckpts / "ref/lora/base")
+    reference = peft_merged_fp64(ckpts / "ref/lora/base", ckpts / "ref/lora/adapter")
+    assert "lm_head.weight" not in ours  # tied: written once, as transformers saves it
+    assert set(ours) == set(base)
+    changed = 0
+    for name, tensor in ours.items():
+        expected = reference[name].to(torch.float32)
+        if torch.equal(expected, base[name]):
+            assert _bytes_equal(tensor, base[name]), name
+            continue
+        changed += 1
+        torch.testing.assert_close(tensor, expected, atol=1e-6, rtol=1e-6)
+    assert changed == 14
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    peft = logits(reference_model(ckpts / "ref/lora/base", [ckpts / "ref/lora/adapter"]), ids)
+    merged = load_merged(tmp_path / "m")
+    assert merged.config.tie_word_embeddings
+    torch.testing.assert_close(logits(merged, ids), peft, atol=1e-5, rtol=1e-5)
+    bare = logits(load_merged(ckpts / "ref/lora/base"), ids)
+    assert (bare - peft).abs().max() > 100 * (logits(merged, ids) - peft).abs().max()  # the LoRA did matter
+
+
+def test_missing_lora_alpha_is_an_error_and_explicit_alpha_works(ckpts, tmp_path, cli):
+    from converter.checkpoint import open_base
+
+    actor = tmp_path / "actor"
+    shutil.copytree(ckpts / "lora/actor", actor)
+    (actor / "lora_train_meta.json").unlink()
+    code, out, err = cli("merge", "--base", actor, "--out", tmp_path / "m")
+    assert code == 2 and "no lora_alpha" in err and "--lora-alpha" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "m").exists()
+    ckpt = open_base(actor, lora_alpha=8)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    expected = peft_merged_fp64(ckpts / "ref/lora/base", ckpts / "ref/lora/adapter")[name].float()
+    torch.testing.assert_close(ckpt.read(name), expected, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(open_base(actor, lora_alpha=16).read(name), expected)
+
+
+def _broken(ckpts, tmp_path, damage) -> object:
+    actor = tmp_path / "global_step_1" / "actor"
+    shutil.copytree(ckpts / "plain/actor", actor)
+    damage(actor)
+    return actor
+
+
+def _truncate(actor):
+    f = actor / "model_world_size_2_rank_1.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+class _NotATensor:
+    pass
+
+
+def _non_tensor(actor):
+    torch.save({"model.norm.weight": _NotATensor()}, actor / "model_world_size_2_rank_1.pt")
+
+
+def _partial_from(ckpts):
+    def damage(actor):
+        for r in (0, 1):
+            shutil.copy(ckpts / f"partial/model_world_size_2_rank_{r}.pt", actor)
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "model_world_size_2_rank_1.pt is missing"),
+        ("truncated", "model_world_size_2_rank_1.pt: not a readable torch.save file"),
+        ("world_size", "world_size is 4 but the rank files are for world size 2"),
+        ("two_saves", "rank files of several world sizes"),
+        ("non_tensor", "holds objects other than tensors"),
+        ("partial", "only Shard(d) and Replicate can be reassembled"),
+    ],
+)
+def test_bad_training_checkpoints_are_one_line_errors(ckpts, tmp_path, cli, case, message):
+    damage = {
+        "missing": lambda a: (a / "model_world_size_2_rank_1.pt").unlink(),
+        "truncated": _truncate,
+        "world_size": lambda a: (a / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 4}'),
+        "two_saves": lambda a: shutil.copy(a / "model_world_size_2_rank_0.pt", a / "model_world_size_4_rank_0.pt"),
+        "non_tensor": _non_tensor,
+        "partial": _partial_from(ckpts),
+    }[case]
+    actor = _broken(ckpts, tmp_path, damage)
+    out = tmp_path / "merged"
+    code, stdout, err = cli("merge", "--base", actor.parent, "--out", out)
+    assert code == 2, (stdout, err)
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".merged*"))
+
+
+def test_truncated_dcp_chunk_file_is_refused(ckpts, tmp_path, cli):
+    actor = tmp_path / "actor"
+    shutil.copytree(ckpts / "dcp/actor", actor)
+    f = actor / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:100])
+    code, _, err = cli("merge", "--base", actor, "--out", tmp_path / "m")
+    assert code == 2 and "__1_0.distcp: tensor" in err and "past the end of the file" in err, err
+    assert not (tmp_path / "m").exists()
+
+
+def test_dcp_metadata_with_foreign_objects_is_refused(ckpts, tmp_path, cli):
+    import pickle
+
+    actor = tmp_path / "actor"
+    shutil.copytree(ckpts / "dcp/actor", actor)
+    (actor / ".metadata").write_bytes(pickle.dumps({"x": _NotATensor()}))
+    code, _, err = cli("merge", "--base", actor, "--out", tmp_path / "m")
+    assert code == 2 and "not a checkpoint metadata type" in err and "--allow-pickle" in err, err
+
+
+def test_reading_one_tensor_touches_only_its_byte_ranges(ckpts, monkeypatch):
+    """Lazy: opening reads structure only; a tensor read opens its shards' ranges, not whole rank files."""
+    from converter.training import open_training
+
+    ckpt = open_training(ckpts / "plain/actor")
+    reads = []
+    real_open = open
+
+    def spy(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        if "b" in mode and str(path).endswith(".pt"):
+            real_read = f.readinto
+
+            def readinto(buf):
+                reads.append(len(buf))
+                return real_read(buf)
+
+            f.readinto = readinto
+        return f
+
+    monkeypatch.setattr("builtins.open", spy)
+    t = ckpt.read("model.norm.weight")
+    assert t.shape == (32,) and sum(reads) == 32 * 4  # two ranks' halves: 16 floats each
