@@ -203,3 +203,30 @@ def test_reading_one_tensor_touches_only_its_byte_ranges(ckpts, monkeypatch):
     monkeypatch.setattr("builtins.open", spy)
     t = ckpt.read("model.norm.weight")
     assert t.shape == (32,) and sum(reads) == 32 * 4  # two ranks' halves: 16 floats each
+
+
+def test_merge_is_verified_with_peft_on_the_checkpoint_written_unmerged(ckpts, tmp_path, cli):
+    code, out, err = cli("merge", "--base", ckpts / "lora/actor", "--out", tmp_path / "m", verify=True)
+    assert code == 0, err
+    assert "written unmerged (base + its LoRA)" in out and "**Passed**" in out
+
+
+def test_verification_catches_a_wrong_fusion(ckpts, tmp_path, cli, monkeypatch):
+    """Sabotage: the LoRA fused at half its scale (a wrong alpha/r) must fail against PEFT's forward."""
+    from converter.training import view
+
+    real = view.TrainingCheckpoint.read
+
+    def half(self, name):
+        t = real(self, name)
+        if name in self._lora:
+            base = self.read_unfused(name)
+            return (base.float() + (t.float() - base.float()) * 0.5).to(t.dtype)
+        return t
+
+    monkeypatch.setattr(view.TrainingCheckpoint, "read", half)
+    assert cli("merge", "--base", ckpts / "lora/actor", "--out", tmp_path / "m")[0] == 0
+    monkeypatch.setattr(view.TrainingCheckpoint, "read", real)
+    code, out, err = cli("verify", tmp_path / "m")
+    assert code == 3, (out, err)
+    assert "verification failed" in err

@@ -136,6 +136,7 @@ class TrainingCheckpoint(Checkpoint):
                 plain[bare] = key
         self._map: dict[str, str] = {}
         self._lora: dict[str, tuple[str, str, float]] = {}
+        self.alpha: tuple[float, bool, str] | None = None
         ranks = set()
         alpha = None
         for module, roles in groups.items():
@@ -150,7 +151,7 @@ class TrainingCheckpoint(Checkpoint):
                 r = self.source.shape(roles["A"])[0]
                 ranks.add(r)
                 if alpha is None:
-                    alpha = self._alpha(lora_alpha)
+                    alpha = self.alpha = self._alpha(lora_alpha)
                 self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(alpha[0], r, alpha[1]))
         self._map.update(plain)
         order = {k: i for i, k in enumerate(self.source.names())}
@@ -212,14 +213,32 @@ class TrainingCheckpoint(Checkpoint):
                     + ("" if shared else ", though the training state stored it separately")
                 )
 
-    def _info(self, name: str) -> TensorInfo:
-        key = self._map[name]
+    @property
+    def lora(self) -> dict[str, tuple[str, str, float]]:
+        """HF weight name -> (lora_A key, lora_B key, scale) for the LoRA inside the checkpoint."""
+        return dict(self._lora)
+
+    @property
+    def task_type(self) -> str | None:
+        meta = self.weights_folder / "lora_train_meta.json"
+        return json.loads(meta.read_text()).get("task_type") if meta.is_file() else "CAUSAL_LM"
+
+    def source_info(self, key: str) -> TensorInfo:
+        """Header facts of a tensor by its key in the training state (LoRA factors included)."""
         dtype = TORCH_TO_ST[self.source.dtype(key)]
         shape = tuple(self.source.shape(key))
         n = ITEMSIZE[dtype]
         for d in shape:
             n *= d
-        return TensorInfo(name, dtype, shape, 0, n)
+        return TensorInfo(key, dtype, shape, 0, n)
+
+    def read_unfused(self, name: str) -> torch.Tensor:
+        """The base weight as stored, LoRA not applied (for `--keep-adapter` and verification)."""
+        return self.source.read(self._map[name])
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.source_info(self._map[name])
+        return TensorInfo(name, info.dtype, info.shape, 0, info.nbytes)
 
     def names(self) -> list[str]:
         return list(self._order)
