@@ -122,6 +122,14 @@ _ALIAS = record(
      "when": text},
     required=("from", "to"),
 )  # fmt: skip
+# Training-checkpoint names -> transformers names (Megatron-Core): one source tensor to one or several keys; a
+# `split` cuts its rows into `groups` blocks of `rows` each, part i of every block going to `to[i]`.
+_SPLIT = record({"groups": expr, "rows": list_of(expr)}, required=("rows",))
+_RENAME = record(
+    {"from": regex, "to": one_of((text, str), (list_of(text), list), what="a key template or a list"),
+     "split": _SPLIT},
+    required=("from", "to"),
+)  # fmt: skip
 _FUSED = record({"module": regex, "into": text, "parts": map_of(expr)}, required=("module", "into", "parts"))
 
 KEYMAP = record(
@@ -140,6 +148,7 @@ KEYMAP = record(
         "component_aliases": map_of(list_of(text)),
         "aliases": map_of(list_of(_ALIAS)),
         "tables": map_of(map_of(text)),
+        "renames": list_of(_RENAME),
     },
     required=("name", "model_types"),
 )

@@ -230,3 +230,72 @@ def test_verification_catches_a_wrong_fusion(ckpts, tmp_path, cli, monkeypatch):
     code, out, err = cli("verify", tmp_path / "m")
     assert code == 3, (out, err)
     assert "verification failed" in err
+
+
+def _to_megatron(hf: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """What Megatron-Core stores for a Llama: fused qkv interleaved per KV group, gate/up stacked, norms fused."""
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    hidden = config["hidden_size"]
+    hd = hidden // heads
+    out = {
+        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+        "output_layer.weight": hf["lm_head.weight"],
+    }
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        q = hf[p + "self_attn.q_proj.weight"].reshape(groups, heads // groups * hd, hidden)
+        k = hf[p + "self_attn.k_proj.weight"].reshape(groups, hd, hidden)
+        v = hf[p + "self_attn.v_proj.weight"].reshape(groups, hd, hidden)
+        m = f"decoder.layers.{n}."
+        out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, hidden).clone()
+        out[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc1.layer_norm_weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out
+
+
+def test_megatron_core_names_in_a_dcp_checkpoint_map_to_transformers_names(ckpts, tmp_path, cli):
+    """A DCP checkpoint with Megatron-Core names (written directly with torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    ref = ckpts / "ref/plain/base"
+    config = json.loads((ref / "config.json").read_text())
+    actor = tmp_path / "megatron"
+    dcp.save(_to_megatron(read_tensors(ref), config), checkpoint_id=str(actor), no_dist=True)
+    (actor / "huggingface").mkdir()
+    shutil.copy(ref / "config.json", actor / "huggingface/config.json")
+    code, out, err = cli("merge", "--base", actor, "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "Megatron-Core names" in out
+    ours, expected = read_tensors(tmp_path / "m"), read_tensors(ref)
+    assert set(ours) == set(expected)
+    assert all(_bytes_equal(ours[k], expected[k]) for k in expected)
+
+    wrong = json.loads(json.dumps(config)) | {"num_key_value_heads": 1}  # another model's config
+    (actor / "huggingface/config.json").write_text(json.dumps(wrong))
+    code, _, err = cli("merge", "--base", actor, "--out", tmp_path / "m2")
+    assert code == 2 and "linear_qkv.weight has 64 rows; config.json implies 1 x 32 + 8 + 8" in err, err
+
+
+def test_megatron_rename_rules_follow_the_keymap_schema():
+    import yaml
+
+    from converter.keymap import load_keymap
+    from converter.keymap_schema import KeymapError
+
+    rule = {"from": "^a$", "to": ["x", "y"], "split": {"rows": [1, 1]}}
+    km = load_keymap(
+        "keymaps/megatron.yaml", yaml.safe_dump({"name": "megatron", "model_types": [], "renames": [rule]})
+    )
+    assert km.renames[0].rows == ["1", "1"] and km.renames[0].groups == "1"
+    bad = {**rule, "split": {"row": [1, 1]}}
+    with pytest.raises(KeymapError, match=r"renames\[0\]\.split\.row: unknown key \(did you mean 'rows'\?"):
+        load_keymap("keymaps/megatron.yaml", yaml.safe_dump({"name": "megatron", "model_types": [], "renames": [bad]}))
+    with pytest.raises(KeymapError, match=r"renames\[0\]\.from: not a valid regular expression"):
+        load_keymap(
+            "keymaps/megatron.yaml",
+            yaml.safe_dump({"name": "megatron", "model_types": [], "renames": [{**rule, "from": "("}]}),
+        )

@@ -24,4 +24,8 @@ def open_training(path: Path, *, lora_alpha: float | None = None, allow_pickle: 
         from converter.training.fsdp import FsdpSource
 
         source = FsdpSource(folder, allow_pickle=allow_pickle)
+    from converter.training.megatron import MegatronNames, has_megatron_names
+
+    if has_megatron_names(source.names()):
+        source = MegatronNames(source, TrainingCheckpoint.read_config(folder))
     return TrainingCheckpoint(folder, source, lora_alpha=lora_alpha)

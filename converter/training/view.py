@@ -93,19 +93,8 @@ class TrainingCheckpoint(Checkpoint):
         self.weights_folder = Path(folder)
         self.source = source
         self.notes: list[str] = []
-        hf = self.weights_folder / "huggingface"
-        config_path = hf / "config.json"
-        if not config_path.is_file():
-            raise ConverterError(
-                f"{self.weights_folder}: training checkpoint without huggingface/config.json (verl saves the "
-                "model's config, tokenizer and generation config there); copy the base model's config.json into "
-                f"{hf}"
-            )
-        try:
-            self.config: dict = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        self.folder = hf
+        self.config: dict = self.read_config(self.weights_folder)
+        self.folder = self.weights_folder / "huggingface"
         self._build_names(lora_alpha)
         infos = {n: self._info(n) for n in self._order}
         files = [Path(p) for p in source.files]
@@ -116,6 +105,20 @@ class TrainingCheckpoint(Checkpoint):
             0,
             f"base reassembled from {source.kind} shards ({len(files)} files, read weights-only, one tensor at a time)",
         )
+
+    @staticmethod
+    def read_config(folder: Path) -> dict:
+        """`huggingface/config.json` beside the weights, where verl saves the model's config and tokenizer."""
+        config_path = Path(folder) / "huggingface" / "config.json"
+        if not config_path.is_file():
+            raise ConverterError(
+                f"{folder}: training checkpoint without huggingface/config.json (verl saves the model's config, "
+                f"tokenizer and generation config there); copy the base model's config.json into {config_path.parent}"
+            )
+        try:
+            return json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
     def _build_names(self, lora_alpha: float | None) -> None:
         """HF name → (source key, LoRA (A key, B key) or None); keys in the source's order."""
