@@ -299,3 +299,18 @@ def test_megatron_rename_rules_follow_the_keymap_schema():
             "keymaps/megatron.yaml",
             yaml.safe_dump({"name": "megatron", "model_types": [], "renames": [{**rule, "from": "("}]}),
         )
+
+
+def test_moe_with_fused_experts_reassembles_and_loads(ckpts, tmp_path, cli):
+    """Qwen3-MoE in memory (what FSDP saves) fuses experts into 3D tensors, sharded over the expert dim; the output
+    keeps them fused, which transformers 5 loads as is: the same parameters and logits as the model before."""
+    code, _, err = cli("merge", "--base", ckpts / "moe/actor", "--out", tmp_path / "m")
+    assert code == 0, err
+    ours = read_tensors(tmp_path / "m")
+    assert ours["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
+    assert ours["model.layers.0.mlp.experts.down_proj"].shape == (4, 32, 16)
+    merged, before = load_merged(tmp_path / "m"), load_merged(ckpts / "ref/moe/base")
+    a, b = merged.state_dict(), before.state_dict()
+    assert set(a) == set(b) and all(_bytes_equal(a[k], b[k]) for k in b)
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(logits(merged, ids), logits(before, ids))

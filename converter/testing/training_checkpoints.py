@@ -5,6 +5,7 @@
   ref/<variant>/adapter    the PEFT adapter trained into it (LoRA variants), PEFT's forward is the oracle
   <variant>/actor/         model_world_size_W_rank_r.pt, fsdp_config.json, huggingface/, lora_train_meta.json
   dcp/actor/               the `plain` model's sharded state dict saved with torch.distributed.checkpoint
+  moe/actor/               a tiny Qwen3-MoE: experts fused in memory (gate_up_proj (E, 2I, H), down_proj (E, H, I))
   partial/                 rank files holding a `Partial` DTensor (to be refused)
 Variants: `plain` (untied Llama, odd vocab so the shards are uneven), `lora` (tied Llama with a PEFT LoRA on
 all linear layers, kept unmerged as verl does: base_layer + lora_A/lora_B.default). Needs transformers and peft.
@@ -106,6 +107,20 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int) -
         _shard_and_save(model, root / "lora/actor", rank, world)
         dist.barrier()
         _partial(root / "partial", rank, world)
+
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(
+            vocab_size=67, hidden_size=hidden, intermediate_size=hidden * 3 // 2, moe_intermediate_size=16,
+            num_experts=4, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        )  # fmt: skip
+        model = _model(config, seed=3)
+        if rank == 0:
+            model.save_pretrained(root / "ref/moe/base")
+            _side_files(config, root / "moe/actor", world, None)
+        dist.barrier()
+        _shard_and_save(model, root / "moe/actor", rank, world)
     finally:
         dist.destroy_process_group()
 

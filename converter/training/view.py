@@ -146,7 +146,10 @@ class TrainingCheckpoint(Checkpoint):
             if ("A" in roles) != ("B" in roles):
                 raise ConverterError(f"{self.weights_folder}: module {module} has only half a LoRA pair")
             if "weight" not in roles:
-                raise ConverterError(f"{self.weights_folder}: module {module} has a LoRA but no base_layer.weight")
+                raise ConverterError(
+                    f"{self.weights_folder}: module {module} has a LoRA but no base_layer.weight (a PEFT "
+                    "target_parameters LoRA, e.g. on fused MoE experts?): not supported in a training checkpoint yet"
+                )
             self._map[f"{module}.weight"] = roles["weight"]
             if "bias" in roles:
                 self._map[f"{module}.bias"] = roles["bias"]
