@@ -1,6 +1,7 @@
 """Real verl-style training checkpoints for tests and the bench: W gloo processes on CPU, FSDP2 `fully_shard`.
 
-`python -m converter.testing.training_checkpoints OUT [--world 2] [--layers 2] [--hidden 32]` writes, under OUT:
+`python -m converter.testing.training_checkpoints OUT [--world 2] [--layers 2] [--hidden 32] [--only-plain]`
+writes, under OUT:
   ref/<variant>/base       the model before sharding (save_pretrained), the exact expected output
   ref/<variant>/adapter    the PEFT adapter trained into it (LoRA variants), PEFT's forward is the oracle
   <variant>/actor/         model_world_size_W_rank_r.pt, fsdp_config.json, huggingface/, lora_train_meta.json
@@ -71,7 +72,7 @@ def _side_files(config, actor: Path, world: int, lora: dict | None) -> None:
         (actor / "lora_train_meta.json").write_text(json.dumps(lora))
 
 
-def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int) -> None:
+def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int, only_plain: bool) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -80,6 +81,13 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int) -
     try:
         config = _config(layers, hidden, tied=False)
         model = _model(config, seed=0)
+        if only_plain:  # the bench: one big plain checkpoint, nothing else
+            if rank == 0:
+                _side_files(config, root / "plain/actor", world, None)
+            dist.barrier()
+            _shard_and_save(model, root / "plain/actor", rank, world)
+            dist.barrier()
+            return
         if rank == 0:
             model.save_pretrained(root / "ref/plain/base")
             _side_files(config, root / "plain/actor", world, None)
@@ -150,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--only-plain", action="store_true", help="only plain/actor (no reference, LoRA, DCP, MoE)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    mp.spawn(_run, args=(a.world, free_port(), a.out, a.layers, a.hidden), nprocs=a.world)
+    mp.spawn(_run, args=(a.world, free_port(), a.out, a.layers, a.hidden, a.only_plain), nprocs=a.world)
     return 0
 
 
