@@ -314,3 +314,12 @@ def test_moe_with_fused_experts_reassembles_and_loads(ckpts, tmp_path, cli):
     assert set(a) == set(b) and all(_bytes_equal(a[k], b[k]) for k in b)
     ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(merged, ids), logits(before, ids))
+
+
+def test_inspect_describes_a_training_checkpoint(ckpts, cli):
+    code, out, err = cli("inspect", ckpts / "lora", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["layout"] == "verl FSDP" and info["architecture"] == "LlamaForCausalLM"
+    assert info["shards"] == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    assert info["tensors"] == 20 and any("LoRA inside" in n for n in info["notes"])
