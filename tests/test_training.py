@@ -323,3 +323,21 @@ def test_inspect_describes_a_training_checkpoint(ckpts, cli):
     assert info["layout"] == "verl FSDP" and info["architecture"] == "LlamaForCausalLM"
     assert info["shards"] == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
     assert info["tensors"] == 20 and any("LoRA inside" in n for n in info["notes"])
+
+
+def test_critic_on_a_hybrid_mesh_keeps_its_value_head(ckpts, tmp_path, cli):
+    """verl's critic/ (a ForTokenClassification model) saved with HSDP: placements (Replicate, Shard(0))."""
+    from transformers import AutoModelForTokenClassification
+
+    from converter.training.fsdp import load_meta
+
+    state = load_meta(ckpts / "critic/critic/model_world_size_2_rank_0.pt", allow_pickle=False)
+    assert state["score.weight"].device_mesh.mesh_dim_names == ("ddp", "fsdp")
+    assert [type(p).__name__ for p in state["score.weight"].placements] == ["Replicate", "Shard"]
+    code, _, err = cli("merge", "--base", ckpts / "critic", "--out", tmp_path / "m")  # critic/ found inside
+    assert code == 0, err
+    ours, expected = read_tensors(tmp_path / "m"), read_tensors(ckpts / "ref/critic/base")
+    assert "score.weight" in ours and ours["score.weight"].shape == (1, 32)
+    assert set(ours) == set(expected) and all(_bytes_equal(ours[k], expected[k]) for k in expected)
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "m")
+    assert type(model).__name__ == "LlamaForTokenClassification"

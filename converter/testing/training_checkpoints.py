@@ -7,6 +7,7 @@ writes, under OUT:
   <variant>/actor/         model_world_size_W_rank_r.pt, fsdp_config.json, huggingface/, lora_train_meta.json
   dcp/actor/               the `plain` model's sharded state dict saved with torch.distributed.checkpoint
   moe/actor/               a tiny Qwen3-MoE: experts fused in memory (gate_up_proj (E, 2I, H), down_proj (E, H, I))
+  critic/critic/           a verl critic: LlamaForTokenClassification (num_labels 1), HSDP mesh ("ddp", "fsdp")
   partial/                 rank files holding a `Partial` DTensor (to be refused)
 Variants: `plain` (untied Llama, odd vocab so the shards are uneven), `lora` (tied Llama with a PEFT LoRA on
 all linear layers, kept unmerged as verl does: base_layer + lora_A/lora_B.default). Needs transformers and peft.
@@ -46,11 +47,14 @@ def _model(config, seed: int):
     return model
 
 
-def _shard_and_save(model, actor: Path, rank: int, world: int, dcp: Path | None = None) -> None:
+def _shard_and_save(model, actor: Path, rank: int, world: int, dcp: Path | None = None, hsdp: bool = False) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    if hsdp:  # hybrid sharding: replicated over "ddp" (here 1 replica), sharded over "fsdp"
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ddp", "fsdp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     inner = model.base_model.model if hasattr(model, "peft_config") else model
     for layer in inner.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -115,6 +119,19 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int, o
         _shard_and_save(model, root / "lora/actor", rank, world)
         dist.barrier()
         _partial(root / "partial", rank, world)
+
+        from transformers import AutoModelForTokenClassification
+
+        config = _config(layers, hidden, tied=False)
+        config.num_labels = 1
+        config.architectures = ["LlamaForTokenClassification"]
+        torch.manual_seed(4)
+        model = AutoModelForTokenClassification.from_config(config)
+        if rank == 0:
+            model.save_pretrained(root / "ref/critic/base")
+            _side_files(config, root / "critic/critic", world, None)
+        dist.barrier()
+        _shard_and_save(model, root / "critic/critic", rank, world, hsdp=True)
 
         from transformers import Qwen3MoeConfig
 
