@@ -341,3 +341,34 @@ def test_critic_on_a_hybrid_mesh_keeps_its_value_head(ckpts, tmp_path, cli):
     assert set(ours) == set(expected) and all(_bytes_equal(ours[k], expected[k]) for k in expected)
     model = AutoModelForTokenClassification.from_pretrained(tmp_path / "m")
     assert type(model).__name__ == "LlamaForTokenClassification"
+
+
+def test_push_publishes_a_training_checkpoint(ckpts, tmp_path):
+    """`converter push --base <global_step>/actor`: merged, verified against PEFT, uploaded in one commit."""
+    from safetensors.torch import load
+
+    from converter.testing.hub import HubServer, client_env
+
+    token = "hf_fake_alice_0123456789"
+    hub = HubServer(tmp_path / "server").start()
+    try:
+        hub.add_user("alice", token)
+        proc = subprocess.run(
+            [sys.executable, "-m", "converter", "push", "--repo", "alice/rl-run", "--base", str(ckpts / "lora")],
+            capture_output=True, text=True, env=client_env(hub, token, None), timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "**Passed**" in proc.stdout and token not in proc.stdout + proc.stderr
+        files = hub.files("alice/rl-run")
+        assert {"model.safetensors", "config.json", "README.md", "converter_provenance.json"} <= set(files)
+        pushed = load(hub.read_file("alice/rl-run", "model.safetensors"))
+        local = tmp_path / "local"
+        from conftest import run_cli
+
+        assert run_cli("merge", "--base", ckpts / "lora/actor", "--out", local, "--no-verify") == 0
+        assert (local / "model.safetensors").read_bytes() == hub.read_file("alice/rl-run", "model.safetensors")
+        assert "lm_head.weight" not in pushed
+        provenance = json.loads(hub.read_file("alice/rl-run", "converter_provenance.json"))
+        assert any("LoRA inside the checkpoint" in n for n in provenance["notes"])
+    finally:
+        hub.stop()
