@@ -101,6 +101,9 @@ def test_missing_lora_alpha_is_an_error_and_explicit_alpha_works(ckpts, tmp_path
     expected = peft_merged_fp64(ckpts / "ref/lora/base", ckpts / "ref/lora/adapter")[name].float()
     torch.testing.assert_close(ckpt.read(name), expected, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(open_base(actor, lora_alpha=16).read(name), expected)
+    (actor / "lora_train_meta.json").write_text('{"r": 8, "lora_alpha": 16, "task_type": "CAUSAL_LM"}')
+    code, _, err = cli("merge", "--base", actor, "--out", tmp_path / "m")
+    assert code == 2 and "has rank 4 but lora_train_meta.json says r=8" in err, err
 
 
 def _broken(ckpts, tmp_path, damage) -> object:
@@ -372,3 +375,50 @@ def test_push_publishes_a_training_checkpoint(ckpts, tmp_path):
         assert any("LoRA inside the checkpoint" in n for n in provenance["notes"])
     finally:
         hub.stop()
+
+
+class _MemorySource:
+    """A sharded source stand-in (the reader interface), for the view's naming rules alone."""
+
+    kind = "test"
+
+    def __init__(self, tensors: dict[str, torch.Tensor], folder):
+        self.tensors, self.files = tensors, [folder / "state.pt"]
+        self.files[0].write_bytes(b"x")  # the view lists (and sizes) the source's files
+
+    def names(self):
+        return list(self.tensors)
+
+    def dtype(self, name):
+        return self.tensors[name].dtype
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+    def storage_of(self, name):
+        return (name,)
+
+    def read(self, name):
+        return self.tensors[name].clone()
+
+
+def test_a_lora_on_a_tied_head_unties_it(tmp_path):
+    """As PEFT's merge does: a LoRA on lm_head of a tied model gives an untied head and says so in config.json."""
+    from converter.training import TrainingCheckpoint
+
+    (tmp_path / "huggingface").mkdir()
+    (tmp_path / "huggingface/config.json").write_text('{"model_type": "llama", "tie_word_embeddings": true}')
+    (tmp_path / "lora_train_meta.json").write_text('{"r": 2, "lora_alpha": 4}')
+    g = torch.Generator().manual_seed(0)
+    emb, a, b = torch.randn(10, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(10, 2, generator=g)
+    tensors = {
+        "base_model.model.model.embed_tokens.weight": emb,
+        "base_model.model.lm_head.base_layer.weight": emb,
+        "base_model.model.lm_head.lora_A.default.weight": a,
+        "base_model.model.lm_head.lora_B.default.weight": b,
+    }
+    ckpt = TrainingCheckpoint(tmp_path, _MemorySource(tensors, tmp_path))
+    assert ckpt.names() == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert ckpt.config["tie_word_embeddings"] is False
+    torch.testing.assert_close(ckpt.read("lm_head.weight"), emb + 2.0 * b @ a)
+    assert torch.equal(ckpt.read("model.embed_tokens.weight"), emb)

@@ -116,6 +116,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _piece(path: Path, t: torch.Tensor) -> Piece:
+    if t.numel() == 0:  # an uneven split can leave a rank no rows: nothing to read
+        return Piece(path, 0, 0, tuple(t.shape), tuple(t.stride()))
     storage = t.untyped_storage()
     offset = getattr(storage, "_checkpoint_offset", None)
     if offset is None:

@@ -59,7 +59,7 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
         lambda n: ckpt.source.read(by_name[n]),
         "adapter_model.safetensors",
     )
-    alpha, rslora, _ = ckpt.alpha
+    alpha, rslora, _, _ = ckpt.alpha
     (r,) = ranks if len(ranks) == 1 else (max(ranks),)
     config = {
         "peft_type": "LORA",

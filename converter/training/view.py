@@ -139,7 +139,7 @@ class TrainingCheckpoint(Checkpoint):
                 plain[bare] = key
         self._map: dict[str, str] = {}
         self._lora: dict[str, tuple[str, str, float]] = {}
-        self.alpha: tuple[float, bool, str] | None = None
+        self.alpha: tuple[float, bool, str, int | None] | None = None
         ranks = set()
         alpha = None
         for module, roles in groups.items():
@@ -158,6 +158,10 @@ class TrainingCheckpoint(Checkpoint):
                 ranks.add(r)
                 if alpha is None:
                     alpha = self.alpha = self._alpha(lora_alpha)
+                if alpha[3] is not None and alpha[3] != r:
+                    raise ConverterError(
+                        f"{self.weights_folder}: {roles['A']} has rank {r} but lora_train_meta.json says r={alpha[3]}"
+                    )
                 self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(alpha[0], r, alpha[1]))
         self._map.update(plain)
         order = {k: i for i, k in enumerate(self.source.names())}
@@ -178,10 +182,12 @@ class TrainingCheckpoint(Checkpoint):
                 f"written as stored unless --dtype {declared} is given"
             )
 
-    def _alpha(self, explicit: float | None) -> tuple[float, bool, str]:
-        """(lora_alpha, use_rslora, where it came from): --lora-alpha, lora_train_meta.json, lora_adapter/."""
+    def _alpha(self, explicit: float | None) -> tuple[float, bool, str, int | None]:
+        """(lora_alpha, use_rslora, where it came from, r the meta file declares): --lora-alpha, then
+        lora_train_meta.json, then lora_adapter/adapter_config.json."""
         rslora = False
         sources = []
+        declared_r = None
         for path in (self.weights_folder / "lora_train_meta.json", self.weights_folder / "lora_adapter" /
                      "adapter_config.json"):  # fmt: skip
             if path.is_file():
@@ -190,19 +196,22 @@ class TrainingCheckpoint(Checkpoint):
                 except json.JSONDecodeError as e:
                     raise ConverterError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
                 rslora = rslora or bool(meta.get("use_rslora", False))
+                if declared_r is None and isinstance(meta.get("r"), int) and not meta.get("rank_pattern"):
+                    declared_r = meta["r"]
                 if meta.get("lora_alpha") is not None:
                     sources.append((float(meta["lora_alpha"]), path.relative_to(self.weights_folder)))
         if explicit is not None:
-            return float(explicit), rslora, "--lora-alpha"
+            return float(explicit), rslora, "--lora-alpha", declared_r
         if sources:
-            return sources[0][0], rslora, str(sources[0][1])
+            return sources[0][0], rslora, str(sources[0][1]), declared_r
         raise ConverterError(
             f"{self.weights_folder}: the checkpoint holds a LoRA but no lora_alpha (no lora_train_meta.json or "
             "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
         )
 
     def _drop_tied_head(self) -> None:
-        """transformers saves a tied head once (the embedding); the training state lists both names."""
+        """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
+        either side unties them (as PEFT's merge does): both are written and config.json says so."""
         from converter.keymap import keymap_for
 
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
@@ -210,7 +219,11 @@ class TrainingCheckpoint(Checkpoint):
         if not tied:
             return
         for head, emb in keymap_for(self.config).tied.items():
-            if head in self._map and emb in self._map and head not in self._lora and emb not in self._lora:
+            if head in self._map and emb in self._map and (head in self._lora or emb in self._lora):
+                self.config["tie_word_embeddings"] = False
+                self.notes.append(f"{head} written untied from {emb}: the LoRA inside changes one of them")
+                continue
+            if head in self._map and emb in self._map:
                 shared = self.source.storage_of(self._map[head]) == self.source.storage_of(self._map[emb])
                 self._order.remove(head)
                 del self._map[head]
