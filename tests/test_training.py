@@ -422,3 +422,15 @@ def test_a_lora_on_a_tied_head_unties_it(tmp_path):
     assert ckpt.config["tie_word_embeddings"] is False
     torch.testing.assert_close(ckpt.read("lm_head.weight"), emb + 2.0 * b @ a)
     assert torch.equal(ckpt.read("model.embed_tokens.weight"), emb)
+
+
+def test_merging_a_training_checkpoint_imports_no_heavy_library(ckpts, tmp_path):
+    code = (
+        "import sys; from converter.cli import main; "
+        f"main(['merge', '--base', {str(ckpts / 'lora')!r}, '--out', {str(tmp_path / 'm')!r}, '--no-verify']); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'peft', 'safetensors', 'accelerate', 'diffusers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "m/model.safetensors").is_file()
