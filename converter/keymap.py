@@ -63,6 +63,7 @@ class RenameRule:
     to: list[str]  # key templates, `{group}` filled from the pattern's named groups
     groups: str = "1"  # row blocks (KV groups of an interleaved qkv)
     rows: list[str] | None = None  # rows of each part within a block, in `to` order
+    parallel: str = "replicated"  # legacy tensor-parallel shards: "column" (dim 0), "row" (dim 1), "replicated"
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Keymap:
                     r["to"] if isinstance(r["to"], list) else [r["to"]],
                     str(r.get("split", {}).get("groups", 1)),
                     [str(x) for x in r["split"]["rows"]] if "split" in r else None,
+                    r.get("parallel", "replicated"),
                 )
                 for r in data.get("renames", [])
             ],

@@ -7,6 +7,7 @@ The oracle is the model before sharding (bit for bit where there is no LoRA) and
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -434,3 +435,71 @@ def test_merging_a_training_checkpoint_imports_no_heavy_library(ckpts, tmp_path)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "m/model.safetensors").is_file()
+
+
+def _legacy_megatron(mcore: dict[str, torch.Tensor], config: dict, folder, tp: int = 2, pp: int = 2) -> None:
+    """mp_rank_XX_YYY/model_optim_rng.pt as Megatron writes them: TP shards (column-parallel on dim 0, row-parallel
+    linear_proj / linear_fc2 on dim 1, gate/up split per rank, vocab padded to a multiple of tp), stages numbering
+    their layers from 0."""
+    import argparse
+
+    inter = config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    per_stage = layers // pp
+    vocab = config["vocab_size"]
+    padded = -(-vocab // tp) * tp
+
+    def shard(key: str, t: torch.Tensor, r: int) -> torch.Tensor:
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = torch.cat([t, torch.zeros(padded - vocab, t.shape[1])])
+            return t.chunk(tp)[r]
+        if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            return t.chunk(tp, dim=1)[r]
+        if key.endswith("linear_fc1.weight"):
+            gate, up = t[:inter].chunk(tp)[r], t[inter:].chunk(tp)[r]
+            return torch.cat([gate, up])
+        if key.endswith("linear_qkv.weight"):
+            return t.chunk(tp)[r]  # whole KV groups per rank
+        return t  # norms: replicated
+
+    for p in range(pp):
+        for r in range(tp):
+            state = {}
+            for key, t in mcore.items():
+                m = re.match(r"decoder\.layers\.(\d+)\.(.*)", key)
+                if m:
+                    n = int(m.group(1))
+                    if n // per_stage != p:
+                        continue
+                    local = f"decoder.layers.{n - p * per_stage}.{m.group(2)}"
+                elif key.startswith("embedding.") and p != 0 or not key.startswith("embedding.") and p != pp - 1:
+                    continue
+                else:
+                    local = key
+                state[local] = shard(key, t, r).clone()
+                state[local.rsplit(".", 1)[0] + "._extra_state"] = None
+            d = folder / f"mp_rank_{r:02d}_{p:03d}"
+            d.mkdir(parents=True)
+            args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            torch.save({"model": state, "args": args, "iteration": 100, "checkpoint_version": 3.0},
+                       d / "model_optim_rng.pt")  # fmt: skip
+
+
+def test_legacy_megatron_tp_and_pp_shards_are_joined_by_the_keymap(ckpts, tmp_path, cli):
+    ref = ckpts / "ref/plain/base"
+    config = json.loads((ref / "config.json").read_text())
+    folder = tmp_path / "iter_0000100"
+    _legacy_megatron(_to_megatron(read_tensors(ref), config), config, folder)
+    (folder / "huggingface").mkdir()
+    shutil.copy(ref / "config.json", folder / "huggingface/config.json")
+    code, out, err = cli("merge", "--base", folder, "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "Megatron mp_rank (Megatron-Core names) shards (4 files" in out
+    ours, expected = read_tensors(tmp_path / "m"), read_tensors(ref)
+    assert set(ours) == set(expected)
+    assert all(_bytes_equal(ours[k], expected[k]) for k in expected), [
+        k for k in expected if not _bytes_equal(ours[k], expected[k])
+    ]
+    shutil.rmtree(folder / "mp_rank_01_001")
+    code, _, err = cli("merge", "--base", folder, "--out", tmp_path / "m2")
+    assert code == 2 and "mp_rank_01_001/model_optim_rng.pt is missing (2 tensor x 2 pipeline" in err, err

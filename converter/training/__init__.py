@@ -16,7 +16,11 @@ __all__ = ["TrainingCheckpoint", "actor_folder", "is_training_checkpoint", "open
 def open_training(path: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False) -> TrainingCheckpoint:
     """Open a verl `actor/` (or `critic/`, or the `global_step_N/` above them) or a DCP folder as a base."""
     folder = actor_folder(Path(path))
-    if (folder / ".metadata").is_file():
+    if any(folder.glob("mp_rank_*/model_optim_rng.pt")):
+        from converter.training.legacy import LegacySource
+
+        source = LegacySource(folder, TrainingCheckpoint.read_config(folder), allow_pickle=allow_pickle)
+    elif (folder / ".metadata").is_file():
         from converter.training.dcp import DcpSource
 
         source = DcpSource(folder, allow_pickle=allow_pickle)

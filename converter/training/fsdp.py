@@ -115,7 +115,7 @@ def _first_line(e: Exception) -> str:
     return text[0][:160] if text else type(e).__name__
 
 
-def _piece(path: Path, t: torch.Tensor) -> Piece:
+def piece_of(path: Path, t: torch.Tensor) -> Piece:
     if t.numel() == 0:  # an uneven split can leave a rank no rows: nothing to read
         return Piece(path, 0, 0, tuple(t.shape), tuple(t.stride()))
     storage = t.untyped_storage()
@@ -184,7 +184,7 @@ def index_ranks(files: list[Path], allow_pickle: bool) -> dict[str, Entry]:
         if len(dims) != 1 or len(shapes) != 1 or len({t.dtype for _, t in locals_}) != 1:
             raise ConverterError(f"{files[0].parent}: tensor {name} is sharded differently on different ranks")
         (dim,), (shape,) = dims, shapes
-        pieces = tuple(_piece(p, t) for p, t in locals_[:shards])
+        pieces = tuple(piece_of(p, t) for p, t in locals_[:shards])
         dtype = locals_[0][1].dtype
         if dim is None:
             shape, pieces = pieces[0].shape, pieces[:1]

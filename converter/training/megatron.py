@@ -21,13 +21,13 @@ def megatron_keymap() -> Keymap:
     return next(k for k in all_keymaps() if k.name == NAME)
 
 
-def _rule(keymap: Keymap, key: str) -> RenameRule | None:
+def rule_for(keymap: Keymap, key: str) -> RenameRule | None:
     return next((r for r in keymap.renames if r.pattern.fullmatch(key)), None)
 
 
 def has_megatron_names(names: list[str]) -> bool:
     keymap = megatron_keymap()
-    return not any(n.startswith("model.") for n in names) and any(_rule(keymap, n) for n in names)
+    return not any(n.startswith("model.") for n in names) and any(rule_for(keymap, n) for n in names)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class MegatronNames:
         keymap = megatron_keymap()
         self._targets: dict[str, _Target] = {}
         for key in source.names():
-            rule = _rule(keymap, key)
+            rule = rule_for(keymap, key)
             if rule is None:
                 raise ConverterError(
                     f"{source.folder}: tensor {key} has no Megatron-Core -> transformers rule "

@@ -41,7 +41,11 @@ def actor_folder(path: Path) -> Path:
 
 
 def _has_weights(folder: Path) -> bool:
-    return (folder / ".metadata").is_file() or any(folder.glob("model_world_size_*_rank_*.pt"))
+    return (
+        (folder / ".metadata").is_file()
+        or any(folder.glob("model_world_size_*_rank_*.pt"))
+        or any(folder.glob("mp_rank_*/model_optim_rng.pt"))
+    )
 
 
 def is_training_checkpoint(path: Path) -> bool:
