@@ -503,3 +503,15 @@ def test_legacy_megatron_tp_and_pp_shards_are_joined_by_the_keymap(ckpts, tmp_pa
     shutil.rmtree(folder / "mp_rank_01_001")
     code, _, err = cli("merge", "--base", folder, "--out", tmp_path / "m2")
     assert code == 2 and "mp_rank_01_001/model_optim_rng.pt is missing (2 tensor x 2 pipeline" in err, err
+
+
+def test_an_older_checkpoint_without_fsdp_config_and_a_dtype(ckpts, tmp_path, cli):
+    """No fsdp_config.json (older verl): the world size comes from the file names. --dtype rounds once."""
+    actor = tmp_path / "actor"
+    shutil.copytree(ckpts / "plain/actor", actor)
+    (actor / "fsdp_config.json").unlink()
+    code, _, err = cli("merge", "--base", actor, "--out", tmp_path / "m", "--dtype", "bfloat16")
+    assert code == 0, err
+    ours, expected = read_tensors(tmp_path / "m"), read_tensors(ckpts / "ref/plain/base")
+    assert all(torch.equal(ours[k], expected[k].to(torch.bfloat16)) for k in expected)
+    assert json.loads((tmp_path / "m/config.json").read_text())["dtype"] == "bfloat16"
