@@ -515,3 +515,43 @@ def test_an_older_checkpoint_without_fsdp_config_and_a_dtype(ckpts, tmp_path, cl
     ours, expected = read_tensors(tmp_path / "m"), read_tensors(ckpts / "ref/plain/base")
     assert all(torch.equal(ours[k], expected[k].to(torch.bfloat16)) for k in expected)
     assert json.loads((tmp_path / "m/config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _moe_lora_merged(ckpts, tmp_path, cli):
+    code, out, err = cli("merge", "--base", ckpts / "moe_lora", "--out", tmp_path / "m")
+    assert code == 0, err
+    assert "fused into 6 weights (4 of them fused MoE expert tensors)" in out
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    peft = logits(reference_model(ckpts / "ref/moe_lora/base", [ckpts / "ref/moe_lora/adapter"]), ids)
+    bare = logits(load_merged(ckpts / "ref/moe_lora/base"), ids)
+    return logits(load_merged(tmp_path / "m"), ids), peft, bare
+
+
+def test_lora_on_fused_moe_experts_matches_peft_forward(ckpts, tmp_path, cli):
+    """PEFT target_parameters on gate_up_proj (E, 2I, H) and down_proj (E, H, I): the oracle is PEFT's forward."""
+    merged, peft, bare = _moe_lora_merged(ckpts, tmp_path, cli)
+    torch.testing.assert_close(merged, peft, atol=1e-5, rtol=1e-5)
+    assert (bare - peft).abs().max() > 100 * (merged - peft).abs().max()
+    a = read_tensors(tmp_path / "m")["model.layers.0.mlp.experts.gate_up_proj"]
+    b = read_tensors(ckpts / "ref/moe_lora/base")
+    assert not torch.equal(a[0, :16], b["model.layers.0.mlp.experts.0.gate_proj.weight"])  # the LoRA landed
+
+
+def test_scrambled_experts_are_caught_by_the_oracle(ckpts, tmp_path, cli, monkeypatch):
+    """Unsloth's bug: reading A rank-major instead of expert-major permutes the experts' deltas; PEFT disagrees."""
+    from converter.training import view
+
+    def scrambled(a, b, experts):
+        r = a.shape[0] // experts
+        a3 = a.reshape(r, experts, a.shape[1]).transpose(0, 1)
+        return torch.bmm(b.reshape(b.shape[0], r, experts).permute(2, 0, 1), a3)
+
+    monkeypatch.setattr(view, "expert_delta", scrambled)
+    merged, peft, _ = _moe_lora_merged(ckpts, tmp_path, cli)
+    assert not torch.allclose(merged, peft, atol=1e-4, rtol=1e-4)
+
+
+def test_a_training_checkpoint_with_moe_lora_says_it_was_not_verified(ckpts, tmp_path, cli):
+    code, out, err = cli("merge", "--base", ckpts / "moe_lora", "--out", tmp_path / "m", verify=True)
+    assert code == 0, err
+    assert "**Not verified**" in out and "target_parameters" in out

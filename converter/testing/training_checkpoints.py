@@ -7,6 +7,7 @@ writes, under OUT:
   <variant>/actor/         model_world_size_W_rank_r.pt, fsdp_config.json, huggingface/, lora_train_meta.json
   dcp/actor/               the `plain` model's sharded state dict saved with torch.distributed.checkpoint
   moe/actor/               a tiny Qwen3-MoE: experts fused in memory (gate_up_proj (E, 2I, H), down_proj (E, H, I))
+  moe_lora/actor/          the same with a PEFT LoRA on q_proj and, through target_parameters, on both expert tensors
   critic/critic/           a verl critic: LlamaForTokenClassification (num_labels 1), HSDP mesh ("ddp", "fsdp")
   partial/                 rank files holding a `Partial` DTensor (to be refused)
 Variants: `plain` (untied Llama, odd vocab so the shards are uneven), `lora` (tied Llama with a PEFT LoRA on
@@ -146,6 +147,25 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int, o
             _side_files(config, root / "moe/actor", world, None)
         dist.barrier()
         _shard_and_save(model, root / "moe/actor", rank, world)
+
+        model = _model(config, seed=5)  # and with a LoRA on attention and on the fused expert tensors
+        if rank == 0:
+            model.save_pretrained(root / "ref/moe_lora/base")
+        torch.manual_seed(6)
+        lora = dict(r=2, lora_alpha=4, task_type="CAUSAL_LM")
+        targets = dict(
+            target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        )
+        model = get_peft_model(model, LoraConfig(init_lora_weights=False, **targets, **lora))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.05)
+        if rank == 0:
+            model.save_pretrained(root / "ref/moe_lora/adapter")
+            _side_files(config, root / "moe_lora/actor", world, lora)
+        dist.barrier()
+        _shard_and_save(model, root / "moe_lora/actor", rank, world)
     finally:
         dist.destroy_process_group()
 

@@ -41,7 +41,7 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
     for src in ckpt.folder.iterdir():
         if src.is_file() and not src.name.endswith((".safetensors", ".bin", ".index.json")):
             shutil.copyfile(src, base / src.name)
-    if not ckpt.lora:
+    if not ckpt.lora and not ckpt.expert_lora:
         return base, None
     adapter = Path(out) / "adapter"
     keys, modules, ranks = [], [], set()
@@ -52,6 +52,12 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
             info = ckpt.source_info(key)
             keys.append((f"{PEFT_PREFIX}{module}.{role}.weight", key, info))
         ranks.add(ckpt.source.shape(a_key)[0])
+    parameters = []
+    for name, (a_key, b_key, _, experts, module) in ckpt.expert_lora.items():
+        parameters.append(name)  # PEFT nests one wrapper per parameter: its keys keep the nesting (`base_layer.`)
+        for key, role in ((a_key, "lora_A"), (b_key, "lora_B")):
+            keys.append((f"{PEFT_PREFIX}{module}.{role}.weight", key, ckpt.source_info(key)))
+        ranks.add(ckpt.source.shape(a_key)[0] // experts)
     by_name = {n: k for n, k, _ in keys}
     _write(
         adapter,
@@ -66,7 +72,8 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
         "r": r,
         "lora_alpha": alpha,
         "use_rslora": rslora,
-        "target_modules": sorted(modules),
+        "target_modules": sorted(modules) or None,
+        "target_parameters": sorted(parameters) or None,
         "rank_pattern": {m: rk for m in modules if (rk := ckpt.source.shape(ckpt.lora[f"{m}.weight"][0])[0]) != r},
         "task_type": ckpt.task_type,
         "bias": "none",

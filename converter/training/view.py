@@ -9,6 +9,7 @@ saves beside the weights: config, tokenizer and generation config are carried ov
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -51,6 +52,16 @@ def _has_weights(folder: Path) -> bool:
 def is_training_checkpoint(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and _has_weights(actor_folder(path))
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
+    """ΔW (E, out, in) of a PEFT target_parameters LoRA, unscaled: A (r·E, in) holds expert e's rank rows as one
+    block (expert-major), B (out, r·E) interleaves them with the expert index fastest. Established against PEFT's
+    forward in tests/test_training.py (getting this order wrong scrambles the experts)."""
+    r = a.shape[0] // experts
+    a3 = a.reshape(experts, r, a.shape[1])  # (E, r, in)
+    b3 = b.reshape(b.shape[0], r, experts).permute(2, 0, 1)  # (E, out, r)
+    return torch.bmm(b3, a3)
 
 
 class _RankFile:
@@ -143,17 +154,26 @@ class TrainingCheckpoint(Checkpoint):
                 plain[bare] = key
         self._map: dict[str, str] = {}
         self._lora: dict[str, tuple[str, str, float]] = {}
+        # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT module name of the wrapper)
+        self._experts: dict[str, tuple[str, str, float, int, str]] = {}
         self.alpha: tuple[float, bool, str, int | None] | None = None
         ranks = set()
         alpha = None
         for module, roles in groups.items():
             if ("A" in roles) != ("B" in roles):
                 raise ConverterError(f"{self.weights_folder}: module {module} has only half a LoRA pair")
+            if "weight" not in roles and "A" in roles:  # PEFT target_parameters: a LoRA on a 3D expert tensor
+                if alpha is None:
+                    alpha = self.alpha = self._alpha(lora_alpha)
+                name, key, experts = self._expert_target(module, roles, plain)
+                r = self.source.shape(roles["A"])[0] // experts
+                ranks.add(r)
+                self._map[name] = key
+                scale = lora_scale(alpha[0], r, alpha[1])
+                self._experts[name] = (roles["A"], roles["B"], scale, experts, module)
+                continue
             if "weight" not in roles:
-                raise ConverterError(
-                    f"{self.weights_folder}: module {module} has a LoRA but no base_layer.weight (a PEFT "
-                    "target_parameters LoRA, e.g. on fused MoE experts?): not supported in a training checkpoint yet"
-                )
+                raise ConverterError(f"{self.weights_folder}: module {module} has a base_layer but no base weight")
             self._map[f"{module}.weight"] = roles["weight"]
             if "bias" in roles:
                 self._map[f"{module}.bias"] = roles["bias"]
@@ -171,10 +191,11 @@ class TrainingCheckpoint(Checkpoint):
         order = {k: i for i, k in enumerate(self.source.names())}
         self._order = sorted(self._map, key=lambda n: order[self._map[n]])
         self._drop_tied_head()
-        if self._lora:
+        if self._lora or self._experts:
             self.notes.append(
-                f"LoRA inside the checkpoint fused into {len(self._lora)} weights "
-                f"(rank {', '.join(map(str, sorted(ranks)))}, "
+                f"LoRA inside the checkpoint fused into {len(self._lora) + len(self._experts)} weights "
+                + (f"({len(self._experts)} of them fused MoE expert tensors) " if self._experts else "")
+                + f"(rank {', '.join(map(str, sorted(ranks)))}, "
                 f"lora_alpha {alpha[0]:g} from {alpha[2]}, scale alpha/{'sqrt(r)' if alpha[1] else 'r'}), in float32, "
                 "rounded once"
             )
@@ -185,6 +206,33 @@ class TrainingCheckpoint(Checkpoint):
                 f"the training state is float32 (FSDP master weights) while config.json says {declared}; "
                 f"written as stored unless --dtype {declared} is given"
             )
+
+    def _expert_target(self, module: str, roles: dict[str, str], plain: dict[str, str]) -> tuple[str, str, int]:
+        """The 3D parameter a target_parameters LoRA acts on. PEFT nests one wrapper per parameter
+        (`experts.base_layer.lora_A` is the inner one, the parameter itself `experts.base_layer.base_layer.<p>`), so
+        the pairing comes from shapes: A is (r·E, in), B (out, r·E), the parameter (E, out, in)."""
+        root = re.sub(r"(\.base_layer)+$", "", module)
+        pattern = re.compile(re.escape(root) + r"(?:\.base_layer)+\.(\w+)")
+        (rows, inp), out = self.source.shape(roles["A"]), self.source.shape(roles["B"])[0]
+        fits, transposed = [], []
+        for bare, key in plain.items():
+            if (m := pattern.fullmatch(bare)) and len(shape := self.source.shape(key)) == 3:
+                if shape[1:] == (out, inp) and rows % shape[0] == 0:
+                    fits.append((m.group(1), bare, key, shape[0]))
+                elif shape[1:] == (inp, out):
+                    transposed.append(bare)
+        if len(fits) != 1:
+            why = (
+                f"several parameters fit its shapes ({', '.join(f[1] for f in fits)})"
+                if fits
+                else f"{transposed[0]} is stored (experts, in, out), which is not supported yet"
+                if transposed
+                else "no base_layer.weight and no (experts, out, in) parameter it fits"
+            )
+            raise ConverterError(f"{self.weights_folder}: LoRA {roles['A']}: {why}")
+        param, bare, key, experts = fits[0]
+        del plain[bare]
+        return f"{root}.{param}", key, experts
 
     def _alpha(self, explicit: float | None) -> tuple[float, bool, str, int | None]:
         """(lora_alpha, use_rslora, where it came from, r the meta file declares): --lora-alpha, then
@@ -237,6 +285,11 @@ class TrainingCheckpoint(Checkpoint):
                 )
 
     @property
+    def expert_lora(self) -> dict[str, tuple[str, str, float, int, str]]:
+        """Fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module)."""
+        return dict(self._experts)
+
+    @property
     def lora(self) -> dict[str, tuple[str, str, float]]:
         """HF weight name -> (lora_A key, lora_B key, scale) for the LoRA inside the checkpoint."""
         return dict(self._lora)
@@ -271,6 +324,11 @@ class TrainingCheckpoint(Checkpoint):
 
     def read(self, name: str) -> torch.Tensor:
         t = self.source.read(self._map[name])
+        if name in self._experts:
+            a_key, b_key, scale, experts, _ = self._experts[name]
+            w = t.to(torch.float32, copy=True)
+            delta = expert_delta(self.source.read(a_key).float(), self.source.read(b_key).float(), experts)
+            return w.add_(delta, alpha=scale).to(t.dtype)
         if name not in self._lora:
             return t
         a_key, b_key, scale = self._lora[name]
