@@ -356,11 +356,17 @@ class SingleFileCheckpoint(Checkpoint):
         return DiffusionResolver(keymap, parts, keys)
 
 
-def open_base(path: Path) -> Checkpoint:
-    """A transformers-style model folder, a diffusers pipeline folder, or a single-file diffusion checkpoint."""
+def open_base(path: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False) -> Checkpoint:
+    """A transformers-style model folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
+    training checkpoint (verl FSDP rank files, DCP; `lora_alpha` for the LoRA inside one, see converter.training)."""
     from converter.keymap import diffusion_family
 
     path = Path(path)
+    if not (path / "config.json").is_file():
+        from converter.training import is_training_checkpoint, open_training
+
+        if is_training_checkpoint(path):
+            return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle)
     if path.is_dir() and (path / "model_index.json").is_file():
         try:
             pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")

@@ -219,9 +219,15 @@ def _recipe_from_args(args: argparse.Namespace):
         if args.lora_alpha:
             raise UsageError("with --recipe, give lora_alpha in the recipe (per adapter), not --lora-alpha")
     else:
-        if not args.base or not args.adapter:
+        if not args.base or not (args.adapter or _training_base(args.base)):
             raise UsageError("merge needs --base and at least one --adapter (or --recipe FILE)")
-        recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
+        alphas = getattr(args, "lora_alpha", [])
+        if not args.adapter and alphas:  # a training checkpoint alone: --lora-alpha is for the LoRA inside it
+            if len(alphas) > 1:
+                raise UsageError(f"{len(alphas)} --lora-alpha for the base's one LoRA: give one")
+            recipe = Recipe(base=args.base, adapters=[], base_lora_alpha=alphas[0])
+        else:
+            recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
@@ -232,6 +238,15 @@ def _recipe_from_args(args: argparse.Namespace):
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
     recipe.allow_pickle = recipe.allow_pickle or args.allow_pickle
     return recipe
+
+
+def _training_base(base: str) -> bool:
+    """A training checkpoint (verl FSDP / DCP) is a complete model by itself: it needs no --adapter."""
+    from pathlib import Path
+
+    from converter.training import is_training_checkpoint
+
+    return is_training_checkpoint(Path(base))
 
 
 def _log(msg: str) -> None:

@@ -25,6 +25,10 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
     path = source.local
     if path.is_dir() and (path / "model_index.json").is_file():
         return inspect_diffusion(path)
+    from converter.training import is_training_checkpoint
+
+    if not (path / "config.json").is_file() and is_training_checkpoint(path):
+        return inspect_training(path, allow_pickle)
     if path.is_dir() and (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         return inspect_model(path)
     try:
@@ -94,6 +98,20 @@ def inspect_model(path: Path) -> dict:
     return _model_summary(
         str(path), ckpt.config, dtypes, len(ckpt.where), [f.path.name for f in ckpt.files], ckpt.total_bytes
     )
+
+
+def inspect_training(path: Path, allow_pickle: bool) -> dict:
+    """A training checkpoint (verl FSDP / DCP): the model it holds, from the shards' metadata only."""
+    from converter.training import open_training
+
+    ckpt = open_training(path, allow_pickle=allow_pickle)
+    dtypes = Counter()
+    for key in ckpt.names():
+        info = ckpt.info(key)
+        dtypes[info.dtype] += info.numel
+    shards = [f.path.name for f in ckpt.files]
+    summary = _model_summary(str(path), ckpt.config, dtypes, len(ckpt.names()), shards, ckpt.total_bytes)
+    return {**summary, "layout": ckpt.source.kind, "notes": ckpt.notes}
 
 
 def _model_summary(where: str, cfg: dict, dtypes: Counter, tensors: int, shards: list[str], size: int) -> dict:

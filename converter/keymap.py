@@ -56,6 +56,17 @@ class AliasRule:
 
 
 @dataclass
+class RenameRule:
+    """A training checkpoint's name (Megatron-Core) -> transformers key(s); `rows` split a fused tensor."""
+
+    pattern: re.Pattern
+    to: list[str]  # key templates, `{group}` filled from the pattern's named groups
+    groups: str = "1"  # row blocks (KV groups of an interleaved qkv)
+    rows: list[str] | None = None  # rows of each part within a block, in `to` order
+    parallel: str = "replicated"  # legacy tensor-parallel shards: "column" (dim 0), "row" (dim 1), "replicated"
+
+
+@dataclass
 class Keymap:
     name: str
     model_types: list[str]
@@ -73,6 +84,7 @@ class Keymap:
     component_aliases: dict[str, list[str]] = field(default_factory=dict)  # adapter's component -> base's
     aliases: dict[str, list[AliasRule]] = field(default_factory=dict)  # per component
     tables: dict[str, dict[str, str]] = field(default_factory=dict)
+    renames: list[RenameRule] = field(default_factory=list)  # training checkpoint names (converter.training)
 
     @classmethod
     def from_yaml(cls, data: dict) -> Keymap:
@@ -109,6 +121,16 @@ class Keymap:
             component_aliases=data.get("component_aliases") or {},
             aliases=aliases,
             tables=data.get("tables") or {},
+            renames=[
+                RenameRule(
+                    re.compile(r["from"]),
+                    r["to"] if isinstance(r["to"], list) else [r["to"]],
+                    str(r.get("split", {}).get("groups", 1)),
+                    [str(x) for x in r["split"]["rows"]] if "split" in r else None,
+                    r.get("parallel", "replicated"),
+                )
+                for r in data.get("renames", [])
+            ],
         )
 
     @property

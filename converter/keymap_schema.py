@@ -122,6 +122,23 @@ _ALIAS = record(
      "when": text},
     required=("from", "to"),
 )  # fmt: skip
+def choice(*allowed: str) -> Check:
+    def check(value: object, where: str) -> None:
+        if value not in allowed:
+            raise _fail(where, f"expected one of {', '.join(allowed)}, got {value!r}")
+
+    return check
+
+
+# Training-checkpoint names -> transformers names (Megatron-Core): one source tensor to one or several keys; a
+# `split` cuts its rows into `groups` blocks of `rows` each, part i of every block going to `to[i]`. `parallel`
+# says how tensor-parallel ranks of the legacy layout hold it: column (dim 0), row (dim 1), replicated.
+_SPLIT = record({"groups": expr, "rows": list_of(expr)}, required=("rows",))
+_RENAME = record(
+    {"from": regex, "to": one_of((text, str), (list_of(text), list), what="a key template or a list"),
+     "split": _SPLIT, "parallel": choice("column", "row", "replicated")},
+    required=("from", "to"),
+)  # fmt: skip
 _FUSED = record({"module": regex, "into": text, "parts": map_of(expr)}, required=("module", "into", "parts"))
 
 KEYMAP = record(
@@ -140,6 +157,7 @@ KEYMAP = record(
         "component_aliases": map_of(list_of(text)),
         "aliases": map_of(list_of(_ALIAS)),
         "tables": map_of(map_of(text)),
+        "renames": list_of(_RENAME),
     },
     required=("name", "model_types"),
 )

@@ -96,7 +96,9 @@ def _merge(
     log: Callable[[str], None],
     task_merge=None,
 ) -> MergeResult:
-    original = checkpoint = open_base(base.local)
+    original = checkpoint = open_base(
+        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle
+    )
     if quant and checkpoint.diffusion:
         raise ConverterError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "
@@ -121,6 +123,7 @@ def _merge(
     plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
     plan.task_merge = task_merge
     warnings += more
+    plan.notes[:0] = getattr(checkpoint, "notes", [])  # what reading a training checkpoint did (LoRA fused...)
     for w in warnings:
         log(f"warning: {w}")
     if original is not checkpoint:
@@ -214,7 +217,8 @@ def write_weights(
             limit = max_shard if part.single_file is None else float("inf")
             writer = ShardedWriter(folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata)
         writers.append((part, writer))
-    readers = {f.path: SequentialReader(f) for f in checkpoint.files}
+    # A training checkpoint's files bring their own reader (tensors rebuilt from shards, see converter.training).
+    readers = {f.path: f.reader() if hasattr(f, "reader") else SequentialReader(f) for f in checkpoint.files}
     try:
         _stream(checkpoint, plan, writers, readers, log)
     except BaseException:

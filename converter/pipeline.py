@@ -79,7 +79,14 @@ def verify_folder(
 ) -> dict:
     """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
     folder = Path(folder)
-    report = verify(folder, recipe, token=token, log=log, **settings)
+    from converter.training import is_training_checkpoint
+
+    if recipe.base and is_training_checkpoint(Path(recipe.base)):
+        from converter.training.verify import verify_training
+
+        report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
+    else:
+        report = verify(folder, recipe, token=token, log=log, **settings)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
     if (folder / PROVENANCE_FILE).is_file():

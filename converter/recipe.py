@@ -68,13 +68,15 @@ class Recipe:
     method: str | None = None
     density: float | None = None
     seed: int | None = None
+    # A training checkpoint as the base (converter.training) may hold a LoRA whose alpha its files do not record.
+    base_lora_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if self.qlora_base not in ("original", "dequantized"):
             raise RecipeError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
         if self.qlora_quant not in ("nf4", "fp4"):
             raise RecipeError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
-        if not self.adapters:
+        if not self.adapters and not _is_training_checkpoint(self.base):  # a training run's state is whole
             raise RecipeError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:
             if spec.lora_alpha is not None and not _is_number(spec.lora_alpha):
@@ -167,6 +169,7 @@ _TYPES = {
     "qlora_quant": (str,),
     "qlora_blocksize": (int,),
     "qlora_double_quant": (bool,),
+    "base_lora_alpha": (int, float),
 }
 
 
@@ -181,7 +184,7 @@ def _check_types(entry: dict, cls: type, what: str, where: str) -> None:
             bad = not all(isinstance(p, str) for p in value)
         if key == "weight" and isinstance(value, dict) and not bad:
             bad = not all(_is_number(w) for w in value.values())
-        if value is None and key in ("dtype", "out", "lora_alpha"):
+        if value is None and key in ("dtype", "out", "lora_alpha", "base_lora_alpha"):
             bad = False
         if bad:
             want = " or ".join(
@@ -194,3 +197,9 @@ def _check_types(entry: dict, cls: type, what: str, where: str) -> None:
 def _relative_to(spec: str, here: Path) -> str:
     candidate = here / spec
     return str(candidate) if not Path(spec).is_absolute() and candidate.exists() else spec
+
+
+def _is_training_checkpoint(base: str | None) -> bool:
+    from converter.training import is_training_checkpoint
+
+    return bool(base) and is_training_checkpoint(Path(base))
