@@ -47,27 +47,34 @@ def is_diffusion(folder: Path) -> bool:
 
 def tolerance(output_dtype: str) -> dict:
     u = UNIT_ROUNDOFF.get(output_dtype, 2.0**-8)
-    return {"output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
-            "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR}  # fmt: skip
+    return {
+        "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
+        "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
+    }
 
 
 def verify_diffusion(
     merged: Path, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print
 ) -> dict:
     """Compare the merged diffusers folder with base + adapters through diffusers; writes and returns the report."""
-    import torch
 
     from converter.sources import fetch
 
     started = time.time()
     merged = Path(merged)
     if any(spec.include or spec.exclude for spec in recipe.adapters):
-        return skipped_report(merged, "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/"
-                              "exclude), so it cannot be the unmerged reference for this merge")  # fmt: skip
+        return skipped_report(
+            merged,
+            "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/"
+            "exclude), so it cannot be the unmerged reference for this merge",
+        )
     base = fetch(recipe.base, "model", token).local
     if not is_diffusion(base):
-        return skipped_report(merged, "the base is a single-file checkpoint; the generation check needs a diffusers "
-                              "folder (model_index.json) for base and merge")  # fmt: skip
+        return skipped_report(
+            merged,
+            "the base is a single-file checkpoint; the generation check needs a diffusers "
+            "folder (model_index.json) for base and merge",
+        )
     sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
     log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
     clock = Clock()
@@ -75,17 +82,24 @@ def verify_diffusion(
         pipe = _load(base)
         ignored = _apply_adapters(pipe, recipe, sources)
     except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter is a skip, said in one line
-        return skipped_report(merged, f"diffusers cannot apply the adapters to this base unmerged "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")  # fmt: skip
+        return skipped_report(
+            merged,
+            f"diffusers cannot apply the adapters to this base unmerged "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+        )
     if ignored:
-        return skipped_report(merged, f"diffusers' loader ignores the per-module alphas of {ignored} modules of "
-                              "this file (its alpha_pattern names never match), so it would be a wrong referee")  # fmt: skip
+        return skipped_report(
+            merged,
+            f"diffusers' loader ignores the per-module alphas of {ignored} modules of "
+            "this file (its alpha_pattern names never match), so it would be a wrong referee",
+        )
     clock.lap("load reference")
     touched = sorted(pipe.get_list_adapters())
     denoiser = _denoiser_name(pipe)
     if denoiser != "unet":
-        return skipped_report(merged, f"the generation check covers UNet pipelines (SD 1.x/2.x, SDXL) so far; this "
-                              f"one has a {denoiser}")  # fmt: skip
+        return skipped_report(
+            merged, f"the generation check covers UNet pipelines (SD 1.x/2.x, SDXL) so far; this one has a {denoiser}"
+        )
     inputs = _inputs(pipe, touched)
     ref = _run(pipe, inputs, touched, hooks=True)
     clock.lap("run reference")
@@ -109,23 +123,31 @@ def verify_diffusion(
     tol = tolerance(output_dtype)
     problems, notes, components, culprit = [], [], {}, None
     for name in touched:
-        m, b = _compare(ref[name]["outputs"], out[name]["outputs"]), _compare(ref[name]["outputs"], bare[name]["outputs"])
+        m, b = (
+            _compare(ref[name]["outputs"], out[name]["outputs"]),
+            _compare(ref[name]["outputs"], bare[name]["outputs"]),
+        )
         components[name] = {"merged_vs_reference": m, "base_vs_reference": b}
         bad = []
         if m["rel_err"] > tol["output_rel_err"]:
             bad.append(f"{name}: relative error {m['rel_err']:.3g} > {tol['output_rel_err']:.3g}")
         if b["rel_err"] <= tol["output_rel_err"]:
-            notes.append(f"{name}: the adapters barely change it here; a merge that did nothing could not be told apart")
+            notes.append(
+                f"{name}: the adapters barely change it here; a merge that did nothing could not be told apart"
+            )
         elif m["rel_err"] >= EFFECT_SHARE * b["rel_err"]:
-            bad.append(f"{name} is as far from the reference as the bare base is ({m['rel_err']:.3g} vs "
-                       f"{b['rel_err']:.3g}): was anything merged?")  # fmt: skip
+            bad.append(
+                f"{name} is as far from the reference as the bare base is ({m['rel_err']:.3g} vs "
+                f"{b['rel_err']:.3g}): was anything merged?"
+            )
         if bad:
             first = _first_disagreement(ref[name]["probe"], out[name]["probe"], tol["module_rel_err"])
             if first:
                 first["module"] = f"{name}.{first['module']}"
                 culprit = culprit or first
-                bad.append(f"first module that disagrees: {first['module']} (relative error "
-                           f"{first['relative_error']:.3g})")  # fmt: skip
+                bad.append(
+                    f"first module that disagrees: {first['module']} (relative error {first['relative_error']:.3g})"
+                )
         problems += bad
     images = _save_images(merged, ref_images, out_images, bare_images)
     report = {
@@ -137,8 +159,12 @@ def verify_diffusion(
         "compute_dtype": "float32",
         "output_dtype": output_dtype,
         "tolerance": tol,
-        "inputs": {"timesteps": inputs["timesteps"], "components": touched, "images": len(images),
-                   "image_steps": IMAGE_STEPS},  # fmt: skip
+        "inputs": {
+            "timesteps": inputs["timesteps"],
+            "components": touched,
+            "images": len(images),
+            "image_steps": IMAGE_STEPS,
+        },
         "components": components,
         "first_disagreeing_module": culprit,
         "images": images,
@@ -156,8 +182,11 @@ def _load(folder: Path):
     from diffusers.utils import logging as dlog
 
     index = json.loads((folder / "model_index.json").read_text())
-    absent = {k: None for k in ("tokenizer", "tokenizer_2", "safety_checker", "feature_extractor", "image_encoder")
-              if k not in index or index[k] == [None, None]}  # fmt: skip
+    absent = {
+        k: None
+        for k in ("tokenizer", "tokenizer_2", "safety_checker", "feature_extractor", "image_encoder")
+        if k not in index or index[k] == [None, None]
+    }
     level = dlog.get_verbosity()
     dlog.set_verbosity_error()
     try:
@@ -210,8 +239,10 @@ def _inputs(pipe, touched: list[str]) -> dict:
     inputs["context"] = torch.randn(1, 8, cfg.cross_attention_dim, generator=g)
     if cfg.addition_embed_type == "text_time":
         pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        inputs["added"] = {"text_embeds": torch.randn(1, pooled, generator=g),
-                           "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32)}  # fmt: skip
+        inputs["added"] = {
+            "text_embeds": torch.randn(1, pooled, generator=g),
+            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
+        }
     for name in _text_encoders(pipe):
         te = getattr(pipe, name)
         length = min(int(te.config.max_position_embeddings), 16)
@@ -282,8 +313,11 @@ def _compare(ref: list, other: list) -> dict:
 
     diff = torch.cat([(r - o).flatten() for r, o in zip(ref, other, strict=True)])
     norm = torch.cat([r.flatten() for r in ref]).norm().clamp_min(1e-30)
-    return {"rel_err": (diff.norm() / norm).item(), "max_abs": diff.abs().max().item(),
-            "mean_abs": diff.abs().mean().item()}  # fmt: skip
+    return {
+        "rel_err": (diff.norm() / norm).item(),
+        "max_abs": diff.abs().max().item(),
+        "mean_abs": diff.abs().mean().item(),
+    }
 
 
 def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
@@ -309,8 +343,15 @@ def _images(pipe) -> list:
     size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
     kwargs = _prompt_embeds(pipe)
     with torch.no_grad():
-        out = pipe(**kwargs, num_inference_steps=IMAGE_STEPS, height=size, width=size, output_type="np",
-                   generator=torch.Generator().manual_seed(0), guidance_scale=1.0)  # fmt: skip
+        out = pipe(
+            **kwargs,
+            num_inference_steps=IMAGE_STEPS,
+            height=size,
+            width=size,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+            guidance_scale=1.0,
+        )
     return [(np.clip(img, 0, 1) * 255).round().astype("uint8") for img in out.images]
 
 
@@ -319,9 +360,15 @@ def _prompt_embeds(pipe) -> dict:
 
     g = torch.Generator().manual_seed(1)
     encoders = _text_encoders(pipe)
-    ids = {n: torch.randint(0, getattr(pipe, n).config.vocab_size,
-                            (IMAGE_COUNT, min(int(getattr(pipe, n).config.max_position_embeddings), 16)), generator=g)
-           for n in encoders}  # fmt: skip
+    ids = {
+        n: torch.randint(
+            0,
+            getattr(pipe, n).config.vocab_size,
+            (IMAGE_COUNT, min(int(getattr(pipe, n).config.max_position_embeddings), 16)),
+            generator=g,
+        )
+        for n in encoders
+    }
     with torch.no_grad():
         if len(encoders) == 1:
             return {"prompt_embeds": getattr(pipe, encoders[0])(ids[encoders[0]]).last_hidden_state}
@@ -348,8 +395,7 @@ def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
         diff = np.abs(r.astype(np.int32) - o.astype(np.int32))
         mse = float((diff.astype(np.float64) ** 2).mean())
         psnr = 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))  # 99: identical (JSON has no inf)
-        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2),
-                     "max_abs": int(diff.max())})  # fmt: skip
+        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2), "max_abs": int(diff.max())})
     return rows
 
 
@@ -376,8 +422,10 @@ def markdown(report: dict) -> str:
     ]
     for name, c in report["components"].items():
         m, b = c["merged_vs_reference"], c["base_vs_reference"]
-        lines.append(f"| {name} | {m['rel_err']:.3g} | {b['rel_err']:.3g} | {m['max_abs']:.3g} | "
-                     f"≤ {tol['output_rel_err']:.3g} and < {EFFECT_SHARE:g}× base |")  # fmt: skip
+        lines.append(
+            f"| {name} | {m['rel_err']:.3g} | {b['rel_err']:.3g} | {m['max_abs']:.3g} | "
+            f"≤ {tol['output_rel_err']:.3g} and < {EFFECT_SHARE:g}× base |"
+        )
     if report["images"]:
         psnr = ", ".join(f"{i['psnr']:.1f} dB (max {i['max_abs']})" for i in report["images"])
         lines.append(f"\nImages ({IMAGE_STEPS} steps, fixed seed), merged vs reference PSNR: {psnr}.")
