@@ -67,7 +67,7 @@ def merged_f32(sd15, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32"])
 def test_right_sd15_merge_passes_with_images_in_the_card(sd15, tmp_path, cli, dtype):
     root, _ = sd15
     code, log = merge(cli, root, tmp_path / "m", None, "--dtype", dtype, verify=True)
@@ -146,7 +146,7 @@ def test_scale_dropped_fails(sd15, tmp_path, cli):
 def test_sdxl_merge_with_both_text_encoders_passes(tmp_path, cli):
     models = make_pipeline(tmp_path / "base", "sdxl")
     save(lora_for(models, 2.0, {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}), tmp_path / "l.safetensors")
-    code, log = merge(cli, tmp_path, tmp_path / "m", tmp_path / "l.safetensors", "--dtype", "float16", verify=True)
+    code, log = merge(cli, tmp_path, tmp_path / "m", tmp_path / "l.safetensors", "--dtype", "bfloat16", verify=True)
     assert code == 0, log
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
     assert report["verdict"] == "pass" and set(report["components"]) == {"unet", "text_encoder", "text_encoder_2"}
