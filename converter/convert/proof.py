@@ -1,0 +1,99 @@
+"""A conversion proves its output: the written adapter is read back and each module's ΔW compared with the
+source's, so `convert` prints "ΔW identical on N modules" or fails (exit 3) instead of writing a silent error.
+
+The output is read back with converter's own format readers (the same ones `merge` uses), the source's ΔW comes
+from the source file: names are compared after kohya-style flattening (`.` -> `_`, CLIP's `text_model.` dropped),
+so a module renamed on the way still meets its source. Modules fused or split on the way (BFL qkv <-> to_q/to_k/
+to_v) have no one-to-one counterpart and are counted, not compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from converter.errors import VerificationFailed
+from converter.formats import Adapter, load_adapter
+
+# ΔW = scale · up @ down in float32: the scale may be recomputed from a stored alpha (alpha / rank) and the
+# product taken in another order by another format's reader: a few float32 roundings.
+FLOAT32_ROUNDING = 4 * 2.0**-24
+
+
+@dataclass
+class Proof:
+    identical: int
+    within_rounding: int
+    approximated: int  # SVD-approximated modules, checked against their reported reconstruction error
+    not_compared: int
+    worst: tuple[str, float] | None
+
+    @property
+    def compared(self) -> int:
+        return self.identical + self.within_rounding + self.approximated
+
+    def summary(self) -> str:
+        parts = [f"ΔW identical on {self.identical} modules"]
+        if self.within_rounding:
+            parts.append(f"{self.within_rounding} within float32 rounding")
+        if self.approximated:
+            parts.append(f"{self.approximated} SVD-approximated within their reported error")
+        if self.not_compared:
+            parts.append(f"{self.not_compared} fused/split modules without a one-to-one counterpart not compared")
+        return "; ".join(parts) + " (read back with converter's readers)"
+
+
+def key(component: str | None, module: str) -> tuple[str, str]:
+    flat = module.replace(".", "_")
+    for prefix in ("text_model_", "base_model_model_"):
+        flat = flat.removeprefix(prefix)
+    return (component or "denoiser", flat)
+
+
+def deltas(adapter: Adapter) -> dict[tuple[str, str], object]:
+    return {key(ap.component, ap.module): ap for ap in adapter.patches if ap.param == "weight"}
+
+
+def prove(source: Adapter, out: Path, svd: dict[str, float] | None = None) -> Proof:
+    """Compare every module's ΔW in `out` (read back) with the source's; VerificationFailed on a mismatch."""
+    import torch
+
+    written = deltas(load_adapter(out))
+    original = deltas(source)
+    identical = within = approximated = 0
+    worst: tuple[str, float] | None = None
+    for k, ap in original.items():
+        other = written.get(k)
+        if other is None:
+            continue
+        a = ap.patch.delta(transposed=False)
+        b = other.patch.delta(transposed=False)
+        name = f"{k[0]}:{ap.module}"
+        if a.shape != b.shape:
+            raise VerificationFailed(
+                f"{out}: module {name} has ΔW of shape {list(b.shape)}, the source's is "
+                f"{list(a.shape)}; the conversion is wrong (please report it)"
+            )
+        if torch.equal(a, b):
+            identical += 1
+            continue
+        err = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+        worst = max(worst or (name, err), (name, err), key=lambda t: t[1])
+        allowed = (svd or {}).get(ap.native or "", (svd or {}).get(ap.module))
+        if allowed is not None and err <= allowed + FLOAT32_ROUNDING * 4:
+            approximated += 1
+        elif allowed is None and err <= FLOAT32_ROUNDING:
+            within += 1
+        else:
+            limit = FLOAT32_ROUNDING if allowed is None else allowed
+            raise VerificationFailed(
+                f"{out}: module {name}'s ΔW differs from the source's (relative error "
+                f"{err:.3g} > {limit:.3g}); the conversion is wrong (please report it)"
+            )
+    proof = Proof(identical, within, approximated, len(original) - identical - within - approximated, worst)
+    if not proof.compared:
+        raise VerificationFailed(
+            f"{out}: none of its {len(written)} modules meets a module of the source by name; "
+            "the conversion cannot be checked (use --no-verify to keep it anyway)"
+        )
+    return proof
