@@ -2,8 +2,9 @@
 source's, so `convert` prints "ΔW identical on N modules" or fails (exit 3) instead of writing a silent error.
 
 The output is read back with converter's own format readers (the same ones `merge` uses), the source's ΔW comes
-from the source file: names are compared after kohya-style flattening (`.` -> `_`, CLIP's `text_model.` dropped),
-so a module renamed on the way still meets its source. Modules fused or split on the way (BFL qkv <-> to_q/to_k/
+from the source file: names are compared per component after kohya-style flattening (`.` -> `_`, CLIP's
+`text_model.` dropped), so a module renamed on the way still meets its source (by name alone where one side names
+no component and the name is unique). Modules fused or split on the way (BFL qkv <-> to_q/to_k/
 to_v) have no one-to-one counterpart and are counted, not compared.
 """
 
@@ -60,14 +61,20 @@ def prove(source: Adapter, out: Path, svd: dict[str, float] | None = None) -> Pr
 
     written = deltas(load_adapter(out))
     original = deltas(source)
+    by_name: dict[str, list] = {}
+    for (_, flat), ap in written.items():
+        by_name.setdefault(flat, []).append(ap)
     identical = within = approximated = 0
     worst: tuple[str, float] | None = None
     for k, ap in original.items():
         other = written.get(k)
+        if other is None and len(by_name.get(k[1], ())) == 1:  # one side names no component (--component)
+            other = by_name[k[1]][0]
         if other is None:
             continue
-        a = ap.patch.delta(transposed=False)
-        b = other.patch.delta(transposed=False)
+        a, b = _tensor(ap.patch), _tensor(other.patch)
+        if a is None or b is None:
+            continue
         name = f"{k[0]}:{ap.module}"
         if a.shape != b.shape:
             raise VerificationFailed(
@@ -97,3 +104,14 @@ def prove(source: Adapter, out: Path, svd: dict[str, float] | None = None) -> Pr
             "the conversion cannot be checked (use --no-verify to keep it anyway)"
         )
     return proof
+
+
+def _tensor(patch):
+    """What defines the module: ΔW, and for DoRA ΔW and the magnitude vector side by side (None: not a delta)."""
+    import torch
+
+    from converter.patches import DeltaPatch, DoRA
+
+    if isinstance(patch, DoRA):
+        return torch.cat([patch.lora.delta(transposed=False).flatten(), patch.magnitude.load().flatten()])
+    return patch.delta(transposed=False) if isinstance(patch, DeltaPatch) else None
