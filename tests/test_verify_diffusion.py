@@ -161,3 +161,36 @@ def test_per_module_alphas_diffusers_would_ignore_are_skipped_not_failed(sd15, t
     assert code == 0 and report["verdict"] == "skipped", log
     assert "per-module alphas" in report["notes"][0]
     assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
+
+
+def dit_pipeline(root, family: str):
+    """The tiny Flux / Wan transformers of the community tests in a pipeline folder, with a LoRA for each."""
+    from test_community_flux import peft_style_lora, tiny_flux
+    from test_community_video import musubi_wan_lora, tiny_wan
+
+    model = tiny_flux() if family == "flux" else tiny_wan()
+    model.save_pretrained(root / "base" / "transformer")
+    pipeline = {"flux": "FluxPipeline", "wan": "WanPipeline"}[family]
+    index = {"_class_name": pipeline, "transformer": ["diffusers", type(model).__name__]}
+    (root / "base" / "model_index.json").write_text(json.dumps(index))
+    save(peft_style_lora(model) if family == "flux" else musubi_wan_lora(), root / "lora.safetensors")
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_flux_and_wan_merges_pass_and_a_perturbed_tensor_is_located(tmp_path, cli, family):
+    dit_pipeline(tmp_path, family)
+    # float32: one module's error this small (its delta applied twice) is below bfloat16's rounding at the output
+    code, log = merge(cli, tmp_path, tmp_path / "m", None, "--dtype", "float32", verify=True)
+    assert code == 0, log
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert report["verdict"] == "pass" and list(report["components"]) == ["transformer"], report
+    assert report["images"] == []  # no VAE / scheduler in these folders: the transformer's check only
+    f = next((tmp_path / "m" / "transformer").glob("*.safetensors"))
+    t, before = load_file(f), load_file(tmp_path / "base" / "transformer" / f.name)
+    name = next(k for k in sorted(t) if k.endswith(".weight") and t[k].dim() == 2 and not torch.equal(t[k], before[k]))
+    t[name] = 2 * t[name] - before[name]  # its delta applied twice
+    save_file(t, f, metadata={"format": "pt"})
+    code, out, err = cli("verify", tmp_path / "m")
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert code == 3 and report["verdict"] == "fail", out + err
+    assert report["first_disagreeing_module"]["module"].startswith("transformer."), report["problems"]

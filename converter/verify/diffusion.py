@@ -96,25 +96,27 @@ def verify_diffusion(
     clock.lap("load reference")
     touched = sorted(pipe.get_list_adapters())
     denoiser = _denoiser_name(pipe)
-    if denoiser != "unet":
+    if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
+        kind = type(getattr(pipe, denoiser or "unet", None)).__name__
         return skipped_report(
-            merged, f"the generation check covers UNet pipelines (SD 1.x/2.x, SDXL) so far; this one has a {denoiser}"
+            merged, f"the generation check has no fixed inputs for a {kind} yet (covered: {', '.join(DENOISER_INPUTS)})"
         )
     inputs = _inputs(pipe, touched)
     ref = _run(pipe, inputs, touched, hooks=True)
     clock.lap("run reference")
-    ref_images = _images(pipe)
+    images_here = _can_make_images(pipe)
+    ref_images = _images(pipe) if images_here else []
     clock.lap("images reference")
     pipe.disable_lora()
     bare = _run(pipe, inputs, touched, hooks=False)
-    bare_images = _images(pipe)
+    bare_images = _images(pipe) if images_here else []
     clock.lap("run bare base + images")
     del pipe
     gc.collect()
     pipe = _load(merged)
     clock.lap("load merged")
     out = _run(pipe, inputs, touched, hooks=True)
-    out_images = _images(pipe)
+    out_images = _images(pipe) if images_here else []
     clock.lap("run merged + images")
     del pipe
     gc.collect()
@@ -177,24 +179,53 @@ def verify_diffusion(
 
 
 def _load(folder: Path):
+    """The whole pipeline when its folder has one (UNet, VAE, scheduler: images can be made), else the pipeline
+    class built from the model components the folder holds (None for the rest), enough for diffusers' loader."""
     import torch
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging as dlog
 
     index = json.loads((folder / "model_index.json").read_text())
-    absent = {
-        k: None
-        for k in ("tokenizer", "tokenizer_2", "safety_checker", "feature_extractor", "image_encoder")
-        if k not in index or index[k] == [None, None]
-    }
     level = dlog.get_verbosity()
     dlog.set_verbosity_error()
     try:
-        pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+        if all((folder / c).is_dir() for c in ("unet", "vae", "scheduler")):
+            absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
+            pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return _partial(folder, index)
     finally:
         dlog.set_verbosity(level)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+
+
+OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
+MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _partial(folder: Path, index: dict):
+    import inspect
+
+    import diffusers
+    import torch
+    import transformers
+
+    cls = getattr(diffusers, index["_class_name"])
+    parts = {}
+    for name in MODEL_PARTS:
+        config = folder / name / "config.json"
+        if not config.is_file():
+            continue
+        cfg = json.loads(config.read_text())
+        library, class_name = (index.get(name) or [None, None])[:2]
+        if not class_name:
+            library, class_name = (
+                ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
+            )
+        module = diffusers if library == "diffusers" else transformers
+        parts[name] = getattr(module, class_name).from_pretrained(folder / name, torch_dtype=torch.float32).eval()
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return cls(**{p: parts.get(p) for p in params})
 
 
 def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> int:
@@ -221,8 +252,12 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> int:
     return ignored
 
 
-def _denoiser_name(pipe) -> str:
-    return "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+def _denoiser_name(pipe) -> str | None:
+    return next((n for n in ("unet", "transformer") if getattr(pipe, n, None) is not None), None)
+
+
+def _can_make_images(pipe) -> bool:
+    return all(getattr(pipe, c, None) is not None for c in ("unet", "vae", "scheduler"))
 
 
 def _inputs(pipe, touched: list[str]) -> dict:
@@ -230,28 +265,76 @@ def _inputs(pipe, touched: list[str]) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    unet = pipe.unet
-    cfg = unet.config
-    size = min(int(cfg.sample_size), 32)
-    steps = int(pipe.scheduler.config.get("num_train_timesteps", 1000))
-    inputs = {"timesteps": [int(f * steps) for f in TIMESTEP_FRACTIONS], "tokens": {}}
-    inputs["latents"] = torch.randn(1, cfg.in_channels, size, size, generator=g)
-    inputs["context"] = torch.randn(1, 8, cfg.cross_attention_dim, generator=g)
-    if cfg.addition_embed_type == "text_time":
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        inputs["added"] = {
-            "text_embeds": torch.randn(1, pooled, generator=g),
-            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
-        }
+    denoiser = getattr(pipe, _denoiser_name(pipe))
+    scheduler = getattr(pipe, "scheduler", None)
+    steps = int(scheduler.config.get("num_train_timesteps", 1000)) if scheduler is not None else 1000
+    timesteps = [int(f * steps) for f in TIMESTEP_FRACTIONS]
+    make = DENOISER_INPUTS[type(denoiser).__name__]
+    inputs = {"timesteps": timesteps, "tokens": {}, "calls": [make(denoiser.config, t, g) for t in timesteps]}
     for name in _text_encoders(pipe):
         te = getattr(pipe, name)
-        length = min(int(te.config.max_position_embeddings), 16)
+        length = min(int(getattr(te.config, "max_position_embeddings", 16)), 16)
         inputs["tokens"][name] = torch.randint(0, te.config.vocab_size, (IMAGE_COUNT, length), generator=g)
     return inputs
 
 
+def _unet(cfg, t: int, g) -> dict:
+    import torch
+
+    size = min(int(cfg.sample_size), 32)
+    g.manual_seed(0)  # the same latents and context at every timestep
+    kw = {
+        "sample": torch.randn(1, cfg.in_channels, size, size, generator=g),
+        "timestep": t,
+        "encoder_hidden_states": torch.randn(1, 8, cfg.cross_attention_dim, generator=g),
+    }
+    if cfg.addition_embed_type == "text_time":
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        kw["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(1, pooled, generator=g),
+            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
+        }
+    return kw
+
+
+def _flux(cfg, t: int, g) -> dict:
+    """FluxPipeline's call: packed latents (4x4 tokens), their (0, row, col) ids, text ids 0, t / 1000."""
+    import torch
+
+    g.manual_seed(0)
+    side, text = 4, 8
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    kw = {
+        "hidden_states": torch.randn(1, side * side, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([t / 1000.0]),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
+    if cfg.guidance_embeds:
+        kw["guidance"] = torch.tensor([3.5])
+    return kw
+
+
+def _wan(cfg, t: int, g) -> dict:
+    import torch
+
+    g.manual_seed(0)
+    _, ph, pw = cfg.patch_size
+    return {
+        "hidden_states": torch.randn(1, cfg.in_channels, 1, 4 * ph, 4 * pw, generator=g),
+        "timestep": torch.tensor([t]),
+        "encoder_hidden_states": torch.randn(1, 8, cfg.text_dim, generator=g),
+    }
+
+
+DENOISER_INPUTS = {"UNet2DConditionModel": _unet, "FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan}
+
+
 def _text_encoders(pipe) -> list[str]:
-    return [n for n in ("text_encoder", "text_encoder_2") if getattr(pipe, n, None) is not None]
+    return [n for n in MODEL_PARTS[2:] if getattr(pipe, n, None) is not None]
 
 
 def _run(pipe, inputs: dict, touched: list[str], hooks: bool) -> dict:
@@ -267,9 +350,8 @@ def _run(pipe, inputs: dict, touched: list[str], hooks: bool) -> dict:
         outputs = []
         with torch.no_grad():
             if name == _denoiser_name(pipe):
-                for t in inputs["timesteps"]:
-                    kwargs = {"added_cond_kwargs": inputs["added"]} if "added" in inputs else {}
-                    outputs.append(model(inputs["latents"], t, inputs["context"], **kwargs).sample.double())
+                for kwargs in inputs["calls"]:
+                    outputs.append(model(**kwargs, return_dict=False)[0].double())
                     for h in handles:
                         h.remove()
                     handles = []
