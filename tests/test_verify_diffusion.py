@@ -177,7 +177,7 @@ def dit_pipeline(root, family: str):
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])
-def test_flux_and_wan_merges_pass_and_a_perturbed_tensor_is_located(tmp_path, cli, family):
+def test_flux_and_wan_merges_pass_and_a_doubled_delta_is_located(tmp_path, cli, family):
     dit_pipeline(tmp_path, family)
     # float32: one module's error this small (its delta applied twice) is below bfloat16's rounding at the output
     code, log = merge(cli, tmp_path, tmp_path / "m", None, "--dtype", "float32", verify=True)
