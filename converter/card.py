@@ -76,6 +76,18 @@ def build_card(provenance: dict, verification: dict | None = None, load_name: st
     return str(card)
 
 
+def _image_grid(images: list[dict]) -> list[str]:
+    """A diffusion verification's images (saved in the folder, paths relative to it): base | reference | merged."""
+    if not images:
+        return []
+    lines = ["", "| prompt | base | reference (unmerged) | merged | PSNR merged vs reference |"]
+    lines.append("|---|---|---|---|---|")
+    for i in images:
+        cells = " | ".join(f"![{role}]({i[role]})" for role in ("base", "reference", "merged"))
+        lines.append(f"| {i['prompt']} | {cells} | {i['psnr']:.1f} dB (max diff {i['max_abs']}) |")
+    return lines
+
+
 def _body(prov: dict, verification: dict | None, repo: str) -> str:
     base = prov["base"]
     name = base.get("repo_id") or Path(base["source"]).name
@@ -114,6 +126,7 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
     lines += ["", "## Verification", ""]
     if verification:
         lines.append(verification.get("markdown", "").strip())
+        lines += _image_grid(verification.get("images") or [])
     else:
         lines.append("**Not verified.** This merge was not compared with the base + adapters; treat it as untested.")
     lines += ["", "## How to load", "", *_load_snippet(base, repo), ""]

@@ -91,6 +91,7 @@ def _convert_parser(sub) -> None:
     c.add_argument("--force", action="store_true", help="replace an existing --out")
     c.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
     c.add_argument("--lora-alpha", type=_alpha, help=LORA_ALPHA_HELP)
+    c.add_argument("--no-verify", action="store_true", help="skip reading the output back and comparing its ΔW")
     c.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
 
 

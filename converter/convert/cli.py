@@ -13,7 +13,8 @@ from converter.errors import ConverterError
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
     options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
-                   allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha)  # fmt: skip
+                   allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha,
+                   verify=not args.no_verify)  # fmt: skip
     if args.rank is not None and args.rank < 1:
         raise ConverterError(f"--rank {args.rank}: give a positive rank")
     if args.push_pr and args.out:

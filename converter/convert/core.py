@@ -38,8 +38,11 @@ def convert(
     allow_pickle: bool = False,
     log: Callable[[str], None] = print,
     lora_alpha: float | None = None,
+    verify: bool = True,
 ) -> ConvertResult:
-    """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically."""
+    """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically;
+    then (`verify`) read it back and prove each module's ΔW equals the source's (VerificationFailed if not: the
+    wrong output is removed)."""
     from converter.sources import fetch
 
     if to not in TARGETS:
@@ -65,7 +68,22 @@ def convert(
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
+    if verify:
+        _prove(adapter, out, svd, log)
     return ConvertResult(out, files, len(modules), notes, svd)
+
+
+def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None]) -> None:
+    import shutil
+
+    from converter.convert.proof import prove
+    from converter.errors import VerificationFailed
+
+    try:
+        log(prove(adapter, out, svd).summary())
+    except VerificationFailed as e:
+        shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
+        raise VerificationFailed(f"{e} (removed {out})") from None
 
 
 def _public_base(base: str | None, adapter: Adapter) -> str | None:

@@ -24,6 +24,7 @@ def push_pr(
     allow_pickle: bool = False,
     log: Callable[[str], None] = print,
     lora_alpha: float | None = None,
+    verify: bool = True,
 ) -> str | None:
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
@@ -51,7 +52,7 @@ def push_pr(
         stem = Path(source.path).stem if source.path else "adapter"
         out = Path(scratch) / (f"{stem}_kohya.safetensors" if to == "kohya" else "out")
         result = convert(adapter_spec, to, out, base=base, rank=rank, component=component, token=token,
-                         allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha)  # fmt: skip
+                         allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha, verify=verify)  # fmt: skip
         paths = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
         ops = [
             CommitOperationAdd(

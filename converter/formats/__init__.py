@@ -27,6 +27,12 @@ def load_adapter(
         raise AdapterFormatError(
             f"{path}: adapter not found (give a folder with adapter_config.json or a file)", file=path
         )
+    from converter.formats.components import component_folders, load_components
+
+    if folders := component_folders(path):  # unet/, text_encoder/: what `convert --to peft` writes for diffusion
+        return load_components(
+            path, folders, lambda f: load_adapter(f, allow_pickle=allow_pickle, require_scale=require_scale)
+        )
     for fmt in FORMATS:
         if fmt.detect(path):
             return fmt.parse(path, allow_pickle=allow_pickle, lora_alpha=lora_alpha, require_scale=require_scale)

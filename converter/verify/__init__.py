@@ -94,11 +94,15 @@ def _verify(
     from converter.sources import fetch
 
     started = time.time()
-    if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
+    if (merged / "model_index.json").is_file():  # a diffusers pipeline: checked through diffusers' own loader
+        from converter.verify.diffusion import verify_diffusion
+
+        return verify_diffusion(merged, recipe, token=token, log=log)
+    if not (merged / "config.json").is_file():
         return skipped_report(
             merged,
-            "the base is a diffusion model; its merge is checked against diffusers' own LoRA loader in "
-            "converter's tests, and there is no per-merge generation check for it yet",
+            "the merge is a single diffusion checkpoint file; the generation check needs a diffusers folder "
+            "(model_index.json)",
         )
     output_dtype, params = weights_summary(merged)
     budget = memory or available_memory()

@@ -1,0 +1,518 @@
+"""Prove a diffusion merge: the merged pipeline must behave like the base with the adapters applied *unmerged* by
+diffusers' own loader (`load_lora_weights` + `set_adapters`, per-component strengths honoured), never by our code.
+
+Three models, one pipeline in memory at a time: the reference (base + adapters through diffusers), the bare base
+(the same pipeline with its LoRA layers disabled: a merge that changed nothing fails) and the merged folder. Each
+touched component is run on fixed seeded inputs: the denoiser (UNet) at a few timesteps across the schedule, the
+text encoders on fixed token ids. Its relative error against the reference must stay within what rounding the
+merged weights to their dtype can explain, and far below the adapter's own effect (base vs reference); hooks on
+every Linear/Conv name the first module that disagrees. A few small images (fixed seed, few steps) are made by
+each model and saved next to the report with PSNR / max pixel difference: shown, not judged (a few sampler steps
+amplify rounding unevenly; the components' check is the verdict).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.recipe import Recipe
+from converter.records import REPORT_FILE
+from converter.verify.report import Clock, skipped_report
+
+IMAGE_DIR = "verification"
+UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+# A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
+# u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
+# On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
+# up to 15 u_f32 at the tiny SD 1.5 UNet's output: 256 u_f32 allowed (64 per module).
+OUTPUT_ROUNDING_FACTOR = 8.0
+MODULE_ROUNDING_FACTOR = 4.0
+COMPUTE_FLOOR = 256 * 2.0**-24
+MODULE_COMPUTE_FLOOR = 64 * 2.0**-24
+UPSTREAM_GAIN = 2.0  # a right module may amplify the relative error it inherits (norms, attention): 2x allowed
+EFFECT_SHARE = 0.25  # merged must be this much closer to the reference than the bare base is
+TIMESTEP_FRACTIONS = (0.9, 0.5, 0.1)
+IMAGE_COUNT = 2
+IMAGE_STEPS = 4
+
+
+def is_diffusion(folder: Path) -> bool:
+    return (Path(folder) / "model_index.json").is_file()
+
+
+def tolerance(output_dtype: str) -> dict:
+    u = UNIT_ROUNDOFF.get(output_dtype, 2.0**-8)
+    return {
+        "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
+        "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
+    }
+
+
+def verify_diffusion(
+    merged: Path, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print
+) -> dict:
+    """Compare the merged diffusers folder with base + adapters through diffusers; writes and returns the report."""
+
+    from converter.sources import fetch
+
+    started = time.time()
+    merged = Path(merged)
+    if any(spec.include or spec.exclude for spec in recipe.adapters):
+        return skipped_report(
+            merged,
+            "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/"
+            "exclude), so it cannot be the unmerged reference for this merge",
+        )
+    base = fetch(recipe.base, "model", token).local
+    if not is_diffusion(base):
+        return skipped_report(
+            merged,
+            "the base is a single-file checkpoint; the generation check needs a diffusers "
+            "folder (model_index.json) for base and merge",
+        )
+    sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
+    log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
+    clock = Clock()
+    try:
+        pipe = _load(base)
+        ignored = _apply_adapters(pipe, recipe, sources)
+    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter is a skip, said in one line
+        return skipped_report(
+            merged,
+            f"diffusers cannot apply the adapters to this base unmerged "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+        )
+    if ignored:
+        return skipped_report(
+            merged,
+            f"diffusers' loader ignores the per-module alphas of {ignored} modules of "
+            "this file (its alpha_pattern names never match), so it would be a wrong referee",
+        )
+    clock.lap("load reference")
+    touched = sorted(pipe.get_list_adapters())
+    denoiser = _denoiser_name(pipe)
+    if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
+        kind = type(getattr(pipe, denoiser or "unet", None)).__name__
+        return skipped_report(
+            merged, f"the generation check has no fixed inputs for a {kind} yet (covered: {', '.join(DENOISER_INPUTS)})"
+        )
+    inputs = _inputs(pipe, touched)
+    ref = _run(pipe, inputs, touched, hooks=True)
+    clock.lap("run reference")
+    images_here = _can_make_images(pipe)
+    ref_images = _images(pipe) if images_here else []
+    clock.lap("images reference")
+    pipe.disable_lora()
+    bare = _run(pipe, inputs, touched, hooks=False)
+    bare_images = _images(pipe) if images_here else []
+    clock.lap("run bare base + images")
+    del pipe
+    gc.collect()
+    pipe = _load(merged)
+    clock.lap("load merged")
+    out = _run(pipe, inputs, touched, hooks=True)
+    out_images = _images(pipe) if images_here else []
+    clock.lap("run merged + images")
+    del pipe
+    gc.collect()
+
+    output_dtype = _stored_dtype(merged / denoiser)
+    tol = tolerance(output_dtype)
+    problems, notes, components, culprit = [], [], {}, None
+    for name in touched:
+        m, b = (
+            _compare(ref[name]["outputs"], out[name]["outputs"]),
+            _compare(ref[name]["outputs"], bare[name]["outputs"]),
+        )
+        components[name] = {"merged_vs_reference": m, "base_vs_reference": b}
+        bad = []
+        if m["rel_err"] > tol["output_rel_err"]:
+            bad.append(f"{name}: relative error {m['rel_err']:.3g} > {tol['output_rel_err']:.3g}")
+        if b["rel_err"] <= tol["output_rel_err"]:
+            notes.append(
+                f"{name}: the adapters barely change it here; a merge that did nothing could not be told apart"
+            )
+        elif m["rel_err"] >= EFFECT_SHARE * b["rel_err"]:
+            bad.append(
+                f"{name} is as far from the reference as the bare base is ({m['rel_err']:.3g} vs "
+                f"{b['rel_err']:.3g}): was anything merged?"
+            )
+        if bad:
+            first = _first_disagreement(ref[name]["probe"], out[name]["probe"], tol["module_rel_err"])
+            if first:
+                first["module"] = f"{name}.{first['module']}"
+                culprit = culprit or first
+                bad.append(
+                    f"first module that disagrees: {first['module']} (relative error {first['relative_error']:.3g})"
+                )
+        problems += bad
+    images = _save_images(merged, ref_images, out_images, bare_images)
+    report = {
+        "kind": "diffusion",
+        "verdict": "fail" if problems else "pass",
+        "problems": problems,
+        "notes": notes,
+        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters",
+        "compute_dtype": "float32",
+        "output_dtype": output_dtype,
+        "tolerance": tol,
+        "inputs": {
+            "timesteps": inputs["timesteps"],
+            "components": touched,
+            "images": len(images),
+            "image_steps": IMAGE_STEPS,
+        },
+        "components": components,
+        "first_disagreeing_module": culprit,
+        "images": images,
+        "seconds": round(time.time() - started, 1),
+        "phase_seconds": clock.phases,
+    }
+    report["markdown"] = markdown(report)
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _load(folder: Path):
+    """The whole pipeline when its folder has one (UNet, VAE, scheduler: images can be made), else the pipeline
+    class built from the model components the folder holds (None for the rest), enough for diffusers' loader."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as dlog
+
+    index = json.loads((folder / "model_index.json").read_text())
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        if all((folder / c).is_dir() for c in ("unet", "vae", "scheduler")):
+            absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
+            pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return _partial(folder, index)
+    finally:
+        dlog.set_verbosity(level)
+
+
+OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
+MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _partial(folder: Path, index: dict):
+    import inspect
+
+    import diffusers
+    import torch
+    import transformers
+
+    cls = getattr(diffusers, index["_class_name"])
+    parts = {}
+    for name in MODEL_PARTS:
+        config = folder / name / "config.json"
+        if not config.is_file():
+            continue
+        cfg = json.loads(config.read_text())
+        library, class_name = (index.get(name) or [None, None])[:2]
+        if not class_name:
+            library, class_name = (
+                ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
+            )
+        module = diffusers if library == "diffusers" else transformers
+        parts[name] = getattr(module, class_name).from_pretrained(folder / name, torch_dtype=torch.float32).eval()
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return cls(**{p: parts.get(p) for p in params})
+
+
+def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> int:
+    """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns how many
+    per-module alphas diffusers said it ignored."""
+    ignored = 0
+    names = []
+    for i, local in enumerate(sources):
+        name = f"adapter_{i}"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if local.is_dir():
+                pipe.load_lora_weights(str(local), adapter_name=name)
+            else:
+                pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
+        for w in caught:
+            text = str(w.message)
+            if "alpha_pattern keys did not match" in text:
+                ignored += text.count("', '") + 1
+        names.append(name)
+    per_component = pipe.get_list_adapters()
+    weights = [{c: spec.weight_for(c) for c in per_component} for spec in recipe.adapters]
+    pipe.set_adapters(names, adapter_weights=weights)
+    return ignored
+
+
+def _denoiser_name(pipe) -> str | None:
+    return next((n for n in ("unet", "transformer") if getattr(pipe, n, None) is not None), None)
+
+
+def _can_make_images(pipe) -> bool:
+    return all(getattr(pipe, c, None) is not None for c in ("unet", "vae", "scheduler"))
+
+
+def _inputs(pipe, touched: list[str]) -> dict:
+    """Seeded latents, timesteps across the schedule, token ids and text embeddings for every run."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    denoiser = getattr(pipe, _denoiser_name(pipe))
+    scheduler = getattr(pipe, "scheduler", None)
+    steps = int(scheduler.config.get("num_train_timesteps", 1000)) if scheduler is not None else 1000
+    timesteps = [int(f * steps) for f in TIMESTEP_FRACTIONS]
+    make = DENOISER_INPUTS[type(denoiser).__name__]
+    inputs = {"timesteps": timesteps, "tokens": {}, "calls": [make(denoiser.config, t, g) for t in timesteps]}
+    for name in _text_encoders(pipe):
+        te = getattr(pipe, name)
+        length = min(int(getattr(te.config, "max_position_embeddings", 16)), 16)
+        inputs["tokens"][name] = torch.randint(0, te.config.vocab_size, (IMAGE_COUNT, length), generator=g)
+    return inputs
+
+
+def _unet(cfg, t: int, g) -> dict:
+    import torch
+
+    size = min(int(cfg.sample_size), 32)
+    g.manual_seed(0)  # the same latents and context at every timestep
+    kw = {
+        "sample": torch.randn(1, cfg.in_channels, size, size, generator=g),
+        "timestep": t,
+        "encoder_hidden_states": torch.randn(1, 8, cfg.cross_attention_dim, generator=g),
+    }
+    if cfg.addition_embed_type == "text_time":
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        kw["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(1, pooled, generator=g),
+            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
+        }
+    return kw
+
+
+def _flux(cfg, t: int, g) -> dict:
+    """FluxPipeline's call: packed latents (4x4 tokens), their (0, row, col) ids, text ids 0, t / 1000."""
+    import torch
+
+    g.manual_seed(0)
+    side, text = 4, 8
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    kw = {
+        "hidden_states": torch.randn(1, side * side, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([t / 1000.0]),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
+    if cfg.guidance_embeds:
+        kw["guidance"] = torch.tensor([3.5])
+    return kw
+
+
+def _wan(cfg, t: int, g) -> dict:
+    import torch
+
+    g.manual_seed(0)
+    _, ph, pw = cfg.patch_size
+    return {
+        "hidden_states": torch.randn(1, cfg.in_channels, 1, 4 * ph, 4 * pw, generator=g),
+        "timestep": torch.tensor([t]),
+        "encoder_hidden_states": torch.randn(1, 8, cfg.text_dim, generator=g),
+    }
+
+
+DENOISER_INPUTS = {"UNet2DConditionModel": _unet, "FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan}
+
+
+def _text_encoders(pipe) -> list[str]:
+    return [n for n in MODEL_PARTS[2:] if getattr(pipe, n, None) is not None]
+
+
+def _run(pipe, inputs: dict, touched: list[str], hooks: bool) -> dict:
+    """Outputs of every touched component on the fixed inputs; with `hooks`, every Linear/Conv's output on the
+    first input (execution order), for locating the first module that disagrees."""
+    import torch
+
+    results = {}
+    for name in touched:
+        model = getattr(pipe, name)
+        probe: dict[str, torch.Tensor] = {}
+        handles = _hook(model, probe) if hooks else []
+        outputs = []
+        with torch.no_grad():
+            if name == _denoiser_name(pipe):
+                for kwargs in inputs["calls"]:
+                    outputs.append(model(**kwargs, return_dict=False)[0].double())
+                    for h in handles:
+                        h.remove()
+                    handles = []
+            else:
+                result = model(inputs["tokens"][name], output_hidden_states=True)
+                outputs.append(result.hidden_states[-1].double())
+                for h in handles:
+                    h.remove()
+        results[name] = {"outputs": outputs, "probe": probe}
+    return results
+
+
+def _hook(model, probe: dict) -> list:
+    from torch import nn
+
+    handles = []
+    for path, module in model.named_modules():
+        if ".base_layer" in path or ".lora_" in path:
+            continue
+        if not (isinstance(module, nn.Linear | nn.Conv2d) or _is_lora_wrapper(module)):
+            continue
+
+        def keep(_m, _i, output, path=path):
+            if path not in probe:
+                probe[path] = output.detach().double().clone()
+
+        handles.append(module.register_forward_hook(keep))
+    return handles
+
+
+def _is_lora_wrapper(module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - diffusers' loader needs peft
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
+def _compare(ref: list, other: list) -> dict:
+    import torch
+
+    diff = torch.cat([(r - o).flatten() for r, o in zip(ref, other, strict=True)])
+    norm = torch.cat([r.flatten() for r in ref]).norm().clamp_min(1e-30)
+    return {
+        "rel_err": (diff.norm() / norm).item(),
+        "max_abs": diff.abs().max().item(),
+        "mean_abs": diff.abs().mean().item(),
+    }
+
+
+def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
+    """The first module (execution order) off by more than its rounding on top of UPSTREAM_GAIN x what it inherits."""
+    upstream = 0.0
+    for name, r in ref.items():
+        m = merged.get(name)
+        if m is None or m.shape != r.shape:
+            continue
+        err = ((m - r).norm() / r.norm().clamp_min(1e-30)).item()
+        if err > tol + UPSTREAM_GAIN * upstream:
+            return {"module": name, "relative_error": err}
+        upstream = max(upstream, err)
+    return None
+
+
+def _images(pipe) -> list:
+    """IMAGE_COUNT small images, fixed seed, IMAGE_STEPS steps, from text embeddings made by the pipeline's own
+    text encoders on fixed token ids (their LoRA, if any, takes part): uint8 HxWx3 arrays."""
+    import numpy as np
+    import torch
+
+    size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    kwargs = _prompt_embeds(pipe)
+    with torch.no_grad():
+        out = pipe(
+            **kwargs,
+            num_inference_steps=IMAGE_STEPS,
+            height=size,
+            width=size,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+            guidance_scale=1.0,
+        )
+    return [(np.clip(img, 0, 1) * 255).round().astype("uint8") for img in out.images]
+
+
+def _prompt_embeds(pipe) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    encoders = _text_encoders(pipe)
+    ids = {
+        n: torch.randint(
+            0,
+            getattr(pipe, n).config.vocab_size,
+            (IMAGE_COUNT, min(int(getattr(pipe, n).config.max_position_embeddings), 16)),
+            generator=g,
+        )
+        for n in encoders
+    }
+    with torch.no_grad():
+        if len(encoders) == 1:
+            return {"prompt_embeds": getattr(pipe, encoders[0])(ids[encoders[0]]).last_hidden_state}
+        hidden, pooled = [], None
+        for n in encoders:  # SDXL: penultimate hidden states of both, pooled projection of the second
+            result = getattr(pipe, n)(ids[n], output_hidden_states=True)
+            hidden.append(result.hidden_states[-2])
+            pooled = result[0]
+        return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
+
+
+def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
+    import numpy as np
+    from PIL import Image
+
+    folder = merged / IMAGE_DIR
+    folder.mkdir(exist_ok=True)
+    rows = []
+    for i, (r, o, b) in enumerate(zip(ref, out, bare, strict=True)):
+        paths = {}
+        for role, img in (("base", b), ("reference", r), ("merged", o)):
+            Image.fromarray(img).save(folder / f"{role}-{i}.png")
+            paths[role] = f"{IMAGE_DIR}/{role}-{i}.png"
+        diff = np.abs(r.astype(np.int32) - o.astype(np.int32))
+        mse = float((diff.astype(np.float64) ** 2).mean())
+        psnr = 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))  # 99: identical (JSON has no inf)
+        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2), "max_abs": int(diff.max())})
+    return rows
+
+
+def _stored_dtype(component: Path) -> str:
+    from safetensors import safe_open
+
+    for f in sorted(component.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                return fh.get_slice(key).get_dtype()
+    return "F32"
+
+
+def markdown(report: dict) -> str:
+    verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
+    tol = report["tolerance"]
+    lines = [
+        f"{verdict}: the merged pipeline was compared with {report['reference']} (components "
+        f"{', '.join(report['inputs']['components'])} on fixed seeded inputs, denoiser at timesteps "
+        f"{', '.join(map(str, report['inputs']['timesteps']))}; float32 compute, weights in {report['output_dtype']}).",
+        "",
+        "| component | relative error merged vs reference | base vs reference | max abs diff | pass if |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in report["components"].items():
+        m, b = c["merged_vs_reference"], c["base_vs_reference"]
+        lines.append(
+            f"| {name} | {m['rel_err']:.3g} | {b['rel_err']:.3g} | {m['max_abs']:.3g} | "
+            f"≤ {tol['output_rel_err']:.3g} and < {EFFECT_SHARE:g}× base |"
+        )
+    if report["images"]:
+        psnr = ", ".join(f"{i['psnr']:.1f} dB (max {i['max_abs']})" for i in report["images"])
+        lines.append(f"\nImages ({IMAGE_STEPS} steps, fixed seed), merged vs reference PSNR: {psnr}.")
+    for p in report["problems"]:
+        lines.append(f"\n- problem: {p}")
+    for n in report["notes"]:
+        lines.append(f"\n- note: {n}")
+    return "\n".join(lines)
