@@ -55,13 +55,17 @@ class Offload:
         return relative
 
 
-def choose_placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None] | None:
-    """float32 when one fp32 copy fits comfortably, else bfloat16; when neither fits, weights go to disk and the
-    compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one), else bfloat16.
+def choose_placement(
+    params: int, budget: int, scratch: Path, stored_bytes: int = 4
+) -> tuple[str, Offload | None] | None:
+    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter: their own dtype, upcast
+    to float32 per layer while computing, see precision.py) fits comfortably: float32 compute; float32 weights
+    that do not fit load in bfloat16. When that does not fit either, weights go to disk and the compute stays
+    float32 if the disk holds it (the offloaded verdict is then the in-memory one), else bfloat16.
     None: not even that fits."""
-    if params * 4 * 1.5 < budget:
+    if params * stored_bytes * 1.5 < budget:
         return "float32", None
-    if params * 2 * 1.5 < budget:
+    if stored_bytes > 2 and params * 2 * 1.5 < budget:
         return "bfloat16", None
     offload = Offload(budget // 2, scratch)  # the other half: activations, logits, one layer loaded
     free = _free_disk(scratch)
@@ -83,6 +87,20 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
     if offload:
         extra.update(offload.kwargs())
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+
+
+BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+def own_dtype(folder: Path):
+    """The torch dtype a folder's weights are stored in (float32 when they are in none of the float dtypes)."""
+    import torch
+
+    try:
+        stored = weights_summary(folder)[0]
+    except (ConverterError, OSError, ValueError):
+        return torch.float32
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
 
 
 def weights_summary(folder: Path) -> tuple[str, int]:

@@ -84,24 +84,57 @@ def summary(metrics: dict) -> dict:
     return {k: metrics[k] for k in keys}
 
 
+def logits_of(model, rows: list) -> list:
+    """Float32 logits of each row of token ids ([1, n] each), all in one forward: the rows are padded on the
+    right, which causal attention never looks at, so each row's logits are its own."""
+    import torch
+
+    width = max(r.shape[1] for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : r.shape[1]], mask[i, : r.shape[1]] = r[0], 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return [logits[i, : r.shape[1]].float() for i, r in enumerate(rows)]
+
+
+def greedy(model, inputs: list, max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of all prompts in one batched generate (left padding, KV cache), each cut after its
+    first end-of-sequence token, as a generate of that prompt alone would stop there."""
+    import torch
+
+    width = max(r.shape[1] for r in inputs)
+    ids = torch.zeros(len(inputs), width, dtype=torch.long)
+    mask = torch.zeros(len(inputs), width, dtype=torch.long)
+    for i, r in enumerate(inputs):
+        ids[i, width - r.shape[1] :], mask[i, width - r.shape[1] :] = r[0], 1
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    generations = []
+    for row in out[:, width:].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        generations.append(row[:stop])
+    return generations
+
+
 def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: str = "") -> Run:
+    """One forward for the logits of every prompt and the perplexity text together; greedy continuations only
+    when max_new_tokens > 0 (`--verify full`); the module probe only when probe_ids are given."""
     import torch
 
     run = Run()
-    with torch.no_grad():
-        for ids in inputs:
-            run.logits.append(model(input_ids=ids).logits[0].float())
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            run.generations.append(out[0, ids.shape[1] :].tolist())
-        loss = model(input_ids=ppl_ids, labels=ppl_ids).loss.float().item()
-        run.perplexity = math.exp(min(loss, 50.0))
-        if probe_ids is not None:
+    *run.logits, ppl_logits = logits_of(model, [*inputs, ppl_ids])
+    nll = -ppl_logits[:-1].log_softmax(-1).gather(-1, ppl_ids[0, 1:, None]).mean().item()
+    run.perplexity = math.exp(min(nll, 50.0))
+    if max_new_tokens > 0:
+        run.generations = greedy(model, inputs, max_new_tokens)
+    if probe_ids is not None:
+        with torch.no_grad():
             run.probe = probe_modules(model, probe_ids, prefix)
     return run
 
