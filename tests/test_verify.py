@@ -39,9 +39,10 @@ def report_of(folder):
 
 def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     base, lora = llama
-    out = merged_copy(tmp_path, cli, base, lora)
+    out = merged_copy(tmp_path, cli, base, lora, "merged", "--verify", "full")
     report = report_of(out)
     assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
+    assert report["mode"] == "full" and report["weights_in_memory"] == "BF16"  # float32 per layer, no fp32 copy
     m, b = report["merged_vs_reference"], report["base_vs_reference"]
     assert m["mean_kl"] < report["tolerance"]["mean_kl"] < b["mean_kl"]
     # Greedy continuations are reported, not judged: a random tiny model has near-ties that one bf16 rounding flips.
@@ -55,6 +56,50 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     }
     card = (out / "README.md").read_text()
     assert "**Passed**" in card and "Not verified" not in card and "| mean KL(reference‖model) |" in card
+    assert "full check" in card and "| greedy continuations identical |" in card
+
+
+def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
+    """The default check skips the continuations (never judged) and the merged model's module probe (a pass needs
+    none); its verdict and metrics are those of the full check, and the card says which ran."""
+    base, lora = llama
+    out = merged_copy(tmp_path, cli, base, lora)
+    quick = report_of(out)
+    assert quick["mode"] == "quick" and quick["verdict"] == "pass" and quick["generations"] == []
+    assert (
+        quick["merged_vs_reference"]["greedy_total"] == 0 and "module probe (on failure)" not in quick["phase_seconds"]
+    )
+    card = (out / "README.md").read_text()
+    assert "quick check" in card and "greedy continuations identical" not in card
+    code, stdout, err = cli("verify", out, "--verify", "full")
+    assert code == 0, stdout + err
+    full = report_of(out)
+    assert full["mode"] == "full" and full["merged_vs_reference"]["greedy_total"] == 4
+    for key in ("mean_kl", "confident_top1_agreement", "perplexity"):
+        assert quick["merged_vs_reference"][key] == full["merged_vs_reference"][key]
+        assert quick["base_vs_reference"][key] == full["base_vs_reference"][key]
+
+
+def test_float32_compute_over_bf16_weights_equals_a_float32_copy(llama):
+    """Weights kept in bf16, each block upcast while it runs: the logits of a float32 load, and afterwards the very
+    bf16 tensors are back (nothing held in float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from converter.verify.metrics import logits_of
+    from converter.verify.precision import float32_compute
+
+    base, _ = llama
+    rows = [torch.tensor([[1, 5, 9, 2, 7]]), torch.tensor([[3, 4, 11]])]
+    lean = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    before = {n: p.data_ptr() for n, p in lean.named_parameters()}
+    with float32_compute(lean):
+        got = logits_of(lean, rows)
+    want = logits_of(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), rows)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
+    assert {p.dtype for p in lean.parameters()} == {torch.bfloat16}
+    assert {n: p.data_ptr() for n, p in lean.named_parameters()} == before
 
 
 def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
