@@ -100,25 +100,21 @@ def logits_of(model, rows: list) -> list:
 
 
 def greedy(model, inputs: list, max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of all prompts in one batched generate (left padding, KV cache), each cut after its
-    first end-of-sequence token, as a generate of that prompt alone would stop there."""
+    """Greedy continuations with the KV cache, one prompt at a time: a left-padded batched generate measured
+    3x slower here (CPU, transformers 5.x), and unpadded each continuation is exactly its own."""
     import torch
 
-    width = max(r.shape[1] for r in inputs)
-    ids = torch.zeros(len(inputs), width, dtype=torch.long)
-    mask = torch.zeros(len(inputs), width, dtype=torch.long)
-    for i, r in enumerate(inputs):
-        ids[i, width - r.shape[1] :], mask[i, width - r.shape[1] :] = r[0], 1
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
-        )
     generations = []
-    for row in out[:, width:].tolist():
-        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        generations.append(row[:stop])
+    with torch.no_grad():
+        for ids in inputs:
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            generations.append(out[0, ids.shape[1] :].tolist())
     return generations
 
 
