@@ -177,6 +177,8 @@ def test_custom_prompts_with_a_real_tokenizer_and_chat_template(tmp_path, cli):
         prompts,
         "--max-new-tokens",
         "5",
+        "--verify",
+        "full",
         verify=True,
     )
     assert code == 0, out + err
