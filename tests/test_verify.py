@@ -352,3 +352,19 @@ def tolerance_of(output, compute):
     from converter.verify import tolerance
 
     return tolerance(output, compute)["mean_kl"]
+
+
+def test_an_8b_bf16_model_verifies_in_memory_on_a_24gb_machine(tmp_path, monkeypatch):
+    """Weights kept in bf16 with float32 compute per layer: Llama-3-8B's shapes (8.03 B parameters, 128256 x 4096
+    embedding, 32 layers) fit in the ~21 GiB a 24 GB machine has available; a whole float32 copy never did, and
+    the old rule (half the model again as working space) offloaded it to disk."""
+    from converter.verify import loading
+    from converter.verify.loading import choose_placement
+
+    monkeypatch.setattr(loading, "_free_disk", lambda _folder: 2**40)  # offloading possible: the choice is memory's
+    params, embedding, layers = 8_030_261_248, 128_256 * 4096, 32
+    working = 4 * max(embedding, params // layers) + 2**30  # upcast_working_set's rule
+    available = 21 * 2**30
+    assert choose_placement(params, available, tmp_path, 2, working) == ("float32", None)
+    assert choose_placement(params, available, tmp_path, 2)[1] is not None
+    assert choose_placement(params, available, tmp_path, 4)[1] is not None  # float32 weights: to disk

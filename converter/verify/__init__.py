@@ -46,6 +46,7 @@ from converter.verify.loading import (
     load_reference,
     load_tokenizer,
     own_dtype,
+    upcast_working_set,
     vocab_size,
     weights_summary,
 )
@@ -129,7 +130,8 @@ def _verify(
     # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype.
     own = not stored_4bit and recipe.qlora_base != "dequantized"
     budget = memory or available_memory()
-    placement = choose_placement(params, budget, scratch, BYTES.get(output_dtype, 4) if own else 4)
+    stored_bytes, working = (BYTES.get(output_dtype, 4), upcast_working_set(merged)) if own else (4, None)
+    placement = choose_placement(params, budget, scratch, stored_bytes, working)
     if placement is None:
         return skipped_report(
             merged,
