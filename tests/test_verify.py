@@ -80,26 +80,34 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
         assert quick["base_vs_reference"][key] == full["base_vs_reference"][key]
 
 
-def test_float32_compute_over_bf16_weights_equals_a_float32_copy(llama):
-    """Weights kept in bf16, each block upcast while it runs: the logits of a float32 load, and afterwards the very
-    bf16 tensors are back (nothing held in float32)."""
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
+def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_path):
+    """Weights kept in bf16, each block upcast while it runs: the logits of a float32 load, for the merged model
+    and for PEFT's unmerged reference (adapters on top), and afterwards the very bf16 tensors are back."""
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from converter.verify.metrics import logits_of
     from converter.verify.precision import float32_compute
 
-    base, _ = llama
+    base = make_base(tmp_path / "base", family, dtype=torch.bfloat16)
+    lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
     rows = [torch.tensor([[1, 5, 9, 2, 7]]), torch.tensor([[3, 4, 11]])]
-    lean = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
-    before = {n: p.data_ptr() for n, p in lean.named_parameters()}
-    with float32_compute(lean):
-        got = logits_of(lean, rows)
-    want = logits_of(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), rows)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
-    assert {p.dtype for p in lean.parameters()} == {torch.bfloat16}
-    assert {n: p.data_ptr() for n, p in lean.named_parameters()} == before
+
+    def load(dtype):
+        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+
+    for wrap in (lambda m: m, lambda m: PeftModel.from_pretrained(m, lora).eval()):
+        lean = wrap(load(torch.bfloat16))
+        before = {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()}
+        with float32_compute(lean):
+            got = logits_of(lean, rows)
+        want = logits_of(wrap(load(torch.float32)), rows)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
+        assert {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()} == before
+        assert torch.bfloat16 in {dtype for dtype, _ in before.values()}
 
 
 def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
