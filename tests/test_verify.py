@@ -42,7 +42,7 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     out = merged_copy(tmp_path, cli, base, lora, "merged", "--verify", "full")
     report = report_of(out)
     assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
-    assert report["mode"] == "full" and report["weights_in_memory"] == "BF16"  # float32 per layer, no fp32 copy
+    assert report["mode"] == "full" and report["weights_in_memory"] == "F32"  # generation: a float32 copy
     m, b = report["merged_vs_reference"], report["base_vs_reference"]
     assert m["mean_kl"] < report["tolerance"]["mean_kl"] < b["mean_kl"]
     # Greedy continuations are reported, not judged: a random tiny model has near-ties that one bf16 rounding flips.
@@ -60,12 +60,13 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
 
 
 def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
-    """The default check skips the continuations (never judged) and the merged model's module probe (a pass needs
-    none); its verdict and metrics are those of the full check, and the card says which ran."""
+    """The default check skips the continuations (never judged) and the module probe (a pass needs none) and keeps
+    the weights in bf16; its verdict and metrics are those of the full check (float32 copy), the card says which."""
     base, lora = llama
     out = merged_copy(tmp_path, cli, base, lora)
     quick = report_of(out)
     assert quick["mode"] == "quick" and quick["verdict"] == "pass" and quick["generations"] == []
+    assert quick["weights_in_memory"] == "BF16" and quick["compute_dtype"] == "float32"  # upcast per layer
     assert (
         quick["merged_vs_reference"]["greedy_total"] == 0 and "module probe (on failure)" not in quick["phase_seconds"]
     )

@@ -127,8 +127,10 @@ def _verify(
         )
     output_dtype, params = weights_summary(merged)
     stored_4bit = four_bit_config(merged)
-    # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype.
-    own = not stored_4bit and recipe.qlora_base != "dequantized"
+    # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype,
+    # and so does the full check: upcasting every layer again for each greedy token cost ~4x its forward on the
+    # 0.85 B bench model (bench/RESULTS.md), so it holds a float32 copy where that fits.
+    own = mode == "quick" and not stored_4bit and recipe.qlora_base != "dequantized"
     budget = memory or available_memory()
     stored_bytes, working = (BYTES.get(output_dtype, 4), upcast_working_set(merged)) if own else (4, None)
     placement = choose_placement(params, budget, scratch, stored_bytes, working)
@@ -180,7 +182,9 @@ def _verify(
         )
     clock.lap("load reference")
     with lean(reference_model):
-        ref = run_model(reference_model, inputs, probe_ids, ppl_ids, new_tokens, prefix="base_model.model.")
+        # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise (kernel_noise)
+        probe = probe_ids if four_bit else None
+        ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
         # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (kernel_noise)
         noise = kernel_noise(reference_model, ref, [*inputs, ppl_ids], probe_ids) if four_bit else None
         with reference_model.disable_adapter():
@@ -230,13 +234,23 @@ def _verify(
     elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
     culprit = None
-    if problems and not stored_4bit:  # only a fail needs the module probe of the merged model
+    if problems and not stored_4bit:  # only a fail needs the module probe: merged, then the reference reloaded
         with lean(candidate), torch.no_grad():
             out.probe = probe_modules(candidate, probe_ids, "")
+        del candidate
+        gc.collect()
+        if not ref.probe:
+            reference_model = load_reference(
+                base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+            )
+            with lean(reference_model), torch.no_grad():
+                ref.probe = probe_modules(reference_model, probe_ids, "base_model.model.")
+            del reference_model
         clock.lap("module probe (on failure)")
         module_noise = (noise or {}).get("module_rel_err", {})
         culprit = first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
-    del candidate
+    else:
+        del candidate
     gc.collect()
     if culprit:
         problems.append(
