@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the best of each is reported)")
     parser.add_argument("--baseline", type=Path, help="another converter source tree to run the default merge of")
+    parser.add_argument("--no-full", action="store_true", help="leave out the `--verify full` run")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where results are appended")
     args = parser.parse_args(argv)
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
         "full": ("`converter merge --verify full`", merge(work / "out-full", "--verify", "full")),
     }
+    if args.no_full:
+        del tools["full"]
     if args.baseline:
         tools["baseline"] = (f"`converter merge` of {args.baseline.name} (before)", merge(work / "out-baseline"))
     cold = drop_caches()
