@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     base, adapter = build_inputs(shape, work / "inputs")
     logs.mkdir(parents=True, exist_ok=True)
-    converter = [sys.executable, "-m", "converter"]
+    converter = [sys.executable, "-P", "-m", "converter"]  # -P: PYTHONPATH picks the tree, not the working dir
 
     def merge(out: Path, *extra: str) -> list[str]:
         return [
