@@ -123,7 +123,16 @@ def _weight(text: str) -> float | dict[str, float]:
 
 def _verify_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="a text file with one prompt per line (default: a built-in set)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens compared per prompt (default 16)")
+    p.add_argument(
+        "--verify",
+        choices=["quick", "full"],
+        default="quick",
+        dest="verify_mode",
+        help="quick (default): judge on the logits; full: also greedy continuations, shown on the card",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=16, help="greedy tokens per prompt with --verify full (default 16)"
+    )
     p.add_argument(
         "--verify-memory",
         help="memory verification may use, e.g. 8GB (default: what is available); larger models are offloaded to disk",
@@ -144,7 +153,7 @@ def _verify_settings(args: argparse.Namespace) -> dict:
     from converter.units import parse_size
 
     memory = parse_size(args.verify_memory) if args.verify_memory else None
-    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory}
+    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory, "mode": args.verify_mode}
 
 
 def _merge_options(p: argparse.ArgumentParser) -> None:

@@ -39,9 +39,10 @@ def report_of(folder):
 
 def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     base, lora = llama
-    out = merged_copy(tmp_path, cli, base, lora)
+    out = merged_copy(tmp_path, cli, base, lora, "merged", "--verify", "full")
     report = report_of(out)
     assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
+    assert report["mode"] == "full" and report["weights_in_memory"] == "F32"  # generation: a float32 copy
     m, b = report["merged_vs_reference"], report["base_vs_reference"]
     assert m["mean_kl"] < report["tolerance"]["mean_kl"] < b["mean_kl"]
     # Greedy continuations are reported, not judged: a random tiny model has near-ties that one bf16 rounding flips.
@@ -55,6 +56,60 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     }
     card = (out / "README.md").read_text()
     assert "**Passed**" in card and "Not verified" not in card and "| mean KL(reference‖model) |" in card
+    assert "full check" in card and "| greedy continuations identical |" in card
+
+
+def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
+    """The default check skips the continuations (never judged) and the module probe (a pass needs none) and keeps
+    the weights in bf16; its verdict and metrics are those of the full check (float32 copy), the card says which."""
+    base, lora = llama
+    out = merged_copy(tmp_path, cli, base, lora)
+    quick = report_of(out)
+    assert quick["mode"] == "quick" and quick["verdict"] == "pass" and quick["generations"] == []
+    assert quick["weights_in_memory"] == "BF16" and quick["compute_dtype"] == "float32"  # upcast per layer
+    assert (
+        quick["merged_vs_reference"]["greedy_total"] == 0 and "module probe (on failure)" not in quick["phase_seconds"]
+    )
+    card = (out / "README.md").read_text()
+    assert "quick check" in card and "greedy continuations identical" not in card
+    code, stdout, err = cli("verify", out, "--verify", "full")
+    assert code == 0, stdout + err
+    full = report_of(out)
+    assert full["mode"] == "full" and full["merged_vs_reference"]["greedy_total"] == 4
+    assert quick["verdict"] == full["verdict"] and quick["tolerance"] == full["tolerance"]
+    for key in ("mean_kl", "confident_top1_agreement", "perplexity"):  # float32 math both: equal to its rounding
+        assert quick["merged_vs_reference"][key] == pytest.approx(full["merged_vs_reference"][key], rel=1e-3)
+        assert quick["base_vs_reference"][key] == pytest.approx(full["base_vs_reference"][key], rel=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
+def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_path):
+    """Weights kept in bf16, each block upcast while it runs: the logits of a float32 load, for the merged model
+    and for PEFT's unmerged reference (adapters on top), and afterwards the very bf16 tensors are back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from converter.verify.metrics import logits_of
+    from converter.verify.precision import float32_compute
+
+    base = make_base(tmp_path / "base", family, dtype=torch.bfloat16)
+    lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
+    rows = [torch.tensor([[1, 5, 9, 2, 7]]), torch.tensor([[3, 4, 11]])]
+
+    def load(dtype):
+        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+
+    for wrap in (lambda m: m, lambda m: PeftModel.from_pretrained(m, lora).eval()):
+        lean = wrap(load(torch.bfloat16))
+        before = {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()}
+        with float32_compute(lean):
+            got = logits_of(lean, rows)
+        want = logits_of(wrap(load(torch.float32)), rows)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
+        assert {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()} == before
+        assert torch.bfloat16 in {dtype for dtype, _ in before.values()}
 
 
 def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
@@ -132,6 +187,8 @@ def test_custom_prompts_with_a_real_tokenizer_and_chat_template(tmp_path, cli):
         prompts,
         "--max-new-tokens",
         "5",
+        "--verify",
+        "full",
         verify=True,
     )
     assert code == 0, out + err
@@ -305,3 +362,19 @@ def tolerance_of(output, compute):
     from converter.verify import tolerance
 
     return tolerance(output, compute)["mean_kl"]
+
+
+def test_an_8b_bf16_model_verifies_in_memory_on_a_24gb_machine(tmp_path, monkeypatch):
+    """Weights kept in bf16 with float32 compute per layer: Llama-3-8B's shapes (8.03 B parameters, 128256 x 4096
+    embedding, 32 layers) fit in the ~21 GiB a 24 GB machine has available; a whole float32 copy never did, and
+    the old rule (half the model again as working space) offloaded it to disk."""
+    from converter.verify import loading
+    from converter.verify.loading import choose_placement
+
+    monkeypatch.setattr(loading, "_free_disk", lambda _folder: 2**40)  # offloading possible: the choice is memory's
+    params, embedding, layers = 8_030_261_248, 128_256 * 4096, 32
+    working = 4 * max(embedding, params // layers) + 2**30  # upcast_working_set's rule
+    available = 21 * 2**30
+    assert choose_placement(params, available, tmp_path, 2, working) == ("float32", None)
+    assert choose_placement(params, available, tmp_path, 2)[1] is not None
+    assert choose_placement(params, available, tmp_path, 4)[1] is not None  # float32 weights: to disk

@@ -1,11 +1,13 @@
 """Prove a merge: the merged folder must behave like the base with the adapters applied *unmerged* (PEFT itself).
 
-Reference and merged model are loaded one after the other, never together. Both run in float32 when that fits
-(in memory, or offloaded to a disk that holds it), so the only expected difference is the one rounding of each
-merged weight to its dtype; thresholds are derived from that dtype's unit roundoff, or, for a reference on a 4-bit
-base, from its kernels' noise measured on the same inputs. The bare base is measured too, so a merge that changed
-nothing fails. Modules: metrics (runs and thresholds), loading (models, offload, inputs), fourbit (4-bit references
-and the QLoRA study), report (JSON + Markdown).
+One load gives the reference and the bare base (PEFT's disable_adapter()); the merged model loads after it, never
+together. Weights stay in their own dtype and each layer is upcast to float32 while it runs (precision.py), so the
+only expected difference is the one rounding of each merged weight to its dtype; thresholds are derived from that
+dtype's unit roundoff, or, for a reference on a 4-bit base, from its kernels' noise measured on the same inputs.
+The bare base is measured too, so a merge that changed nothing fails. `mode="quick"` (the default) judges on one
+batched forward per model; "full" adds greedy continuations for the card. The module probe of the merged model
+runs only when the verdict is a fail. Modules: metrics (runs and thresholds), loading (models, offload, inputs),
+precision (float32 compute), fourbit (4-bit references and the QLoRA study), report (JSON + Markdown).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import resource
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from converter.dtypes import TORCH_TO_ST
@@ -32,6 +35,7 @@ from converter.verify.fourbit import (
     quantized_peft_merge,
 )
 from converter.verify.loading import (
+    BYTES,
     PERPLEXITY_TEXT,
     PROMPTS,
     Offload,
@@ -41,13 +45,28 @@ from converter.verify.loading import (
     load_model,
     load_reference,
     load_tokenizer,
+    own_dtype,
+    upcast_working_set,
     vocab_size,
     weights_summary,
 )
-from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, compare, first_disagreement, run_model, tolerance
+from converter.verify.metrics import (
+    NOISE_MARGIN,
+    UNIT_ROUNDOFF,
+    Run,
+    compare,
+    first_disagreement,
+    probe_modules,
+    run_model,
+    tolerance,
+)
+from converter.verify.precision import float32_compute
 from converter.verify.report import Clock, markdown, side_by_side, skipped_report
 
+MODES = ("quick", "full")
+
 __all__ = [
+    "MODES",
     "NOISE_MARGIN",
     "PROMPTS",
     "REPORT_FILE",
@@ -70,20 +89,24 @@ def verify(
     memory: int | None = None,
     token: str | None = None,
     log: Callable[[str], None] = print,
+    mode: str = "quick",
 ) -> dict:
     """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model).
 
     `memory` caps the bytes the models may take (default: what the machine has available); a model larger than
-    that is verified with accelerate's disk offloading, slower but exact."""
+    that is verified with accelerate's disk offloading, slower but exact. `mode`: "quick" judges on the logits
+    alone (the verdict never used more); "full" also runs `max_new_tokens` greedy tokens per prompt for the card."""
+    if mode not in MODES:
+        raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
     with temp_folder("verify", log=log) as scratch:
-        return _verify(Path(merged), recipe, prompts, max_new_tokens, memory, token, log, Path(scratch))
+        return _verify(Path(merged), recipe, prompts, (mode, max_new_tokens), memory, token, log, Path(scratch))
 
 
 def _verify(
     merged: Path,
     recipe: Recipe,
     prompts: list[str] | None,
-    max_new_tokens: int,
+    mode_tokens: tuple[str, int],
     memory: int | None,
     token: str | None,
     log: Callable[[str], None],
@@ -98,6 +121,8 @@ def _verify(
         from converter.verify.diffusion import verify_diffusion
 
         return verify_diffusion(merged, recipe, token=token, log=log)
+    mode, max_new_tokens = mode_tokens
+    new_tokens = max_new_tokens if mode == "full" else 0
     if not (merged / "config.json").is_file():
         return skipped_report(
             merged,
@@ -105,8 +130,14 @@ def _verify(
             "(model_index.json)",
         )
     output_dtype, params = weights_summary(merged)
+    stored_4bit = four_bit_config(merged)
+    # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype,
+    # and so does the full check: upcasting every layer again for each greedy token cost ~4x its forward on the
+    # 0.85 B bench model (bench/RESULTS.md), so it holds a float32 copy where that fits.
+    own = mode == "quick" and not stored_4bit and recipe.qlora_base != "dequantized"
     budget = memory or available_memory()
-    placement = choose_placement(params, budget, scratch)
+    stored_bytes, working = (BYTES.get(output_dtype, 4), upcast_working_set(merged)) if own else (4, None)
+    placement = choose_placement(params, budget, scratch, stored_bytes, working)
     if placement is None:
         return skipped_report(
             merged,
@@ -114,7 +145,7 @@ def _verify(
             f"and {scratch} has too little disk to offload the rest",
         )
     compute, offload = placement
-    if offload and (four_bit_config(merged) or recipe.qlora_base == "dequantized"):
+    if offload and (stored_4bit or recipe.qlora_base == "dequantized"):
         return skipped_report(
             merged, f"4-bit models cannot be offloaded to disk and this one needs more than {human_bytes(budget)}"
         )
@@ -133,40 +164,51 @@ def _verify(
     inputs, probe_ids, ppl_ids, template = build_inputs(tok, prompts or PROMPTS, vocab_size(merged))
 
     four_bit = four_bit_base(recipe, base)
+    own = own and offload is None and not four_bit and compute == "float32"
     kind = f"{four_bit} 4-bit base" if four_bit else "base"
-    log(f"verifying {merged.name}: reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT ({compute})")
+    log(
+        f"verifying {merged.name} ({mode}): reference = {kind} + {len(adapter_dirs)} adapter(s) through PEFT "
+        f"({compute} compute)"
+    )
+
+    def lean(model):  # float32 compute over weights kept in their own dtype
+        return float32_compute(model) if own else nullcontext()
+
     clock = Clock()
     try:
         quantization = qlora_quantization(recipe, merged, base, dtype)
-        reference_model = load_reference(base, adapter_dirs, recipe, dtype, vocab_size(merged), quantization, offload)
+        reference_model = load_reference(
+            base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+        )
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return skipped_report(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
     clock.lap("load reference")
-    ref = run_model(reference_model, inputs, probe_ids, ppl_ids, max_new_tokens, prefix="base_model.model.")
-    # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (see kernel_noise)
-    noise = kernel_noise(reference_model, ref, inputs, probe_ids) if four_bit else None
-    with reference_model.disable_adapter():
-        bare = run_model(reference_model, inputs, None, ppl_ids, max_new_tokens)
+    with lean(reference_model):
+        # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise (kernel_noise)
+        probe = probe_ids if four_bit else None
+        ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
+        # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (kernel_noise)
+        noise = kernel_noise(reference_model, ref, [*inputs, ppl_ids], probe_ids) if four_bit else None
+        with reference_model.disable_adapter():
+            bare = run_model(reference_model, inputs, None, ppl_ids, new_tokens)
     clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
-    stored_4bit = four_bit_config(merged)
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
         # quantized by transformers' own 4-bit loader, both computing in the dtype the weights were quantized from
         logical = stored_4bit["bnb_4bit_compute_dtype"]
         output_dtype, compute, dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(torch, logical)
-        ref = quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, max_new_tokens))
+        ref = quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, new_tokens))
         reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
         clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
     del reference_model
     gc.collect()
 
-    candidate = load_model(merged, dtype, offload=offload)
+    candidate = load_model(merged, own_dtype(merged) if own else dtype, offload=offload)
     clock.lap("load merged")
-    out = run_model(candidate, inputs, probe_ids, ppl_ids, max_new_tokens)
-    del candidate
-    gc.collect()
+    with lean(candidate):
+        out = run_model(candidate, inputs, None, ppl_ids, new_tokens)
     clock.lap("run merged")
 
     tol = tolerance(output_dtype, TORCH_TO_ST[dtype])
@@ -195,12 +237,25 @@ def _verify(
         notes.append("the adapters barely change the base here: a merge that did nothing could not be told apart")
     elif merged_vs_ref["mean_kl"] >= 0.25 * effect:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
-    module_noise = (noise or {}).get("module_rel_err", {})
-    culprit = (
-        first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
-        if problems and not stored_4bit
-        else None
-    )
+    culprit = None
+    if problems and not stored_4bit:  # only a fail needs the module probe: merged, then the reference reloaded
+        with lean(candidate), torch.no_grad():
+            out.probe = probe_modules(candidate, probe_ids, "")
+        del candidate
+        gc.collect()
+        if not ref.probe:
+            reference_model = load_reference(
+                base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+            )
+            with lean(reference_model), torch.no_grad():
+                ref.probe = probe_modules(reference_model, probe_ids, "base_model.model.")
+            del reference_model
+        clock.lap("module probe (on failure)")
+        module_noise = (noise or {}).get("module_rel_err", {})
+        culprit = first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
+    else:
+        del candidate
+    gc.collect()
     if culprit:
         problems.append(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
@@ -208,15 +263,18 @@ def _verify(
     qlora = None
     if is_qlora(recipe, adapter_dirs) and not four_bit_config(base) and not stored_4bit:
         log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
-        batch = (inputs, ppl_ids, max_new_tokens)
+        batch = (inputs, ppl_ids, new_tokens)
         qlora = qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
         clock.lap("QLoRA study: other merge, 4-bit reference")
     report = {
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
+        "mode": mode,
         "reference": reference,
         "compute_dtype": compute,
+        # Weights as held in memory: their own dtype, upcast per layer while computing (or the compute dtype)
+        "weights_in_memory": output_dtype if own else TORCH_TO_ST[dtype],
         "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
         "offload_memory_bytes": offload.max_memory if offload else None,
         "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
@@ -225,12 +283,12 @@ def _verify(
             "count": len(inputs),
             "chat_template": template,
             "tokenizer": tok is not None,
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": new_tokens,
         },
         "merged_vs_reference": merged_vs_ref,
         "base_vs_reference": base_vs_ref,
         "first_disagreeing_module": culprit,
-        "generations": side_by_side(tok, prompts or PROMPTS, bare, ref, out),
+        "generations": side_by_side(tok, prompts or PROMPTS, bare, ref, out) if new_tokens else [],
         "qlora": qlora,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "seconds": round(time.time() - started, 1),

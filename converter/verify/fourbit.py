@@ -13,7 +13,7 @@ from converter.recipe import Recipe
 from converter.records import PROVENANCE_FILE
 from converter.scratch import temp_folder
 from converter.verify.loading import load_model, load_reference, vocab_size
-from converter.verify.metrics import Run, compare, probe_modules, run_model, summary
+from converter.verify.metrics import Run, compare, logits_of, probe_modules, run_model, summary
 
 
 def quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
@@ -151,7 +151,7 @@ def qlora_quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     return _bnb_config(recipe.qlora_quant, recipe.qlora_double_quant, dtype, ["lm_head", *untouched])
 
 
-def kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
+def kernel_noise(model, ref: Run, inputs: list, probe_ids) -> dict:
     """How far bitsandbytes' 4-bit kernels are from exact math on the very weights they hold: the reference
     (4-bit base + adapters) against itself with each 4-bit layer computing x @ dequantize(W).T, same inputs.
 
@@ -174,8 +174,8 @@ def kernel_noise(model, ref: Run, inputs, probe_ids) -> dict:
             module.forward = exact
             patched.append(module)
     try:
+        twin = Run(logits=logits_of(model, inputs)[: len(ref.logits)])
         with torch.no_grad():
-            twin = Run(logits=[model(input_ids=ids).logits[0].float() for ids in inputs])
             probe = probe_modules(model, probe_ids, "base_model.model.")
     finally:
         for module in patched:

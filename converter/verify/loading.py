@@ -55,13 +55,17 @@ class Offload:
         return relative
 
 
-def choose_placement(params: int, budget: int, scratch: Path) -> tuple[str, Offload | None] | None:
-    """float32 when one fp32 copy fits comfortably, else bfloat16; when neither fits, weights go to disk and the
-    compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one), else bfloat16.
-    None: not even that fits."""
-    if params * 4 * 1.5 < budget:
+def choose_placement(
+    params: int, budget: int, scratch: Path, stored_bytes: int = 4, working: int | None = None
+) -> tuple[str, Offload | None] | None:
+    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter) fits: float32 compute.
+    `working`: the bytes computing takes on top of it when the weights stay in their own dtype and each layer is
+    upcast while it runs (precision.py); without it, half the model again. Float32 weights that do not fit load
+    in bfloat16. When that does not fit either, weights go to disk and the compute stays float32 if the disk
+    holds it (the offloaded verdict is then the in-memory one), else bfloat16. None: not even that fits."""
+    if params * stored_bytes + (working if working is not None else params * stored_bytes // 2) < budget:
         return "float32", None
-    if params * 2 * 1.5 < budget:
+    if stored_bytes > 2 and params * 2 * 1.5 < budget:
         return "bfloat16", None
     offload = Offload(budget // 2, scratch)  # the other half: activations, logits, one layer loaded
     free = _free_disk(scratch)
@@ -85,6 +89,20 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
 
 
+BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+
+
+def own_dtype(folder: Path):
+    """The torch dtype a folder's weights are stored in (float32 when they are in none of the float dtypes)."""
+    import torch
+
+    try:
+        stored = weights_summary(folder)[0]
+    except (ConverterError, OSError, ValueError):
+        return torch.float32
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+
+
 def weights_summary(folder: Path) -> tuple[str, int]:
     """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
     from converter.checkpoint import Checkpoint
@@ -95,6 +113,19 @@ def weights_summary(folder: Path) -> tuple[str, int]:
         info = ckpt.info(name)
         counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
     return max(counts, key=counts.get), sum(counts.values())
+
+
+def upcast_working_set(folder: Path) -> int:
+    """Bytes computing in float32 over weights kept in their own dtype takes beyond the weights: the largest
+    unit upcast at once (a block is ~1/num_layers of the model; the embedding or head is one tensor) in float32,
+    plus 1 GiB for activations, logits and the metrics over them."""
+    from converter.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(folder)
+    sizes = [ckpt.info(name).numel for name in ckpt.names()]
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 1
+    return 4 * max(max(sizes, default=0), sum(sizes) // int(layers)) + 2**30
 
 
 def available_memory() -> int:

@@ -52,10 +52,11 @@ def side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: 
 def markdown(report: dict) -> str:
     m, b, tol = report["merged_vs_reference"], report["base_vs_reference"], report["tolerance"]
     verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
+    check = {"quick": "quick check: logits", "full": "full check: logits and greedy continuations"}
     lines = [
         f"{verdict}: the merged model was compared with {report.get('reference', 'the base + adapters')} "
-        f"({report['inputs']['count']} prompts, {report['compute_dtype']} compute, "
-        f"weights in {report['output_dtype']}).",
+        f"({check[report.get('mode', 'full')]} on {report['inputs']['count']} prompts, {report['compute_dtype']} "
+        f"compute, weights in {report['output_dtype']}).",
         "",
         "| metric | merged vs reference | base vs reference | pass if |",
         "|---|---|---|---|",
@@ -66,10 +67,14 @@ def markdown(report: dict) -> str:
         f"| top-1 agreement, all positions | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | |",
         f"| max / mean abs logit diff | {m['max_abs_logit_diff']:.3g} / {m['mean_abs_logit_diff']:.3g} | "
         f"{b['max_abs_logit_diff']:.3g} / {b['mean_abs_logit_diff']:.3g} | |",
-        f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "
-        f"{b['greedy_identical']}/{b['greedy_total']} | |",
         f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
     ]
+    if m["greedy_total"]:  # --verify full
+        lines.insert(
+            -1,
+            f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "
+            f"{b['greedy_identical']}/{b['greedy_total']} | |",
+        )
     if "kernel_noise_mean_kl" in tol:
         lines.append(
             f"\nThe reference runs bitsandbytes' 4-bit kernels, measured {tol['kernel_noise_mean_kl']:.3g} mean KL "
