@@ -21,7 +21,7 @@ fixtures: $(STAMP)
 
 # The Space app on http://127.0.0.1:7860 against an embedded local Hub with demo repos (Ctrl-C stops it).
 run: $(STAMP)
-	$(BIN)/python -m converter.app_local
+	$(BIN)/python -m converter.app.local
 
 # The command-line demo: a tiny base + LoRA built offline, merged and verified.
 demo: $(STAMP)

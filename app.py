@@ -1,7 +1,7 @@
 """The converter Space: merge LoRA adapters into their base model, verify the result, push it to your account.
 
-A thin Gradio front end: every decision lives in the `converter` package (`converter.app_check` plans a job,
-`converter.app_jobs` runs it). Run it with `python app.py` (on a Space), or `make run` for the offline demo
+A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
+`converter.app.jobs` runs it). Run it with `python app.py` (on a Space), or `make run` for the offline demo
 against a local Hub. Every Hub call of a job uses the signed-in user's token; the token never reaches a log.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from converter.app_check import Limits, check, describe_adapter, describe_base  # noqa: E402
-from converter.app_jobs import (  # noqa: E402
+from converter.app.check import Limits, check, describe_adapter, describe_base  # noqa: E402
+from converter.app.jobs import (  # noqa: E402
     DTYPES,
     STAGES,
     JobRequest,

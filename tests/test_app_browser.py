@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from converter.app_local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
+from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
 from converter.testing.hub import HubServer, client_env, run_client
 
 ROOT = Path(__file__).resolve().parent.parent

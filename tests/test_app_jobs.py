@@ -17,9 +17,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from converter.app_check import Limits, _sparse_standin
-from converter.app_jobs import JobRequest, default_repo, parse_adapters, redactor
-from converter.app_local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
+from converter.app.check import Limits, _sparse_standin
+from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor
+from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
 from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
 from converter.sources import job_sources, parse_source
@@ -133,7 +133,7 @@ def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
         hub,
         f"""
 from pathlib import Path
-from converter.app_check import check
+from converter.app.check import check
 from converter.recipe import Recipe, AdapterSpec
 from converter.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
@@ -179,7 +179,7 @@ def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
         hub,
         f"""
 from pathlib import Path
-from converter.app_check import check, Limits
+from converter.app.check import check, Limits
 from converter.recipe import Recipe, AdapterSpec
 errors = []
 for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
@@ -201,7 +201,7 @@ def _run_job(hub: HubServer, tmp_path: Path, token: str | None, **request) -> di
         hub,
         f"""
 from pathlib import Path
-from converter.app_jobs import JobRequest, run_job
+from converter.app.jobs import JobRequest, run_job
 work = Path({str(tmp_path)!r}) / "jobs"
 stages, lines = [], []
 try:
@@ -243,7 +243,7 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
 
 
 def test_public_paths_show_repo_names_only(tmp_path):
-    from converter.app_jobs import public_paths
+    from converter.app.jobs import public_paths
 
     job = tmp_path / "jobs" / "converter-job-abc"
     sha = "0123456789abcdef0123456789abcdef01234567"
@@ -282,7 +282,7 @@ def test_space_deploy(hub, tmp_path):
         "app.py",
         "README.md",
         "requirements.txt",
-        "converter/app_jobs.py",
+        "converter/app/jobs.py",
         "converter/keymaps/generic.yaml",
     } <= set(files)
     assert not any(f.startswith("converter/testing/") or "__pycache__" in f for f in files)
@@ -319,7 +319,7 @@ def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "converter.app_local", "--dir", str(tmp_path / "demo"), "--port", str(port)],
+            [sys.executable, "-m", "converter.app.local", "--dir", str(tmp_path / "demo"), "--port", str(port)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

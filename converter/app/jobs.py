@@ -177,7 +177,7 @@ def run_job(
 
 
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
-    from converter.app_check import check
+    from converter.app.check import check
     from converter.merge import merge
     from converter.pipeline import push, verify_folder
     from converter.sources import fetch, job_sources

@@ -72,7 +72,7 @@ def seed_demo(server: HubServer, workdir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m converter.app_local", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m converter.app.local", description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="demo-space", help="where the local Hub keeps its repos (default ./demo-space)")
     p.add_argument("--port", type=int, default=7860, help="port of the app on 127.0.0.1 (default 7860)")
     args = p.parse_args(argv)
