@@ -49,7 +49,7 @@ def space(tmp_path_factory):
     """The local Hub (seeded like `make run`) and the app serving against it; yields (hub, url, app log path)."""
     root = tmp_path_factory.mktemp("space")
     hub = HubServer(root / "hub").start()
-    seed_demo(hub, root / "seed")
+    seed_demo(hub, root / "seed", fast=True)
     port = _free_port()
     env = client_env(hub, token=MOCK_TOKEN, home=root / "home") | {
         "GRADIO_SERVER_NAME": "127.0.0.1",
@@ -131,7 +131,7 @@ def test_browser_end_to_end(space, browser, tmp_path):
     status = page.inner_text("#adapter-status")
     assert "peft, rank 8" in status and "× 0.5" in status
     assert page.locator("#repo textarea, #repo input").first.get_attribute("placeholder") == (
-        "demo/tiny-llama-tiny-llama-lora-merged"
+        f"demo/{BASE.split('/')[1]}-{LORA.split('/')[1]}-merged"
     )
     _fill(page, "repo", "demo/e2e-merged")
 

@@ -68,7 +68,7 @@ def _adapter(base_model, folder: Path, seed: int, r: int) -> None:
     get_peft_model(base_model, lora).save_pretrained(folder)
 
 
-def train_lora(base: Path, texts: list[str], folder: Path, steps: int = 30, seed: int = 0) -> Path:
+def train_lora(base: Path, texts: list[str], folder: Path, steps: int = 12, seed: int = 0) -> Path:
     """A rank-8 LoRA trained for a few steps on `texts` (a style the base does not have), cached in `folder`: a
     second start reuses it. Few steps on a 135M model: seconds on a CPU."""
     if (folder / "adapter_model.safetensors").is_file():
@@ -81,12 +81,13 @@ def train_lora(base: Path, texts: list[str], folder: Path, steps: int = 30, seed
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model = get_peft_model(model, config)
     chats = [tok.apply_chat_template([{"role": "user", "content": "Say something."}, {"role": "assistant",
              "content": t}], tokenize=False) for t in texts]  # fmt: skip
     batch = tok(chats, return_tensors="pt", padding=True)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=4e-3)
     model.train()
     for _ in range(steps):
         loss = model(**batch, labels=labels).loss
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m converter.app.local", description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="demo-space", help="where the local Hub keeps its repos (default ./demo-space)")
     p.add_argument("--port", type=int, default=7860, help="port of the app on 127.0.0.1 (default 7860)")
+    p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
     root = Path(args.dir).resolve()
     server = HubServer(root / "hub").start()
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("CONVERTER_APP_WORKDIR", str(root / "jobs"))
     with temp_folder("demo") as tmp:
         print(f"local Hub at {server.url} (repos in {root / 'hub'}); seeding the demo repos ...", flush=True)
-        seed_demo(server, Path(tmp), cache=root / "seed-cache")
+        seed_demo(server, Path(tmp), cache=root / "seed-cache", fast=args.tiny)
     print(
         f"demo repos: base {BASE}, adapters {LORA}, {LORA_B} (and {WRONG}, which does not fit the base); "
         f"diffusion base {SD_BASE}, kohya LoRA {SD_LORA} (and {SD_BAD}, a broken file).\n"
