@@ -260,81 +260,90 @@ def build() -> gr.Blocks:
         with gr.Row():
             gr.LoginButton(min_width=250)
             user = gr.Markdown(elem_id="user")
-        with gr.Tab("Merge", elem_id="merge-tab"), gr.Row():
-            with gr.Column():
-                base = gr.Textbox(
-                    label="Base model (Hub id): a transformers model, a diffusers pipeline, or a single file",
-                    placeholder="org/name, org/name@revision or org/name/file.safetensors",
-                    elem_id="base",
-                )
-                base_status = gr.Markdown(elem_id="base-status")
-                adapters = gr.Textbox(
-                    label="Adapters: one per line, `org/name[@revision][/file.safetensors] [weight]`; a diffusion "
-                    "LoRA may take a weight per component: `unet=0.8,text_encoder=0.5`",
-                    placeholder="someone/my-lora\nsomeone/other-lora 0.5\nsomeone/sd-loras/style.safetensors "
-                    "unet=0.8,text_encoder=0.5",
-                    lines=3,
-                    elem_id="adapters",
-                )
-                adapter_status = gr.Markdown(elem_id="adapter-status")
-                repo = gr.Textbox(label="Target repo (empty: the suggestion shown)", elem_id="repo")
+        with gr.Tabs():
+            with gr.Tab("Merge", elem_id="merge-tab"):
                 with gr.Row():
-                    private = gr.Checkbox(label="Private repo", value=False)
-                    create_pr = gr.Checkbox(label="Open as a pull request (repo already has a model)", value=False)
-                with gr.Accordion("Options", open=False):
-                    dtype = gr.Dropdown(list(DTYPES), value="keep", label="Output dtype (keep: each tensor's own)")
-                    qlora = gr.Dropdown(
-                        ["original", "dequantized"],
-                        value="original",
-                        label="QLoRA adapters: merge into the original weights, or their 4-bit dequantized view",
+                    with gr.Column():
+                        base = gr.Textbox(
+                            label="Base model (Hub id): a transformers model, a diffusers pipeline, or a single file",
+                            placeholder="org/name, org/name@revision or org/name/file.safetensors",
+                            elem_id="base",
+                        )
+                        base_status = gr.Markdown(elem_id="base-status")
+                        adapters = gr.Textbox(
+                            label="Adapters: one per line, `org/name[@revision][/file.safetensors] [weight]`; a "
+                            "diffusion LoRA may take a weight per component: `unet=0.8,text_encoder=0.5`",
+                            placeholder="someone/my-lora\nsomeone/other-lora 0.5\nsomeone/sd-loras/style.safetensors "
+                            "unet=0.8,text_encoder=0.5",
+                            lines=3,
+                            elem_id="adapters",
+                        )
+                        adapter_status = gr.Markdown(elem_id="adapter-status")
+                        repo = gr.Textbox(label="Target repo (empty: the suggestion shown)", elem_id="repo")
+                        with gr.Row():
+                            private = gr.Checkbox(label="Private repo", value=False)
+                            create_pr = gr.Checkbox(
+                                label="Open as a pull request (repo already has a model)", value=False
+                            )
+                        with gr.Accordion("Options", open=False):
+                            dtype = gr.Dropdown(
+                                list(DTYPES), value="keep", label="Output dtype (keep: each tensor's own)"
+                            )
+                            qlora = gr.Dropdown(
+                                ["original", "dequantized"],
+                                value="original",
+                                label="QLoRA adapters: merge into the original weights, or their 4-bit dequantized "
+                                "view",
+                            )
+                            verify = gr.Checkbox(
+                                label="Verify against base + adapters, unmerged (PEFT or diffusers)", value=True
+                            )
+                            prompts = gr.Textbox(
+                                label="Verification prompts, one per line (empty: built-in set)", lines=3
+                            )
+                        with gr.Row():
+                            check_btn = gr.Button("Check", elem_id="check")
+                            run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
+                    with gr.Column():
+                        plan = gr.Markdown(elem_id="plan")
+                        result = gr.Markdown(elem_id="result")
+                        logbox = gr.Textbox(label="Log", lines=12, max_lines=20, autoscroll=True, elem_id="log")
+                with gr.Accordion("Verification", open=True):
+                    verification = gr.Markdown(elem_id="verification")
+                    generations = gr.Dataframe(
+                        headers=["prompt", "base", "base + adapters (PEFT)", "merged"],
+                        label="Greedy generations, side by side",
+                        wrap=True,
+                        elem_id="generations",
                     )
-                    verify = gr.Checkbox(
-                        label="Verify against base + adapters, unmerged (PEFT or diffusers)", value=True
+                    images = gr.Gallery(
+                        label="Per prompt: base, base + LoRA (diffusers, unmerged), merged",
+                        columns=3,
+                        visible=False,
+                        elem_id="images",
                     )
-                    prompts = gr.Textbox(label="Verification prompts, one per line (empty: built-in set)", lines=3)
-                with gr.Row():
-                    check_btn = gr.Button("Check", elem_id="check")
-                    run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
-            with gr.Column():
-                plan = gr.Markdown(elem_id="plan")
-                result = gr.Markdown(elem_id="result")
-                logbox = gr.Textbox(label="Log", lines=12, max_lines=20, autoscroll=True, elem_id="log")
-        with gr.Accordion("Verification", open=True):
-            verification = gr.Markdown(elem_id="verification")
-            generations = gr.Dataframe(
-                headers=["prompt", "base", "base + adapters (PEFT)", "merged"],
-                label="Greedy generations, side by side",
-                wrap=True,
-                elem_id="generations",
-            )
-            images = gr.Gallery(
-                label="Per prompt: base, base + LoRA (diffusers, unmerged), merged",
-                columns=3,
-                visible=False,
-                elem_id="images",
-            )
-        with gr.Accordion("Model card preview", open=False):
-            card = gr.Markdown(elem_id="card")
-        with gr.Tab("Convert a LoRA", elem_id="convert-tab"), gr.Row():
-            with gr.Column():
-                gr.Markdown(CONVERT_INTRO)
-                c_adapter = gr.Textbox(
-                    label="Adapter (Hub id)", placeholder="org/name/file.safetensors", elem_id="convert-adapter"
-                )
-                c_to = gr.Dropdown(list(TARGETS), value="diffusers", label="Target format", elem_id="convert-to")
-                c_base = gr.Textbox(
-                    label="Base (optional): module names are looked up in it",
-                    placeholder="org/name or org/name/file.safetensors",
-                    elem_id="convert-base",
-                )
-                c_mode = gr.Radio(list(MODES), value=next(iter(MODES)), label="Publish", elem_id="convert-mode")
-                c_repo = gr.Textbox(
-                    label="Repo for 'Push to my account' (empty: the suggestion)", elem_id="convert-repo"
-                )
-                c_run = gr.Button("Convert", variant="primary", elem_id="convert-run")
-            with gr.Column():
-                c_result = gr.Markdown(elem_id="convert-result")
-                c_log = gr.Textbox(label="Log", lines=10, max_lines=20, elem_id="convert-log")
+                with gr.Accordion("Model card preview", open=False):
+                    card = gr.Markdown(elem_id="card")
+            with gr.Tab("Convert a LoRA", elem_id="convert-tab"), gr.Row():
+                with gr.Column():
+                    gr.Markdown(CONVERT_INTRO)
+                    c_adapter = gr.Textbox(
+                        label="Adapter (Hub id)", placeholder="org/name/file.safetensors", elem_id="convert-adapter"
+                    )
+                    c_to = gr.Dropdown(list(TARGETS), value="diffusers", label="Target format", elem_id="convert-to")
+                    c_base = gr.Textbox(
+                        label="Base (optional): module names are looked up in it",
+                        placeholder="org/name or org/name/file.safetensors",
+                        elem_id="convert-base",
+                    )
+                    c_mode = gr.Radio(list(MODES), value=next(iter(MODES)), label="Publish", elem_id="convert-mode")
+                    c_repo = gr.Textbox(
+                        label="Repo for 'Push to my account' (empty: the suggestion)", elem_id="convert-repo"
+                    )
+                    c_run = gr.Button("Convert", variant="primary", elem_id="convert-run")
+                with gr.Column():
+                    c_result = gr.Markdown(elem_id="convert-result")
+                    c_log = gr.Textbox(label="Log", lines=10, max_lines=20, elem_id="convert-log")
 
         form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr]
         demo.load(show_user, outputs=user, queue=False)

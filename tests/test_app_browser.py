@@ -266,11 +266,15 @@ def test_browser_convert_tab_pull_request_and_push(space, browser):
         timeout=120,
     ).stdout
     assert "Add a diffusers version of this adapter" in prs
-    page.reload()
-    page.get_by_role("button", name="Sign in with Hugging Face").click()
-    page.wait_for_selector("#user:has-text('Signed in as')")
-    _convert_tab(page, SD_LORA, "peft", "Push to my account", repo="demo/sd-lora-peft")
-    page.wait_for_selector("#convert-result:has-text('Pushed')", timeout=JOB_TIMEOUT * 1000)
+    page.close()
+    page = _signed_in_page(browser, url)
+    _convert_tab(page, SD_LORA, "peft", "Push to my account", base=SD_BASE, repo="demo/sd-lora-peft")
+    try:
+        page.wait_for_selector("#convert-result:has-text('Pushed')", timeout=JOB_TIMEOUT * 1000)
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "space-convert-failed.png"), full_page=True)
+        raise AssertionError(page.locator(".toast-body").all_inner_texts()) from None
     assert "unet/adapter_config.json" in page.inner_text("#convert-result")
     assert "text_encoder/adapter_model.safetensors" in set(hub.files("demo/sd-lora-peft"))
     ARTIFACTS.mkdir(exist_ok=True)
@@ -289,12 +293,13 @@ def test_browser_broken_kohya_file_is_a_readable_error_and_creates_nothing(space
     assert SD_REPO in message and "incomplete or damaged file" in message and "Traceback" not in message
     assert "/tmp" not in message and not hub.exists("demo/never-converted")
     # The same file in the merge tab: the same one-line error, nothing created either.
-    page.get_by_role("tab", name="Merge").click()
+    page.close()
+    page = _signed_in_page(browser, url)
     _fill(page, "base", SD_BASE)
     _fill(page, "adapters", SD_BAD)
     _fill(page, "repo", "demo/never-merged")
     page.locator("#run").click()
-    page.locator(".toast-body", has_text="no lora_up").last.wait_for(timeout=JOB_TIMEOUT * 1000)
+    page.locator(".toast-body", has_text="no lora_up").wait_for(timeout=JOB_TIMEOUT * 1000)
     assert not hub.exists("demo/never-merged") and not list(hub.workdir.iterdir())
     page.close()
 
