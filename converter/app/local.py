@@ -212,8 +212,9 @@ def seed_demo(server: HubServer, workdir: Path, *, cache: Path | None = None, fa
                                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
                                          eos_token_id=2, pad_token_id=0))  # fmt: skip
     _adapter(other, workdir / "wrong", seed=6, r=4)
-    _trained_on(repos[LORA], BASE)
-    _trained_on(repos[LORA_B], BASE)
+    for adapter in (repos[LORA], repos[LORA_B]):
+        _trained_on(adapter, BASE)  # PEFT's own card names the local fixture path: not for a Hub repo
+        (adapter / "README.md").write_text(f"---\nbase_model: {BASE}\nlibrary_name: peft\n---\n# A demo LoRA\n")
     _trained_on(workdir / "wrong", "demo/smaller-llama")
     sd_base, sd_loras = _sd_repos(workdir)
     for repo, folder in {**repos, WRONG: workdir / "wrong", SD_BASE: sd_base, SD_REPO: sd_loras}.items():
