@@ -357,7 +357,7 @@ def test_load_eight_concurrent_submissions(space):
             refused.append(i)
             assert not hub.exists(f"demo/load-{i}")
             continue
-        log_text, summary, verification, _generations, card = outcome
+        log_text, summary, verification, _generations, _images, card = outcome
         assert f"demo/load-{i}" in summary and f"demo/load-{i}" in card
         assert "verification was switched off" in verification
         for j in range(8):
