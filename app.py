@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from converter.app.check import Limits, check, describe_adapter, describe_base  # noqa: E402
+from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
 from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
 from converter.app.jobs import (  # noqa: E402
     DTYPES,
@@ -119,7 +119,8 @@ def adapters_info(adapters: str | None, oauth_token: gr.OAuthToken | None) -> st
             try:
                 a = describe_adapter(spec.source, token)
                 lines.append(
-                    f"✅ `{a['pinned']}` × {spec.weight}: {a['format']}, rank {a['rank']}, alpha {a['alpha']}"
+                    f"✅ `{a['pinned']}` × {weight_text(spec.weight)}: {a['format']}, rank {a['rank']}, "
+                    f"alpha {a['alpha']}"
                     f"{', DoRA' if a['dora'] else ''}, {a['tensors']} tensors"
                     + (f", trained on `{html.escape(a['trained_on'])}`" if a["trained_on"] else "")
                 )
@@ -221,7 +222,7 @@ def run(
     verification = report["markdown"] if report else "**Not verified** (verification was switched off)."
     generations = [[g["prompt"], g["base"], g["reference"], g["merged"]] for g in (report or {}).get("generations", [])]
     images = gr.update(value=result.images or None, visible=bool(result.images))  # diffusion: the pictures
-    table = gr.update(value=generations, visible=not result.images)  # an LLM: the texts
+    table = gr.update(value=generations, visible=bool(generations))  # an LLM: the texts
     yield ("\n".join(lines), summary, verification, table, images, result.card)
 
 

@@ -68,8 +68,9 @@ class CheckReport:
         ]
         for i, a in enumerate(self.adapters, 1):
             lines.append(
-                f"| {i} | `{_short(a['pinned'])}` | {_weight(a['weight'])} | {a['format']} | {a['rank']} | "
-                f"{a['alpha']} | {'yes' if a['dora'] else 'no'} | {a['used']}/{a['tensors']} |"
+                f"| {i} | `{_short(a['pinned'])}` | {weight_text(a['weight'])} | {a['format']} | {a['rank']} | "
+                f"{'per module' if a['alpha'] is None else a['alpha']} | {'yes' if a['dora'] else 'no'} | "
+                f"{a['used']}/{a['tensors']} |"
             )
         lines += [
             "",
@@ -81,7 +82,7 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _weight(weight) -> str:
+def weight_text(weight) -> str:
     """0.8, or per component `unet=0.8, text_encoder=0.5` (as typed in the form)."""
     return ", ".join(f"{k}={v}" for k, v in weight.items()) if isinstance(weight, dict) else str(weight)
 
