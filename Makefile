@@ -20,8 +20,8 @@ fixtures: $(STAMP)
 	$(BIN)/python scripts/build_fixtures.py
 
 # The Space app on http://127.0.0.1:7860 against an embedded local Hub with demo repos (Ctrl-C stops it).
-run: $(STAMP)
-	$(BIN)/python -m converter.app_local
+run: $(STAMP) fixtures
+	$(BIN)/python -m converter.app.local
 
 # The command-line demo: a tiny base + LoRA built offline, merged and verified.
 demo: $(STAMP)

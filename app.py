@@ -1,8 +1,10 @@
-"""The converter Space: merge LoRA adapters into their base model, verify the result, push it to your account.
+"""The converter Space: merge LoRA adapters into their base model (LLMs and diffusion pipelines), verify the
+result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT) to another format.
 
-A thin Gradio front end: every decision lives in the `converter` package (`converter.app_check` plans a job,
-`converter.app_jobs` runs it). Run it with `python app.py` (on a Space), or `make run` for the offline demo
-against a local Hub. Every Hub call of a job uses the signed-in user's token; the token never reaches a log.
+A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
+`converter.app.jobs` runs it, `converter.app.convert` runs a conversion). Run it with `python app.py` (on a
+Space), or `make run` for the offline demo against a local Hub. Every Hub call of a job uses the signed-in user's
+token; the token never reaches a log.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from converter.app_check import Limits, check, describe_adapter, describe_base  # noqa: E402
-from converter.app_jobs import (  # noqa: E402
+from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
+from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
+from converter.app.jobs import (  # noqa: E402
     DTYPES,
     STAGES,
     JobRequest,
@@ -34,6 +37,7 @@ from converter.app_jobs import (  # noqa: E402
     redactor,
     run_job,
 )
+from converter.convert.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
 from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
 from converter.sources import job_sources  # noqa: E402
@@ -46,10 +50,16 @@ WORKROOT = os.environ.get("CONVERTER_APP_WORKDIR") or None
 SIGN_IN = "Sign in with Hugging Face (button above) first: the job downloads and uploads with your account."
 
 INTRO = """# 🧬 LoRA merge
-Fold LoRA adapters into their base model **exactly** (float32 math, one rounding per weight), **prove** the merged
-model behaves like base + adapters (PEFT's unmerged forward), and publish a clean safetensors repo with an honest
-model card, to your account, in one commit. Nothing is created on the Hub until the upload, so a failed job leaves
-no empty repo."""
+Fold LoRA adapters (PEFT, kohya, LyCORIS, diffusers) into their base model, an LLM or a diffusion pipeline,
+**exactly** (float32 math, one rounding per weight), **prove** the merged model behaves like base + adapters (the
+adapters applied unmerged by PEFT or diffusers), and publish a clean safetensors repo with an honest model card, to
+your account, in one commit; or **convert a LoRA** to another format, as a pull request on its repo. Nothing is
+created on the Hub until the upload, so a failed job leaves no empty repo."""
+CONVERT_INTRO = """Convert a LoRA file to another format **without merging** (each module keeps its rank and alpha):
+kohya ↔ diffusers ↔ PEFT. With a base, module names are looked up in it (its headers only are read). Open a pull
+request on the adapter's own repo (like the safetensors conversion bot: re-runs update our open PR), or push the
+converted adapter to your account."""
+MODES = {"Open a pull request on the adapter's repo": "pr", "Push to my account": "push"}
 
 
 def _fail(err: BaseException, token: str | None = None) -> gr.Error:
@@ -88,8 +98,9 @@ def base_info(base: str | None, oauth_token: gr.OAuthToken | None) -> str:
             info = describe_base(base, token, Path(tmp) / "standin")
     except ConverterError as e:
         return f"❌ {html.escape(str(e))}"
+    family = f" (diffusion family `{info['family']}`: {', '.join(info['components'])})" if info["family"] else ""
     return (
-        f"✅ `{info['pinned']}`: {info['architecture']}, {info['parameters'] / 1e6:,.1f} M parameters, "
+        f"✅ `{info['pinned']}`: {info['architecture']}{family}, {info['parameters'] / 1e6:,.1f} M parameters, "
         f"{human_bytes(info['size'])} of weights"
     )
 
@@ -108,7 +119,8 @@ def adapters_info(adapters: str | None, oauth_token: gr.OAuthToken | None) -> st
             try:
                 a = describe_adapter(spec.source, token)
                 lines.append(
-                    f"✅ `{a['pinned']}` × {spec.weight}: {a['format']}, rank {a['rank']}, alpha {a['alpha']}"
+                    f"✅ `{a['pinned']}` × {weight_text(spec.weight)}: {a['format']}, rank {a['rank']}, "
+                    f"alpha {a['alpha']}"
                     f"{', DoRA' if a['dora'] else ''}, {a['tensors']} tensors"
                     + (f", trained on `{html.escape(a['trained_on'])}`" if a["trained_on"] else "")
                 )
@@ -189,7 +201,7 @@ def run(
 
     worker = threading.Thread(target=work, name="converter-job", daemon=True)
     worker.start()
-    skip = (gr.skip(),) * 4
+    skip = (gr.skip(),) * 5
     while worker.is_alive():
         worker.join(0.5)
         stage = state["stage"]
@@ -209,7 +221,38 @@ def run(
     report = result.report
     verification = report["markdown"] if report else "**Not verified** (verification was switched off)."
     generations = [[g["prompt"], g["base"], g["reference"], g["merged"]] for g in (report or {}).get("generations", [])]
-    yield ("\n".join(lines), summary, verification, generations, result.card)
+    images = gr.update(value=result.images or None, visible=bool(result.images))  # diffusion: the pictures
+    table = gr.update(value=generations, visible=bool(generations))  # an LLM: the texts
+    yield ("\n".join(lines), summary, verification, table, images, result.card)
+
+
+def suggest_convert_repo(adapter: str, to: str, profile: gr.OAuthProfile | None):
+    user = profile.username if profile is not None else "you"
+    return gr.update(placeholder=default_convert_repo(user, adapter or "org/adapter", to or "diffusers"))
+
+
+def run_conversion(
+    adapter, to, base, mode, repo, profile: gr.OAuthProfile | None, oauth_token: gr.OAuthToken | None
+) -> tuple[str, str]:
+    """A conversion: the adapter converted in a temp folder, then the PR on its repo, or a repo of one's own."""
+    token = None
+    lines: list[str] = []
+    try:
+        token = _token(oauth_token)
+        request = ConvertRequest(str(adapter or ""), to, str(base or ""), MODES.get(mode, mode), str(repo or ""))
+        request.check()
+        result = run_convert(request, token, workroot=WORKROOT, log=lines.append)
+    except Exception as e:  # noqa: BLE001 - every failure becomes a readable message
+        raise _fail(e, token) from None
+    if result.url is None:
+        summary = f"### ✅ Nothing to do: `{html.escape(result.repo_id)}` already has a {to} version"
+    elif request.mode == "pr":
+        summary = f"### ✅ Pull request opened on `{html.escape(result.repo_id)}`: [{result.url}]({result.url})"
+    else:
+        summary = f"### ✅ Pushed: [{html.escape(result.repo_id)}]({result.url})"
+    details = [f"{result.modules} LoRA modules converted to {to}" + (f": {', '.join(result.files)}" if result.files
+               else ""), *result.proofs]  # fmt: skip
+    return "\n".join(result.log), summary + "\n\n" + "\n".join(f"- {html.escape(d)}" for d in details)
 
 
 def build() -> gr.Blocks:
@@ -218,49 +261,90 @@ def build() -> gr.Blocks:
         with gr.Row():
             gr.LoginButton(min_width=250)
             user = gr.Markdown(elem_id="user")
-        with gr.Row():
-            with gr.Column():
-                base = gr.Textbox(
-                    label="Base model (Hub id)", placeholder="org/name or org/name@revision", elem_id="base"
-                )
-                base_status = gr.Markdown(elem_id="base-status")
-                adapters = gr.Textbox(
-                    label="Adapters: one per line, `org/name[@revision][/file.safetensors] [weight]`",
-                    placeholder="someone/my-lora\nsomeone/other-lora 0.5",
-                    lines=3,
-                    elem_id="adapters",
-                )
-                adapter_status = gr.Markdown(elem_id="adapter-status")
-                repo = gr.Textbox(label="Target repo (empty: the suggestion shown)", elem_id="repo")
+        with gr.Tabs():
+            with gr.Tab("Merge", elem_id="merge-tab"):
                 with gr.Row():
-                    private = gr.Checkbox(label="Private repo", value=False)
-                    create_pr = gr.Checkbox(label="Open as a pull request (repo already has a model)", value=False)
-                with gr.Accordion("Options", open=False):
-                    dtype = gr.Dropdown(list(DTYPES), value="keep", label="Output dtype (keep: each tensor's own)")
-                    qlora = gr.Dropdown(
-                        ["original", "dequantized"],
-                        value="original",
-                        label="QLoRA adapters: merge into the original weights, or their 4-bit dequantized view",
+                    with gr.Column():
+                        base = gr.Textbox(
+                            label="Base model (Hub id): a transformers model, a diffusers pipeline, or a single file",
+                            placeholder="org/name, org/name@revision or org/name/file.safetensors",
+                            elem_id="base",
+                        )
+                        base_status = gr.Markdown(elem_id="base-status")
+                        adapters = gr.Textbox(
+                            label="Adapters: one per line, `org/name[@revision][/file.safetensors] [weight]`; a "
+                            "diffusion LoRA may take a weight per component: `unet=0.8,text_encoder=0.5`",
+                            placeholder="someone/my-lora\nsomeone/other-lora 0.5\nsomeone/sd-loras/style.safetensors "
+                            "unet=0.8,text_encoder=0.5",
+                            lines=3,
+                            elem_id="adapters",
+                        )
+                        adapter_status = gr.Markdown(elem_id="adapter-status")
+                        repo = gr.Textbox(label="Target repo (empty: the suggestion shown)", elem_id="repo")
+                        with gr.Row():
+                            private = gr.Checkbox(label="Private repo", value=False)
+                            create_pr = gr.Checkbox(
+                                label="Open as a pull request (repo already has a model)", value=False
+                            )
+                        with gr.Accordion("Options", open=False):
+                            dtype = gr.Dropdown(
+                                list(DTYPES), value="keep", label="Output dtype (keep: each tensor's own)"
+                            )
+                            qlora = gr.Dropdown(
+                                ["original", "dequantized"],
+                                value="original",
+                                label="QLoRA adapters: merge into the original weights, or their 4-bit dequantized "
+                                "view",
+                            )
+                            verify = gr.Checkbox(
+                                label="Verify against base + adapters, unmerged (PEFT or diffusers)", value=True
+                            )
+                            prompts = gr.Textbox(
+                                label="Verification prompts, one per line (empty: built-in set)", lines=3
+                            )
+                        with gr.Row():
+                            check_btn = gr.Button("Check", elem_id="check")
+                            run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
+                    with gr.Column():
+                        plan = gr.Markdown(elem_id="plan")
+                        result = gr.Markdown(elem_id="result")
+                        logbox = gr.Textbox(label="Log", lines=12, max_lines=20, autoscroll=True, elem_id="log")
+                with gr.Accordion("Verification", open=True):
+                    verification = gr.Markdown(elem_id="verification")
+                    generations = gr.Dataframe(
+                        headers=["prompt", "base", "base + adapters (PEFT)", "merged"],
+                        label="Greedy generations, side by side",
+                        wrap=True,
+                        elem_id="generations",
                     )
-                    verify = gr.Checkbox(label="Verify against base + adapters (PEFT, unmerged)", value=True)
-                    prompts = gr.Textbox(label="Verification prompts, one per line (empty: built-in set)", lines=3)
-                with gr.Row():
-                    check_btn = gr.Button("Check", elem_id="check")
-                    run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
-            with gr.Column():
-                plan = gr.Markdown(elem_id="plan")
-                result = gr.Markdown(elem_id="result")
-                logbox = gr.Textbox(label="Log", lines=12, max_lines=20, autoscroll=True, elem_id="log")
-        with gr.Accordion("Verification", open=True):
-            verification = gr.Markdown(elem_id="verification")
-            generations = gr.Dataframe(
-                headers=["prompt", "base", "base + adapters (PEFT)", "merged"],
-                label="Greedy generations, side by side",
-                wrap=True,
-                elem_id="generations",
-            )
-        with gr.Accordion("Model card preview", open=False):
-            card = gr.Markdown(elem_id="card")
+                    images = gr.Gallery(
+                        label="Per prompt: base, base + LoRA (diffusers, unmerged), merged",
+                        columns=3,
+                        visible=False,
+                        elem_id="images",
+                    )
+                with gr.Accordion("Model card preview", open=False):
+                    card = gr.Markdown(elem_id="card")
+            with gr.Tab("Convert a LoRA", elem_id="convert-tab"), gr.Row():
+                with gr.Column():
+                    gr.Markdown(CONVERT_INTRO)
+                    c_adapter = gr.Textbox(
+                        label="Adapter (Hub id)", placeholder="org/name/file.safetensors", elem_id="convert-adapter"
+                    )
+                    c_to = gr.Dropdown(list(TARGETS), value="diffusers", label="Target format", elem_id="convert-to")
+                    c_base = gr.Textbox(
+                        label="Base (optional): module names are looked up in it",
+                        placeholder="org/name or org/name/file.safetensors",
+                        elem_id="convert-base",
+                    )
+                    c_mode = gr.Radio(list(MODES), value=next(iter(MODES)), label="Publish", elem_id="convert-mode")
+                    c_repo = gr.Textbox(
+                        label="Repo for 'Push to my account' (empty: the suggestion)", elem_id="convert-repo"
+                    )
+                    c_run = gr.Button("Convert", variant="primary", elem_id="convert-run")
+                with gr.Column():
+                    c_result = gr.Markdown(elem_id="convert-result")
+                    c_log = gr.Textbox(label="Log", lines=10, max_lines=20, elem_id="convert-log")
 
         form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr]
         demo.load(show_user, outputs=user, queue=False)
@@ -272,9 +356,20 @@ def build() -> gr.Blocks:
         run_btn.click(
             run,
             inputs=form,
-            outputs=[logbox, result, verification, generations, card],
+            outputs=[logbox, result, verification, generations, images, card],
             api_name="run",
             concurrency_limit=CONCURRENCY,
+            concurrency_id="job",
+        )
+        for box in (c_adapter, c_to):
+            box.change(
+                suggest_convert_repo, inputs=[c_adapter, c_to], outputs=c_repo, queue=False, api_visibility="private"
+            )
+        c_run.click(
+            run_conversion,
+            inputs=[c_adapter, c_to, c_base, c_mode, c_repo],
+            outputs=[c_log, c_result],
+            api_name="convert",
             concurrency_id="job",
         )
     return demo

@@ -15,7 +15,7 @@ from converter import hub
 from converter.errors import ConverterError
 from converter.publish import check_repo_id
 
-SKIP = ("testing/", "app_local.py")  # only for tests and `make run`
+SKIP = ("testing/", "app/local.py")  # only for tests and `make run`
 
 
 def space_files(source: Path) -> dict[str, Path]:

@@ -17,9 +17,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from converter.app_check import Limits, _sparse_standin
-from converter.app_jobs import JobRequest, default_repo, parse_adapters, redactor
-from converter.app_local import BASE, LORA, LORA_B, MOCK_TOKEN, WRONG, seed_demo
+from converter.app.check import Limits, _sparse_standin
+from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor, report_images
+from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
 from converter.sources import job_sources, parse_source
@@ -38,6 +38,34 @@ def test_parse_adapters_lines_and_weights():
         parse_adapters(" \n")
     with pytest.raises(ConverterError, match="line 2: write `org/name \\[weight\\]`"):
         parse_adapters("a/one\na/two 1 2")
+
+
+def test_per_component_weights_of_a_diffusion_lora():
+    specs = parse_adapters("o/sd/style.safetensors unet=0.8,text_encoder=0.5\no/other 0.3")
+    assert [s.weight for s in specs] == [{"unet": 0.8, "text_encoder": 0.5}, 0.3]
+    assert specs[0].weight_for("text_encoder") == 0.5 and specs[0].weight_for("unet") == 0.8
+    with pytest.raises(ConverterError, match="line 1: weight 'unet=strong' is not a number or `component=number"):
+        parse_adapters("o/sd unet=strong")
+    with pytest.raises(ConverterError, match="unknown component 'vae'"):
+        JobRequest(base="o/sd", adapters="o/lora vae=1").recipe()
+
+
+def test_report_images_follow_the_diffusion_report_contract(tmp_path):
+    """verification.json of a diffusion merge: "kind": "diffusion", "images": [{prompt, base, reference, merged
+    (PNGs relative to the merged folder), psnr, max_abs}]; read into memory, in gallery order, with captions."""
+    from PIL import Image
+
+    (tmp_path / "verify").mkdir()
+    for i, name in enumerate(("base", "ref", "merged")):
+        Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(tmp_path / "verify" / f"{name}.png")
+    row = {"prompt": "a red fox", "base": "verify/base.png", "reference": "verify/ref.png",
+           "merged": "verify/merged.png", "psnr": 48.2, "max_abs": 1}  # fmt: skip
+    images = report_images(tmp_path, {"kind": "diffusion", "images": [row]})
+    assert [caption.split(":")[0] for _, caption in images] == ["base", "base + LoRA (diffusers, unmerged)", "merged"]
+    assert [im.getpixel((0, 0))[0] for im, _ in images] == [0, 40, 80]
+    assert "a red fox" in images[2][1] and "PSNR 48.2 dB" in images[2][1] and "max |Δ| 1" in images[2][1]
+    assert report_images(tmp_path, {"verdict": "pass", "generations": []}) == []  # an LLM report: the table
+    assert report_images(tmp_path, None) == []
 
 
 def test_request_and_default_repo():
@@ -110,7 +138,7 @@ def test_sparse_standin_plans_like_the_real_file(tmp_path):
 def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("apphub")
     server = HubServer(root / "server").start()
-    seed_demo(server, root / "seed")
+    seed_demo(server, root / "seed", fast=True)
     server.add_user("other", OTHER)
     yield server
     server.stop()
@@ -133,7 +161,7 @@ def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
         hub,
         f"""
 from pathlib import Path
-from converter.app_check import check
+from converter.app.check import check
 from converter.recipe import Recipe, AdapterSpec
 from converter.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
@@ -170,7 +198,7 @@ result(dict(write=report.bytes_to_write, download=report.bytes_to_download, chan
         (56, 56, 0.5, "4"),
     ]
     assert out["download"] > out["write"] // 4 and out["warnings"] == []
-    assert "| 2 | `demo/tiny-llama-lora-b@" in out["md"]
+    assert f"| 2 | `{LORA_B}@" in out["md"]
     assert any("stored as bitsandbytes NF4 4-bit" in note for note in out["nf4"])  # 4-bit output planned too
 
 
@@ -179,7 +207,7 @@ def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
         hub,
         f"""
 from pathlib import Path
-from converter.app_check import check, Limits
+from converter.app.check import check, Limits
 from converter.recipe import Recipe, AdapterSpec
 errors = []
 for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
@@ -201,7 +229,7 @@ def _run_job(hub: HubServer, tmp_path: Path, token: str | None, **request) -> di
         hub,
         f"""
 from pathlib import Path
-from converter.app_jobs import JobRequest, run_job
+from converter.app.jobs import JobRequest, run_job
 work = Path({str(tmp_path)!r}) / "jobs"
 stages, lines = [], []
 try:
@@ -235,7 +263,7 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     )  # fmt: skip
     assert second["pr"] == f"{hub.url}/demo/jobs-pr/discussions/1", second
     assert all(MOCK_TOKEN not in line for line in first["log"] + second["log"])
-    # The demo adapters name demo/tiny-llama as their base: the same repo as the pinned base, so no warning (it
+    # The demo adapters name BASE as their base: the same repo as the pinned base, so no warning (it
     # used to compare the name with the cache folder '<sha>'); and the log names repos, never server paths.
     assert not [line for line in first["log"] if "trained on" in line], first["log"]
     leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-job-" in x or "/tmp" in x]
@@ -243,7 +271,7 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
 
 
 def test_public_paths_show_repo_names_only(tmp_path):
-    from converter.app_jobs import public_paths
+    from converter.app.jobs import public_paths
 
     job = tmp_path / "jobs" / "converter-job-abc"
     sha = "0123456789abcdef0123456789abcdef01234567"
@@ -282,7 +310,7 @@ def test_space_deploy(hub, tmp_path):
         "app.py",
         "README.md",
         "requirements.txt",
-        "converter/app_jobs.py",
+        "converter/app/jobs.py",
         "converter/keymaps/generic.yaml",
     } <= set(files)
     assert not any(f.startswith("converter/testing/") or "__pycache__" in f for f in files)
@@ -319,7 +347,8 @@ def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "converter.app_local", "--dir", str(tmp_path / "demo"), "--port", str(port)],
+            [sys.executable, "-m", "converter.app.local", "--tiny", "--dir", str(tmp_path / "demo"),
+             "--port", str(port)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -365,3 +394,73 @@ def test_trained_on_warning_compares_pinned_ids(tmp_path):
     ]
     assert "trained on 'other/Model'" in warnings("other/Model")[0]
     assert "merging into" in warnings("other/Model", base_id=None)[0]  # a local base: names as before
+
+
+def test_diffusion_merge_job_with_component_strengths(hub, tmp_path):
+    """A kohya LoRA into a diffusers pipeline on the Hub: the plan names the family, components and matched
+    modules; the job pushes the pipeline with the per-component strengths recorded."""
+    out = _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app.check import check
+from converter.app.jobs import JobRequest, run_job
+from converter.sources import job_sources
+request = JobRequest(base={SD_BASE!r}, adapters={SD_LORA + " unet=0.8,text_encoder=0.5"!r}, repo_id="demo/sd-job")
+with job_sources(Path({str(tmp_path)!r}) / "cache"):
+    md = check(request.recipe(), {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin").markdown()
+lines = []
+r = run_job(request, {MOCK_TOKEN!r}, workroot=Path({str(tmp_path)!r}) / "jobs", log=lines.append)
+result(dict(md=md, url=r.url, verdict=(r.report or {{}}).get("verdict"), images=len(r.images), log=lines))
+""",
+        tmp_path,
+    )
+    assert "StableDiffusionPipeline (sd)" in out["md"] and "**Diffusion family** `sd`" in out["md"]
+    assert "text_encoder 12, unet 40, vae 0" in out["md"]  # tensors changed per component; the VAE untouched
+    assert "unet=0.8, text_encoder=0.5 | kohya-lora" in out["md"] and "104/104" in out["md"]
+    assert out["url"] == f"{hub.url}/demo/sd-job"
+    files = set(hub.files("demo/sd-job"))
+    assert {"model_index.json", "unet/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"} <= files
+    provenance = json.loads(hub.read_file("demo/sd-job", "converter_provenance.json"))
+    assert provenance["adapters"][0]["weight"] == {"unet": 0.8, "text_encoder": 0.5}
+    # Until diffusion verification lands the job says "not verified"; with it, its images come back.
+    assert out["verdict"] in ("skipped", "pass") and (out["images"] > 0) == (out["verdict"] == "pass")
+    assert not [line for line in out["log"] if "/tmp" in line or str(tmp_path) in line]
+
+
+def _convert(hub: HubServer, tmp_path: Path, **request) -> dict:
+    return _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app.convert import ConvertRequest, run_convert
+work = Path({str(tmp_path)!r}) / "jobs"
+lines = []
+try:
+    r = run_convert(ConvertRequest(**{request!r}), {MOCK_TOKEN!r}, workroot=work, log=lines.append)
+    out = dict(url=r.url, repo=r.repo_id, modules=r.modules, files=r.files)
+except ConverterError as e:
+    out = dict(error=str(e), kind=type(e).__name__)
+result(dict(out, log=lines, left=[p.name for p in work.iterdir()] if work.exists() else []))
+""",
+        tmp_path,
+    )
+
+
+def test_convert_job_opens_a_pr_pushes_and_refuses_a_broken_file(hub, tmp_path):
+    first = _convert(hub, tmp_path, adapter=SD_LORA, to="diffusers", base=SD_BASE, mode="pr")
+    assert first["url"].startswith(f"{hub.url}/{SD_REPO}/discussions/") and first["modules"] == 52, first
+    again = _convert(hub, tmp_path, adapter=SD_LORA, to="diffusers", base=SD_BASE, mode="pr")
+    assert again["url"] == first["url"]  # our open PR is updated, not a second one opened
+    assert any("updating our open pull request" in line for line in again["log"])
+    pushed = _convert(hub, tmp_path, adapter=SD_LORA, to="peft", base=SD_BASE, mode="push", repo_id="demo/sd-peft")
+    assert pushed["url"] == f"{hub.url}/demo/sd-peft" and pushed["modules"] == 52
+    assert {"unet/adapter_config.json", "text_encoder/adapter_model.safetensors"} <= set(hub.files("demo/sd-peft"))
+    bad = _convert(hub, tmp_path, adapter=SD_BAD, to="diffusers", mode="push", repo_id="demo/never-converted")
+    assert bad["kind"] == "AdapterFormatError" and "no lora_up" in bad["error"] and SD_REPO in bad["error"]
+    assert "\n" not in bad["error"] and not hub.exists("demo/never-converted")
+    other = _convert(hub, tmp_path, adapter=SD_LORA, to="kohya", mode="push", repo_id="other/x")
+    assert "you (demo) cannot write under 'other'" in other["error"]
+    for out in (first, again, pushed, bad, other):
+        assert out["left"] == [] and not [x for x in out["log"] if "/tmp" in x or "converter-convert" in x], out
+        assert all(MOCK_TOKEN not in line for line in out["log"])

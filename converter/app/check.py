@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.checkpoint import Checkpoint
+from converter.checkpoint import Checkpoint, open_base
 from converter.errors import ConverterError
 from converter.hub_headers import hub_base_headers
 from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
@@ -49,6 +49,8 @@ class CheckReport:
     total_tensors: int
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # diffusion bases: component -> tensors the adapters change in it (the VAE, untouched, is a byte copy)
+    changed_by_component: dict[str, int] = field(default_factory=dict)
 
     def markdown(self) -> str:
         b = self.base
@@ -56,13 +58,19 @@ class CheckReport:
             f"**Base** `{b['pinned']}`: {b['architecture']} ({b['model_type']}), "
             f"{b['parameters'] / 1e6:,.1f} M parameters, {human_bytes(b['size'])}",
             "",
+        ]
+        if b.get("family"):
+            changed = ", ".join(f"{c} {self.changed_by_component.get(c, 0)}" for c in b["components"])
+            lines += [f"**Diffusion family** `{b['family']}` · components (tensors changed): {changed}", ""]
+        lines += [
             "| # | adapter | weight | format | rank | alpha | DoRA | tensors matched |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for i, a in enumerate(self.adapters, 1):
             lines.append(
-                f"| {i} | `{_short(a['pinned'])}` | {a['weight']} | {a['format']} | {a['rank']} | {a['alpha']} | "
-                f"{'yes' if a['dora'] else 'no'} | {a['used']}/{a['tensors']} |"
+                f"| {i} | `{_short(a['pinned'])}` | {weight_text(a['weight'])} | {a['format']} | {a['rank']} | "
+                f"{'per module' if a['alpha'] is None else a['alpha']} | {'yes' if a['dora'] else 'no'} | "
+                f"{a['used']}/{a['tensors']} |"
             )
         lines += [
             "",
@@ -74,6 +82,11 @@ class CheckReport:
         return "\n".join(lines)
 
 
+def weight_text(weight) -> str:
+    """0.8, or per component `unet=0.8, text_encoder=0.5` (as typed in the form)."""
+    return ", ".join(f"{k}={v}" for k, v in weight.items()) if isinstance(weight, dict) else str(weight)
+
+
 def _short(pinned: str) -> str:
     """`org/name@<40 hex>/file` -> `org/name@1234567/file`: tables stay readable; the full sha is in the card."""
     return re.sub(r"@([0-9a-f]{7})[0-9a-f]{33}", r"@\1", pinned)
@@ -82,15 +95,13 @@ def _short(pinned: str) -> str:
 def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     """A Hub base model from its config and safetensors headers: exists, architecture, size. No weights fetched."""
     source = parse_source(spec)
-    if source.local is not None or source.path is not None:
-        raise ConverterError(f"{spec}: give the base as a Hub repo id, org/name or org/name@revision")
-    base = hub_base_headers(source, token, workdir)
-    if (base.path / "model_index.json").is_file():
+    if source.local is not None or (source.path is not None and not source.path.endswith(".safetensors")):
         raise ConverterError(
-            f"{base.where}: a diffusers pipeline; this server merges transformers models (run `converter merge` "
-            "on your own machine for pipelines)"
+            f"{spec}: give the base as a Hub repo id, org/name[@revision], or a single-file diffusion checkpoint "
+            "org/name/file.safetensors"
         )
-    checkpoint = Checkpoint(base.path)
+    base = hub_base_headers(source, token, workdir)
+    checkpoint = open_base(base.path)  # a transformers folder, a diffusers pipeline or one single file
     config = checkpoint.config
     if config.get("quantization_config"):
         raise ConverterError(
@@ -101,8 +112,10 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     return {
         "pinned": base.pinned,
         "sha": base.sha,
-        "architecture": (config.get("architectures") or ["?"])[0],
-        "model_type": config.get("model_type"),
+        "architecture": config.get("_class_name") or (config.get("architectures") or ["?"])[0],
+        "model_type": config.get("model_type") or config.get("_keymap"),
+        "family": config.get("_keymap") if getattr(checkpoint, "diffusion", None) else None,
+        "components": [p.subfolder or p.stem for p in getattr(checkpoint, "parts", ())],
         "parameters": params,
         "size": sum(base.sizes[n] for n in base.files if n.endswith(".safetensors")),
         "download": sum(base.sizes[n] for n in base.files),
@@ -169,4 +182,15 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
         total_tensors=len(plan.outputs),
         warnings=warnings,
         notes=list(plan.notes),
+        changed_by_component=_by_component(plan.changed, base_row["components"]) if base_row["family"] else {},
     )
+
+
+def _by_component(changed: list, components: list[str]) -> dict[str, int]:
+    """Changed output tensors per component: `unet/...` keys of a pipeline; a single file counts as one part."""
+    counts = dict.fromkeys(components, 0)
+    for out in changed:
+        head = out.name.split("/", 1)[0]
+        head = head if head in counts else components[0]
+        counts[head] += 1
+    return counts

@@ -62,23 +62,54 @@ class JobResult:
     report: dict | None
     card: str
     log: list[str] = field(default_factory=list)
+    images: list[tuple[object, str]] = field(default_factory=list)  # (PIL image, caption): diffusion side by side
+
+
+def report_images(folder: Path, report: dict | None) -> list[tuple[object, str]]:
+    """A diffusion report's base / reference / merged PNGs (paths relative to the merged folder), read into memory
+    before the job folder goes: (image, caption) in gallery order, a row of three per prompt."""
+    if not report or report.get("kind") != "diffusion":
+        return []
+    from PIL import Image
+
+    out = []
+    for row in report.get("images") or []:
+        for key, label in (("base", "base"), ("reference", "base + LoRA (diffusers, unmerged)"), ("merged", "merged")):
+            if not row.get(key) or not (folder / row[key]).is_file():
+                continue
+            with Image.open(folder / row[key]) as image:
+                image.load()
+                metrics = f" · PSNR {row.get('psnr')} dB, max |Δ| {row.get('max_abs')}" if key == "merged" else ""
+                out.append((image.copy(), f"{label}: {row.get('prompt', '')}{metrics}"))
+    return out
+
+
+def parse_weight(text: str, where: str) -> float | dict[str, float]:
+    """`0.8`, or per component of a diffusion base: `unet=0.8,text_encoder=0.5` (kohya's separate strengths)."""
+    try:
+        if "=" not in text:
+            return float(text)
+        pairs = [item.split("=") for item in text.split(",") if item.strip()]
+        return {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise UsageError(
+            f"{where}: weight {text!r} is not a number or `component=number,...` (e.g. unet=0.8,text_encoder=0.5)"
+        ) from None
 
 
 def parse_adapters(text: str) -> list[AdapterSpec]:
-    """`org/name[@rev][/file] [weight]`, one per line; the weight defaults to 1.0."""
+    """`org/name[@rev][/file] [weight]`, one per line; the weight (default 1.0) may be per component."""
     specs = []
     for n, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts:
             continue
         if len(parts) > 2:
-            raise UsageError(f"adapters, line {n}: write `org/name [weight]`, got {line.strip()!r}")
-        weight = 1.0
-        if len(parts) == 2:
-            try:
-                weight = float(parts[1])
-            except ValueError:
-                raise UsageError(f"adapters, line {n}: weight {parts[1]!r} is not a number") from None
+            raise UsageError(
+                f"adapters, line {n}: write `org/name [weight]` (per component without spaces: "
+                f"unet=0.8,text_encoder=0.5), got {line.strip()!r}"
+            )
+        weight = parse_weight(parts[1], f"adapters, line {n}") if len(parts) == 2 else 1.0
         specs.append(AdapterSpec(parts[0], weight))
     if not specs:
         raise UsageError("adapters: give at least one adapter (a Hub repo id like org/my-lora)")
@@ -177,7 +208,7 @@ def run_job(
 
 
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
-    from converter.app_check import check
+    from converter.app.check import check
     from converter.merge import merge
     from converter.pipeline import push, verify_folder
     from converter.sources import fetch, job_sources
@@ -206,10 +237,11 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         stage("upload")
         result = push(repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say)
         card = (out / "README.md").read_text()
+        images = report_images(out, report)
     if result.pr_url:
         say(f"pull request: {result.pr_url}")
     elif not result.changed:
         say(f"nothing changed: {result.url} already has these files")
     else:
         say(f"pushed: {result.url}/commit/{result.commit}")
-    return JobResult(repo_id, result.url, result.pr_url, result.commit, result.changed, report, card, lines)
+    return JobResult(repo_id, result.url, result.pr_url, result.commit, result.changed, report, card, lines, images)
