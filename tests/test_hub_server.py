@@ -147,6 +147,23 @@ def test_upload_folder_lfs_and_noop_reupload(hub: HubServer, model_dir: Path) ->
     assert len(commits) == 1 and len(puts) == 1  # second run: preupload said "unchanged", nothing sent
 
 
+def test_one_lfs_object_under_two_paths_of_a_commit(hub: HubServer, tmp_path: Path) -> None:
+    """Two identical binary files (a correct merge's reference and merged images) in one commit: the client uploads
+    the object twice, and the Hub, like S3, takes it."""
+    hub.create_repo("alice/twins")
+    blob = bytes(range(256)) * 64
+    for name in ("a.png", "b.png"):
+        (tmp_path / name).write_bytes(blob)
+    code = f"""
+        api.upload_folder(repo_id="alice/twins", folder_path={str(tmp_path)!r})
+        result(sorted(api.list_repo_files("alice/twins")))
+    """
+    assert {"a.png", "b.png"} <= set(client(hub, code, token=ALICE))
+    files = hub.files("alice/twins")
+    assert files["a.png"].lfs and files["a.png"].sha256 == files["b.png"].sha256 == hashlib.sha256(blob).hexdigest()
+    assert hub.read_file("alice/twins", "b.png") == blob
+
+
 def test_downloads_by_branch_commit_and_file_then_cache(hub: HubServer, model_dir: Path, tmp_path: Path) -> None:
     old = hub.seed_folder("alice/dl", model_dir)
     new = hub.commit_files("alice/dl", {"config.json": b'{"model_type": "llama", "v": 2}'}, "bump config")
