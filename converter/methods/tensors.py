@@ -15,6 +15,7 @@ checks that, given our masks, PEFT's result is ours.)
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import torch
 
@@ -32,7 +33,7 @@ def magnitude_prune(t: torch.Tensor, density: float) -> torch.Tensor:
 def dare_mask(shape: tuple[int, ...], density: float, seed: int, *where: object) -> torch.Tensor:
     """The keep-mask (0/1, float32) DARE uses for one tensor, a pure function of the seed and `where`."""
     key = ":".join(str(w) for w in (seed, *where)).encode()
-    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+    g = torch.Generator().manual_seed(struct.unpack("<Q", hashlib.sha256(key).digest()[:8])[0] >> 1)
     return torch.bernoulli(torch.full(shape, float(density), dtype=torch.float32), generator=g)
 
 
