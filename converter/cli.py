@@ -322,12 +322,7 @@ def run(args: argparse.Namespace) -> int:
             verify=None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args),
             log=_log,
         )
-        if result.pr_url:
-            print(f"pull request: {result.pr_url}")
-        elif not result.changed:
-            print(f"nothing changed: {result.url} already has these files")
-        else:
-            print(f"pushed: {result.url}/commit/{result.commit}")
+        print(result.summary())
         return 0
     if args.command == "convert":
         from converter.convert import run_cli

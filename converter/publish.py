@@ -27,6 +27,14 @@ class PushResult:
     pr_url: str | None
     changed: bool
 
+    def summary(self) -> str:
+        """The one line the CLI and the Space print after a push."""
+        if self.pr_url:
+            return f"pull request: {self.pr_url}"
+        if not self.changed:
+            return f"nothing changed: {self.url} already has these files"
+        return f"pushed: {self.url}/commit/{self.commit}"
+
 
 def check_repo_id(repo_id: str) -> None:
     if not REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):

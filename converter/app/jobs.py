@@ -238,10 +238,5 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         result = push(repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say)
         card = (out / "README.md").read_text()
         images = report_images(out, report)
-    if result.pr_url:
-        say(f"pull request: {result.pr_url}")
-    elif not result.changed:
-        say(f"nothing changed: {result.url} already has these files")
-    else:
-        say(f"pushed: {result.url}/commit/{result.commit}")
+    say(result.summary())
     return JobResult(repo_id, result.url, result.pr_url, result.commit, result.changed, report, card, lines, images)
