@@ -184,7 +184,8 @@ class Checkpoint:
     def make_resolver(self, keymap):
         from converter.keymap import Resolver
 
-        return Resolver(keymap, self.config, set(self.names()))
+        shapes = {k: self.info(k).shape for k in self.names()} if keymap.experts else None
+        return Resolver(keymap, self.config, set(self.names()), shapes)
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)

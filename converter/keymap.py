@@ -31,10 +31,20 @@ class Placement:
     # Rows of the adapter's delta that land here: a fused adapter module (BFL qkv) split over separate base
     # tensors (diffusers to_q/to_k/to_v).
     src: tuple[int, int] | None = None
+    # Fused MoE experts (E, out, in): `expert` is the index into the base tensor's first dim that `rows` are rows
+    # of (a per-expert LoRA on a fused base); `src_expert` the expert of a fused delta whose `src` rows land
+    # here (a LoRA on fused experts, a base that stores each expert's weights apart).
+    expert: int | None = None
+    src_expert: int | None = None
 
     def __str__(self) -> str:
-        where = self.key if self.rows is None else f"{self.key}[{self.rows[0]}:{self.rows[1]}]"
-        return where if self.src is None else f"{where} <- rows {self.src[0]}:{self.src[1]}"
+        where = self.key if self.expert is None else f"{self.key}[{self.expert}]"
+        where = where if self.rows is None else f"{where}[{self.rows[0]}:{self.rows[1]}]"
+        if self.src is None:
+            return where
+        return f"{where} <- " + ("" if self.src_expert is None else f"expert {self.src_expert} ") + (
+            f"rows {self.src[0]}:{self.src[1]}"
+        )
 
 
 @dataclass
@@ -67,6 +77,23 @@ class RenameRule:
 
 
 @dataclass
+class ExpertRule:
+    """One fused MoE expert tensor (E, out, in) and the per-expert 2-D weights it stacks, as key templates over
+    `{layer}` and `{expert}`; `split` lists the weights whose rows it concatenates, in order (gate then up)."""
+
+    fused: str
+    split: list[str]
+
+    def patterns(self) -> tuple[re.Pattern, list[re.Pattern]]:
+        return _template(self.fused), [_template(t) for t in self.split]
+
+
+def _template(template: str) -> re.Pattern:
+    body = re.escape(template).replace(r"\{layer\}", "(?P<layer>.+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+    return re.compile(body)
+
+
+@dataclass
 class Keymap:
     name: str
     model_types: list[str]
@@ -85,6 +112,9 @@ class Keymap:
     aliases: dict[str, list[AliasRule]] = field(default_factory=dict)  # per component
     tables: dict[str, dict[str, str]] = field(default_factory=dict)
     renames: list[RenameRule] = field(default_factory=list)  # training checkpoint names (converter.training)
+    # Other spellings of a module path: (regex, replacement); transformers 5 calls Mixtral's `block_sparse_moe` `mlp`.
+    spellings: list[tuple[re.Pattern, str]] = field(default_factory=list)
+    experts: list[ExpertRule] = field(default_factory=list)  # fused MoE expert tensors <-> per-expert weights
 
     @classmethod
     def from_yaml(cls, data: dict) -> Keymap:
@@ -131,6 +161,8 @@ class Keymap:
                 )
                 for r in data.get("renames", [])
             ],
+            spellings=[(re.compile(a), b) for a, b in data.get("spellings", [])],
+            experts=[ExpertRule(e["fused"], list(e["split"])) for e in data.get("experts", [])],
         )
 
     @property
@@ -254,10 +286,12 @@ def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
 class Resolver:
     """Maps native (module, param) names onto checkpoint keys of one base model."""
 
-    def __init__(self, keymap: Keymap, config: dict, keys: set[str]):
+    def __init__(self, keymap: Keymap, config: dict, keys: set[str], shapes: dict[str, tuple[int, ...]] | None = None):
+        """`shapes` (key -> shape) is needed only to place LoRAs across the two layouts of MoE experts."""
         self.keymap = keymap
         self.config = config
         self.keys = keys
+        self.experts = expert_table(keymap.experts, shapes) if keymap.experts and shapes else {}
         # Heads that are absent because they share the embedding's storage.
         self.tied_heads = {
             head: emb for head, emb in keymap.tied.items() if head not in keys and emb in keys and self._ties()
@@ -272,7 +306,23 @@ class Resolver:
         for strip, add in self.keymap.prefixes:
             if module.startswith(strip):
                 out.append(add + module[len(strip) :])
+        for pattern, replacement in self.keymap.spellings:
+            out += [m.expand(replacement) for s in list(out) if (m := pattern.fullmatch(s))]
         return list(dict.fromkeys(out))
+
+    def resolve_all(self, module: str, param: str, component: str | None = None, flat: bool = False) -> list[Placement]:
+        """`resolve`, or for the other layout of MoE experts every placement of the patch: a per-expert LoRA on
+        a slice of a fused tensor, or a LoRA on a fused tensor split over every expert's weights."""
+        place = self.resolve(module, param, component, flat)
+        if place is not None or flat or not self.experts:
+            return [] if place is None else [place]
+        hits = [self.experts[k] for s in self._spellings(module) if (k := f"{s}.{param}") in self.experts]
+        hits = [h for i, h in enumerate(hits) if h not in hits[:i]]
+        if len(hits) > 1:
+            raise ConverterError(
+                f"adapter module {module!r} matches several expert tensors ({hits[0][0].key}, {hits[1][0].key})"
+            )
+        return hits[0] if hits else []
 
     def _fused(self, module: str, param: str) -> Placement | None:
         for rule in self.keymap.fused:
@@ -321,6 +371,40 @@ class Resolver:
                 "restrict the adapter with include/exclude patterns in a recipe"
             )
         return hits[0] if hits else None
+
+
+def expert_table(rules: list[ExpertRule], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[Placement]]:
+    """Names of the layout the base does not have -> where they land in the one it has. A fused base (E, out, in)
+    answers each per-expert name with its expert's row block; a per-expert base answers the fused name with every
+    expert's weights, each taking its rows of the fused delta. Sizes come from the base's own shapes."""
+    table: dict[str, list[Placement]] = {}
+    for rule in rules:
+        fused, split = rule.patterns()
+        parts: dict[str, dict[int, dict[int, str]]] = {}  # layer -> expert -> part -> key
+        for key, shape in shapes.items():
+            if (m := fused.fullmatch(key)) and len(shape) == 3 and shape[1] % len(split) == 0:
+                size = shape[1] // len(split)
+                for e in range(shape[0]):
+                    for k, template in enumerate(rule.split):
+                        name = template.format(layer=m.group("layer"), expert=e)
+                        rows = None if len(split) == 1 else (k * size, (k + 1) * size)
+                        table[name] = [Placement(key, rows, expert=e)]
+                continue
+            for k, pattern in enumerate(split):
+                if (m := pattern.fullmatch(key)) and len(shape) == 2:
+                    parts.setdefault(m.group("layer"), {}).setdefault(int(m.group("expert")), {})[k] = key
+        for layer, experts in parts.items():
+            if sorted(experts) != list(range(len(experts))) or any(len(p) != len(split) for p in experts.values()):
+                continue  # not a complete set of experts: nothing is placed there, so the plan reports it unmatched
+            places = []
+            for e in sorted(experts):
+                start = 0
+                for k in range(len(split)):
+                    rows = shapes[experts[e][k]][0]
+                    places.append(Placement(experts[e][k], src=(start, start + rows), src_expert=e))
+                    start += rows
+            table[rule.fused.format(layer=layer)] = places
+    return table
 
 
 def flatten(name: str) -> str:

@@ -141,6 +141,30 @@ _RENAME = record(
 )  # fmt: skip
 _FUSED = record({"module": regex, "into": text, "parts": map_of(expr)}, required=("module", "into", "parts"))
 
+
+def spelling(value: object, where: str) -> None:
+    """[regex, replacement]: another spelling of the module paths the regex matches (`\\1` etc. refer back)."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise _fail(where, f"expected [regex, replacement], got {value!r}")
+    regex(value[0], f"{where}[0]")
+    text(value[1], f"{where}[1]")
+
+
+def template(*fields: str) -> Check:
+    """A key template that must name each of `fields` ({layer}, {expert}) and nothing else in braces."""
+
+    def check(value: object, where: str) -> None:
+        text(value, where)
+        named = set(re.findall(r"\{([^{}]*)\}", value))  # type: ignore[arg-type]
+        if named != set(fields):
+            raise _fail(where, f"expected a template naming {', '.join('{' + f + '}' for f in fields)}, got {value!r}")
+
+    return check
+
+
+# Fused MoE experts: `fused` (E, out, in) stacks, per expert, the rows of the weights `split` names, in order.
+_EXPERTS = record({"fused": template("layer"), "split": list_of(template("layer", "expert"))}, required=("fused", "split"))
+
 KEYMAP = record(
     {
         "name": text,
@@ -158,6 +182,8 @@ KEYMAP = record(
         "aliases": map_of(list_of(_ALIAS)),
         "tables": map_of(map_of(text)),
         "renames": list_of(_RENAME),
+        "spellings": list_of(spelling),
+        "experts": list_of(_EXPERTS),
     },
     required=("name", "model_types"),
 )

@@ -184,11 +184,12 @@ def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
             continue
         if keep_base and base is None:
             base = w.clone()
-        if p.rows is None:
+        if p.expert is None and p.rows is None:
             w = p.patch.apply(w, p.transposed, base)
-        else:
-            a, b = p.rows
-            w[a:b] = p.patch.apply(w[a:b], p.transposed, None if base is None else base[a:b])
+            continue
+        # a slice: rows of a fused projection, one expert of a fused MoE tensor, or rows of that expert
+        index = (() if p.expert is None else (p.expert,)) + (() if p.rows is None else (slice(*p.rows),))
+        w[index] = p.patch.apply(w[index], p.transposed, None if base is None else base[index])
     return w
 
 

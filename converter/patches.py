@@ -251,6 +251,54 @@ class LoKr(DeltaPatch):
         return torch.kron(w1, w2).reshape(self.shape).mul_(self.scale)
 
 
+def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B_e (E, out, r), A_e (E, r, in)) of a PEFT `target_parameters` LoRA on a fused 3-D expert tensor:
+    A (r·E, in) holds expert e's r rows as one block (expert-major), B (out, r·E) interleaves the experts'
+    columns with the expert index fastest (column j·E + e is expert e's j-th). Established against PEFT's forward
+    in the tests; reading A rank-major instead (Unsloth's bug) hands every expert another's delta."""
+    r = a.shape[0] // experts
+    return b.reshape(b.shape[0], r, experts).permute(2, 0, 1), a.reshape(experts, r, a.shape[1])
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
+    """ΔW (E, out, in), unscaled, of a LoRA on fused experts (layout: `expert_factors`)."""
+    return torch.bmm(*expert_factors(a, b, experts))
+
+
+@dataclass
+class ExpertLowRank(DeltaPatch):
+    """A PEFT `target_parameters` LoRA on a fused expert tensor (E, out, in): ΔW[e] = scale · B_e @ A_e with the
+    layout of `expert_delta`. No DoRA, bias or fan_in_fan_out exist for these in PEFT 0.21."""
+
+    down: Ref
+    up: Ref
+    scale: float
+    experts: int
+    weight: float = 1.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.down.name, self.up.name)
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0] // self.experts
+
+    def natural_shape(self) -> tuple[int, ...]:
+        return (self.experts, self.up.shape[0], self.down.shape[1])
+
+    def fits(self, target: tuple[int, ...], transposed: bool) -> bool:
+        return tuple(target) == self.natural_shape()
+
+    def raw_delta(self) -> torch.Tensor:
+        return expert_delta(self.down.load(), self.up.load(), self.experts).mul_(self.scale)
+
+    def expert_rows(self, expert: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of one expert's ΔW, scaled and weighted: only that expert's factors multiplied."""
+        up, down = expert_factors(self.down.load(), self.up.load(), self.experts)
+        return (up[expert, start:end] @ down[expert]).mul_(self.scale * self.weight)
+
+
 @dataclass
 class FullDelta(DeltaPatch):
     """LyCORIS full (`diff`): ΔW stored whole, no alpha (docs/FORMATS.md §3); the merge weight scales it."""
@@ -340,11 +388,14 @@ class DoRA(Patch):
 class RowsOf(Patch):
     """Rows [start, end) of another patch's delta: a fused adapter module (kohya's BFL `img_attn.qkv`, linear1)
     landing on separate base tensors (diffusers to_q / to_k / to_v / proj_mlp). For a LoRA that is
-    up[start:end] @ down, exactly the split diffusers itself makes (docs/FORMATS.md §4 _convert_to_ai_toolkit_cat)."""
+    up[start:end] @ down, exactly the split diffusers itself makes (docs/FORMATS.md §4 _convert_to_ai_toolkit_cat).
+    With `expert`, the rows of that expert's slice of a fused expert delta (E, out, in): a LoRA on fused MoE
+    experts landing on a base that stores each expert's gate / up / down as its own tensor."""
 
     inner: DeltaPatch
     start: int
     end: int
+    expert: int | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -355,10 +406,14 @@ class RowsOf(Patch):
 
     def target_shape(self, transposed: bool) -> tuple[int, ...]:
         shape = tuple(self.inner.target_shape(False))
+        if self.expert is not None:
+            shape = shape[1:]
         return (self.end - self.start, *shape[1:])
 
     def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
         inner = self.inner
+        if self.expert is not None:
+            return w.add_(inner.expert_rows(self.expert, self.start, self.end).reshape(w.shape))
         if isinstance(inner, LowRank) and inner.mid is None and len(inner.down.shape) == 2 and w.dim() == 2:
             up = inner.up.load()[self.start : self.end]
             return w.addmm_(up, inner.down.load(), alpha=inner.scale * inner.weight)

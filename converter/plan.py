@@ -17,6 +17,7 @@ from converter.checkpoint import Checkpoint, TensorInfo
 from converter.dtypes import FLOATING, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter
+from converter.formats.base import AdapterPatch
 from converter.keymap import Keymap, Resolver, keymap_for
 from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, RowsOf
 from converter.recipe import AdapterSpec, Recipe
@@ -33,6 +34,7 @@ class PlannedPatch:
     patch: object
     rows: tuple[int, int] | None
     transposed: bool
+    expert: int | None = None  # rows (or the whole patch) apply to this index of a fused expert tensor's dim 0
 
 
 @dataclass
@@ -128,6 +130,7 @@ def build_plan(
         used = excluded = 0
         unmatched: list[str] = []
         for ap in adapter.patches:
+            ap = _chosen(resolver, checkpoint, ap, spec) if ap.either else ap
             places = _places(resolver, ap, spec)
             if not places:
                 unmatched.extend(ap.patch.sources)
@@ -139,8 +142,8 @@ def build_plan(
             for place in places:
                 layout = keymap.is_stored_transposed(place.key)
                 transposed = bool(ap.stored_transposed) if layout is None else layout
-                patch = ap.patch if place.src is None else RowsOf(ap.patch, *place.src)
-                planned = PlannedPatch(i, patch, place.rows, transposed)
+                patch = ap.patch if place.src is None else RowsOf(ap.patch, *place.src, place.src_expert)
+                planned = PlannedPatch(i, patch, place.rows, transposed, place.expert)
                 by_key.setdefault(place.key, []).append(planned)
                 if ap.follows_tie:
                     for head, emb in resolver.tied_heads.items():
@@ -214,7 +217,36 @@ def build_plan(
     return MergePlan(outputs, coverage, config_updates, tokenizer_from, notes)
 
 
-def _places(resolver, ap, spec: AdapterSpec) -> list:
+def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpec) -> AdapterPatch:
+    """The one (param, patch) candidate of a PEFT target_parameters wrapper that the base's shapes fit."""
+    fits = []
+    for param, patch in ap.either:
+        candidate = replace(ap, param=param, patch=patch, either=())
+        places = _places(resolver, candidate, spec, check=False)
+        if places and all(_fits(checkpoint, candidate.patch, place) for place in places):
+            fits.append(candidate)
+    if len(fits) == 1:
+        return fits[0]
+    params = ", ".join(f"{ap.module}.{p}" for p, _ in ap.either)
+    if fits:
+        raise ConverterError(f"{spec.source}: LoRA {ap.patch.sources[0]} fits several base tensors ({params})")
+    return replace(ap, either=())  # fits none: reported as unmatched, like any adapter tensor that lands nowhere
+
+
+def _fits(checkpoint: Checkpoint, patch, place) -> bool:
+    shape = checkpoint.info(place.key).shape
+    if place.src is not None:
+        patch = RowsOf(patch, *place.src, place.src_expert)
+        if place.src_expert is not None and place.src_expert >= patch.inner.natural_shape()[0]:
+            return False
+    if place.expert is not None:
+        shape = shape[1:] if place.expert < shape[0] else ()
+    if place.rows is not None:
+        shape = (place.rows[1] - place.rows[0], *shape[1:])
+    return bool(shape) and patch.fits(shape, False)
+
+
+def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
     """Where an adapter patch lands: [] (nowhere), one placement, or row ranges of a fused module split over
     several base tensors (they must tile the patch's rows exactly)."""
     if hasattr(resolver, "resolve_all"):
@@ -227,6 +259,17 @@ def _places(resolver, ap, spec: AdapterSpec) -> list:
             f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
             "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
         )
+    if not check:
+        return places
+    if any(p.src_expert is not None for p in places):  # a fused expert delta over every expert's own tensors
+        experts, rows = ap.patch.natural_shape()[:2]
+        ends = {(p.src_expert, p.src[1]) for p in places}
+        if {e for e, _ in ends} != set(range(experts)) or {e for e, end in ends if end == rows} != set(range(experts)):
+            raise ConverterError(
+                f"{spec.source}: {ap.patch.sources[0]} holds {experts} experts of {rows} rows but the base's "
+                f"{places[0].key} ... {places[-1].key} hold {len({e for e, _ in ends})} (another model size?)"
+            )
+        return places
     if any(p.src is not None for p in places):
         if not isinstance(ap.patch, DeltaPatch):
             raise ConverterError(
@@ -271,11 +314,15 @@ def _output(
     shape = info.shape
     for p in patches:
         expected = p.patch.target_shape(p.transposed)
-        target = shape if p.rows is None else (p.rows[1] - p.rows[0], *shape[1:])
-        if p.rows is not None and p.rows[1] > shape[0]:
-            raise ConverterError(f"base tensor {name} has {shape[0]} rows; the keymap places a slice at {p.rows}")
+        inner = shape if p.expert is None else shape[1:]
+        if p.expert is not None and p.expert >= shape[0]:
+            raise ConverterError(f"base tensor {name} holds {shape[0]} experts; a LoRA is for expert {p.expert}")
+        target = inner if p.rows is None else (p.rows[1] - p.rows[0], *inner[1:])
+        if p.rows is not None and p.rows[1] > inner[0]:
+            raise ConverterError(f"base tensor {name} has {inner[0]} rows; the keymap places a slice at {p.rows}")
         if expected is not None and not p.patch.fits(target, p.transposed):
-            where = f"{name}" if p.rows is None else f"{name}[{p.rows[0]}:{p.rows[1]}]"
+            where = name if p.expert is None else f"{name}[{p.expert}]"
+            where = where if p.rows is None else f"{where}[{p.rows[0]}:{p.rows[1]}]"
             raise ConverterError(
                 f"{adapters[p.adapter][1].source}: tensor {p.patch.sources[0]} implies shape {list(expected)} "
                 f"but base tensor {where} has shape {list(target)} (adapter trained on a different model size?)"

@@ -95,6 +95,9 @@ class AdapterPatch:
     flat: bool = False
     # The module's name exactly as the file spells it (prefix included), so a writer can reproduce the file.
     native: str | None = None
+    # PEFT target_parameters: the file does not say which of a module's parameters a wrapper's LoRA is for (one
+    # `base_layer.` per wrapped parameter). (param, patch) candidates; the plan keeps the one the base's shapes fit.
+    either: tuple[tuple[str, Patch], ...] = ()
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter, AdapterPatch, open_tensor_file
-from converter.patches import BiasDelta, DoRA, LowRank, Ref, Replace, RowReplace, lora_scale
+from converter.patches import BiasDelta, DoRA, ExpertLowRank, LowRank, Ref, Replace, RowReplace, lora_scale
 
 NAME = "peft"
 SUPPORTED_TYPES = {"LORA", "TRAINABLE_TOKENS"}
@@ -114,6 +114,64 @@ def _number(value, what: str, where: Path) -> float:
     return value
 
 
+def _wrapped_parameters(module: str, config: dict) -> list[tuple[str, str]]:
+    """PEFT target_parameters a LoRA under `module` may be for: (parameter name, full path). PEFT wraps each
+    targeted parameter of a module in turn, one `base_layer.` deeper each time, so the nesting does not name it."""
+    targets = config.get("target_parameters") or []
+    root = re.sub(r"(\.base_layer)+$", "", module)
+    if root == module and _targets_module(module, config.get("target_modules")):
+        return []  # an ordinary LoRA on a module that target_modules names
+    out = []
+    for target in targets if isinstance(targets, list) else []:
+        owner, _, param = str(target).rpartition(".")
+        if root == owner or root.endswith(f".{owner}") or not owner:
+            out.append((param, f"{root}.{param}"))
+    return out
+
+
+def _targets_module(module: str, targets) -> bool:
+    """PEFT's rule for target_modules: a regex string must match the whole name, a list entry its tail."""
+    if isinstance(targets, str):
+        try:
+            return re.fullmatch(targets, module) is not None
+        except re.error:
+            return False
+    return any(module == t or module.endswith(f".{t}") for t in targets or [])
+
+
+def _parameter_lora(module, wrapped, down: Ref, up: Ref, config: dict, weights_path: Path, config_path: Path):
+    """A target_parameters LoRA: one candidate per parameter it may be for, each with that parameter's rank and
+    alpha (rank_pattern / alpha_pattern match the parameter's path); 3-D (fused experts) when A holds r·E rows."""
+    if len(up.shape) != 2 or up.shape[1] != down.shape[0]:
+        raise AdapterFormatError(
+            f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: a "
+            "target_parameters LoRA has A (r·experts, in) and B (out, r·experts)",
+            file=weights_path,
+            tensor=up.name,
+        )
+    rslora = bool(config.get("use_rslora", False))
+    either = []
+    for param, path in wrapped:
+        r = pattern_value(config.get("rank_pattern") or {}, path, config.get("r", 8), config_path)
+        alpha = pattern_value(config.get("alpha_pattern") or {}, path, config.get("lora_alpha", 8), config_path)
+        alpha = _number(alpha, f"lora_alpha for {path}", config_path)
+        if not isinstance(r, int) or r <= 0 or down.shape[0] % r:
+            continue
+        scale = lora_scale(alpha, r, rslora)
+        experts = down.shape[0] // r
+        patch = LowRank(down, up, scale) if experts == 1 else ExpertLowRank(down, up, scale, experts)
+        either.append((param, patch))
+    if not either:
+        raise AdapterFormatError(
+            f"{weights_path}: {down.name} has {down.shape[0]} rows, which is no multiple of the rank "
+            f"adapter_config.json gives {', '.join(p for _, p in wrapped)}",
+            file=weights_path,
+            tensor=down.name,
+        )
+    root = re.sub(r"(\.base_layer)+$", "", module)
+    return AdapterPatch(root, either[0][0], either[0][1], either=tuple(either) if len(either) > 1 else ())
+
+
 def parse(
     path: Path, *, allow_pickle: bool = False, lora_alpha: float | None = None, require_scale: bool = True
 ) -> Adapter:
@@ -194,6 +252,10 @@ def parse(
                 )
             down, up = ref(pair[0]), ref(pair[1])
             r = down.shape[0]
+            if (wrapped := _wrapped_parameters(module, config)) and "base_weight" not in roles and pair[0] == "A":
+                patches.append(_parameter_lora(module, wrapped, down, up, config, weights_path, config_path))
+                ranks.add(patches[-1].patch.rank)
+                continue
             if len(up.shape) < 2 or up.shape[1] != r:
                 raise AdapterFormatError(
                     f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: "

@@ -30,12 +30,6 @@ def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Call
             "from its shards byte for byte",
             log,
         )
-    if ckpt.expert_lora:
-        return _skipped(
-            "its LoRA on fused MoE expert tensors (PEFT target_parameters) cannot be read back by the adapter "
-            "loader yet; the fusion is tested against PEFT's forward in tests/test_training.py",
-            log,
-        )
     with temp_folder("verify-training", log=log) as scratch:
         base, adapter = write_unmerged(ckpt, Path(scratch))
         unmerged = copy.deepcopy(recipe)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from converter import patches
 from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
 from converter.dtypes import ITEMSIZE, TORCH_TO_ST
 from converter.errors import ConverterError
@@ -52,16 +53,6 @@ def _has_weights(folder: Path) -> bool:
 def is_training_checkpoint(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and _has_weights(actor_folder(path))
-
-
-def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
-    """ΔW (E, out, in) of a PEFT target_parameters LoRA, unscaled: A (r·E, in) holds expert e's rank rows as one
-    block (expert-major), B (out, r·E) interleaves them with the expert index fastest. Established against PEFT's
-    forward in tests/test_training.py (getting this order wrong scrambles the experts)."""
-    r = a.shape[0] // experts
-    a3 = a.reshape(experts, r, a.shape[1])  # (E, r, in)
-    b3 = b.reshape(b.shape[0], r, experts).permute(2, 0, 1)  # (E, out, r)
-    return torch.bmm(b3, a3)
 
 
 class _RankFile:
@@ -327,7 +318,7 @@ class TrainingCheckpoint(Checkpoint):
         if name in self._experts:
             a_key, b_key, scale, experts, _ = self._experts[name]
             w = t.to(torch.float32, copy=True)
-            delta = expert_delta(self.source.read(a_key).float(), self.source.read(b_key).float(), experts)
+            delta = patches.expert_delta(self.source.read(a_key).float(), self.source.read(b_key).float(), experts)
             return w.add_(delta, alpha=scale).to(t.dtype)
         if name not in self._lora:
             return t
