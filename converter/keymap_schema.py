@@ -163,7 +163,9 @@ def template(*fields: str) -> Check:
 
 
 # Fused MoE experts: `fused` (E, out, in) stacks, per expert, the rows of the weights `split` names, in order.
-_EXPERTS = record({"fused": template("layer"), "split": list_of(template("layer", "expert"))}, required=("fused", "split"))
+_EXPERTS = record(
+    {"fused": template("layer"), "split": list_of(template("layer", "expert"))}, required=("fused", "split")
+)
 
 KEYMAP = record(
     {
