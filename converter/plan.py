@@ -93,7 +93,10 @@ class MergePlan:
         )
         for o in changed[:limit]:
             kinds = ", ".join(
-                f"{type(p.patch).__name__}" + (f"[{p.rows[0]}:{p.rows[1]}]" if p.rows else "") for p in o.patches
+                f"{type(p.patch).__name__}"
+                + (f"[{p.expert}]" if p.expert is not None else "")
+                + (f"[{p.rows[0]}:{p.rows[1]}]" if p.rows else "")
+                for p in o.patches
             )
             lines.append(f"  {o.name} {list(o.shape)} {o.dtype}: {kinds}")
         if len(changed) > limit:
@@ -219,10 +222,11 @@ def build_plan(
 
 def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpec) -> AdapterPatch:
     """The one (param, patch) candidate of a PEFT target_parameters wrapper that the base's shapes fit."""
-    fits = []
+    fits, found = [], False
     for param, patch in ap.either:
         candidate = replace(ap, param=param, patch=patch, either=())
         places = _places(resolver, candidate, spec, check=False)
+        found = found or bool(places)
         if places and all(_fits(checkpoint, candidate.patch, place) for place in places):
             fits.append(candidate)
     if len(fits) == 1:
@@ -230,7 +234,13 @@ def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpe
     params = ", ".join(f"{ap.module}.{p}" for p, _ in ap.either)
     if fits:
         raise ConverterError(f"{spec.source}: LoRA {ap.patch.sources[0]} fits several base tensors ({params})")
-    return replace(ap, either=())  # fits none: reported as unmatched, like any adapter tensor that lands nowhere
+    if found:
+        shapes = ", ".join(f"{p} {list(c.natural_shape())}" for p, c in ap.either)
+        raise ConverterError(
+            f"{spec.source}: LoRA {ap.patch.sources[0]} fits none of {params} in this base (as (experts, out, in) it "
+            f"would be {shapes}; another model size or expert count?)"
+        )
+    return replace(ap, either=())  # nowhere to land: reported as unmatched, like any adapter tensor
 
 
 def _fits(checkpoint: Checkpoint, patch, place) -> bool:

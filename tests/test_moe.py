@@ -167,3 +167,34 @@ def test_moe_merges_are_verified_and_sabotage_fails(moe, cli, tmp_path, kind):
         save_file({k: v.contiguous() for k, v in tensors.items()}, bad / "model.safetensors", {"format": "pt"})
         code, report, err = cli("verify", bad)
         assert code == 3, (sabotage, report, err)
+
+
+def test_an_adapter_for_another_expert_count_is_a_one_line_error(moe, cli, tmp_path):
+    """LoRAs trained on 4 experts onto a base with 8: A (r·4, in) fits no fused tensor, the router's B has 4 rows;
+    one line naming the tensor, nothing written."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config("qwen3_moe")
+    config.num_experts = 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "eight")
+    for kind, message in (("parameters", "expert count"), ("per_expert", "mlp.gate.weight has shape [8, 32]")):
+        code, _, err = cli("merge", "--base", tmp_path / "eight", "--adapter", moe / f"qwen3_moe/lora_{kind}",
+                           "--out", tmp_path / "m")  # fmt: skip
+        assert code == 2 and message in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "m").exists()
+
+
+def test_expert_rules_are_checked_as_data():
+    import yaml
+
+    from converter.keymap import load_keymap
+    from converter.keymap_schema import KeymapError
+
+    rule = {"fused": "{layer}.e.gate_up", "split": ["{layer}.e.{expert}.w"]}
+    good = {"name": "x", "model_types": [], "experts": [rule]}
+    assert load_keymap("keymaps/x.yaml", yaml.safe_dump(good)).experts[0].split == ["{layer}.e.{expert}.w"]
+    bad = {**good, "experts": [{"fused": "{layer}.e.gate_up", "split": ["{layer}.e.{exprt}.w"]}]}
+    with pytest.raises(KeymapError, match=r"experts\[0\]\.split\[0\]: expected a template naming \{layer\}"):
+        load_keymap("keymaps/x.yaml", yaml.safe_dump(bad))
+    with pytest.raises(KeymapError, match=r"spellings\[0\]\[0\]: not a valid regular expression"):
+        load_keymap("keymaps/x.yaml", yaml.safe_dump({**good, "spellings": [["(", "x"]]}))

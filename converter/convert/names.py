@@ -9,6 +9,7 @@ from pathlib import Path
 from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
+from converter.patches import ExpertLowRank
 
 # the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
 # `diffusion_model.` keeps the original model's names)
@@ -88,6 +89,11 @@ def collect(
     svd: dict[str, float] = {}
     for ap in adapter.patches:
         native = ap.native or ap.module
+        if isinstance(ap.patch, ExpertLowRank) or ap.either:
+            raise ConverterError(
+                f"{adapter.path}: {native} is a LoRA on fused MoE expert tensors (PEFT target_parameters); "
+                "converting those is not supported (kohya and diffusers have no form for them): merge it instead"
+            )
         if ap.param != "weight":
             raise ConverterError(
                 f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "

@@ -59,8 +59,8 @@ class TaskMerge:
                     "with its exclude, or merge with the default sum)"
                 )
             task = tasks.setdefault(p.adapter, torch.zeros_like(w))
-            weights[p.adapter] = _unweighted(p.patch, task if p.rows is None else task[p.rows[0] : p.rows[1]],
-                                             p.transposed)  # fmt: skip
+            index = (() if p.expert is None else (p.expert,)) + (() if p.rows is None else (slice(*p.rows),))
+            weights[p.adapter] = _unweighted(p.patch, task[index], p.transposed)
         order = sorted(tasks)
         masks = None
         if self.method.startswith("dare"):
