@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     m.add_argument("--no-verify", action="store_true", help="skip comparing the merged model with base + adapters")
+    m.add_argument(
+        "--keep-adapter", action="store_true",
+        help="a training checkpoint with a LoRA inside: write OUT/base (unmerged) and OUT/adapter (PEFT) instead",
+    )  # fmt: skip
     _verify_options(m)
 
     p_push = sub.add_parser("push", help="merge (or take --from FOLDER) and publish to the Hub in one commit")
@@ -250,6 +254,28 @@ def _recipe_from_args(args: argparse.Namespace):
     return recipe
 
 
+def _keep_adapter(args: argparse.Namespace) -> int:
+    """`merge --keep-adapter`: nothing is merged, so only the options that say where and what to read apply."""
+    from pathlib import Path
+
+    from converter.training.unmerged import keep_adapter
+
+    if args.base and not args.recipe and not _training_base(args.base):
+        raise UsageError(f"--keep-adapter is for training checkpoints with a LoRA inside; {args.base} is not one")
+    recipe = _recipe_from_args(args)
+
+    options = ("dtype", "method", "qlora_base", "max_shard_size")
+    given = [f"--{o.replace('_', '-')}" for o in options if getattr(args, o)]
+    if recipe.adapters or given or args.dry_run or args.recipe:
+        what = "--adapter" if recipe.adapters else (given or ["--dry-run" if args.dry_run else "--recipe"])[0]
+        raise UsageError(f"--keep-adapter writes the checkpoint's base and LoRA as they are: {what} does not apply")
+    if not args.out:
+        raise UsageError("--keep-adapter needs --out (a folder: OUT/base and OUT/adapter are written there)")
+    keep_adapter(recipe.base, Path(args.out), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle,
+                 force=args.force, log=_log)  # fmt: skip
+    return 0
+
+
 def _training_base(base: str) -> bool:
     """A training checkpoint (verl FSDP / DCP) is a complete model by itself: it needs no --adapter."""
     from pathlib import Path
@@ -273,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "merge":
         from converter.merge import merge
 
+        if args.keep_adapter:
+            return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
         if settings is not None and recipe.method not in (None, "sum"):

@@ -562,3 +562,39 @@ def test_a_training_checkpoint_with_moe_lora_is_verified(ckpts, tmp_path, cli):
     code, out, err = cli("merge", "--base", ckpts / "moe_lora", "--out", tmp_path / "m", verify=True)
     assert code == 0, err
     assert "**Passed**" in out
+
+
+@pytest.mark.parametrize("layout", ["lora", "moe_lora"])
+def test_keep_adapter_writes_the_base_unmerged_and_a_peft_adapter(ckpts, tmp_path, cli, layout):
+    """`merge --keep-adapter`: OUT/base is the base as trained (bit for bit the model before the LoRA), OUT/adapter
+    a PEFT folder (target_parameters for fused experts) that PEFT loads onto it and that equals the fused merge."""
+    code, out, err = cli("merge", "--base", ckpts / layout, "--out", tmp_path / "k", "--keep-adapter")
+    assert code == 0, err
+    assert "LoRA not applied" in out and f"lora_alpha {4 if layout == 'moe_lora' else 8} " in out
+    ours, before = read_tensors(tmp_path / "k/base"), read_tensors(ckpts / f"ref/{layout}/base")
+    if layout == "lora":
+        assert set(ours) == set(before) and all(_bytes_equal(ours[k], before[k]) for k in before)
+    config = json.loads((tmp_path / "k/adapter/adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and bool(config["target_parameters"]) == (layout == "moe_lora")
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    kept = logits(reference_model(tmp_path / "k/base", [tmp_path / "k/adapter"]), ids)
+    peft = logits(reference_model(ckpts / f"ref/{layout}/base", [ckpts / f"ref/{layout}/adapter"]), ids)
+    torch.testing.assert_close(kept, peft, atol=1e-5, rtol=1e-5)
+    assert cli("merge", "--base", ckpts / layout, "--out", tmp_path / "m")[0] == 0
+    torch.testing.assert_close(logits(load_merged(tmp_path / "m"), ids), kept, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--base", "plain"), "holds no LoRA"),
+        (("--base", "lora", "--adapter", "ref/lora/adapter"), "--adapter does not apply"),
+        (("--base", "lora", "--dtype", "bfloat16"), "--dtype does not apply"),
+        (("--base", "ref/lora/base"), "is for training checkpoints"),
+    ],
+)
+def test_keep_adapter_refuses_what_does_not_apply(ckpts, tmp_path, cli, args, message):
+    args = tuple(str(ckpts / a) if a in ("plain", "lora", "ref/lora/adapter", "ref/lora/base") else a for a in args)
+    code, _, err = cli("merge", *args, "--out", tmp_path / "k", "--keep-adapter")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "k").exists()

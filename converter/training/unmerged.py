@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from converter.errors import UsageError
 from converter.training.view import TrainingCheckpoint
-from converter.writer import OutSpec, ShardedWriter
+from converter.units import human_bytes
+from converter.writer import OutSpec, ShardedWriter, atomic_folder
 
 PEFT_PREFIX = "base_model.model."
 
@@ -81,3 +84,29 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
     }
     (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return base, adapter
+
+
+def keep_adapter(
+    base: Path, out: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False, force: bool = False,
+    log: Callable[[str], None] = print,
+) -> tuple[Path, Path]:  # fmt: skip
+    """`converter merge --keep-adapter`: the training checkpoint's base weights as stored in `out/base` (a model
+    folder) and its LoRA as a PEFT folder in `out/adapter`, both appearing at once (one rename) or not at all."""
+    from converter.checkpoint import open_base
+
+    ckpt = open_base(Path(base), lora_alpha=lora_alpha, allow_pickle=allow_pickle)
+    if not isinstance(ckpt, TrainingCheckpoint):
+        raise UsageError(f"--keep-adapter is for training checkpoints with a LoRA inside; {base} is not one")
+    if not ckpt.lora and not ckpt.expert_lora:
+        raise UsageError(f"--keep-adapter: {base} holds no LoRA (nothing to keep apart); drop --keep-adapter")
+    for note in ckpt.notes[:1]:
+        log(f"note: {note}")
+    with atomic_folder(Path(out), force, needs=ckpt.total_bytes, log=log) as tmp:
+        write_unmerged(ckpt, tmp)
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    log(
+        f"wrote {out}/base (the base, LoRA not applied) and {out}/adapter (its LoRA as a PEFT adapter: "
+        f"{len(ckpt.lora) + len(ckpt.expert_lora)} weights, lora_alpha {ckpt.alpha[0]:g} from {ckpt.alpha[2]}), "
+        f"{human_bytes(size)}"
+    )
+    return Path(out) / "base", Path(out) / "adapter"
