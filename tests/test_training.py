@@ -598,3 +598,21 @@ def test_keep_adapter_refuses_what_does_not_apply(ckpts, tmp_path, cli, args, me
     code, _, err = cli("merge", *args, "--out", tmp_path / "k", "--keep-adapter")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "k").exists()
+
+
+def test_a_trl_value_head_critic_keeps_its_head_under_trls_names(ckpts, tmp_path, cli):
+    """trl's AutoModelForCausalLMWithValueHead: `pretrained_model.` stripped (trl saves the LM's own names), the head
+    kept as `v_head.summary.weight/bias` (trl's loader reads those keys; transformers ignores them), tied head once."""
+    from safetensors.torch import load_file
+
+    code, out, err = cli("merge", "--base", ckpts / "value", "--out", tmp_path / "m")  # critic/ found inside
+    assert code == 0, err
+    assert "value head kept as v_head.summary.weight, v_head.summary.bias" in out
+    ours, before = read_tensors(tmp_path / "m"), read_tensors(ckpts / "ref/value/base")
+    head = load_file(ckpts / "ref/value/v_head.safetensors")
+    assert set(ours) == set(before) | set(head) and "lm_head.weight" not in ours
+    assert all(_bytes_equal(ours[k], v) for k, v in {**before, **head}.items())
+    ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
+    merged = load_merged(tmp_path / "m")
+    assert merged.config.tie_word_embeddings
+    assert torch.equal(logits(merged, ids), logits(load_merged(ckpts / "ref/value/base"), ids))

@@ -9,6 +9,8 @@ writes, under OUT:
   moe/actor/               a tiny Qwen3-MoE: experts fused in memory (gate_up_proj (E, 2I, H), down_proj (E, H, I))
   moe_lora/actor/          the same with a PEFT LoRA on q_proj and, through target_parameters, on both expert tensors
   critic/critic/           a verl critic: LlamaForTokenClassification (num_labels 1), HSDP mesh ("ddp", "fsdp")
+  value/critic/            a trl AutoModelForCausalLMWithValueHead-shaped critic (tied Llama under `pretrained_model.`,
+                           `v_head.summary` Linear(hidden, 1)); ref/value/v_head.safetensors holds the head
   partial/                 rank files holding a `Partial` DTensor (to be refused)
 Variants: `plain` (untied Llama, odd vocab so the shards are uneven), `lora` (tied Llama with a PEFT LoRA on
 all linear layers, kept unmerged as verl does: base_layer + lora_A/lora_B.default). Needs transformers and peft.
@@ -56,7 +58,7 @@ def _shard_and_save(model, actor: Path, rank: int, world: int, dcp: Path | None 
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ddp", "fsdp"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    inner = model.base_model.model if hasattr(model, "peft_config") else model
+    inner = model.base_model.model if hasattr(model, "peft_config") else getattr(model, "pretrained_model", model)
     for layer in inner.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -67,6 +69,17 @@ def _shard_and_save(model, actor: Path, rank: int, world: int, dcp: Path | None 
         import torch.distributed.checkpoint as dist_cp
 
         dist_cp.save(state, checkpoint_id=str(dcp))
+
+
+class _ValueHeadModel(torch.nn.Module):
+    """The parameter layout of trl's AutoModelForCausalLMWithValueHead (trl is not a dependency): the causal LM
+    as `pretrained_model`, a scalar head `v_head.summary` on its hidden states."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.pretrained_model = model
+        self.v_head = torch.nn.Module()
+        self.v_head.summary = torch.nn.Linear(model.config.hidden_size, 1)
 
 
 def _side_files(config, actor: Path, world: int, lora: dict | None) -> None:
@@ -133,6 +146,18 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int, o
             _side_files(config, root / "critic/critic", world, None)
         dist.barrier()
         _shard_and_save(model, root / "critic/critic", rank, world, hsdp=True)
+
+        config = _config(layers, hidden, tied=True)
+        value = _ValueHeadModel(_model(config, seed=7))
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            value.pretrained_model.save_pretrained(root / "ref/value/base")
+            save_file({f"v_head.{k}": v.contiguous() for k, v in value.v_head.state_dict().items()},
+                      root / "ref/value/v_head.safetensors")  # fmt: skip
+            _side_files(config, root / "value/critic", world, None)
+        dist.barrier()
+        _shard_and_save(value, root / "value/critic", rank, world)
 
         from transformers import Qwen3MoeConfig
 

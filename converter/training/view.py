@@ -21,6 +21,9 @@ from converter.errors import ConverterError
 from converter.patches import lora_scale
 
 PEFT_PREFIX = "base_model.model."
+# trl's AutoModelForCausalLMWithValueHead holds the causal LM as `pretrained_model` beside its `v_head.summary`;
+# trl saves the LM's own names plus `v_head.*` (which transformers ignores and trl loads), so that is what we write.
+TRL_PREFIX = "pretrained_model."
 LORA_ROLES = (  # (suffix, role): verl keeps PEFT's adapter name ("default") in the sharded state dict
     (".lora_A.default.weight", "A"),
     (".lora_B.default.weight", "B"),
@@ -131,7 +134,8 @@ class TrainingCheckpoint(Checkpoint):
         groups: dict[str, dict[str, str]] = {}
         plain: dict[str, str] = {}
         for key in self.source.names():
-            bare = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
+            bare = key.removeprefix(TRL_PREFIX)
+            bare = bare.removeprefix(PEFT_PREFIX)
             if any(f".{u}." in bare or bare.endswith(f".{u}") for u in UNSUPPORTED_LORA):
                 raise ConverterError(
                     f"{self.weights_folder}: tensor {key}: embedding LoRA / DoRA inside a training checkpoint is "
@@ -182,6 +186,11 @@ class TrainingCheckpoint(Checkpoint):
         order = {k: i for i, k in enumerate(self.source.names())}
         self._order = sorted(self._map, key=lambda n: order[self._map[n]])
         self._drop_tied_head()
+        if heads := [n for n in self._order if n.startswith("v_head.")]:
+            self.notes.append(
+                f"value head kept as {', '.join(heads)} (trl's AutoModelForCausalLMWithValueHead loads it from the "
+                "same files; transformers' AutoModelForCausalLM ignores it)"
+            )
         if self._lora or self._experts:
             self.notes.append(
                 f"LoRA inside the checkpoint fused into {len(self._lora) + len(self._experts)} weights "
