@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import uuid
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +195,42 @@ def build_inputs(tok, prompts: list[str], vocab: int):
     return inputs, inputs[0][:, :16], ppl, template
 
 
+@contextmanager
+def _load_results():
+    """The load results of PeftModel.load_adapter, which PeftModel.from_pretrained computes and drops."""
+    from peft import PeftModel
+
+    results: list = []
+    original = PeftModel.load_adapter
+
+    def load_adapter(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        results.append(result)
+        return result
+
+    PeftModel.load_adapter = load_adapter
+    try:
+        yield results
+    finally:
+        PeftModel.load_adapter = original
+
+
+def _require_all_loaded(results: list, adapters: list[Path]) -> None:
+    """A reference in which PEFT left LoRA weights out (file tensors it placed nowhere, or LoRA layers it made but
+    found no weights for) is not the adapter as trained: comparing with it would fail a right merge. PEFT 0.21 does
+    this to per-expert LoRAs on models whose shared experts share the experts' names (Qwen2-MoE's
+    `shared_expert.gate_proj`): it wraps those and drops the experts'."""
+    for path, result in zip(adapters, results, strict=False):
+        unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        unloaded = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if unplaced or unloaded:
+            example = (unplaced or unloaded)[0]
+            raise ValueError(
+                f"PEFT does not apply {path.name} as trained: it {'ignores' if unplaced else 'finds no weights for'} "
+                f"{len(unplaced or unloaded)} LoRA tensors, e.g. {example}"
+            )
+
+
 def load_reference(
     base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
 ):
@@ -211,9 +248,11 @@ def load_reference(
         # Offloaded: torch warns that copying the adapter weights into meta parameters is a no-op, but PEFT then
         # writes them to the offload folder; the offloaded reference equals the in-memory one (tested).
         warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* is a no-op")
-        model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
-        for name, path in zip(names[1:], adapters[1:], strict=True):
-            model.load_adapter(path, adapter_name=name, **placed)
+        with _load_results() as results:
+            model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
+            for name, path in zip(names[1:], adapters[1:], strict=True):
+                model.load_adapter(path, adapter_name=name, **placed)
+    _require_all_loaded(results, adapters)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
