@@ -8,6 +8,7 @@ experts (it converts per-expert files itself), whichever layout the base has on 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -198,3 +199,42 @@ def test_expert_rules_are_checked_as_data():
         load_keymap("keymaps/x.yaml", yaml.safe_dump(bad))
     with pytest.raises(KeymapError, match=r"spellings\[0\]\[0\]: not a valid regular expression"):
         load_keymap("keymaps/x.yaml", yaml.safe_dump({**good, "spellings": [["(", "x"]]}))
+
+
+def test_qwen2_moe_shared_experts_the_peft_reference_cannot_apply_is_not_verified(tmp_path, cli):
+    """Qwen2-MoE's shared expert has the experts' leaf names (`shared_expert.gate_proj`): PEFT 0.21 wraps it and
+    drops the per-expert LoRAs, so its reference is not the adapter. Verification says so (Not verified) instead of
+    failing a right merge; the merge onto either layout gives the same model."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        vocab_size=67, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_experts=E, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "per_expert")
+    model.save_pretrained(tmp_path / "fused", save_original_format=False)
+    state, g = load_file(tmp_path / "per_expert/model.safetensors"), torch.Generator().manual_seed(4)
+    tensors = {}
+    for key, w in state.items():
+        if re.search(r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj\.weight$", key):
+            m = key.removesuffix(".weight")
+            tensors[f"base_model.model.{m}.lora_A.weight"] = torch.randn(R, w.shape[1], generator=g) * 0.3
+            tensors[f"base_model.model.{m}.lora_B.weight"] = torch.randn(w.shape[0], R, generator=g) * 0.3
+    (tmp_path / "lora").mkdir()
+    save_file(tensors, tmp_path / "lora/adapter_model.safetensors")
+    targets = ["gate_proj", "up_proj", "down_proj"]
+    (tmp_path / "lora/adapter_config.json").write_text(
+        json.dumps(dict(peft_type="LORA", r=R, lora_alpha=ALPHA, target_modules=targets, task_type="CAUSAL_LM"))
+    )
+    outs = []
+    for layout in ("per_expert", "fused"):
+        code, out, err = cli("merge", "--base", tmp_path / layout, "--adapter", tmp_path / "lora", "--out",
+                             tmp_path / f"m-{layout}", verify=layout == "fused")  # fmt: skip
+        assert code == 0, err
+        outs.append(logits(load_merged(tmp_path / f"m-{layout}"), IDS))
+    assert "**Not verified**" in out and "PEFT does not apply lora as trained: it ignores" in out
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(outs[0], logits(load_merged(tmp_path / "per_expert"), IDS), atol=1e-3)
