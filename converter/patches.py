@@ -254,8 +254,9 @@ class LoKr(DeltaPatch):
 def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B_e (E, out, r), A_e (E, r, in)) of a PEFT `target_parameters` LoRA on a fused 3-D expert tensor:
     A (r·E, in) holds expert e's r rows as one block (expert-major), B (out, r·E) interleaves the experts'
-    columns with the expert index fastest (column j·E + e is expert e's j-th). Established against PEFT's forward
-    in the tests; reading A rank-major instead (Unsloth's bug) hands every expert another's delta."""
+    columns with the expert index fastest (column j·E + e is expert e's j-th); docs/FORMATS.md §10. Established
+    against PEFT's forward in the tests; reading A rank-major instead (Unsloth's bug) hands every expert another's
+    delta."""
     r = a.shape[0] // experts
     return b.reshape(b.shape[0], r, experts).permute(2, 0, 1), a.reshape(experts, r, a.shape[1])
 
