@@ -26,6 +26,10 @@ ARCHS = {
         expert="mlp.experts.{e}.{p}", parts=("gate_proj", "up_proj", "down_proj"), router="mlp.gate",
         targets=["q_proj", "gate_proj", "up_proj", "down_proj", "gate"],
     ),
+    "olmoe": dict(
+        expert="mlp.experts.{e}.{p}", parts=("gate_proj", "up_proj", "down_proj"), router="mlp.gate",
+        targets=["q_proj", "gate_proj", "up_proj", "down_proj", "gate"],
+    ),
 }  # fmt: skip
 
 
@@ -38,6 +42,10 @@ def _config(arch: str):
         from transformers import MixtralConfig
 
         return MixtralConfig(intermediate_size=24, num_local_experts=E, **common)
+    if arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        return OlmoeConfig(intermediate_size=24, num_experts=E, **{k: v for k, v in common.items() if k != "head_dim"})
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=E, **common)
