@@ -295,9 +295,20 @@ class ExpertLowRank(DeltaPatch):
         return expert_delta(self.down.load(), self.up.load(), self.experts).mul_(self.scale)
 
     def expert_rows(self, expert: int, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of one expert's ΔW, scaled and weighted: only that expert's factors multiplied."""
-        up, down = expert_factors(self.down.load(), self.up.load(), self.experts)
+        """Rows [start, end) of one expert's ΔW, scaled and weighted: only that expert's factors multiplied. A base
+        that stores experts apart asks once per expert and part, so the factors of the last two patches (gate_up
+        and down interleave in file order) stay loaded instead of being read again each time."""
+        cached = _FACTORS.pop(id(self), None)
+        if cached is None or cached[0] is not self:
+            cached = (self, expert_factors(self.down.load(), self.up.load(), self.experts))
+        _FACTORS[id(self)] = cached
+        while len(_FACTORS) > 2:
+            _FACTORS.pop(next(iter(_FACTORS)))
+        up, down = cached[1]
         return (up[expert, start:end] @ down[expert]).mul_(self.scale * self.weight)
+
+
+_FACTORS: dict[int, tuple[ExpertLowRank, tuple[torch.Tensor, torch.Tensor]]] = {}  # most recently used last
 
 
 @dataclass
