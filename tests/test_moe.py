@@ -246,3 +246,26 @@ def test_qwen2_moe_shared_experts_the_peft_reference_cannot_apply_is_not_verifie
     assert "**Not verified**" in out and "PEFT does not apply lora as trained: it ignores" in out
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(outs[0], logits(load_merged(tmp_path / "per_expert"), IDS), atol=1e-3)
+
+
+def test_rslora_per_expert_lora_that_peft_rescales_is_not_verified(moe, cli, tmp_path):
+    """With use_rslora, PEFT's fusion of per-expert gate/up LoRAs (rank and alpha doubled) scales them by sqrt(2),
+    so its forward is no reference: Not verified, not a failed right merge. A target_parameters LoRA with rsLoRA,
+    which PEFT takes as saved, is still verified."""
+    import shutil
+
+    outs = []
+    for kind in ("per_expert", "parameters"):
+        shutil.copytree(moe / f"mixtral/lora_{kind}", tmp_path / f"rs_{kind}")
+        config = json.loads((tmp_path / f"rs_{kind}/adapter_config.json").read_text())
+        (tmp_path / f"rs_{kind}/adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    for layout in ("per_expert", "fused"):
+        code, out, err = cli("merge", "--base", moe / "mixtral" / layout, "--adapter", tmp_path / "rs_per_expert",
+                             "--out", tmp_path / f"m-{layout}", verify=layout == "fused")  # fmt: skip
+        assert code == 0, err
+        outs.append(logits(load_merged(tmp_path / f"m-{layout}"), IDS))
+    assert "**Not verified**" in out and "under use_rslora scales them by sqrt(2)" in out
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    code, out, err = cli("merge", "--base", moe / "mixtral/fused", "--adapter", tmp_path / "rs_parameters",
+                         "--out", tmp_path / "m-parameters", verify=True)  # fmt: skip
+    assert code == 0 and "**Passed**" in out, err

@@ -231,6 +231,27 @@ def _require_all_loaded(results: list, adapters: list[Path]) -> None:
             )
 
 
+def _require_trained_scales(model, names: list[str], adapters: list[Path]) -> None:
+    """PEFT 0.21 loads per-expert LoRAs onto fused experts by stacking gate and up: it doubles their rank and alpha
+    in its config (rank_pattern / alpha_pattern entries the file does not have). alpha/r stays, alpha/sqrt(r)
+    (use_rslora) grows by sqrt(2): its forward is then not the adapter as trained, and could only fail a right
+    merge."""
+    for name, path in zip(names, adapters, strict=True):
+        config = model.peft_config.get(name)
+        if not getattr(config, "use_rslora", False):
+            continue
+        try:
+            saved = json.loads((path / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        added = sorted(set(config.rank_pattern or {}) - set(saved.get("rank_pattern") or {}))
+        if added:
+            raise ValueError(
+                f"PEFT does not apply {path.name} as trained: it fuses per-expert LoRAs into {', '.join(added)} "
+                "with doubled rank and alpha, which under use_rslora scales them by sqrt(2)"
+            )
+
+
 def load_reference(
     base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
 ):
@@ -253,6 +274,7 @@ def load_reference(
             for name, path in zip(names[1:], adapters[1:], strict=True):
                 model.load_adapter(path, adapter_name=name, **placed)
     _require_all_loaded(results, adapters)
+    _require_trained_scales(model, names, adapters)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
