@@ -117,18 +117,13 @@ def _verify(
     from converter.sources import fetch
 
     started = time.time()
-    if (merged / "model_index.json").is_file():  # a diffusers pipeline: checked through diffusers' own loader
+    if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
+        # a diffusers pipeline or a single diffusion file: diffusers' own loader, else the published formula
         from converter.verify.diffusion import verify_diffusion
 
         return verify_diffusion(merged, recipe, token=token, log=log)
     mode, max_new_tokens = mode_tokens
     new_tokens = max_new_tokens if mode == "full" else 0
-    if not (merged / "config.json").is_file():
-        return skipped_report(
-            merged,
-            "the merge is a single diffusion checkpoint file; the generation check needs a diffusers folder "
-            "(model_index.json)",
-        )
     output_dtype, params = weights_summary(merged)
     stored_4bit = four_bit_config(merged)
     # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype,

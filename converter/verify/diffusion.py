@@ -62,45 +62,41 @@ def verify_diffusion(
 
     started = time.time()
     merged = Path(merged)
-    if any(spec.include or spec.exclude for spec in recipe.adapters):
-        return skipped_report(
-            merged,
-            "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/"
-            "exclude), so it cannot be the unmerged reference for this merge",
-        )
     base = fetch(recipe.base, "model", token).local
+
+    def fallback(reason: str) -> dict:
+        return formula_or_skip(merged, recipe, base, reason, token=token, log=log)
+
+    if any(spec.include or spec.exclude for spec in recipe.adapters):
+        return fallback("diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)")
     if not is_diffusion(base):
-        return skipped_report(
-            merged,
-            "the base is a single-file checkpoint; the generation check needs a diffusers "
-            "folder (model_index.json) for base and merge",
-        )
+        return fallback("the base is a single-file checkpoint, not a diffusers folder")
     sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
+    if dora := _lycoris_dora(sources):
+        return fallback(
+            f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
+        )
     log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
     clock = Clock()
     try:
         pipe = _load(base)
         ignored = _apply_adapters(pipe, recipe, sources)
-    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter is a skip, said in one line
-        return skipped_report(
-            merged,
-            f"diffusers cannot apply the adapters to this base unmerged "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
-        )
+    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter: the published formula referees
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return fallback(f"diffusers cannot apply the adapters to this base unmerged: {type(e).__name__}: {first}")
     if ignored:
-        return skipped_report(
-            merged,
-            f"diffusers' loader ignores the per-module alphas of {ignored} modules of "
-            "this file (its alpha_pattern names never match), so it would be a wrong referee",
+        del pipe
+        return fallback(
+            f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its alpha_pattern "
+            "names never match), so it would be a wrong referee"
         )
     clock.lap("load reference")
     touched = sorted(pipe.get_list_adapters())
     denoiser = _denoiser_name(pipe)
     if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
         kind = type(getattr(pipe, denoiser or "unet", None)).__name__
-        return skipped_report(
-            merged, f"the generation check has no fixed inputs for a {kind} yet (covered: {', '.join(DENOISER_INPUTS)})"
-        )
+        del pipe
+        return fallback(f"the generation check has no fixed inputs for a {kind} yet")
     inputs = _inputs(pipe, touched)
     ref = _run(pipe, inputs, touched, hooks=True)
     clock.lap("run reference")
@@ -176,6 +172,31 @@ def verify_diffusion(
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _lycoris_dora(sources: list[Path]) -> str | None:
+    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
+    from converter.checkpoint import SafetensorsFile
+
+    for path in sources:
+        is_file = path.is_file() and path.suffix == ".safetensors"
+        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
+            return path.name
+    return None
+
+
+def formula_or_skip(
+    merged: Path, recipe: Recipe, base: Path, reason: str, *, token: str | None, log: Callable[[str], None]
+) -> dict:
+    """The published-formula reference (verify/formula.py) where diffusers cannot referee; a skip, said with
+    both reasons, where that has no formula for some patch either (DoRA, OFT ...)."""
+    from converter.verify.formula import Unsupported, verify_formula
+
+    gc.collect()
+    try:
+        return verify_formula(merged, recipe, Path(base), reason, token=token, log=log)
+    except Unsupported as e:
+        return skipped_report(merged, f"{reason}, and the published-formula reference cannot recompute it ({e})")
 
 
 def _load(folder: Path):
