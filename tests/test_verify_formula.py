@@ -19,6 +19,14 @@ Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"
 LABEL = "reference: published formula, float64"
 
 
+@pytest.fixture(autouse=True)
+def few_images(monkeypatch):
+    import converter.verify.diffusion as diffusion
+
+    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
+    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)
+
+
 @pytest.fixture(scope="module")
 def sd15(tmp_path_factory):
     """A tiny SD 1.5 pipeline and a kohya LoRA with alphas 2, 3, 4 by module: diffusers ignores those of the
@@ -58,6 +66,9 @@ def test_right_merge_passes_by_the_published_formula_and_says_so(sd15, tmp_path,
     assert report["untouched_identical"] > 0
     card = (tmp_path / "m" / "README.md").read_text()
     assert f"**Passed** ({LABEL})" in card and "diffusers' load_lora_weights" not in card
+    # the base pipeline holding the formula's weights made the reference images
+    (image,) = report["images"]
+    assert image["psnr"] > 40 and "](verification/reference-0.png)" in card
 
 
 @pytest.fixture(scope="module")

@@ -189,14 +189,53 @@ def formula_or_skip(
     merged: Path, recipe: Recipe, base: Path, reason: str, *, token: str | None, log: Callable[[str], None]
 ) -> dict:
     """The published-formula reference (verify/formula.py) where diffusers cannot referee; a skip, said with
-    both reasons, where that has no formula for some patch either (DoRA, OFT ...)."""
-    from converter.verify.formula import Unsupported, verify_formula
+    both reasons, where that has no formula for some patch either (DoRA ...). When the base pipeline can make
+    images, the base's images are made first, then the same pipeline takes each reference tensor as the
+    formula computes it (the reference's images), then the merged pipeline's: one pipeline in memory at a time."""
+    from converter.verify.formula import Unsupported, markdown, verify_formula
 
     gc.collect()
+    pipe, bare = None, []
+    if is_diffusion(base) and all((Path(base) / c).is_dir() for c in ("unet", "vae", "scheduler")):
+        pipe = _load(Path(base))
+        bare = _images(pipe)
+    params: dict = {}  # "component/key" of the checkpoint -> the base pipeline's parameter
+    for component in MODEL_PARTS if pipe is not None else ():
+        model = getattr(pipe, component, None)
+        for key, param in model.named_parameters() if model is not None else ():
+            params[f"{component}/{key}"] = param
+            params.setdefault(f"{component}/{key.removeprefix('text_model.')}", param)
+    missing = []
+
+    def put(name: str, ref) -> None:
+        import torch
+
+        param = params.get(name)
+        if param is None or param.shape != ref.shape:
+            missing.append(name)
+            return
+        with torch.no_grad():
+            param.copy_(ref.to(param.dtype))
+
     try:
-        return verify_formula(merged, recipe, Path(base), reason, token=token, log=log)
+        report = verify_formula(
+            merged, recipe, Path(base), reason, token=token, log=log, on_reference=put if pipe else None
+        )
     except Unsupported as e:
         return skipped_report(merged, f"{reason}, and the published-formula reference cannot recompute it ({e})")
+    if pipe is None or missing:
+        return report
+    ref_images = _images(pipe)
+    del pipe
+    gc.collect()
+    pipe = _load(merged)
+    out_images = _images(pipe)
+    del pipe
+    gc.collect()
+    report["images"] = _save_images(merged, ref_images, out_images, bare)
+    report["markdown"] = markdown(report)
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def _load(folder: Path):

@@ -172,9 +172,12 @@ def verify_formula(
     *,
     token: str | None = None,
     log: Callable[[str], None] = print,
+    on_reference: Callable[[str, object], None] | None = None,
 ) -> dict:
     """Check every tensor of the merged output against base + published formula; writes and returns the report.
-    Raises Unsupported when some patch has no published formula here (the caller then reports a skip)."""
+    `on_reference(name, tensor)` receives each touched tensor's reference (float64) as it is computed: the caller
+    can build a reference pipeline from them for images. Raises Unsupported when some patch has no published
+    formula here (the caller then reports a skip)."""
     import torch
 
     from converter.checkpoint import open_base
@@ -236,6 +239,8 @@ def verify_formula(
                 ref[rows] += weight * d.reshape(shape)
                 mag[rows] += abs(weight) * a.reshape(shape)
                 inner = max(inner, n)
+            if on_reference is not None:
+                on_reference(o.name, ref)
             bound = UNIT_ROUNDOFF.get(stored, 2.0**-8) * ref.abs() + (inner + GAMMA_SLACK) * U32 * mag
             bound = bound.clamp_min(1e-30)
             ratio = ((m - ref).abs() / bound).max().item()
@@ -320,7 +325,7 @@ def markdown(report: dict) -> str:
         f"({report['reference_reason']}), so every touched tensor was recomputed in float64 from the base and "
         "the adapter file's own factors by the format's published formula (W + w·alpha/r·up@down, LoHa, LoKr, "
         "full diff) and compared element by element with the merged one; where each module lands is the "
-        "keymap's name lookup, as in the merge. Not a generation check: no images.",
+        "keymap's name lookup, as in the merge.",
         "",
         "| component | tensors | worst error / rounding bound | base vs reference (worst, / bound) | pass if |",
         "|---|---|---|---|---|",
@@ -331,6 +336,12 @@ def markdown(report: dict) -> str:
         )
     if report.get("untouched_identical") is not None:
         lines.append(f"\n{report['untouched_identical']} untouched tensors are the base's (cast to the output dtype).")
+    if report["images"]:
+        psnr = ", ".join(f"{i['psnr']:.1f} dB (max {i['max_abs']})" for i in report["images"])
+        lines.append(
+            f"\nImages (fixed seed, a few steps) of the base, the reference (the base pipeline holding the "
+            f"formula's weights) and the merge; merged vs reference PSNR: {psnr}."
+        )
     for p in report["problems"]:
         lines.append(f"\n- problem: {p}")
     for n in report["notes"]:
