@@ -167,7 +167,7 @@ def test_single_file_base_is_refereed_and_a_sabotage_fails(sd15, tmp_path, cli):
     assert code == 0, log
     report = report_of(tmp_path / "m")
     assert report["verdict"] == "pass" and report["tensors_checked"] > 100, report
-    assert "single-file" in report["reference_reason"]
+    assert "from_single_file cannot load the base here" in report["reference_reason"]  # offline, no config
     f = tmp_path / "m" / "sd15.safetensors"
     t = load_file(f)
     key = next(k for k in sorted(t) if "input_blocks.1.1" in k and k.endswith("attn1.to_q.weight"))
@@ -186,3 +186,27 @@ def test_unet_only_lora_with_one_alpha_still_goes_to_diffusers(sd15, tmp_path, c
     report = report_of(tmp_path / "m")
     assert code == 0 and report["verdict"] == "pass" and "diffusers" in report["reference"], log
     assert report["images"] and read_component(tmp_path / "m", "unet")
+
+
+def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sabotage_fails(sd15, tmp_path, cli):
+    """With the diffusers config at hand, diffusers itself loads base and merge (`from_single_file`) and its
+    loader applies the adapter: the generation check, images included (a one-alpha file diffusers reads right)."""
+    root, models = sd15
+    single = save(to_ldm(models, "sd"), tmp_path / "sd15.safetensors")
+    lora = kohya_lora(kohya_modules(models["unet"], "lora_unet", UNET_TARGETS), alpha=None)
+    save(lora, tmp_path / "plain.safetensors")
+    config = ("--single-file-config", root / "base")
+    code, log = merge(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and "from_single_file" in report["reference"], report
+    assert report["images"] and report["output_dtype"] == "F32"
+    assert "](verification/merged-0.png)" in (tmp_path / "m" / "README.md").read_text()
+    f = tmp_path / "m" / "sd15.safetensors"
+    t = load_file(f)
+    key = next(k for k in sorted(t) if "input_blocks.1.1" in k and k.endswith("attn1.to_q.weight"))
+    t[key] = t[key] + 0.05 * t[key].std() * torch.randn_like(t[key])
+    save_file(t, f)
+    code, log, report = verify(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
+    assert code == 3 and report["verdict"] == "fail", log
+    assert report["first_disagreeing_module"]["module"].startswith("unet.down_blocks.0.attentions.0"), report

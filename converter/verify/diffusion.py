@@ -54,9 +54,17 @@ def tolerance(output_dtype: str) -> dict:
 
 
 def verify_diffusion(
-    merged: Path, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print
+    merged: Path,
+    recipe: Recipe,
+    *,
+    token: str | None = None,
+    log: Callable[[str], None] = print,
+    single_file_config: str | None = None,
 ) -> dict:
-    """Compare the merged diffusers folder with base + adapters through diffusers; writes and returns the report."""
+    """Compare the merged diffusers folder (or single file) with base + adapters through diffusers; writes and
+    returns the report. A single-file base and its merge load with diffusers' `from_single_file`
+    (`single_file_config`: the diffusers config folder or repo it needs, default diffusers' own guess, which it
+    fetches from the Hub); where that fails, the published formula referees."""
 
     from converter.sources import fetch
 
@@ -69,8 +77,13 @@ def verify_diffusion(
 
     if any(spec.include or spec.exclude for spec in recipe.adapters):
         return fallback("diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)")
-    if not is_diffusion(base):
-        return fallback("the base is a single-file checkpoint, not a diffusers folder")
+    single = not is_diffusion(base)
+    if single and not Path(base).is_file():
+        return fallback("the base is neither a diffusers folder nor a single file")
+
+    def load(which: Path):
+        return _load_single(which, single_file_config) if single else _load(which)
+
     sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
     if dora := _lycoris_dora(sources):
         return fallback(
@@ -79,11 +92,14 @@ def verify_diffusion(
     log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
     clock = Clock()
     try:
-        pipe = _load(base)
+        pipe = load(base)
+    except Exception as e:  # noqa: BLE001 - diffusers cannot read the single file here (offline, no config)
+        return fallback(f"diffusers' from_single_file cannot load the base here ({_first_line(e)})")
+    try:
         ignored = _apply_adapters(pipe, recipe, sources)
     except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter: the published formula referees
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return fallback(f"diffusers cannot apply the adapters to this base unmerged: {type(e).__name__}: {first}")
+        del pipe
+        return fallback(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})")
     if ignored:
         del pipe
         return fallback(
@@ -109,7 +125,7 @@ def verify_diffusion(
     clock.lap("run bare base + images")
     del pipe
     gc.collect()
-    pipe = _load(merged)
+    pipe = load(merged / Path(base).name if single else merged)
     clock.lap("load merged")
     out = _run(pipe, inputs, touched, hooks=True)
     out_images = _images(pipe) if images_here else []
@@ -117,7 +133,7 @@ def verify_diffusion(
     del pipe
     gc.collect()
 
-    output_dtype = _stored_dtype(merged / denoiser)
+    output_dtype = _single_file_dtype(merged / Path(base).name) if single else _stored_dtype(merged / denoiser)
     tol = tolerance(output_dtype)
     problems, notes, components, culprit = [], [], {}, None
     for name in touched:
@@ -153,7 +169,8 @@ def verify_diffusion(
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
-        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters",
+        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters"
+        + (" (base and merge loaded by from_single_file)" if single else ""),
         "compute_dtype": "float32",
         "output_dtype": output_dtype,
         "tolerance": tol,
@@ -172,6 +189,53 @@ def verify_diffusion(
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _load_single(file: Path, config: str | None):
+    """A single-file checkpoint as its family's diffusers pipeline (`from_single_file`). Parts the file does not
+    carry and the pipeline can go without (tokenizers, safety checker) are None; a VAE missing from the file is
+    the config folder's, when that is a local folder holding one."""
+    import inspect
+
+    import diffusers
+    import torch
+    from diffusers.utils import logging as dlog
+
+    from converter.checkpoint import open_base
+    from converter.keymap import keymap_for
+
+    checkpoint = open_base(file)
+    keymap = keymap_for(checkpoint.config)
+    if not keymap.pipelines:
+        raise ValueError(f"no diffusers pipeline for the {keymap.name} family")
+    cls = getattr(diffusers, keymap.pipelines[0])
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {"torch_dtype": torch.float32, **{k: None for k in OPTIONAL if k in params}}
+    if config:
+        kwargs["config"] = str(config)
+        vae = Path(config) / "vae"
+        if vae.is_dir() and not any(k.startswith("first_stage_model.") for k in checkpoint.names()):
+            kwargs["vae"] = diffusers.AutoencoderKL.from_pretrained(vae, torch_dtype=torch.float32)
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        pipe = cls.from_single_file(str(file), **kwargs)
+    finally:
+        dlog.set_verbosity(level)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _single_file_dtype(file: Path) -> str:
+    from converter.checkpoint import SafetensorsFile
+
+    tensors = SafetensorsFile(file).tensors
+    first = next(iter(tensors.values())).dtype
+    return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
 
 
 def _lycoris_dora(sources: list[Path]) -> str | None:
