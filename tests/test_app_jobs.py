@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import save_file
 
 from converter.app.check import Limits, _sparse_standin
+from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
 from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor, report_images
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.checkpoint import SafetensorsFile
@@ -426,6 +427,33 @@ result(dict(md=md, url=r.url, verdict=(r.report or {{}}).get("verdict"), images=
     # Until diffusion verification lands the job says "not verified"; with it, its images come back.
     assert out["verdict"] in ("skipped", "pass") and (out["images"] > 0) == (out["verdict"] == "pass")
     assert not [line for line in out["log"] if "/tmp" in line or str(tmp_path) in line]
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_kohya_sdxl_and_flux_jobs_end_passed_with_images_in_the_card(hub, tmp_path, family):
+    """The Space's job, end to end on the local Hub: a kohya SDXL (both text encoders) or Flux (fused qkv onto
+    diffusers' to_q/to_k/to_v) LoRA is merged, verified by diffusers' own loader and pushed with its pictures."""
+    base, lora = {"sdxl": (SDXL_BASE, SDXL_LORA), "flux": (FLUX_BASE, FLUX_LORA)}[family]
+    repo = f"demo/{family}-job"
+    out = _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app.jobs import JobRequest, run_job
+r = run_job(JobRequest(base={base!r}, adapters={lora!r}, repo_id={repo!r}), {MOCK_TOKEN!r},
+            workroot=Path({str(tmp_path)!r}) / "jobs")
+result(dict(report=r.report, card=r.card, captions=[c for _, c in r.images]))
+""",
+        tmp_path,
+    )
+    report = out["report"]
+    assert report["verdict"] == "pass" and "diffusers' load_lora_weights" in report["reference"], report["problems"]
+    components = {"sdxl": {"unet", "text_encoder", "text_encoder_2"}, "flux": {"transformer"}}[family]
+    assert set(report["components"]) == components
+    assert len(out["captions"]) == 3 * len(report["images"]) > 0  # base / reference / merged per prompt
+    assert "**Passed**" in out["card"] and "](verification/merged-0.png)" in out["card"]
+    files = set(hub.files(repo))
+    assert {"verification/base-0.png", "verification/reference-0.png", "verification/merged-0.png"} <= files
 
 
 def _convert(hub: HubServer, tmp_path: Path, **request) -> dict:

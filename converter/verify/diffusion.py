@@ -260,7 +260,7 @@ def formula_or_skip(
 
     gc.collect()
     pipe, bare = None, []
-    if is_diffusion(base) and all((Path(base) / c).is_dir() for c in ("unet", "vae", "scheduler")):
+    if is_diffusion(base) and _complete(Path(base)):
         pipe = _load(Path(base))
         bare = _images(pipe)
     params: dict = {}  # "component/key" of the checkpoint -> the base pipeline's parameter
@@ -313,7 +313,7 @@ def _load(folder: Path):
     level = dlog.get_verbosity()
     dlog.set_verbosity_error()
     try:
-        if all((folder / c).is_dir() for c in ("unet", "vae", "scheduler")):
+        if _complete(folder):
             absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
             pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
             pipe.set_progress_bar_config(disable=True)
@@ -321,6 +321,12 @@ def _load(folder: Path):
         return _partial(folder, index)
     finally:
         dlog.set_verbosity(level)
+
+
+def _complete(folder: Path) -> bool:
+    """A pipeline folder that can make images: a denoiser, a VAE and a scheduler."""
+    denoiser = any((folder / c).is_dir() for c in ("unet", "transformer"))
+    return denoiser and all((folder / c).is_dir() for c in ("vae", "scheduler"))
 
 
 OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
@@ -381,7 +387,12 @@ def _denoiser_name(pipe) -> str | None:
 
 
 def _can_make_images(pipe) -> bool:
-    return all(getattr(pipe, c, None) is not None for c in ("unet", "vae", "scheduler"))
+    if not all(getattr(pipe, c, None) is not None for c in ("vae", "scheduler")):
+        return False
+    if getattr(pipe, "unet", None) is not None:
+        return True
+    kind = type(getattr(pipe, "transformer", None)).__name__
+    return kind == "FluxTransformer2DModel" and all(getattr(pipe, c, None) is not None for c in _text_encoders(pipe))
 
 
 def _inputs(pipe, touched: list[str]) -> dict:
@@ -546,7 +557,10 @@ def _images(pipe) -> list:
     import numpy as np
     import torch
 
-    size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    if getattr(pipe, "unet", None) is not None:
+        size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    else:  # Flux: latents packed 2x2 into tokens, an 8x8-token image
+        size = pipe.vae_scale_factor * 2 * 8
     kwargs = _prompt_embeds(pipe)
     with torch.no_grad():
         out = pipe(
@@ -570,12 +584,17 @@ def _prompt_embeds(pipe) -> dict:
         n: torch.randint(
             0,
             getattr(pipe, n).config.vocab_size,
-            (IMAGE_COUNT, min(int(getattr(pipe, n).config.max_position_embeddings), 16)),
+            (IMAGE_COUNT, min(int(getattr(getattr(pipe, n).config, "max_position_embeddings", 16)), 16)),
             generator=g,
         )
         for n in encoders
     }
     with torch.no_grad():
+        if getattr(pipe, "transformer", None) is not None:  # Flux: T5's hidden states, CLIP's pooled output
+            return {
+                "prompt_embeds": pipe.text_encoder_2(ids["text_encoder_2"]).last_hidden_state,
+                "pooled_prompt_embeds": pipe.text_encoder(ids["text_encoder"]).pooler_output,
+            }
         if len(encoders) == 1:
             return {"prompt_embeds": getattr(pipe, encoders[0])(ids[encoders[0]]).last_hidden_state}
         hidden, pooled = [], None
