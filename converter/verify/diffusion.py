@@ -192,7 +192,8 @@ def verify_diffusion(
 
 
 def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
 def _load_single(file: Path, config: str | None):
