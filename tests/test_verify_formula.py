@@ -51,7 +51,7 @@ def verify(cli, base, adapter, folder, *extra):
     return code, out + err, report_of(folder)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_right_merge_passes_by_the_published_formula_and_says_so(sd15, tmp_path, cli, dtype):
     root, _ = sd15
     code, log = merge(cli, root / "base", root / "lora.safetensors", tmp_path / "m", "--dtype", dtype)
