@@ -6,9 +6,11 @@ Three models, one pipeline in memory at a time: the reference (base + adapters t
 touched component is run on fixed seeded inputs: the denoiser (UNet) at a few timesteps across the schedule, the
 text encoders on fixed token ids. Its relative error against the reference must stay within what rounding the
 merged weights to their dtype can explain, and far below the adapter's own effect (base vs reference); hooks on
-every Linear/Conv name the first module that disagrees. A few small images (fixed seed, few steps) are made by
+every Linear/Conv name the first module that disagrees (run only after a fail: both models once more on the
+first input, as the hooks cost about three forwards). A few small images (fixed seed, few steps) are made by
 each model and saved next to the report with PSNR / max pixel difference: shown, not judged (a few sampler steps
-amplify rounding unevenly; the components' check is the verdict).
+amplify rounding unevenly; the components' check is the verdict). Where diffusers cannot be the referee (it
+refuses or would misread the file, include/exclude, a base it cannot load), `formula.py` is.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def verify_diffusion(
         del pipe
         return fallback(f"the generation check has no fixed inputs for a {kind} yet")
     inputs = _inputs(pipe, touched)
-    ref = _run(pipe, inputs, touched, hooks=True)
+    ref = _run(pipe, inputs, touched, hooks=False)
     clock.lap("run reference")
     images_here = _can_make_images(pipe)
     ref_images = _images(pipe) if images_here else []
@@ -127,7 +129,7 @@ def verify_diffusion(
     gc.collect()
     pipe = load(merged / Path(base).name if single else merged)
     clock.lap("load merged")
-    out = _run(pipe, inputs, touched, hooks=True)
+    out = _run(pipe, inputs, touched, hooks=False)
     out_images = _images(pipe) if images_here else []
     clock.lap("run merged + images")
     del pipe
@@ -136,6 +138,7 @@ def verify_diffusion(
     output_dtype = _single_file_dtype(merged / Path(base).name) if single else _stored_dtype(merged / denoiser)
     tol = tolerance(output_dtype)
     problems, notes, components, culprit = [], [], {}, None
+    failing: list[str] = []
     for name in touched:
         m, b = (
             _compare(ref[name]["outputs"], out[name]["outputs"]),
@@ -155,14 +158,29 @@ def verify_diffusion(
                 f"{b['rel_err']:.3g}): was anything merged?"
             )
         if bad:
-            first = _first_disagreement(ref[name]["probe"], out[name]["probe"], tol["module_rel_err"])
+            failing.append(name)
+        problems += bad
+    if failing:  # only now the module probe: hooks on every Linear/Conv cost ~3x a forward, on the first input
+        log(f"locating the first disagreeing module of {', '.join(failing)} (both models once more, with hooks)")
+        probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
+        pipe = load(base)
+        _apply_adapters(pipe, recipe, sources)
+        ref_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        pipe = load(merged / Path(base).name if single else merged)
+        out_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        clock.lap("module probe")
+        for name in failing:
+            first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
             if first:
                 first["module"] = f"{name}.{first['module']}"
                 culprit = culprit or first
-                bad.append(
+                problems.append(
                     f"first module that disagrees: {first['module']} (relative error {first['relative_error']:.3g})"
                 )
-        problems += bad
     images = _save_images(merged, ref_images, out_images, bare_images)
     report = {
         "kind": "diffusion",

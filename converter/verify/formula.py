@@ -70,6 +70,8 @@ class AdapterFactors:
         for key in self.tensors.names():
             if (found := split(key)) is not None:
                 self.groups.setdefault(found[0], {})[found[1]] = key
+        if "(components)" in adapter.format:  # unet/ + text_encoder/ PEFT folders: a config each
+            raise Unsupported("a multi-component PEFT folder (one adapter_config.json per component)")
         self.config = _peft_config(Path(adapter.path))
         self.lora_alpha = lora_alpha
         self.metadata = getattr(getattr(self.tensors, "file", None), "metadata", {}) or {}
@@ -107,6 +109,10 @@ class AdapterFactors:
 
 
 def _peft_config(path: Path) -> dict | None:
+    """PEFT's adapter_config.json of a PEFT folder (or of its adapter_model.safetensors); a community file that
+    happens to sit next to one keeps its own alphas."""
+    if not path.is_dir() and path.name != "adapter_model.safetensors":
+        return None
     config = path / "adapter_config.json" if path.is_dir() else path.parent / "adapter_config.json"
     return json.loads(config.read_text()) if config.is_file() else None
 
@@ -213,15 +219,15 @@ def verify_formula(
     try:
         for o in plan.outputs:
             stored = out.info(o.name).dtype
+            if not o.patches:  # compared as stored: the base's tensor cast to the output dtype, bit for bit
+                untouched += 1
+                m, w = out.read(o.name), checkpoint.read(o.source.name)
+                if not torch.equal(m, w.to(_torch_dtype(stored))):
+                    problems.append(f"{o.name} was not to be touched but differs from the base")
+                    culprit = culprit or {"module": _module(o.name), "relative_error": _rel(m.double(), w.double())}
+                continue
             m = out.read(o.name).to(torch.float64)
             w = checkpoint.read(o.source.name).to(torch.float64)
-            if not o.patches:
-                untouched += 1
-                expected = w.to(_torch_dtype(stored)).to(torch.float64)
-                if not torch.equal(m, expected):
-                    problems.append(f"{o.name} was not to be touched but differs from the base")
-                    culprit = culprit or {"module": _module(o.name), "relative_error": _rel(m, w)}
-                continue
             ref, mag, inner = w.clone(), w.abs(), 0
             for p in o.patches:
                 inner_patch = getattr(p.patch, "inner", p.patch)
