@@ -110,6 +110,17 @@ def test_each_sabotage_fails_and_names_the_tensor(sd15, merged, tmp_path, cli, k
         assert any("was anything merged" in p for p in report["problems"]), report["problems"]
 
 
+def test_a_tensor_missing_from_the_merge_fails(sd15, merged, tmp_path, cli):
+    root, _ = sd15
+    shutil.copytree(merged, tmp_path / "s")
+    f = tmp_path / "s" / "unet" / TENSORS
+    t = load_file(f)
+    del t["conv_out.bias"]
+    save_file(t, f, metadata={"format": "pt"})
+    code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "s")
+    assert code == 3 and "1 missing (e.g. unet/conv_out.bias)" in report["problems"][0], log
+
+
 def test_scale_dropped_fails(sd15, tmp_path, cli):
     """Merged from the same factors with every alpha removed (scale 1), verified against the real file."""
     root, _ = sd15

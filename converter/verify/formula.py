@@ -216,8 +216,16 @@ def verify_formula(
     problems, notes, tensors, culprit = [], [], {}, None
     per_component: dict[str, dict] = {}
     untouched = failed = 0
+    names = set(out.names())
+    missing = [o.name for o in plan.outputs if o.name not in names]
+    extra = sorted(names - {o.name for o in plan.outputs})
+    if missing or extra:
+        problems.append(
+            f"the merge's tensors are not the base's: {len(missing)} missing (e.g. {(missing or ['-'])[0]}), "
+            f"{len(extra)} not in the base (e.g. {(extra or ['-'])[0]})"
+        )
     try:
-        for o in plan.outputs:
+        for o in (o for o in plan.outputs if o.name in names):
             stored = out.info(o.name).dtype
             if not o.patches:  # compared as stored: the base's tensor cast to the output dtype, bit for bit
                 untouched += 1
