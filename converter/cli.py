@@ -159,7 +159,7 @@ def _verify_settings(args: argparse.Namespace) -> dict:
 
     memory = parse_size(args.verify_memory) if args.verify_memory else None
     settings = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory, "mode": args.verify_mode}
-    if args.single_file_config:
+    if getattr(args, "single_file_config", None):
         settings["single_file_config"] = args.single_file_config
     return settings
 
