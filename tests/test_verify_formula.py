@@ -221,3 +221,35 @@ def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sab
     code, log, report = verify(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
     assert code == 3 and report["verdict"] == "fail", log
     assert report["first_disagreeing_module"]["module"].startswith("unet.down_blocks.0.attentions.0"), report
+
+
+def test_a_denoiser_without_fixed_inputs_is_refereed_by_the_formula_with_the_metadata_scale(tmp_path, cli):
+    """SD3: diffusers loads the LoRA (its own save, lora_alpha in lora_adapter_metadata) but the generation check
+    has no fixed inputs for its transformer: the formula referees, with alpha / r from that metadata."""
+    import copy
+
+    from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from test_community_sd3 import tiny_sd3
+
+    model = tiny_sd3()
+    model.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    config = LoraConfig(r=2, lora_alpha=6, target_modules=["to_q", "to_k", "to_v", "ff.net.0.proj"],
+                        init_lora_weights=False)  # fmt: skip
+    trained = copy.deepcopy(model)
+    trained.add_adapter(config)
+    SD3LoraLoaderMixin.save_lora_weights(
+        tmp_path / "lora",
+        transformer_lora_layers=get_peft_model_state_dict(trained),
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    adapter = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    code, log = merge(cli, tmp_path / "pipe", adapter, tmp_path / "m")
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and "no fixed inputs for a SD3Transformer2DModel" in report["reference_reason"]
+    assert report["components"]["transformer"]["tensors"] > 0
+    code, log, report = verify(cli, tmp_path / "pipe", adapter, tmp_path / "m", "--weight", "0.5")
+    assert code == 3 and report["reference"] == "published formula, float64", log

@@ -101,11 +101,27 @@ class AdapterFactors:
                 raise Unsupported("PEFT rank/alpha patterns: no single published scale")
             alpha = float(self.config["lora_alpha"])
             return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
-        if "lora_adapter_metadata" in self.metadata:
-            raise Unsupported("the scale is in the file's lora_adapter_metadata")
+        if "lora_adapter_metadata" in self.metadata:  # diffusers' save: LoraConfig fields, prefixed per component
+            return self._metadata_scale(split(roles["down"])[0].split(".")[0], rank)
         if self.lora_alpha is not None:
             return float(self.lora_alpha) / rank
         return 1.0  # diffusers' files without alpha: scale 1
+
+    def _metadata_scale(self, component: str, rank: int) -> float:
+        try:
+            meta = json.loads(self.metadata["lora_adapter_metadata"])
+        except json.JSONDecodeError:
+            raise Unsupported("lora_adapter_metadata is not JSON") from None
+
+        def get(field):
+            return meta.get(f"{component}.{field}", meta.get(field))
+
+        if get("alpha_pattern") or get("rank_pattern"):
+            raise Unsupported("rank/alpha patterns in lora_adapter_metadata: no single published scale")
+        alpha = get("lora_alpha")
+        if not isinstance(alpha, int | float):
+            raise Unsupported("lora_adapter_metadata without a lora_alpha")
+        return alpha / math.sqrt(rank) if get("use_rslora") else alpha / rank
 
 
 def _peft_config(path: Path) -> dict | None:
