@@ -297,7 +297,9 @@ def build() -> gr.Blocks:
                                 "view",
                             )
                             verify = gr.Checkbox(
-                                label="Verify against base + adapters, unmerged (PEFT or diffusers)", value=True
+                                label="Verify against base + adapters, unmerged (PEFT or diffusers; where diffusers "
+                                "cannot apply the file, the published formula in float64)",
+                                value=True,
                             )
                             prompts = gr.Textbox(
                                 label="Verification prompts, one per line (empty: built-in set)", lines=3
@@ -318,7 +320,7 @@ def build() -> gr.Blocks:
                         elem_id="generations",
                     )
                     images = gr.Gallery(
-                        label="Per prompt: base, base + LoRA (diffusers, unmerged), merged",
+                        label="Per prompt: base, reference (base + LoRA, unmerged or by the published formula), merged",
                         columns=3,
                         visible=False,
                         elem_id="images",

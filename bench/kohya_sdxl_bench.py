@@ -13,6 +13,10 @@ Runs, each in its own subprocess under GNU time (peak RSS of that process):
   (c) diffusers: UNet2DConditionModel.from_pretrained + StableDiffusionXLLoraLoaderMixin.lora_state_dict +
       load_lora_into_unet + fuse_lora + unload_lora + save_pretrained (what pipe.load_lora_weights/fuse_lora/
       save_pretrained do for the UNet)
+  (d) (b) with its default verification: diffusers' unmerged loader as the referee, the UNet run at 3 timesteps
+      (base folder holds the UNet only, so no images)
+  (e) (a) with its default verification, offline: diffusers' from_single_file cannot fetch its config, so the
+      published formula in float64 referees every touched tensor (and checks the untouched ones are the base's)
 Results are appended to bench/RESULTS.md (not with --small). Inputs are built once and cached in the workdir.
 """
 
@@ -139,14 +143,17 @@ def build(work: Path, size: str) -> tuple[Path, Path, Path]:
     return folder, single, lora
 
 
-def measure(name: str, cmd: list[str], log: Path) -> dict:
+def measure(name: str, cmd: list[str], log: Path, env: dict | None = None) -> dict:
     if os.geteuid() == 0:  # cold page cache for every run, as merge_bench.py does
         subprocess.run(["sync"], check=False)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     rusage = log.with_suffix(".time")
     t0 = time.perf_counter()
     rc = subprocess.call(
-        ["/usr/bin/time", "-v", "-o", str(rusage), *cmd], stdout=log.open("w"), stderr=subprocess.STDOUT
+        ["/usr/bin/time", "-v", "-o", str(rusage), *cmd],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     wall = time.perf_counter() - t0
     text = rusage.read_text() if rusage.is_file() else ""
@@ -175,6 +182,7 @@ def main() -> int:
     parser.add_argument("--workdir", default=str(BENCH_DIR / "work" / "kohya-sdxl"))
     parser.add_argument("--small", action="store_true", help="tiny widths: a smoke run, nothing recorded")
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--no-verify-runs", action="store_true", help="skip (d) and (e), the verification runs")
     args = parser.parse_args()
     size = "small" if args.small else "full"
     work = Path(args.workdir) / size
@@ -195,15 +203,38 @@ def main() -> int:
         ),
         measure("(c) diffusers load_lora + fuse_lora + save", diffusers, work / "c.log"),
     ]
+    verified = [] if args.no_verify_runs else [
+        measure(
+            "(d) = (b) + verification (diffusers' unmerged loader, UNet at 3 timesteps)",
+            [*conv[:-2], "--force", "--base", str(folder), "--out", str(work / "out-d")],
+            work / "d.log",
+        ),
+        measure(
+            "(e) = (a) + verification (published formula, float64)",
+            [*conv[:-2], "--force", "--base", str(single), "--out", str(work / "out-e")],
+            work / "e.log",
+            env={"HF_HUB_OFFLINE": "1"},
+        ),
+    ]  # fmt: skip
+    runs += verified
     if any(r["rc"] != 0 for r in runs):
-        for r, log in zip(runs, ("a", "b", "c"), strict=True):
+        for r, log in zip(runs, "abcde", strict=False):
             if r["rc"]:
                 print((work / f"{log}.log").read_text()[-3000:])
         return 1
     n, identical, worst = compare(work / "out-b" / "unet" / "diffusion_pytorch_model.safetensors",
                                   work / "out-c" / "diffusion_pytorch_model.safetensors")  # fmt: skip
     phases = re.search(r"phases: .*", (work / "c.log").read_text())
-    a, b, c = runs
+    a, b, c = runs[:3]
+    notes = []
+    for r, merged, merge_only in zip(verified, ("out-d", "out-e"), (b, a), strict=True):
+        report = json.loads((work / merged / "verification.json").read_text())
+        notes.append(
+            f"- {r['name'][:3]} verdict **{report['verdict']}** ({report.get('reference', '')}); verification "
+            f"{r['wall_s'] - merge_only['wall_s']:.1f} s on top of the {merge_only['wall_s']:.1f} s merge "
+            f"({r['wall_s'] / merge_only['wall_s']:.1f}x the merge alone), peak RSS {r['peak_rss_mib']:.0f} MiB; "
+            f"its own phases: {report.get('phase_seconds') or report.get('seconds')}"
+        )
     lines = [
         f"\n## kohya SDXL LoRA into an SDXL-layout UNet ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)\n",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
@@ -223,6 +254,7 @@ def main() -> int:
         f"- diffusers {phases.group(0) if phases else ''}",
         f"- Peak memory ratio diffusers / converter: {c['peak_rss_mib'] / a['peak_rss_mib']:.1f}x (single file), "
         f"{c['peak_rss_mib'] / b['peak_rss_mib']:.1f}x (folder).",
+        *notes,
     ]
     report = "\n".join(lines) + "\n"
     print(report)

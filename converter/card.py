@@ -76,14 +76,15 @@ def build_card(provenance: dict, verification: dict | None = None, load_name: st
     return str(card)
 
 
-def _image_grid(images: list[dict]) -> list[str]:
-    """A diffusion verification's images (saved in the folder, paths relative to it): base | reference | merged."""
+def _image_grid(images: list[dict], reference: str = "") -> list[str]:
+    """A diffusion verification's images (saved in the folder, paths relative to it) as a small grid: one row per
+    prompt, base | reference | merged; the reference column says which referee made it."""
     if not images:
         return []
-    lines = ["", "| prompt | base | reference (unmerged) | merged | PSNR merged vs reference |"]
-    lines.append("|---|---|---|---|---|")
+    role = "reference (published formula)" if "formula" in reference else "reference (unmerged)"
+    lines = ["", f"| prompt | base | {role} | merged | PSNR merged vs reference |", "|---|---|---|---|---|"]
     for i in images:
-        cells = " | ".join(f"![{role}]({i[role]})" for role in ("base", "reference", "merged"))
+        cells = " | ".join(f"![{r}]({i[r]})" for r in ("base", "reference", "merged"))
         lines.append(f"| {i['prompt']} | {cells} | {i['psnr']:.1f} dB (max diff {i['max_abs']}) |")
     return lines
 
@@ -126,7 +127,7 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
     lines += ["", "## Verification", ""]
     if verification:
         lines.append(verification.get("markdown", "").strip())
-        lines += _image_grid(verification.get("images") or [])
+        lines += _image_grid(verification.get("images") or [], verification.get("reference", ""))
     else:
         lines.append("**Not verified.** This merge was not compared with the base + adapters; treat it as untested.")
     lines += ["", "## How to load", "", *_load_snippet(base, repo), ""]

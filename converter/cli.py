@@ -141,6 +141,11 @@ def _verify_options(p: argparse.ArgumentParser) -> None:
         "--verify-memory",
         help="memory verification may use, e.g. 8GB (default: what is available); larger models are offloaded to disk",
     )
+    p.add_argument(
+        "--single-file-config",
+        help="a single-file diffusion base: the diffusers config (folder or Hub repo) that from_single_file needs "
+        "to load base and merge for verification (default: diffusers' guess, fetched from the Hub)",
+    )
 
 
 def _verify_settings(args: argparse.Namespace) -> dict:
@@ -157,7 +162,10 @@ def _verify_settings(args: argparse.Namespace) -> dict:
     from converter.units import parse_size
 
     memory = parse_size(args.verify_memory) if args.verify_memory else None
-    return {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory, "mode": args.verify_mode}
+    settings = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory, "mode": args.verify_mode}
+    if getattr(args, "single_file_config", None):
+        settings["single_file_config"] = args.single_file_config
+    return settings
 
 
 def _merge_options(p: argparse.ArgumentParser) -> None:

@@ -122,6 +122,8 @@ _ALIAS = record(
      "when": text},
     required=("from", "to"),
 )  # fmt: skip
+
+
 def choice(*allowed: str) -> Check:
     def check(value: object, where: str) -> None:
         if value not in allowed:

@@ -96,9 +96,7 @@ def _merge(
     log: Callable[[str], None],
     task_merge=None,
 ) -> MergeResult:
-    original = checkpoint = open_base(
-        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle
-    )
+    original = checkpoint = open_base(base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
     if quant and checkpoint.diffusion:
         raise ConverterError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "

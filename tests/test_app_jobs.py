@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import save_file
 
 from converter.app.check import Limits, _sparse_standin
+from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
 from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor, report_images
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.checkpoint import SafetensorsFile
@@ -198,7 +199,7 @@ result(dict(write=report.bytes_to_write, download=report.bytes_to_download, chan
         (56, 56, 0.5, "4"),
     ]
     assert out["download"] > out["write"] // 4 and out["warnings"] == []
-    assert f"| 2 | `{LORA_B}@" in out["md"]
+    assert f"2. `{LORA_B}@" in out["md"] and "weight 0.5 · peft · rank 4" in out["md"]
     assert any("stored as bitsandbytes NF4 4-bit" in note for note in out["nf4"])  # 4-bit output planned too
 
 
@@ -373,6 +374,35 @@ def test_make_run_serves_the_app_signed_in_as_demo(tmp_path):
         proc.wait(timeout=30)
 
 
+def test_make_run_seeds_smollm2_with_its_trained_loras(tmp_path):
+    """The `make run` seeding with the real SmolLM2 (not --tiny): the LoRAs are trained a few steps (2 here,
+    cached where seeding looks first, so the 12-step training of `make run` is not repeated in the test), the
+    repos carry SmolLM2 with cards naming the Hub base, and a second start reuses the cache."""
+    from safetensors.torch import load_file
+
+    from converter.app.local import FRENCH, PIRATE, smollm2_fixture, train_lora
+
+    smollm2 = smollm2_fixture()  # `make fixtures` (make test builds it first)
+    cache = tmp_path / "cache"
+    for name, texts, seed in (("pirate-lora", PIRATE, 1), ("french-lora", FRENCH, 2)):
+        folder = train_lora(smollm2, texts, cache / name, steps=2, seed=seed)
+        ups = [v for k, v in load_file(folder / "adapter_model.safetensors").items() if "lora_B" in k]
+        assert ups and all(v.abs().max() > 0 for v in ups)  # PEFT starts B at zero: these were trained
+    stamp = (cache / "pirate-lora" / "adapter_model.safetensors").stat().st_mtime_ns
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        seed_demo(server, tmp_path / "seed", cache=cache)
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(server.files(BASE))
+        for lora in (LORA, LORA_B):
+            config = json.loads(server.read_file(lora, "adapter_config.json"))
+            assert config["base_model_name_or_path"] == BASE and config["r"] == 8
+            assert f"base_model: {BASE}" in server.read_file(lora, "README.md").decode()
+        assert server.exists(SDXL_BASE) and server.exists(FLUX_BASE) and server.exists(SD_BASE)
+    finally:
+        server.stop()
+    assert (cache / "pirate-lora" / "adapter_model.safetensors").stat().st_mtime_ns == stamp  # reused
+
+
 def test_trained_on_warning_compares_pinned_ids(tmp_path):
     """A Hub base lives in the cache under its commit sha: the warning compares the adapter's declared base with
     the pinned repo id (and a declared commit with the resolved one), never with that folder's name."""
@@ -417,15 +447,42 @@ result(dict(md=md, url=r.url, verdict=(r.report or {{}}).get("verdict"), images=
     )
     assert "StableDiffusionPipeline (sd)" in out["md"] and "**Diffusion family** `sd`" in out["md"]
     assert "text_encoder 12, unet 40, vae 0" in out["md"]  # tensors changed per component; the VAE untouched
-    assert "unet=0.8, text_encoder=0.5 | kohya-lora" in out["md"] and "104/104" in out["md"]
+    assert "weight unet=0.8, text_encoder=0.5 · kohya-lora" in out["md"] and "104/104" in out["md"]
     assert out["url"] == f"{hub.url}/demo/sd-job"
     files = set(hub.files("demo/sd-job"))
     assert {"model_index.json", "unet/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"} <= files
     provenance = json.loads(hub.read_file("demo/sd-job", "converter_provenance.json"))
     assert provenance["adapters"][0]["weight"] == {"unet": 0.8, "text_encoder": 0.5}
-    # Until diffusion verification lands the job says "not verified"; with it, its images come back.
-    assert out["verdict"] in ("skipped", "pass") and (out["images"] > 0) == (out["verdict"] == "pass")
+    # verified by diffusers' own loader with the same strengths, its pictures back on the page
+    assert out["verdict"] == "pass" and out["images"] == 3 * 2
     assert not [line for line in out["log"] if "/tmp" in line or str(tmp_path) in line]
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_kohya_sdxl_and_flux_jobs_end_passed_with_images_in_the_card(hub, tmp_path, family):
+    """The Space's job, end to end on the local Hub: a kohya SDXL (both text encoders) or Flux (fused qkv onto
+    diffusers' to_q/to_k/to_v) LoRA is merged, verified by diffusers' own loader and pushed with its pictures."""
+    base, lora = {"sdxl": (SDXL_BASE, SDXL_LORA), "flux": (FLUX_BASE, FLUX_LORA)}[family]
+    repo = f"demo/{family}-job"
+    out = _client(
+        hub,
+        f"""
+from pathlib import Path
+from converter.app.jobs import JobRequest, run_job
+r = run_job(JobRequest(base={base!r}, adapters={lora!r}, repo_id={repo!r}), {MOCK_TOKEN!r},
+            workroot=Path({str(tmp_path)!r}) / "jobs")
+result(dict(report=r.report, card=r.card, captions=[c for _, c in r.images]))
+""",
+        tmp_path,
+    )
+    report = out["report"]
+    assert report["verdict"] == "pass" and "diffusers' load_lora_weights" in report["reference"], report["problems"]
+    components = {"sdxl": {"unet", "text_encoder", "text_encoder_2"}, "flux": {"transformer"}}[family]
+    assert set(report["components"]) == components
+    assert len(out["captions"]) == 3 * len(report["images"]) > 0  # base / reference / merged per prompt
+    assert "**Passed**" in out["card"] and "](verification/merged-0.png)" in out["card"]
+    files = set(hub.files(repo))
+    assert {"verification/base-0.png", "verification/reference-0.png", "verification/merged-0.png"} <= files
 
 
 def _convert(hub: HubServer, tmp_path: Path, **request) -> dict:

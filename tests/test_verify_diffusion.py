@@ -1,5 +1,6 @@
 """Diffusion merges are proven by diffusers' own unmerged loader: a right merge passes, each sabotage fails and
-names what disagrees, a file diffusers would misread is skipped (never a false alarm)."""
+names what disagrees; a file diffusers would misread goes to the published-formula referee (never a false
+alarm)."""
 
 from __future__ import annotations
 
@@ -152,15 +153,17 @@ def test_sdxl_merge_with_both_text_encoders_passes(tmp_path, cli):
     assert report["verdict"] == "pass" and set(report["components"]) == {"unet", "text_encoder", "text_encoder_2"}
 
 
-def test_per_module_alphas_diffusers_would_ignore_are_skipped_not_failed(sd15, tmp_path, cli):
+def test_per_module_alphas_diffusers_would_ignore_go_to_the_published_formula(sd15, tmp_path, cli):
+    """Never a false alarm from a referee that misreads the file: the float64 formula referees instead
+    (tests/test_verify_formula.py has its sabotages)."""
     root, models = sd15
     mods = kohya_modules(models["unet"], "lora_unet", UNET_TARGETS)
     save(kohya_lora(mods), tmp_path / "alphas.safetensors")  # alphas 2, 3, 4 by module
     code, log = merge(cli, root, tmp_path / "m", tmp_path / "alphas.safetensors", verify=True)
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
-    assert code == 0 and report["verdict"] == "skipped", log
-    assert "per-module alphas" in report["notes"][0]
-    assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
+    assert code == 0 and report["verdict"] == "pass", log
+    assert report["reference"] == "published formula, float64" and "per-module alphas" in report["reference_reason"]
+    assert "reference: published formula, float64" in (tmp_path / "m" / "README.md").read_text()
 
 
 def dit_pipeline(root, family: str):

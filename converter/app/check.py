@@ -62,15 +62,15 @@ class CheckReport:
         if b.get("family"):
             changed = ", ".join(f"{c} {self.changed_by_component.get(c, 0)}" for c in b["components"])
             lines += [f"**Diffusion family** `{b['family']}` · components (tensors changed): {changed}", ""]
-        lines += [
-            "| # | adapter | weight | format | rank | alpha | DoRA | tensors matched |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+        # One line per adapter, not an 8-column table: the plan sits in half the page's width, where such a
+        # table squeezed each cell to a word per line.
+        lines.append("**Adapters**")
+        lines.append("")
         for i, a in enumerate(self.adapters, 1):
             lines.append(
-                f"| {i} | `{_short(a['pinned'])}` | {weight_text(a['weight'])} | {a['format']} | {a['rank']} | "
-                f"{'per module' if a['alpha'] is None else a['alpha']} | {'yes' if a['dora'] else 'no'} | "
-                f"{a['used']}/{a['tensors']} |"
+                f"{i}. `{_short(a['pinned'])}`: weight {weight_text(a['weight'])} · {a['format']} · rank {a['rank']}"
+                f" · alpha {'per module' if a['alpha'] is None else a['alpha']} · DoRA {'yes' if a['dora'] else 'no'}"
+                f" · **{a['used']}/{a['tensors']}** tensors matched"
             )
         lines += [
             "",

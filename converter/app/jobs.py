@@ -72,9 +72,10 @@ def report_images(folder: Path, report: dict | None) -> list[tuple[object, str]]
         return []
     from PIL import Image
 
+    referee = "published formula" if "formula" in report.get("reference", "") else "diffusers, unmerged"
     out = []
     for row in report.get("images") or []:
-        for key, label in (("base", "base"), ("reference", "base + LoRA (diffusers, unmerged)"), ("merged", "merged")):
+        for key, label in (("base", "base"), ("reference", f"base + LoRA ({referee})"), ("merged", "merged")):
             if not row.get(key) or not (folder / row[key]).is_file():
                 continue
             with Image.open(folder / row[key]) as image:

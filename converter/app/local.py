@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
 from converter.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
 
@@ -217,7 +218,10 @@ def seed_demo(server: HubServer, workdir: Path, *, cache: Path | None = None, fa
         (adapter / "README.md").write_text(f"---\nbase_model: {BASE}\nlibrary_name: peft\n---\n# A demo LoRA\n")
     _trained_on(workdir / "wrong", "demo/smaller-llama")
     sd_base, sd_loras = _sd_repos(workdir)
-    for repo, folder in {**repos, WRONG: workdir / "wrong", SD_BASE: sd_base, SD_REPO: sd_loras}.items():
+    from converter.app.demo_pipelines import diffusion_repos
+
+    more = diffusion_repos(workdir / "diffusion")  # tiny SDXL and Flux pipelines with their kohya LoRAs
+    for repo, folder in {**repos, WRONG: workdir / "wrong", SD_BASE: sd_base, SD_REPO: sd_loras, **more}.items():
         server.seed_folder(repo, folder)
 
 
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         seed_demo(server, Path(tmp), cache=root / "seed-cache", fast=args.tiny)
     print(
         f"demo repos: base {BASE}, adapters {LORA}, {LORA_B} (and {WRONG}, which does not fit the base); "
-        f"diffusion base {SD_BASE}, kohya LoRA {SD_LORA} (and {SD_BAD}, a broken file).\n"
+        f"diffusion base {SD_BASE}, kohya LoRA {SD_LORA} (and {SD_BAD}, a broken file); {SDXL_BASE} with "
+        f"{SDXL_LORA}; {FLUX_BASE} with {FLUX_LORA}.\n"
         f"Open http://127.0.0.1:{args.port}, click 'Sign in with Hugging Face' (a local mock: you are '{DEMO_USER}').",
         flush=True,
     )

@@ -23,8 +23,18 @@ KINDS = ("convert", "merge", "verify")
 #: Options a job may carry, per kind (anything else is a typo and refused).
 _OPTIONS = {
     "convert": {"to", "base", "component", "rank", "allow_pickle"},
-    "merge": {"base", "adapter", "adapters", "weights", "dtype", "create_pr", "overwrite", "private", "verify",
-              "max_shard_size"},
+    "merge": {
+        "base",
+        "adapter",
+        "adapters",
+        "weights",
+        "dtype",
+        "create_pr",
+        "overwrite",
+        "private",
+        "verify",
+        "max_shard_size",
+    },
     "verify": {"base"},
 }
 _COMMON = {"id", "timeout", "memory"}

@@ -90,6 +90,7 @@ def verify(
     token: str | None = None,
     log: Callable[[str], None] = print,
     mode: str = "quick",
+    single_file_config: str | None = None,
 ) -> dict:
     """Compare `merged` with base + adapters (unmerged); returns the report (also written next to the model).
 
@@ -98,8 +99,14 @@ def verify(
     alone (the verdict never used more); "full" also runs `max_new_tokens` greedy tokens per prompt for the card."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
+    merged = Path(merged)
+    if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
+        # a diffusers pipeline or a single diffusion file: diffusers' own loader, else the published formula
+        from converter.verify.diffusion import verify_diffusion
+
+        return verify_diffusion(merged, recipe, token=token, log=log, single_file_config=single_file_config)
     with temp_folder("verify", log=log) as scratch:
-        return _verify(Path(merged), recipe, prompts, (mode, max_new_tokens), memory, token, log, Path(scratch))
+        return _verify(merged, recipe, prompts, (mode, max_new_tokens), memory, token, log, Path(scratch))
 
 
 def _verify(
@@ -117,18 +124,8 @@ def _verify(
     from converter.sources import fetch
 
     started = time.time()
-    if (merged / "model_index.json").is_file():  # a diffusers pipeline: checked through diffusers' own loader
-        from converter.verify.diffusion import verify_diffusion
-
-        return verify_diffusion(merged, recipe, token=token, log=log)
     mode, max_new_tokens = mode_tokens
     new_tokens = max_new_tokens if mode == "full" else 0
-    if not (merged / "config.json").is_file():
-        return skipped_report(
-            merged,
-            "the merge is a single diffusion checkpoint file; the generation check needs a diffusers folder "
-            "(model_index.json)",
-        )
     output_dtype, params = weights_summary(merged)
     stored_4bit = four_bit_config(merged)
     # Weights kept in their own dtype, float32 per layer (precision.py); 4-bit paths load in the compute dtype,

@@ -6,9 +6,11 @@ Three models, one pipeline in memory at a time: the reference (base + adapters t
 touched component is run on fixed seeded inputs: the denoiser (UNet) at a few timesteps across the schedule, the
 text encoders on fixed token ids. Its relative error against the reference must stay within what rounding the
 merged weights to their dtype can explain, and far below the adapter's own effect (base vs reference); hooks on
-every Linear/Conv name the first module that disagrees. A few small images (fixed seed, few steps) are made by
+every Linear/Conv name the first module that disagrees (run only after a fail: both models once more on the
+first input, as the hooks cost about three forwards). A few small images (fixed seed, few steps) are made by
 each model and saved next to the report with PSNR / max pixel difference: shown, not judged (a few sampler steps
-amplify rounding unevenly; the components' check is the verdict).
+amplify rounding unevenly; the components' check is the verdict). Where diffusers cannot be the referee (it
+refuses or would misread the file, include/exclude, a base it cannot load), `formula.py` is.
 """
 
 from __future__ import annotations
@@ -54,55 +56,67 @@ def tolerance(output_dtype: str) -> dict:
 
 
 def verify_diffusion(
-    merged: Path, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print
+    merged: Path,
+    recipe: Recipe,
+    *,
+    token: str | None = None,
+    log: Callable[[str], None] = print,
+    single_file_config: str | None = None,
 ) -> dict:
-    """Compare the merged diffusers folder with base + adapters through diffusers; writes and returns the report."""
+    """Compare the merged diffusers folder (or single file) with base + adapters through diffusers; writes and
+    returns the report. A single-file base and its merge load with diffusers' `from_single_file`
+    (`single_file_config`: the diffusers config folder or repo it needs, default diffusers' own guess, which it
+    fetches from the Hub); where that fails, the published formula referees."""
 
     from converter.sources import fetch
 
     started = time.time()
     merged = Path(merged)
-    if any(spec.include or spec.exclude for spec in recipe.adapters):
-        return skipped_report(
-            merged,
-            "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/"
-            "exclude), so it cannot be the unmerged reference for this merge",
-        )
     base = fetch(recipe.base, "model", token).local
-    if not is_diffusion(base):
-        return skipped_report(
-            merged,
-            "the base is a single-file checkpoint; the generation check needs a diffusers "
-            "folder (model_index.json) for base and merge",
-        )
+
+    def fallback(reason: str) -> dict:
+        return formula_or_skip(merged, recipe, base, reason, token=token, log=log)
+
+    if any(spec.include or spec.exclude for spec in recipe.adapters):
+        return fallback("diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)")
+    single = not is_diffusion(base)
+    if single and not Path(base).is_file():
+        return fallback("the base is neither a diffusers folder nor a single file")
+
+    def load(which: Path):
+        return _load_single(which, single_file_config) if single else _load(which)
+
     sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
+    if dora := _lycoris_dora(sources):
+        return fallback(
+            f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
+        )
     log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
     clock = Clock()
     try:
-        pipe = _load(base)
+        pipe = load(base)
+    except Exception as e:  # noqa: BLE001 - diffusers cannot read the single file here (offline, no config)
+        return fallback(f"diffusers' from_single_file cannot load the base here ({_first_line(e)})")
+    try:
         ignored = _apply_adapters(pipe, recipe, sources)
-    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter is a skip, said in one line
-        return skipped_report(
-            merged,
-            f"diffusers cannot apply the adapters to this base unmerged "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
-        )
+    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter: the published formula referees
+        del pipe
+        return fallback(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})")
     if ignored:
-        return skipped_report(
-            merged,
-            f"diffusers' loader ignores the per-module alphas of {ignored} modules of "
-            "this file (its alpha_pattern names never match), so it would be a wrong referee",
+        del pipe
+        return fallback(
+            f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its alpha_pattern "
+            "names never match), so it would be a wrong referee"
         )
     clock.lap("load reference")
     touched = sorted(pipe.get_list_adapters())
     denoiser = _denoiser_name(pipe)
     if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
         kind = type(getattr(pipe, denoiser or "unet", None)).__name__
-        return skipped_report(
-            merged, f"the generation check has no fixed inputs for a {kind} yet (covered: {', '.join(DENOISER_INPUTS)})"
-        )
+        del pipe
+        return fallback(f"the generation check has no fixed inputs for a {kind} yet")
     inputs = _inputs(pipe, touched)
-    ref = _run(pipe, inputs, touched, hooks=True)
+    ref = _run(pipe, inputs, touched, hooks=False)
     clock.lap("run reference")
     images_here = _can_make_images(pipe)
     ref_images = _images(pipe) if images_here else []
@@ -113,17 +127,18 @@ def verify_diffusion(
     clock.lap("run bare base + images")
     del pipe
     gc.collect()
-    pipe = _load(merged)
+    pipe = load(merged / Path(base).name if single else merged)
     clock.lap("load merged")
-    out = _run(pipe, inputs, touched, hooks=True)
+    out = _run(pipe, inputs, touched, hooks=False)
     out_images = _images(pipe) if images_here else []
     clock.lap("run merged + images")
     del pipe
     gc.collect()
 
-    output_dtype = _stored_dtype(merged / denoiser)
+    output_dtype = _single_file_dtype(merged / Path(base).name) if single else _stored_dtype(merged / denoiser)
     tol = tolerance(output_dtype)
     problems, notes, components, culprit = [], [], {}, None
+    failing: list[str] = []
     for name in touched:
         m, b = (
             _compare(ref[name]["outputs"], out[name]["outputs"]),
@@ -143,21 +158,37 @@ def verify_diffusion(
                 f"{b['rel_err']:.3g}): was anything merged?"
             )
         if bad:
-            first = _first_disagreement(ref[name]["probe"], out[name]["probe"], tol["module_rel_err"])
+            failing.append(name)
+        problems += bad
+    if failing:  # only now the module probe: hooks on every Linear/Conv cost ~3x a forward, on the first input
+        log(f"locating the first disagreeing module of {', '.join(failing)} (both models once more, with hooks)")
+        probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
+        pipe = load(base)
+        _apply_adapters(pipe, recipe, sources)
+        ref_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        pipe = load(merged / Path(base).name if single else merged)
+        out_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        clock.lap("module probe")
+        for name in failing:
+            first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
             if first:
                 first["module"] = f"{name}.{first['module']}"
                 culprit = culprit or first
-                bad.append(
+                problems.append(
                     f"first module that disagrees: {first['module']} (relative error {first['relative_error']:.3g})"
                 )
-        problems += bad
     images = _save_images(merged, ref_images, out_images, bare_images)
     report = {
         "kind": "diffusion",
         "verdict": "fail" if problems else "pass",
         "problems": problems,
         "notes": notes,
-        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters",
+        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters"
+        + (" (base and merge loaded by from_single_file)" if single else ""),
         "compute_dtype": "float32",
         "output_dtype": output_dtype,
         "tolerance": tol,
@@ -178,6 +209,118 @@ def verify_diffusion(
     return report
 
 
+def _first_line(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:120]}{'...' if len(text) > 120 else ''}"
+
+
+def _load_single(file: Path, config: str | None):
+    """A single-file checkpoint as its family's diffusers pipeline (`from_single_file`). Parts the file does not
+    carry and the pipeline can go without (tokenizers, safety checker) are None; a VAE missing from the file is
+    the config folder's, when that is a local folder holding one."""
+    import inspect
+
+    import diffusers
+    import torch
+    from diffusers.utils import logging as dlog
+
+    from converter.checkpoint import open_base
+    from converter.keymap import keymap_for
+
+    checkpoint = open_base(file)
+    keymap = keymap_for(checkpoint.config)
+    if not keymap.pipelines:
+        raise ValueError(f"no diffusers pipeline for the {keymap.name} family")
+    cls = getattr(diffusers, keymap.pipelines[0])
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {"torch_dtype": torch.float32, **{k: None for k in OPTIONAL if k in params}}
+    if config:
+        kwargs["config"] = str(config)
+        vae = Path(config) / "vae"
+        if vae.is_dir() and not any(k.startswith("first_stage_model.") for k in checkpoint.names()):
+            kwargs["vae"] = diffusers.AutoencoderKL.from_pretrained(vae, torch_dtype=torch.float32)
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        pipe = cls.from_single_file(str(file), **kwargs)
+    finally:
+        dlog.set_verbosity(level)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _single_file_dtype(file: Path) -> str:
+    from converter.checkpoint import SafetensorsFile
+
+    tensors = SafetensorsFile(file).tensors
+    first = next(iter(tensors.values())).dtype
+    return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
+
+
+def _lycoris_dora(sources: list[Path]) -> str | None:
+    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
+    from converter.checkpoint import SafetensorsFile
+
+    for path in sources:
+        is_file = path.is_file() and path.suffix == ".safetensors"
+        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
+            return path.name
+    return None
+
+
+def formula_or_skip(
+    merged: Path, recipe: Recipe, base: Path, reason: str, *, token: str | None, log: Callable[[str], None]
+) -> dict:
+    """The published-formula reference (verify/formula.py) where diffusers cannot referee; a skip, said with
+    both reasons, where that has no formula for some patch either (DoRA ...). When the base pipeline can make
+    images, the base's images are made first, then the same pipeline takes each reference tensor as the
+    formula computes it (the reference's images), then the merged pipeline's: one pipeline in memory at a time."""
+    from converter.verify.formula import Unsupported, markdown, verify_formula
+
+    gc.collect()
+    pipe, bare = None, []
+    if is_diffusion(base) and _complete(Path(base)):
+        pipe = _load(Path(base))
+        bare = _images(pipe)
+    params: dict = {}  # "component/key" of the checkpoint -> the base pipeline's parameter
+    for component in MODEL_PARTS if pipe is not None else ():
+        model = getattr(pipe, component, None)
+        for key, param in model.named_parameters() if model is not None else ():
+            params[f"{component}/{key}"] = param
+            params.setdefault(f"{component}/{key.removeprefix('text_model.')}", param)
+    missing = []
+
+    def put(name: str, ref) -> None:
+        import torch
+
+        param = params.get(name)
+        if param is None or param.shape != ref.shape:
+            missing.append(name)
+            return
+        with torch.no_grad():
+            param.copy_(ref.to(param.dtype))
+
+    try:
+        report = verify_formula(
+            merged, recipe, Path(base), reason, token=token, log=log, on_reference=put if pipe else None
+        )
+    except Unsupported as e:
+        return skipped_report(merged, f"{reason}, and the published-formula reference cannot recompute it ({e})")
+    if pipe is None or missing:
+        return report
+    ref_images = _images(pipe)
+    del pipe
+    gc.collect()
+    pipe = _load(merged)
+    out_images = _images(pipe)
+    del pipe
+    gc.collect()
+    report["images"] = _save_images(merged, ref_images, out_images, bare)
+    report["markdown"] = markdown(report)
+    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def _load(folder: Path):
     """The whole pipeline when its folder has one (UNet, VAE, scheduler: images can be made), else the pipeline
     class built from the model components the folder holds (None for the rest), enough for diffusers' loader."""
@@ -189,7 +332,7 @@ def _load(folder: Path):
     level = dlog.get_verbosity()
     dlog.set_verbosity_error()
     try:
-        if all((folder / c).is_dir() for c in ("unet", "vae", "scheduler")):
+        if _complete(folder):
             absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
             pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
             pipe.set_progress_bar_config(disable=True)
@@ -197,6 +340,12 @@ def _load(folder: Path):
         return _partial(folder, index)
     finally:
         dlog.set_verbosity(level)
+
+
+def _complete(folder: Path) -> bool:
+    """A pipeline folder that can make images: a denoiser, a VAE and a scheduler."""
+    denoiser = any((folder / c).is_dir() for c in ("unet", "transformer"))
+    return denoiser and all((folder / c).is_dir() for c in ("vae", "scheduler"))
 
 
 OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
@@ -257,7 +406,12 @@ def _denoiser_name(pipe) -> str | None:
 
 
 def _can_make_images(pipe) -> bool:
-    return all(getattr(pipe, c, None) is not None for c in ("unet", "vae", "scheduler"))
+    if not all(getattr(pipe, c, None) is not None for c in ("vae", "scheduler")):
+        return False
+    if getattr(pipe, "unet", None) is not None:
+        return True
+    kind = type(getattr(pipe, "transformer", None)).__name__
+    return kind == "FluxTransformer2DModel" and all(getattr(pipe, c, None) is not None for c in _text_encoders(pipe))
 
 
 def _inputs(pipe, touched: list[str]) -> dict:
@@ -422,7 +576,10 @@ def _images(pipe) -> list:
     import numpy as np
     import torch
 
-    size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    if getattr(pipe, "unet", None) is not None:
+        size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    else:  # Flux: latents packed 2x2 into tokens, an 8x8-token image
+        size = pipe.vae_scale_factor * 2 * 8
     kwargs = _prompt_embeds(pipe)
     with torch.no_grad():
         out = pipe(
@@ -446,12 +603,17 @@ def _prompt_embeds(pipe) -> dict:
         n: torch.randint(
             0,
             getattr(pipe, n).config.vocab_size,
-            (IMAGE_COUNT, min(int(getattr(pipe, n).config.max_position_embeddings), 16)),
+            (IMAGE_COUNT, min(int(getattr(getattr(pipe, n).config, "max_position_embeddings", 16)), 16)),
             generator=g,
         )
         for n in encoders
     }
     with torch.no_grad():
+        if getattr(pipe, "transformer", None) is not None:  # Flux: T5's hidden states, CLIP's pooled output
+            return {
+                "prompt_embeds": pipe.text_encoder_2(ids["text_encoder_2"]).last_hidden_state,
+                "pooled_prompt_embeds": pipe.text_encoder(ids["text_encoder"]).pooler_output,
+            }
         if len(encoders) == 1:
             return {"prompt_embeds": getattr(pipe, encoders[0])(ids[encoders[0]]).last_hidden_state}
         hidden, pooled = [], None

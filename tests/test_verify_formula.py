@@ -1,0 +1,255 @@
+"""Where diffusers cannot referee a diffusion merge (per-module alphas it misreads, LyCORIS files it refuses,
+include/exclude, single-file bases), the published formula in float64 does: a right merge passes (float32 and
+bfloat16 outputs), each sabotage fails and names the tensor, and the card says which reference was used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusion_helpers import UNET_TARGETS, kohya_lora, kohya_modules, make_pipeline, read_component, save
+from safetensors.torch import load_file, save_file
+from test_community_lycoris import CASES
+from test_community_sd import sd15_lora, to_ldm
+
+TENSORS = "diffusion_pytorch_model.safetensors"
+Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"
+LABEL = "reference: published formula, float64"
+
+
+@pytest.fixture(autouse=True)
+def few_images(monkeypatch):
+    import converter.verify.diffusion as diffusion
+
+    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
+    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory):
+    """A tiny SD 1.5 pipeline and a kohya LoRA with alphas 2, 3, 4 by module: diffusers ignores those of the
+    attention projections, so it cannot referee this file."""
+    root = tmp_path_factory.mktemp("formula")
+    models = make_pipeline(root / "base", "sd15")
+    save(sd15_lora(models), root / "lora.safetensors")
+    return root, models
+
+
+def merge(cli, base, adapter, out, *extra, verify=True):
+    code, stdout, err = cli("merge", "--base", base, "--adapter", adapter, "--out", out, *extra, verify=verify)
+    return code, stdout + err
+
+
+def report_of(folder):
+    return json.loads((folder / "verification.json").read_text())
+
+
+def verify(cli, base, adapter, folder, *extra):
+    code, out, err = cli("verify", folder, "--base", base, "--adapter", adapter, *extra)
+    return code, out + err, report_of(folder)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_right_merge_passes_by_the_published_formula_and_says_so(sd15, tmp_path, cli, dtype):
+    root, _ = sd15
+    code, log = merge(cli, root / "base", root / "lora.safetensors", tmp_path / "m", "--dtype", dtype)
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and report["reference"] == "published formula, float64", report["problems"]
+    assert "per-module alphas" in report["reference_reason"]
+    modules = sum(k.endswith(".lora_down.weight") for k in load_file(root / "lora.safetensors"))
+    assert set(report["components"]) == {"unet", "text_encoder"} and report["tensors_checked"] == modules
+    for c in report["components"].values():
+        assert c["max_error_over_bound"] <= 1 < c["base_vs_reference_max"], c
+    assert report["untouched_identical"] > 0
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert f"**Passed** ({LABEL})" in card and "diffusers' load_lora_weights" not in card
+    # the base pipeline holding the formula's weights made the reference images
+    (image,) = report["images"]
+    assert image["psnr"] > 40 and "](verification/reference-0.png)" in card
+
+
+@pytest.fixture(scope="module")
+def merged(sd15, tmp_path_factory):
+    from converter.cli import main
+
+    root, _ = sd15
+    out = tmp_path_factory.mktemp("fm") / "merged"
+    assert main(["merge", "--base", str(root / "base"), "--adapter", str(root / "lora.safetensors"), "--out",
+                 str(out), "--no-verify"]) == 0  # fmt: skip
+    return out
+
+
+def edit(merged, base, folder, kind):
+    shutil.copytree(merged, folder)
+    f = folder / "unet" / TENSORS
+    t, before = load_file(f), load_file(base / "unet" / TENSORS)
+    if kind == "one perturbed tensor":
+        t[Q] = t[Q] + 0.05 * t[Q].std() * torch.randn_like(t[Q])
+    elif kind == "nothing merged":
+        t[Q] = before[Q]
+    elif kind == "an untouched tensor changed":
+        key = "conv_in.weight"
+        t[key] = t[key] * 1.01
+        return save_file(t, f, metadata={"format": "pt"}), "unet.conv_in"
+    save_file(t, f, metadata={"format": "pt"})
+    return None, "unet." + Q.removesuffix(".weight")
+
+
+@pytest.mark.parametrize("kind", ["one perturbed tensor", "nothing merged", "an untouched tensor changed"])
+def test_each_sabotage_fails_and_names_the_tensor(sd15, merged, tmp_path, cli, kind):
+    root, _ = sd15
+    _, module = edit(merged, root / "base", tmp_path / "s", kind)
+    code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "s")
+    assert code == 3 and report["verdict"] == "fail", log
+    assert report["first_disagreeing_module"]["module"] == module, report["problems"]
+    assert "first module that disagrees" in log
+    if kind == "nothing merged":
+        assert any("was anything merged" in p for p in report["problems"]), report["problems"]
+
+
+def test_a_tensor_missing_from_the_merge_fails(sd15, merged, tmp_path, cli):
+    root, _ = sd15
+    shutil.copytree(merged, tmp_path / "s")
+    f = tmp_path / "s" / "unet" / TENSORS
+    t = load_file(f)
+    del t["conv_out.bias"]
+    save_file(t, f, metadata={"format": "pt"})
+    code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "s")
+    assert code == 3 and "1 missing (e.g. unet/conv_out.bias)" in report["problems"][0], log
+
+
+def test_scale_dropped_fails(sd15, tmp_path, cli):
+    """Merged from the same factors with every alpha removed (scale 1), verified against the real file."""
+    root, _ = sd15
+    lora = load_file(root / "lora.safetensors")
+    save({k: v for k, v in lora.items() if not k.endswith(".alpha")}, tmp_path / "noalpha.safetensors")
+    assert merge(cli, root / "base", tmp_path / "noalpha.safetensors", tmp_path / "m", verify=False)[0] == 0
+    code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "m")
+    assert code == 3 and report["verdict"] == "fail", log
+    assert report["reference"] == "published formula, float64"
+    assert {c for c, v in report["components"].items() if v["failed"]} == {"unet", "text_encoder"}
+
+
+def test_include_exclude_is_refereed_on_what_was_admitted(sd15, tmp_path, cli):
+    root, _ = sd15
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"base: {root / 'base'}\nadapters:\n  - source: {root / 'lora.safetensors'}\n    exclude: ['^text_encoder/']\n"
+    )
+    code, out, err = cli("merge", "--recipe", recipe, "--out", tmp_path / "m", verify=True)
+    assert code == 0, out + err
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and set(report["components"]) == {"unet"}, report
+    assert "include/exclude" in report["reference_reason"]
+
+
+@pytest.mark.parametrize("name", ["loha_linear_and_conv", "lokr_decomposed_and_conv", "full_diff_and_bias",
+                                  "locon_tucker_mid"])  # fmt: skip
+def test_lycoris_files_diffusers_refuses_are_refereed_by_the_formula(sd15, tmp_path, cli, name):
+    root, _ = sd15
+    tensors, _ = CASES[name]()
+    save(tensors, tmp_path / "lyco.safetensors", {"ss_network_module": "lycoris.kohya"})
+    code, log = merge(cli, root / "base", tmp_path / "lyco.safetensors", tmp_path / "m", "--dtype", "bfloat16")
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and report["reference"] == "published formula, float64", report
+    # the merge at weight 1 is not the file at weight 0.5 (the weight, like alpha, is in the reference)
+    code, log, report = verify(cli, root / "base", tmp_path / "lyco.safetensors", tmp_path / "m", "--weight", "0.5")
+    assert code == 3 and report["verdict"] == "fail", log
+
+
+def test_dora_has_no_formula_here_and_is_skipped_with_both_reasons(sd15, tmp_path, cli):
+    root, _ = sd15
+    tensors, _ = CASES["dora_output_axis"]()
+    save(tensors, tmp_path / "dora.safetensors", {"ss_network_module": "lycoris.kohya"})
+    code, log = merge(cli, root / "base", tmp_path / "dora.safetensors", tmp_path / "m")
+    report = report_of(tmp_path / "m")
+    assert code == 0 and report["verdict"] == "skipped", log
+    assert "published-formula reference cannot recompute it (DoRA" in report["notes"][0]
+
+
+def test_single_file_base_is_refereed_and_a_sabotage_fails(sd15, tmp_path, cli):
+    root, models = sd15
+    single = save(to_ldm(models, "sd"), tmp_path / "sd15.safetensors")
+    code, log = merge(cli, single, root / "lora.safetensors", tmp_path / "m")
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and report["tensors_checked"] > 100, report
+    assert "from_single_file cannot load the base here" in report["reference_reason"]  # offline, no config
+    f = tmp_path / "m" / "sd15.safetensors"
+    t = load_file(f)
+    key = next(k for k in sorted(t) if "input_blocks.1.1" in k and k.endswith("attn1.to_q.weight"))
+    t[key] = t[key] * 1.001
+    save_file(t, f)
+    code, log, report = verify(cli, single, root / "lora.safetensors", tmp_path / "m")
+    assert code == 3 and report["first_disagreeing_module"]["module"] == key.removesuffix(".weight"), log
+
+
+def test_unet_only_lora_with_one_alpha_still_goes_to_diffusers(sd15, tmp_path, cli):
+    """The fallback is a fallback: a file diffusers reads right is refereed by diffusers (with images)."""
+    root, models = sd15
+    lora = kohya_lora(kohya_modules(models["unet"], "lora_unet", UNET_TARGETS), alpha=None)
+    save(lora, tmp_path / "plain.safetensors")
+    code, log = merge(cli, root / "base", tmp_path / "plain.safetensors", tmp_path / "m")
+    report = report_of(tmp_path / "m")
+    assert code == 0 and report["verdict"] == "pass" and "diffusers" in report["reference"], log
+    assert report["images"] and read_component(tmp_path / "m", "unet")
+
+
+def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sabotage_fails(sd15, tmp_path, cli):
+    """With the diffusers config at hand, diffusers itself loads base and merge (`from_single_file`) and its
+    loader applies the adapter: the generation check, images included (a one-alpha file diffusers reads right)."""
+    root, models = sd15
+    single = save(to_ldm(models, "sd"), tmp_path / "sd15.safetensors")
+    lora = kohya_lora(kohya_modules(models["unet"], "lora_unet", UNET_TARGETS), alpha=None)
+    save(lora, tmp_path / "plain.safetensors")
+    config = ("--single-file-config", root / "base")
+    code, log = merge(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and "from_single_file" in report["reference"], report
+    assert report["images"] and report["output_dtype"] == "F32"
+    assert "](verification/merged-0.png)" in (tmp_path / "m" / "README.md").read_text()
+    f = tmp_path / "m" / "sd15.safetensors"
+    t = load_file(f)
+    key = next(k for k in sorted(t) if "input_blocks.1.1" in k and k.endswith("attn1.to_q.weight"))
+    t[key] = t[key] + 0.05 * t[key].std() * torch.randn_like(t[key])
+    save_file(t, f)
+    code, log, report = verify(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
+    assert code == 3 and report["verdict"] == "fail", log
+    assert report["first_disagreeing_module"]["module"].startswith("unet.down_blocks.0.attentions.0"), report
+
+
+def test_a_denoiser_without_fixed_inputs_is_refereed_by_the_formula_with_the_metadata_scale(tmp_path, cli):
+    """SD3: diffusers loads the LoRA (its own save, lora_alpha in lora_adapter_metadata) but the generation check
+    has no fixed inputs for its transformer: the formula referees, with alpha / r from that metadata."""
+    import copy
+
+    from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from test_community_sd3 import tiny_sd3
+
+    model = tiny_sd3()
+    model.save_pretrained(tmp_path / "pipe" / "transformer")
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    config = LoraConfig(r=2, lora_alpha=6, target_modules=["to_q", "to_k", "to_v", "ff.net.0.proj"],
+                        init_lora_weights=False)  # fmt: skip
+    trained = copy.deepcopy(model)
+    trained.add_adapter(config)
+    SD3LoraLoaderMixin.save_lora_weights(
+        tmp_path / "lora",
+        transformer_lora_layers=get_peft_model_state_dict(trained),
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    adapter = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    code, log = merge(cli, tmp_path / "pipe", adapter, tmp_path / "m")
+    assert code == 0, log
+    report = report_of(tmp_path / "m")
+    assert report["verdict"] == "pass" and "no fixed inputs for a SD3Transformer2DModel" in report["reference_reason"]
+    assert report["components"]["transformer"]["tensors"] > 0
+    code, log, report = verify(cli, tmp_path / "pipe", adapter, tmp_path / "m", "--weight", "0.5")
+    assert code == 3 and report["reference"] == "published formula, float64", log
