@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,6 +256,16 @@ def _stream(
     log: Callable[[str], None],
     use_numpy: bool = False,
 ) -> None:
+    # The math runs on one thread per core while this one reads and the writer and hasher threads do I/O.
+    if use_numpy:
+        npmerge.one_blas_thread()
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="converter-math") as pool:
+        _stream_into(checkpoint, plan, writers, readers, log, use_numpy, pool)
+
+
+def _stream_into(
+    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable, use_numpy: bool, pool
+) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
     for o in plan.outputs:
@@ -266,7 +278,7 @@ def _stream(
         elif use_numpy and npmerge.supports(o):
             raw = reader.read_bytes(o.source) if in_order else checkpoint.read_bytes(o.source.name)
             base = npmath.view(raw, o.source.dtype, o.source.shape)
-            writer.write(name, lambda sink, o=o, base=base: _numpy_merged(o, base, sink))
+            writer.write(name, lambda sink, o=o, base=base: _numpy_merged(o, base, sink, pool))
             del raw, base
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
@@ -287,14 +299,9 @@ def _stream(
             next_report += 0.1
 
 
-def _numpy_merged(o: OutputTensor, base, sink) -> None:
-    """Merge `o` block by block (converter.npmerge) into `sink`; the finite check runs on each block's bits."""
-    for block in npmerge.merged_blocks(o, base):
-        if o.patches and not npmath.finite(block, o.dtype):
-            raise ConverterError(
-                f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "
-                "base; check its alpha/scale, or merge into a wider --dtype)"
-            )
+def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
+    """Merge `o` block by block (converter.npmerge, on `pool`'s threads) into `sink`, in order."""
+    for block in npmerge.merged_blocks(o, base, pool):
         sink(memoryview(block).cast("B"))
 
 

@@ -13,15 +13,22 @@ that is PEFT's float64 merge rounded once, which the float32 torch path matches 
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future
+from functools import cache
 
 import numpy as np
 
 from converter import npmath
+from converter.errors import ConverterError
 from converter.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
 from converter.plan import OutputTensor, PlannedPatch
 
-BLOCK_ELEMENTS = 1 << 17  # 128 K elements: a float64 block and its product fit in L2 (measured fastest)
+BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
+AHEAD = 8  # blocks in flight per tensor on the pool: enough to keep two cores busy, a few MiB at most
 
 
 def _numpy_ref(ref: Ref) -> bool:
@@ -122,36 +129,96 @@ class _Delta:
                 target += values * self.factor
 
 
-def merged_blocks(o: OutputTensor, base: np.ndarray) -> Iterator[np.ndarray]:
-    """Output tensor `o` in row blocks (each a fresh array in o.dtype's numpy form), from `base` (npmath.view of
-    the base tensor's bytes). Patches apply in order; a replacement restarts from its value."""
-    start, src, src_dtype = 0, base, o.source.dtype
-    for k, pp in enumerate(o.patches):
-        if isinstance(pp.patch, Replace):
-            start, src_dtype = k + 1, pp.patch.value.source.dtype(pp.patch.value.name)
-            src = npmath.view(pp.patch.value.source.file.read_bytes(pp.patch.value.name), src_dtype, o.shape)
-    shape = o.shape or (1,)
-    src = src.reshape(shape)
-    deltas = [_Delta(pp, shape) for pp in o.patches[start:]]
-    row = max(1, int(np.prod(shape[1:], dtype=np.int64)))
-    step = max(1, BLOCK_ELEMENTS // row)
-    buf32 = np.empty(min(step, shape[0]) * row, np.float32)
-    buf64 = np.empty(min(step, shape[0]) * row, np.float64) if deltas else None
-    tmp = np.empty_like(buf64) if deltas else None
-    for i in range(0, shape[0], step):
-        j = min(shape[0], i + step)
-        block_shape = (j - i, *shape[1:])
-        w = npmath.widen(src[i:j], src_dtype, out=buf32[: (j - i) * row].reshape(block_shape))
-        if not deltas:
-            yield npmath.narrow(w, o.dtype) if o.dtype != src_dtype else src[i:j].copy()
-            continue
-        acc = buf64[: (j - i) * row].reshape(block_shape)
-        first = deltas[0].covers(i, j) and deltas[0].left is not None
+class _Buffers(threading.local):
+    """Each thread's scratch blocks, reused (a fresh 256 KiB array per block would be an mmap and page faults)."""
+
+    def get(self, kind: str, n: int, dtype) -> np.ndarray:
+        buf = self.__dict__.get(kind)
+        if buf is None or buf.size < n:
+            buf = self.__dict__[kind] = np.empty(max(n, BLOCK_ELEMENTS), dtype)
+        return buf[:n]
+
+
+_BUFFERS = _Buffers()
+
+
+class _Tensor:
+    """One output tensor, prepared: its starting values and its deltas; `block(i)` merges rows [i, i + step)."""
+
+    def __init__(self, o: OutputTensor, base: np.ndarray):
+        start, src, self.src_dtype = 0, base, o.source.dtype
+        for k, pp in enumerate(o.patches):
+            if isinstance(pp.patch, Replace):
+                value = pp.patch.value
+                start, self.src_dtype = k + 1, value.source.dtype(value.name)
+                src = npmath.view(value.source.file.read_bytes(value.name), self.src_dtype, o.shape)
+        self.o, self.shape = o, o.shape or (1,)
+        self.src = src.reshape(self.shape)
+        self.deltas = [_Delta(pp, self.shape) for pp in o.patches[start:]]
+        self.row = max(1, int(np.prod(self.shape[1:], dtype=np.int64)))
+        self.step = max(1, BLOCK_ELEMENTS // self.row)
+        self.starts = range(0, self.shape[0], self.step)
+
+    def block(self, i: int) -> np.ndarray:
+        j = min(self.shape[0], i + self.step)
+        n, block_shape = (j - i) * self.row, (j - i, *self.shape[1:])
+        w = npmath.widen(self.src[i:j], self.src_dtype, out=_BUFFERS.get("w", n, np.float32).reshape(block_shape))
+        if not self.deltas:
+            return npmath.narrow(w, self.o.dtype) if self.o.dtype != self.src_dtype else self.src[i:j].copy()
+        acc = _BUFFERS.get("acc", n, np.float64).reshape(block_shape)
+        tmp = _BUFFERS.get("tmp", n, np.float64)
+        first = self.deltas[0].covers(i, j) and self.deltas[0].left is not None
         if first:  # the common case, one LoRA: the product goes straight into acc, then the base is added
-            deltas[0].add(acc, i, j, tmp, first=True)
+            self.deltas[0].add(acc, i, j, tmp, first=True)
             acc += w
         else:
             np.copyto(acc, w)
-        for d in deltas[1 if first else 0 :]:
+        for d in self.deltas[1 if first else 0 :]:
             d.add(acc, i, j, tmp)
-        yield npmath.narrow(acc, o.dtype)
+        out = npmath.narrow(acc, self.o.dtype)
+        if not npmath.finite(out, self.o.dtype):
+            raise ConverterError(
+                f"merged tensor {self.o.name} has NaN/Inf values in {self.o.dtype} (the adapter's delta overflows "
+                "this base; check its alpha/scale, or merge into a wider --dtype)"
+            )
+        return out
+
+
+@cache
+def one_blas_thread() -> None:
+    """Ask numpy's OpenBLAS for one thread: each product is a (rows, r) @ (r, in) block, too small to split, and
+    BLAS threads spinning next to our own math threads made the merge 15x slower on 2 cores (measured).
+    The CLI sets OPENBLAS_NUM_THREADS before numpy loads; this covers callers that imported numpy already."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.lower() and line.rstrip().endswith(".so")}
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            for name in (
+                "scipy_openblas_set_num_threads64_",
+                "scipy_openblas_set_num_threads",
+                "openblas_set_num_threads",
+            ):
+                if hasattr(lib, name):
+                    getattr(lib, name)(1)
+    except OSError:  # not Linux, or no OpenBLAS: nothing to do
+        pass
+
+
+def merged_blocks(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> Iterator[np.ndarray]:
+    """Output tensor `o` in row blocks (each a fresh array in o.dtype's numpy form), from `base` (npmath.view of
+    the base tensor's bytes). Patches apply in order; a replacement restarts from its value.
+
+    With `pool`, blocks are merged on its threads (numpy and BLAS release the GIL), a bounded number ahead of the
+    one being yielded, and still yielded in order."""
+    t = _Tensor(o, base)
+    if pool is None:
+        yield from (t.block(i) for i in t.starts)
+        return
+    ahead: deque[Future] = deque()
+    for i in t.starts:
+        ahead.append(pool.submit(t.block, i))
+        if len(ahead) >= AHEAD:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
