@@ -36,6 +36,7 @@ def __getattr__(name: str):
         return _torch_tables()[1]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 FLOATING = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 # Names accepted by --dtype and written to config.json ("dtype" in transformers 5).

@@ -300,9 +300,8 @@ def _stream_into(
 
 
 def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
-    """Merge `o` block by block (converter.npmerge, on `pool`'s threads) into `sink`, in order."""
-    for block in npmerge.merged_blocks(o, base, pool):
-        sink(memoryview(block).cast("B"))
+    """Merge `o` (converter.npmerge, its row blocks on `pool`'s threads) and hand it to `sink` as one chunk."""
+    sink(memoryview(npmerge.merged(o, base, pool)).cast("B"))
 
 
 def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> None:

@@ -46,11 +46,15 @@ def _bf16_bits(u: np.ndarray, out: np.ndarray) -> np.ndarray:
     return np.right_shift(t, 16, out=out, casting="unsafe")
 
 
-def narrow(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float64 or float32 values rounded once to `dtype` (bfloat16 as uint16 bits), with torch's NaN bits."""
+def narrow(x: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """float64 or float32 values rounded once to `dtype` (bfloat16 as uint16 bits), with torch's NaN bits; into
+    `out` (of x's shape) when given."""
     target = NUMPY_FLOATS[dtype]
     if dtype != "BF16":
-        out = x.astype(target)
+        if out is None:
+            out = x.astype(target)
+        else:
+            np.copyto(out, x, casting="same_kind")
         if dtype == "F16" and x.dtype == np.float32 and not finite(out, dtype):
             nan = np.isnan(x)
             u = x.view(np.uint32)[nan]  # torch: sign, quiet bit, the payload's top ten bits (numpy keeps it nonzero)
@@ -66,7 +70,7 @@ def narrow(x: np.ndarray, dtype: str) -> np.ndarray:
             away = np.abs(exact) > np.abs(f.reshape(-1)[ties])
             inexact = exact != f.reshape(-1)[ties]
             flat[ties] += np.where(inexact, np.where(away, 1, -1), 0).astype(np.uint32)
-    out = _bf16_bits(u, np.empty(x.shape, np.uint16))
+    out = _bf16_bits(u, np.empty(x.shape, np.uint16) if out is None else out)
     if not finite(f, "F32"):  # the bit rounding above wraps NaN bits into anything: fix them from the input
         out[np.isnan(x)] = 0xFFFF  # torch's float32 -> bfloat16 writes every NaN as 0xFFFF
     return out

@@ -159,12 +159,18 @@ class _Tensor:
         self.step = max(1, BLOCK_ELEMENTS // self.row)
         self.starts = range(0, self.shape[0], self.step)
 
-    def block(self, i: int) -> np.ndarray:
+    def block(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [i, i + step) merged, into `out` (those rows of the output tensor) when given."""
         j = min(self.shape[0], i + self.step)
         n, block_shape = (j - i) * self.row, (j - i, *self.shape[1:])
         w = npmath.widen(self.src[i:j], self.src_dtype, out=_BUFFERS.get("w", n, np.float32).reshape(block_shape))
         if not self.deltas:
-            return npmath.narrow(w, self.o.dtype) if self.o.dtype != self.src_dtype else self.src[i:j].copy()
+            if self.o.dtype != self.src_dtype:
+                return npmath.narrow(w, self.o.dtype, out)
+            if out is None:
+                return self.src[i:j].copy()
+            np.copyto(out, self.src[i:j])
+            return out
         acc = _BUFFERS.get("acc", n, np.float64).reshape(block_shape)
         tmp = _BUFFERS.get("tmp", n, np.float64)
         first = self.deltas[0].covers(i, j) and self.deltas[0].left is not None
@@ -175,7 +181,7 @@ class _Tensor:
             np.copyto(acc, w)
         for d in self.deltas[1 if first else 0 :]:
             d.add(acc, i, j, tmp)
-        out = npmath.narrow(acc, self.o.dtype)
+        out = npmath.narrow(acc, self.o.dtype, out)
         if not npmath.finite(out, self.o.dtype):
             raise ConverterError(
                 f"merged tensor {self.o.name} has NaN/Inf values in {self.o.dtype} (the adapter's delta overflows "
@@ -222,3 +228,17 @@ def merged_blocks(o: OutputTensor, base: np.ndarray, pool: Executor | None = Non
             yield ahead.popleft().result()
     while ahead:
         yield ahead.popleft().result()
+
+
+def merged(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> np.ndarray:
+    """Output tensor `o` whole (one buffer: the writer gets one chunk per tensor, not one per block; each block
+    is written into its rows, on `pool`'s threads when given)."""
+    t = _Tensor(o, base)
+    out = np.empty(t.shape, npmath.NUMPY_FLOATS[o.dtype])
+    if pool is None or len(t.starts) == 1:
+        for i in t.starts:
+            t.block(i, out[i : i + t.step])
+    else:
+        for f in [pool.submit(t.block, i, out[i : i + t.step]) for i in t.starts]:
+            f.result()
+    return out

@@ -8,6 +8,7 @@ agrees with it but for rare one-ulp ties (tests/test_architectures.py holds both
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
@@ -217,10 +218,13 @@ def test_blocks_cover_every_row_with_several_patches():
     base = rng.standard_normal((out, inp)).astype(np.float32)
     o = OutputTensor("w", TensorInfo("w", "F32", (out, inp), 0, base.nbytes), "F32", (out, inp),
                      [PlannedPatch(0, lora, None, False), PlannedPatch(0, part, (400, 600), False)])  # fmt: skip
-    ours = np.concatenate(list(npmerge.merged_blocks(o, base)))
     exact = base.astype(np.float64) + 0.5 * (up.astype(np.float64) @ down)
     exact[400:600] += 2.0 * (up[400:600].astype(np.float64) @ down)
-    assert np.array_equal(ours, exact.astype(np.float32))
+    exact = exact.astype(np.float32)
+    assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base))), exact)
+    with ThreadPoolExecutor(2) as pool:  # the blocks on two threads: the same bytes, in order
+        assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base, pool))), exact)
+        assert np.array_equal(npmerge.merged(o, base, pool), exact)
 
 
 @pytest.mark.parametrize("kind", ["loha"])
