@@ -300,8 +300,9 @@ def _stream_into(
 
 
 def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
-    """Merge `o` (converter.npmerge, its row blocks on `pool`'s threads) and hand it to `sink` as one chunk."""
-    sink(memoryview(npmerge.merged(o, base, pool)).cast("B"))
+    """Merge `o` (converter.npmerge, its row blocks on `pool`'s threads) into `sink`, 8 MiB at a time."""
+    for chunk in npmerge.merged_chunks(o, base, pool):
+        sink(memoryview(chunk).cast("B"))
 
 
 def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> None:

@@ -29,6 +29,7 @@ from converter.plan import OutputTensor, PlannedPatch
 
 BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
 AHEAD = 8  # blocks in flight per tensor on the pool: enough to keep two cores busy, a few MiB at most
+CHUNK_BYTES = 8 * 2**20  # output handed to the writer in chunks of this size
 
 
 def _numpy_ref(ref: Ref) -> bool:
@@ -230,15 +231,22 @@ def merged_blocks(o: OutputTensor, base: np.ndarray, pool: Executor | None = Non
         yield ahead.popleft().result()
 
 
-def merged(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> np.ndarray:
-    """Output tensor `o` whole (one buffer: the writer gets one chunk per tensor, not one per block; each block
-    is written into its rows, on `pool`'s threads when given)."""
+def merged_chunks(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> Iterator[np.ndarray]:
+    """Output tensor `o` in chunks of about CHUNK_BYTES, in order: each chunk's row blocks are merged straight
+    into its rows, on `pool`'s threads when given. Chunks, not blocks, go to the writer (one queue hand-off per
+    8 MiB, not per 64 KiB block), and never the whole tensor (a 90 MB output buffer per tensor in flight, next to
+    the base buffers waiting for the hasher, went over a 512 MiB cap; measured)."""
     t = _Tensor(o, base)
-    out = np.empty(t.shape, npmath.NUMPY_FLOATS[o.dtype])
-    if pool is None or len(t.starts) == 1:
-        for i in t.starts:
-            t.block(i, out[i : i + t.step])
-    else:
-        for f in [pool.submit(t.block, i, out[i : i + t.step]) for i in t.starts]:
-            f.result()
-    return out
+    dtype = npmath.NUMPY_FLOATS[o.dtype]
+    rows = max(1, CHUNK_BYTES // (t.row * np.dtype(dtype).itemsize) // t.step) * t.step
+    for c in range(0, t.shape[0], rows):
+        e = min(t.shape[0], c + rows)
+        out = np.empty((e - c, *t.shape[1:]), dtype)
+        starts = range(c, e, t.step)
+        if pool is None or len(starts) == 1:
+            for i in starts:
+                t.block(i, out[i - c : i - c + t.step])
+        else:
+            for f in [pool.submit(t.block, i, out[i - c : i - c + t.step]) for i in starts]:
+                f.result()
+        yield out

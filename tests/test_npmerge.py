@@ -224,7 +224,12 @@ def test_blocks_cover_every_row_with_several_patches():
     assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base))), exact)
     with ThreadPoolExecutor(2) as pool:  # the blocks on two threads: the same bytes, in order
         assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base, pool))), exact)
-        assert np.array_equal(npmerge.merged(o, base, pool), exact)
+        assert np.array_equal(np.concatenate(list(npmerge.merged_chunks(o, base, pool))), exact)
+    npmerge.CHUNK_BYTES, chunk = 436 * 300 * 4 * 2, npmerge.CHUNK_BYTES  # two blocks a chunk: chunk edges too
+    try:
+        assert np.array_equal(np.concatenate(list(npmerge.merged_chunks(o, base))), exact)
+    finally:
+        npmerge.CHUNK_BYTES = chunk
 
 
 @pytest.mark.parametrize("kind", ["loha"])
