@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from converter import dtypes
 from converter.checkpoint import Checkpoint
-from converter.dtypes import CONFIG_NAME, FLOATING, ST_TO_TORCH, TORCH_TO_ST
+from converter.dtypes import CONFIG_NAME, FLOATING
 from converter.errors import ConverterError
+from converter.lazy import torch
 from converter.writer import OutSpec, ShardedWriter
 
 NESTED_BLOCKSIZE = 256  # bitsandbytes quantizes the absmax of double quantization in blocks of 256
@@ -79,7 +79,7 @@ class Quant4:
             out[f"{name}.nested_quant_map"] = state.state2.code
         out[f"{name}.quant_map"] = state.code
         offset = state.offset.item() if self.double_quant else 0.0
-        dtype = TORCH_TO_ST[w.dtype]
+        dtype = dtypes.TORCH_TO_ST[w.dtype]
         text = json.dumps(self._state(tuple(w.shape), dtype, offset))
         size = self.components(name, tuple(w.shape), dtype)[-1].shape[0]
         blob = text.encode() + b" " * (size - len(text))
@@ -139,7 +139,7 @@ class Quantizing4bitWriter:
             return
         buf = bytearray()
         produce(buf.extend)
-        w = torch.frombuffer(buf, dtype=torch.uint8).view(ST_TO_TORCH[spec.dtype]).reshape(spec.shape)
+        w = torch.frombuffer(buf, dtype=torch.uint8).view(dtypes.ST_TO_TORCH[spec.dtype]).reshape(spec.shape)
         for part, t in self.quant.pack(name, w).items():
             data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
             self.inner.write(part, lambda sink, d=data: sink(d))
@@ -184,7 +184,7 @@ def dequantize_folder(src: Checkpoint, dst: Path) -> None:
             continue
         if n in groups:
             state = _state_of(src, n, groups[n])
-            specs.append(OutSpec(n, TORCH_TO_ST[state.dtype], tuple(state.shape)))
+            specs.append(OutSpec(n, dtypes.TORCH_TO_ST[state.dtype], tuple(state.shape)))
         else:
             specs.append(OutSpec(n, src.info(n).dtype, src.info(n).shape))
         plain.append(n)

@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from converter import dtypes
 from converter.background import Worker
-from converter.dtypes import ITEMSIZE, ST_TO_TORCH
+from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
+from converter.lazy import torch
 from converter.safetensors_header import HeaderError, decode_header
 
 CHUNK = 16 * 1024 * 1024
@@ -66,7 +66,7 @@ class SafetensorsFile:
                 dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise self._bad(f"tensor {name!r} has a malformed header entry") from None
-            if not isinstance(dtype, str) or dtype not in ST_TO_TORCH:
+            if not isinstance(dtype, str) or dtype not in ITEMSIZE:
                 raise self._bad(f"tensor {name!r} has unsupported dtype {dtype!r}")
             if not all(_count(n) for n in (*shape, begin, end)):
                 raise self._bad(f"tensor {name!r}: shape and data_offsets must be non-negative integers")
@@ -85,17 +85,26 @@ class SafetensorsFile:
     def _bad(self, why: str) -> ConverterError:
         return ConverterError(f"{self.path}: {why}")
 
-    def read(self, name: str) -> torch.Tensor:
-        """Read one tensor into memory (a fresh, writable tensor)."""
+    def read_bytes(self, name: str) -> bytearray:
+        """One tensor's raw bytes (a fresh, writable buffer)."""
         info = self.tensors[name]
         buf = bytearray(info.nbytes)
         with open(self.path, "rb") as f:
             f.seek(info.start)
             if f.readinto(buf) != info.nbytes:
                 raise self._bad(f"tensor {name!r} could not be read completely (truncated file)")
-        if not buf:
-            return torch.empty(info.shape, dtype=ST_TO_TORCH[info.dtype])
-        return torch.frombuffer(buf, dtype=torch.uint8).view(ST_TO_TORCH[info.dtype]).reshape(info.shape)
+        return buf
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into memory (a fresh, writable tensor)."""
+        return as_tensor(self.read_bytes(name), self.tensors[name])
+
+
+def as_tensor(buf: bytearray, info: TensorInfo) -> torch.Tensor:
+    """A torch view of a tensor's bytes (torch is imported here, on first use)."""
+    if not buf:
+        return torch.empty(info.shape, dtype=dtypes.ST_TO_TORCH[info.dtype])
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtypes.ST_TO_TORCH[info.dtype]).reshape(info.shape)
 
 
 class SequentialReader:
@@ -135,8 +144,8 @@ class SequentialReader:
         self._advance(info.start)
         self._advance(info.end, sink)
 
-    def read(self, info: TensorInfo) -> torch.Tensor:
-        """The tensor, on a buffer that is hashed in the background: callers must not modify it in place."""
+    def read_bytes(self, info: TensorInfo) -> bytearray:
+        """The tensor's bytes, hashed in the background: callers must not modify them."""
         self._advance(info.start)
         buf = bytearray(info.nbytes)
         if self._f.readinto(buf) != info.nbytes:
@@ -144,9 +153,11 @@ class SequentialReader:
         self._hasher.put(buf)
         self._pos = info.end
         self._forget()
-        if not buf:
-            return torch.empty(info.shape, dtype=ST_TO_TORCH[info.dtype])
-        return torch.frombuffer(buf, dtype=torch.uint8).view(ST_TO_TORCH[info.dtype]).reshape(info.shape)
+        return buf
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor, on a buffer that is hashed in the background: callers must not modify it in place."""
+        return as_tensor(self.read_bytes(info), info)
 
     def finish(self) -> str:
         """Hash the rest of the file and return its sha256."""
@@ -243,6 +254,9 @@ class Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         return self.where[name].read(name)
 
+    def read_bytes(self, name: str) -> bytearray:
+        return self.where[name].read_bytes(name)
+
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
@@ -317,6 +331,9 @@ class DiffusersCheckpoint(Checkpoint):
 
     def read(self, name: str) -> torch.Tensor:
         return self.where[name].read(self._names[name])
+
+    def read_bytes(self, name: str) -> bytearray:
+        return self.where[name].read_bytes(self._names[name])
 
     def make_resolver(self, keymap):
         from converter.keymap import DiffusionResolver

@@ -6,6 +6,7 @@ Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected fail
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -304,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
         info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token)
         print(render(info, as_json=args.json))
         return 0
+    if args.command in ("merge", "push"):
+        # Before numpy loads: the merge's BLAS products are small; BLAS threads would spin next to ours.
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if args.command == "merge":
         from converter.merge import merge
 

@@ -5,21 +5,22 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from converter import __version__
+from converter import __version__, dtypes, npmath, npmerge
 from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
 from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256, open_base
-from converter.dtypes import CONFIG_NAME, ST_TO_TORCH, parse_user_dtype
+from converter.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
 from converter.keymap import keymap_for
+from converter.lazy import torch
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, plan_merge
 from converter.recipe import Recipe
@@ -165,10 +166,19 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
     for adapter, _ in adapters:
         for ap in adapter.patches:
             for name in ap.patch.sources:
-                if not all_finite(adapter.tensors.read(name)):
+                if not _finite_source(adapter.tensors, name):
                     raise ConverterError(
                         f"{adapter.path}: tensor {name} contains NaN or Inf values (a broken training run?)"
                     )
+
+
+def _finite_source(tensors, name: str) -> bool:
+    """Finite check of one adapter tensor, on its bytes when it is a safetensors float (no torch needed)."""
+    file = getattr(tensors, "file", None)
+    dtype = tensors.dtype(name)
+    if file is not None and hasattr(file, "read_bytes") and dtype in npmath.NUMPY_FLOATS:
+        return npmath.finite(npmath.view(file.read_bytes(name), dtype, tensors.shape(name)), dtype)
+    return all_finite(tensors.read(name))
 
 
 def _patched(o: OutputTensor, t: torch.Tensor) -> torch.Tensor:
@@ -218,8 +228,12 @@ def write_weights(
         writers.append((part, writer))
     # A training checkpoint's files bring their own reader (tensors rebuilt from shards, see converter.training).
     readers = {f.path: f.reader() if hasattr(f, "reader") else SequentialReader(f) for f in checkpoint.files}
+    # Tensors whose patches numpy covers skip torch (see converter.npmerge); the rest, and every tensor of a
+    # TIES/DARE merge, a 4-bit output or a training checkpoint (its own readers), go through torch.
+    plain = all(isinstance(r, SequentialReader) for r in readers.values())
+    use_numpy = plan.task_merge is None and quant is None and plain
     try:
-        _stream(checkpoint, plan, writers, readers, log)
+        _stream(checkpoint, plan, writers, readers, log, use_numpy)
     except BaseException:
         for _, writer in writers:
             writer.abort()
@@ -235,7 +249,24 @@ def _relative_name(checkpoint: Checkpoint, path: Path) -> str:
     return str(path.relative_to(checkpoint.folder)) if checkpoint.diffusion == "diffusers" else path.name
 
 
-def _stream(checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable[[str], None]) -> None:
+def _stream(
+    checkpoint: Checkpoint,
+    plan: MergePlan,
+    writers: list,
+    readers: dict,
+    log: Callable[[str], None],
+    use_numpy: bool = False,
+) -> None:
+    # The math runs on one thread per core while this one reads and the writer and hasher threads do I/O.
+    if use_numpy:
+        npmerge.one_blas_thread()
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="converter-math") as pool:
+        _stream_into(checkpoint, plan, writers, readers, log, use_numpy, pool)
+
+
+def _stream_into(
+    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable, use_numpy: bool, pool
+) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
     for o in plan.outputs:
@@ -245,10 +276,15 @@ def _stream(checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dic
         reader = readers[checkpoint.where[o.source.name].path]
         if o.byte_copy and in_order:
             writer.write(name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
+        elif use_numpy and npmerge.supports(o):
+            raw = reader.read_bytes(o.source) if in_order else checkpoint.read_bytes(o.source.name)
+            base = npmath.view(raw, o.source.dtype, o.source.shape)
+            writer.write(name, lambda sink, o=o, base=base: _numpy_merged(o, base, sink, pool))
+            del raw, base
         else:
             t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
             merged = plan.task_merge or _patched
-            result = (merged(o, t) if o.patches else t).to(ST_TO_TORCH[o.dtype])
+            result = (merged(o, t) if o.patches else t).to(dtypes.ST_TO_TORCH[o.dtype])
             if o.patches and not all_finite(result):
                 raise ConverterError(
                     f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "
@@ -262,6 +298,12 @@ def _stream(checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dic
         if not quiet and done / total >= next_report:
             log(f"  {done / total:4.0%} {human_bytes(done)} / {human_bytes(total)}")
             next_report += 0.1
+
+
+def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
+    """Merge `o` (converter.npmerge, its row blocks on `pool`'s threads) into `sink`, 8 MiB at a time."""
+    for chunk in npmerge.merged_chunks(o, base, pool):
+        sink(memoryview(chunk).cast("B"))
 
 
 def write_side_files(checkpoint: Checkpoint, plan: MergePlan, folder: Path) -> None:

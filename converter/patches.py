@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
+from converter.lazy import torch
 
 
 class TensorSource(Protocol):

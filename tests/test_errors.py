@@ -162,7 +162,8 @@ def test_warns_when_trained_on_another_base(llama, tmp_path, cli):
 
 
 def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
-    """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft."""
+    """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft; a plain
+    LoRA merge without verification does not import torch either (converter.npmerge; torch costs ~1 s)."""
     bad = subprocess.run(
         [sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True, text=True
     )
@@ -171,7 +172,7 @@ def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
         "import sys; from converter.cli import main; "
         f"rc = main(['merge', '--base', {str(llama)!r}, '--adapter', {str(lora)!r}, "
         f"'--out', {str(tmp_path / 'm')!r}, '--no-verify']); "
-        "heavy = [m for m in ('transformers', 'peft', 'accelerate') if m in sys.modules]; "
+        "heavy = [m for m in ('transformers', 'peft', 'accelerate', 'torch') if m in sys.modules]; "
         "print('heavy:', heavy); sys.exit(rc or (3 if heavy else 0))"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

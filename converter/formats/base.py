@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from converter import dtypes
 from converter.checkpoint import SafetensorsFile
-from converter.dtypes import TORCH_TO_ST
 from converter.errors import AdapterFormatError
+from converter.lazy import torch
 from converter.patches import Patch
 
 
@@ -57,7 +56,7 @@ class PickleSource:
         return tuple(self.tensors[name].shape)
 
     def dtype(self, name: str) -> str:
-        return TORCH_TO_ST[self.tensors[name].dtype]
+        return dtypes.TORCH_TO_ST[self.tensors[name].dtype]
 
     def read(self, name: str) -> torch.Tensor:
         return self.tensors[name]

@@ -16,10 +16,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
+from converter.lazy import torch
 from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
 
 NAME = "community"

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter
+from converter.lazy import torch
 
 DENOISERS = ("unet", "transformer")
 COMPONENTS = (*DENOISERS, "text_encoder", "text_encoder_2", "text_encoder_3")

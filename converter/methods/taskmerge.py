@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from converter.errors import ConverterError
+from converter.lazy import torch
 from converter.methods.tensors import combine_tensors, dare_mask
 from converter.patches import BiasDelta, DeltaPatch, RowsOf
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import torch
+from converter.lazy import torch
 
 
 def magnitude_prune(t: torch.Tensor, density: float) -> torch.Tensor:

@@ -12,12 +12,11 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
-from converter import patches
+from converter import dtypes, patches
 from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
-from converter.dtypes import ITEMSIZE, TORCH_TO_ST
+from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
+from converter.lazy import torch
 from converter.patches import lora_scale
 
 PEFT_PREFIX = "base_model.model."
@@ -199,7 +198,7 @@ class TrainingCheckpoint(Checkpoint):
                 f"lora_alpha {alpha[0]:g} from {alpha[2]}, scale alpha/{'sqrt(r)' if alpha[1] else 'r'}), in float32, "
                 "rounded once"
             )
-        stored = {TORCH_TO_ST[self.source.dtype(self._map[n])] for n in self._order}
+        stored = {dtypes.TORCH_TO_ST[self.source.dtype(self._map[n])] for n in self._order}
         declared = self.config.get("dtype") or self.config.get("torch_dtype")
         if declared and stored == {"F32"} and declared != "float32":
             self.notes.append(
@@ -301,7 +300,7 @@ class TrainingCheckpoint(Checkpoint):
 
     def source_info(self, key: str) -> TensorInfo:
         """Header facts of a tensor by its key in the training state (LoRA factors included)."""
-        dtype = TORCH_TO_ST[self.source.dtype(key)]
+        dtype = dtypes.TORCH_TO_ST[self.source.dtype(key)]
         shape = tuple(self.source.shape(key))
         n = ITEMSIZE[dtype]
         for d in shape:
