@@ -35,7 +35,6 @@ from converter.verify.fourbit import (
     quantized_peft_merge,
 )
 from converter.verify.loading import (
-    BYTES,
     PERPLEXITY_TEXT,
     PROMPTS,
     Offload,
@@ -56,6 +55,7 @@ from converter.verify.metrics import (
     Run,
     compare,
     first_disagreement,
+    mixed_batch,
     probe_modules,
     run_model,
     tolerance,
@@ -136,7 +136,9 @@ def _verify(
     # 0.85 B bench model (bench/RESULTS.md), so it holds a float32 copy where that fits.
     own = mode == "quick" and not stored_4bit and recipe.qlora_base != "dequantized"
     budget = memory or available_memory()
-    stored_bytes, working = (BYTES.get(output_dtype, 4), upcast_working_set(merged)) if own else (4, None)
+    # Streamed (own dtype, precision.py): the weights stay mapped from their files, untouched; only the working set
+    # (one block in float32, buffers, activations) is resident.
+    stored_bytes, working = (0, upcast_working_set(merged)) if own else (4, None)
     placement = choose_placement(params, budget, scratch, stored_bytes, working)
     if placement is None:
         return skipped_report(
@@ -171,28 +173,41 @@ def _verify(
         f"({compute} compute)"
     )
 
-    def lean(model):  # float32 compute over weights kept in their own dtype
-        return float32_compute(model) if own else nullcontext()
+    def lean(model, sources):  # float32 compute over weights kept in their own dtype, read from their files
+        return float32_compute(model, sources) if own else nullcontext()
 
     clock = Clock()
+    ref_sources: dict | None = {} if own else None
     try:
         quantization = qlora_quantization(recipe, merged, base, dtype)
         reference_model = load_reference(
-            base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+            base,
+            adapter_dirs,
+            recipe,
+            own_dtype(base) if own else dtype,
+            vocab_size(merged),
+            quantization,
+            offload,
+            sources=ref_sources,
         )
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return skipped_report(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
     clock.lap("load reference")
-    with lean(reference_model):
-        # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise (kernel_noise)
-        probe = probe_ids if four_bit else None
-        ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
-        # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (kernel_noise)
-        noise = kernel_noise(reference_model, ref, [*inputs, ppl_ids], probe_ids) if four_bit else None
-        with reference_model.disable_adapter():
-            bare = run_model(reference_model, inputs, None, ppl_ids, new_tokens)
+    with lean(reference_model, ref_sources):
+        both = mixed_batch(reference_model, inputs, ppl_ids) if own and len(adapter_dirs) == 1 else None
+        if both:  # quick: reference and bare base in one forward, the base weights read once
+            ref, bare = both
+            noise = None
+        else:
+            # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise
+            probe = probe_ids if four_bit else None
+            ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
+            # A 4-bit reference: how far its kernels are from exact math on its own weights, measured
+            noise = kernel_noise(reference_model, ref, inputs, ppl_ids, probe_ids) if four_bit else None
+            with reference_model.disable_adapter():
+                bare = run_model(reference_model, inputs, None, ppl_ids, new_tokens)
     clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
@@ -205,9 +220,10 @@ def _verify(
     del reference_model
     gc.collect()
 
-    candidate = load_model(merged, own_dtype(merged) if own else dtype, offload=offload)
+    candidate_sources: dict | None = {} if own else None
+    candidate = load_model(merged, own_dtype(merged) if own else dtype, offload=offload, sources=candidate_sources)
     clock.lap("load merged")
-    with lean(candidate):
+    with lean(candidate, candidate_sources):
         out = run_model(candidate, inputs, None, ppl_ids, new_tokens)
     clock.lap("run merged")
 
@@ -239,15 +255,23 @@ def _verify(
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
     culprit = None
     if problems and not stored_4bit:  # only a fail needs the module probe: merged, then the reference reloaded
-        with lean(candidate), torch.no_grad():
+        with lean(candidate, candidate_sources), torch.no_grad():
             out.probe = probe_modules(candidate, probe_ids, "")
         del candidate
         gc.collect()
         if not ref.probe:
+            ref_sources = {} if own else None
             reference_model = load_reference(
-                base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+                base,
+                adapter_dirs,
+                recipe,
+                own_dtype(base) if own else dtype,
+                vocab_size(merged),
+                quantization,
+                offload,
+                sources=ref_sources,
             )
-            with lean(reference_model), torch.no_grad():
+            with lean(reference_model, ref_sources), torch.no_grad():
                 ref.probe = probe_modules(reference_model, probe_ids, "base_model.model.")
             del reference_model
         clock.lap("module probe (on failure)")

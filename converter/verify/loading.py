@@ -80,13 +80,20 @@ def _free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None):
+def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None, sources: dict | None = None):
+    """transformers' own load (its weights stay views of the mapped files). `sources`, when given, is filled with
+    the weights that are exactly a file's tensor (precision.file_sources), for float32 compute read from the files."""
     from transformers import AutoModelForCausalLM
 
     extra = {"quantization_config": quantization} if quantization else {}
     if offload:
         extra.update(offload.kwargs())
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+    if sources is not None:
+        from converter.verify.precision import file_sources
+
+        sources.update(file_sources(model, folder))
+    return model
 
 
 BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -116,16 +123,17 @@ def weights_summary(folder: Path) -> tuple[str, int]:
 
 
 def upcast_working_set(folder: Path) -> int:
-    """Bytes computing in float32 over weights kept in their own dtype takes beyond the weights: the largest
-    unit upcast at once (a block is ~1/num_layers of the model; the embedding or head is one tensor) in float32,
-    plus 1 GiB for activations, logits and the metrics over them."""
+    """Bytes computing in float32 over weights kept in their files takes (precision.py): the reused float32
+    buffers, which come to one block (~1/num_layers of the model) plus the largest tensor (the embedding or the
+    head), the 16-bit staging buffer of that largest tensor, and 1 GiB for activations, logits and the metrics."""
     from converter.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     sizes = [ckpt.info(name).numel for name in ckpt.names()]
     config = json.loads((folder / "config.json").read_text())
     layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 1
-    return 4 * max(max(sizes, default=0), sum(sizes) // int(layers)) + 2**30
+    largest = max(sizes, default=0)
+    return 4 * (sum(sizes) // int(layers) + largest) + 2 * largest + 2**30
 
 
 def available_memory() -> int:
@@ -195,13 +203,23 @@ def build_inputs(tok, prompts: list[str], vocab: int):
 
 
 def load_reference(
-    base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
+    base: Path,
+    adapters: list[Path],
+    recipe: Recipe,
+    dtype,
+    vocab: int,
+    quantization=None,
+    offload=None,
+    sources: dict | None = None,
 ):
+    """PEFT's unmerged model: the base with the adapters on top, each scaled by its recipe weight. `sources`: as
+    for load_model, of the base's weights (found before PEFT wraps them; a parameter keeps its id inside PEFT)."""
     from peft import PeftModel
 
     if offload:
         base = offload.peft_safe(base)
-    model = load_model(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
+    # (a base's own quantization_config applies by itself)
+    model = load_model(base, dtype, quantization, offload, sources)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
