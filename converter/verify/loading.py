@@ -58,11 +58,12 @@ class Offload:
 def choose_placement(
     params: int, budget: int, scratch: Path, stored_bytes: int = 4, working: int | None = None
 ) -> tuple[str, Offload | None] | None:
-    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter) fits: float32 compute.
-    `working`: the bytes computing takes on top of it when the weights stay in their own dtype and each layer is
-    upcast while it runs (precision.py); without it, half the model again. Float32 weights that do not fit load
-    in bfloat16. When that does not fit either, weights go to disk and the compute stays float32 if the disk
-    holds it (the offloaded verdict is then the in-memory one), else bfloat16. None: not even that fits."""
+    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter; 0 when they stay mapped
+    from their files and each layer is read in float32 while it runs, precision.py) fits: float32 compute.
+    `working`: the bytes computing takes on top of it in that case (upcast_working_set); without it, half the
+    model again. Float32 weights that do not fit load in bfloat16. When that does not fit either, weights go to
+    disk and the compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one),
+    else bfloat16. None: not even that fits."""
     if params * stored_bytes + (working if working is not None else params * stored_bytes // 2) < budget:
         return "float32", None
     if stored_bytes > 2 and params * 2 * 1.5 < budget:
@@ -124,8 +125,9 @@ def weights_summary(folder: Path) -> tuple[str, int]:
 
 def upcast_working_set(folder: Path) -> int:
     """Bytes computing in float32 over weights kept in their files takes (precision.py): the reused float32
-    buffers, which come to one block (~1/num_layers of the model) plus the largest tensor (the embedding or the
-    head), the 16-bit staging buffer of that largest tensor, and 1 GiB for activations, logits and the metrics."""
+    buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
+    ahead) plus the largest tensor (the embedding or the head), the 16-bit staging buffer of that largest tensor,
+    and 1 GiB for activations, logits and the metrics."""
     from converter.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
@@ -133,7 +135,7 @@ def upcast_working_set(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text())
     layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 1
     largest = max(sizes, default=0)
-    return 4 * (sum(sizes) // int(layers) + largest) + 2 * largest + 2**30
+    return 4 * (2 * (sum(sizes) // int(layers)) + largest) + 2 * largest + 2**30
 
 
 def available_memory() -> int:
@@ -232,6 +234,8 @@ def load_reference(
         model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
         for name, path in zip(names[1:], adapters[1:], strict=True):
             model.load_adapter(path, adapter_name=name, **placed)
+    if sources is not None:
+        _exact_adapter_tensors(model, adapters, names, sources)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
@@ -240,3 +244,18 @@ def load_reference(
                 key = module_name.removeprefix("base_model.model.") + ".weight"
                 module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
     return model.eval()
+
+
+def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict) -> None:
+    """Float32 compute over weights in their own dtype must see the adapters' tensors as stored: PEFT makes its
+    copies for modules_to_save and trainable tokens in the base's dtype, which rounds a float32 adapter's values
+    (LoRA factors it upcasts itself). Upcast every 16-bit tensor that is not one of the base files' weights (those
+    are read from the files in float32), then load the adapters' tensors into them again, now exactly."""
+    import torch
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    for param in model.parameters():
+        if id(param) not in sources and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+    for name, path in zip(names, adapters, strict=True):
+        set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)

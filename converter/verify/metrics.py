@@ -149,15 +149,30 @@ def run_variants(model, inputs, ppl_ids, variants: list[str]) -> list[Run]:
 def mixed_batch(model, inputs, ppl_ids) -> tuple[Run, Run] | None:
     """The reference (a PEFT model with one LoRA adapter) and the bare base in one forward, as rows of PEFT's
     mixed-adapter batch (the adapter's name, and "__base__" for no adapter); None where PEFT does not offer that
-    for these adapters: then the caller runs the two one after the other (disable_adapter)."""
+    for these adapters (DoRA, aLoRA): then the caller runs the two one after the other (disable_adapter)."""
     config = getattr(model, "peft_config", {})
-    if len(config) != 1 or any(c.peft_type != "LORA" for c in config.values()):
+    if len(config) != 1:
+        return None
+    ((name, adapter),) = config.items()
+    if adapter.peft_type != "LORA" or adapter.use_dora or getattr(adapter, "alora_invocation_tokens", None):
         return None
     try:
-        ref, bare = run_variants(model, inputs, ppl_ids, [next(iter(config)), "__base__"])
-    except (ValueError, TypeError, NotImplementedError):  # PEFT refuses adapter_names for this configuration
+        ref, bare = run_variants(model, inputs, ppl_ids, [name, "__base__"])
+    except (ValueError, TypeError, NotImplementedError):  # PEFT refused adapter_names after all
+        _drop_adapter_names_hooks(model)
         return None
     return ref, bare
+
+
+def _drop_adapter_names_hooks(model) -> None:
+    """PEFT 0.21 registers a pre-hook per layer for a mixed batch and removes them after the forward, but not when
+    the forward raises (its context manager has no `finally`): every later forward would then get the batch's
+    adapter names. Remove what it left behind."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(getattr(hook, "func", None), "__name__", "") == "_adapter_names_pre_forward_hook":
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _scored(logits: list, ppl_ids) -> Run:

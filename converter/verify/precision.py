@@ -114,9 +114,11 @@ class _Buffers:
 
 def _units(model) -> list:
     """Modules upcast as one, in the order the model registers them (which is the order they run in for the
-    models transformers has): each block of the outermost layer stacks (nn.ModuleList), and every other module
-    holding parameters itself (embeddings, final norm, head). A whole block at once keeps code that reads a
-    weight outside its module's own forward (PEFT's DoRA reads the base layer's weight) in float32 too."""
+    models transformers has): each block of the outermost layer stacks (nn.ModuleList), each PEFT layer or wrapper
+    outside them (it has a `base_layer` or an `original_module`: an adapted embedding or head), and every other
+    module holding parameters itself (final norm, head). A whole block or PEFT wrapper at once keeps code that
+    reads a weight outside its module's own forward in float32 too (PEFT's DoRA and trainable tokens read the base
+    layer's weight, its mixed batch calls the wrapped module directly)."""
     import torch
 
     units, inside = [], set()
@@ -128,6 +130,9 @@ def _units(model) -> list:
                 units.append((block, True))
                 inside.update(id(m) for m in block.modules())
             inside.add(id(module))
+        elif any(isinstance(getattr(module, a, None), torch.nn.Module) for a in ("base_layer", "original_module")):
+            units.append((module, True))
+            inside.update(id(m) for m in module.modules())
         elif any(True for _ in module.parameters(recurse=False)):
             units.append((module, False))  # its own tensors only: its children are units of their own
     return units
