@@ -249,13 +249,15 @@ def load_reference(
 def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict) -> None:
     """Float32 compute over weights in their own dtype must see the adapters' tensors as stored: PEFT makes its
     copies for modules_to_save and trainable tokens in the base's dtype, which rounds a float32 adapter's values
-    (LoRA factors it upcasts itself). Upcast every 16-bit tensor that is not one of the base files' weights (those
-    are read from the files in float32), then load the adapters' tensors into them again, now exactly."""
+    (LoRA factors it upcasts itself). Upcast the adapters' own 16-bit tensors (PEFT puts the adapter's name in
+    each of their names; the base's, read from its files or copied while computing, stay as loaded), then load the
+    adapters' tensors into them again, now exactly."""
     import torch
     from peft import load_peft_weights, set_peft_model_state_dict
 
-    for param in model.parameters():
-        if id(param) not in sources and param.dtype in (torch.bfloat16, torch.float16):
+    for full_name, param in model.named_parameters():
+        owned = any(f".{n}." in full_name or full_name.endswith(f".{n}") for n in names)
+        if owned and id(param) not in sources and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
     for name, path in zip(names, adapters, strict=True):
         set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)
