@@ -4,7 +4,7 @@ before it runs, and its own tensors back afterwards.
 Why: a whole float32 copy of a bf16 model doubles verification's memory (and the time to make it), yet the verdict
 needs float32 math only while a layer runs. transformers 5 maps safetensors files into memory and keeps each weight
 as a view of the mapping, so a weight nobody touches costs no memory at all. The float32 copies are therefore read
-from the files themselves (`pread` into reused buffers) rather than from the mapped tensors, which would pull every
+from the files themselves (plain reads into reused buffers) rather than from the mapped tensors, which would pull every
 page of the model into the process; the mapping stays untouched and the process holds one layer in float32, not
 the model. Tensors that are not plain views of a file (adapter weights, resized or fused ones) are copied from
 memory into the same reused buffers. Upcasting is exact and the original tensors are put back, so the results are
@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 LOW = ("bfloat16", "float16")
-# Above this many bytes one pread may return less than asked (Linux caps a single read at 2 GiB - 4 KiB).
+# Above this many bytes one read may return less than asked (Linux caps a single read at 2 GiB - 4 KiB).
 _MAX_READ = 1 << 30
 
 
@@ -61,7 +61,7 @@ class _Buffers:
     def __init__(self) -> None:
         self.free: dict[tuple, list] = {}
         self.staging = bytearray()
-        self.fds: dict[Path, int] = {}
+        self.files: dict[Path, object] = {}
 
     def take(self, shape: tuple):
         import torch
@@ -72,20 +72,21 @@ class _Buffers:
     def give(self, t) -> None:
         self.free.setdefault(tuple(t.shape), []).append(t)
 
-    def _fd(self, path: Path) -> int:
-        if path not in self.fds:
-            self.fds[path] = os.open(path, os.O_RDONLY)
-        return self.fds[path]
+    def _file(self, path: Path):
+        if path not in self.files:
+            self.files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+        return self.files[path]
 
     def _read_into(self, view: memoryview, src: FileTensor) -> None:
-        fd, done, size = self._fd(src.path), 0, len(view)
+        f, done, size = self._file(src.path), 0, len(view)
+        f.seek(src.start)
         while done < size:
-            got = os.preadv(fd, [view[done : done + _MAX_READ]], src.start + done)
-            if got <= 0:
+            got = f.readinto(view[done : done + _MAX_READ])
+            if not got:
                 raise OSError(f"{src.path}: could not read {size} bytes at offset {src.start} (truncated file?)")
             done += got
-        # Consumed: drop it from the page cache, as the merge does with its input (it counts against memory caps)
-        os.posix_fadvise(fd, src.start, size, os.POSIX_FADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):  # consumed: drop it from the page cache, as the merge does with its input
+            os.posix_fadvise(f.fileno(), src.start, size, os.POSIX_FADV_DONTNEED)
 
     def read(self, src: FileTensor, shape: tuple):
         """A float32 tensor holding the file's bytes for `src` (upcast exactly when stored in 16 bits)."""
@@ -106,9 +107,9 @@ class _Buffers:
         return out
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
         self.free.clear()
 
 
@@ -141,7 +142,7 @@ def _units(model) -> list:
 @contextmanager
 def float32_compute(model, sources: dict[int, FileTensor] | None = None) -> Iterator[None]:
     """Within this block every forward of `model` computes in float32. Weights listed in `sources` (file_sources)
-    are read from their files, the next unit's by a reader thread while this one computes (pread waits on the
+    are read from their files, the next unit's by a reader thread while this one computes (a read waits on the
     disk without holding the GIL); other bf16/fp16 tensors are copied from memory; float32 tensors that are not
     in `sources` are used as they are. After each unit runs its own tensors are put back (the very tensors, so
     nothing is rounded twice). Tied weights are upcast once per use."""
