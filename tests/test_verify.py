@@ -68,6 +68,7 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
     quick = report_of(out)
     assert quick["mode"] == "quick" and quick["verdict"] == "pass" and quick["generations"] == []
     assert quick["weights_in_memory"] == "BF16" and quick["compute_dtype"] == "float32"  # upcast per layer
+    assert quick["execution"].startswith("weights read block by block") and "mixed-adapter batch" in quick["execution"]
     assert (
         quick["merged_vs_reference"]["greedy_total"] == 0 and "module probe (on failure)" not in quick["phase_seconds"]
     )
@@ -77,6 +78,8 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
     assert code == 0, stdout + err
     full = report_of(out)
     assert full["mode"] == "full" and full["merged_vs_reference"]["greedy_total"] == 4
+    assert full["execution"].startswith("each model loaded whole") and "disable_adapter" in full["execution"]
+    assert "- ran as: " in (out / "README.md").read_text()
     assert quick["verdict"] == full["verdict"] and quick["tolerance"] == full["tolerance"]
     for key in ("mean_kl", "confident_top1_agreement", "perplexity"):  # float32 math both: equal to its rounding
         assert quick["merged_vs_reference"][key] == pytest.approx(full["merged_vs_reference"][key], rel=1e-3)

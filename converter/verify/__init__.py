@@ -300,6 +300,8 @@ def _verify(
         # Weights as held in memory: their own dtype, upcast per layer while computing (or the compute dtype)
         "weights_in_memory": output_dtype if own else TORCH_TO_ST[dtype],
         "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
+        # How the forwards ran (bench/RESULTS.md measures each way): the card says it
+        "execution": _execution(own, offload is not None, both is not None),
         "offload_memory_bytes": offload.max_memory if offload else None,
         "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
         "tolerance": tol,
@@ -321,6 +323,18 @@ def _verify(
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _execution(streamed: bool, offloaded: bool, one_batch: bool) -> str:
+    weights = (
+        "weights read block by block from their files into float32 buffers (never the whole model in memory)"
+        if streamed
+        else "weights offloaded to disk by accelerate"
+        if offloaded
+        else "each model loaded whole in the compute dtype"
+    )
+    bare = "one PEFT mixed-adapter batch" if one_batch else "two forwards (PEFT's disable_adapter for the bare base)"
+    return f"{weights}; the reference and the bare base in {bare}; the merged model after them"
 
 
 def require_pass(report: dict) -> None:
