@@ -138,6 +138,12 @@ def upcast_working_set(folder: Path) -> int:
     return 4 * (2 * (sum(sizes) // int(layers)) + largest) + 2 * largest + 2**30
 
 
+def resident_bytes(model, sources: dict | None) -> int:
+    """Bytes of `model`'s parameters held in memory: all of them, less those left mapped from their files."""
+    skip = sources or {}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
 def available_memory() -> int:
     """Memory this process may still use: MemAvailable, capped by its memory cgroup's limit (v1 or v2)."""
     free = 8 * 2**30
@@ -255,9 +261,13 @@ def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], source
     import torch
     from peft import load_peft_weights, set_peft_model_state_dict
 
+    upcast = 0
     for full_name, param in model.named_parameters():
         owned = any(f".{n}." in full_name or full_name.endswith(f".{n}") for n in names)
         if owned and id(param) not in sources and param.dtype in (torch.bfloat16, torch.float16):
             param.data = param.data.float()
+            upcast += 1
+    if not upcast:  # plain LoRA factors: PEFT loaded them in float32 already
+        return
     for name, path in zip(names, adapters, strict=True):
         set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)
