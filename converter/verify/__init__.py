@@ -99,6 +99,9 @@ def verify(
     alone (the verdict never used more); "full" also runs `max_new_tokens` greedy tokens per prompt for the card."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
+    from converter.verify.warmup import wait
+
+    wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     with temp_folder("verify", log=log) as scratch:
         return _verify(Path(merged), recipe, prompts, (mode, max_new_tokens), memory, token, log, Path(scratch))
 

@@ -4,12 +4,16 @@ Why: transformers + PEFT (+ bitsandbytes, which PEFT imports) take ~4-5 s of CPU
 `converter merge` of the 0.85 B bench model; the merge is mostly file I/O and torch kernels that release the GIL, so
 a thread importing them beside it hides much of that time. It is started only when verification follows, so
 `converter merge --no-verify` still never imports them, and only after the merge's own imports are done, so the
-two threads never import the same module at once. A failure here is ignored: verification imports again itself.
+two threads never import the same module at once; verification waits for the thread before it imports anything
+(transformers' lazy attributes are not safe to import from two threads: `AutoTokenizer` came back missing). A
+failure here is ignored: verification imports again itself.
 """
 
 from __future__ import annotations
 
 import threading
+
+_started: list[threading.Thread] = []
 
 
 def _imports() -> None:
@@ -28,4 +32,11 @@ def start() -> threading.Thread:
 
     thread = threading.Thread(target=_imports, name="verify-imports", daemon=True)
     thread.start()
+    _started.append(thread)
     return thread
+
+
+def wait() -> None:
+    """Let a warm-up still importing finish, so this thread never imports the same modules at the same time."""
+    while _started:
+        _started.pop().join()
