@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--big", action="store_true", help="a Llama-3-8B-shaped model: default merge once, in memory?")
     parser.add_argument("--keep", action="store_true", help="--big: keep the 8B model's files (~32 GB) afterwards")
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)  # internal: --big's builder process
+    parser.add_argument("--build-shape", default=json.dumps(BIG.__dict__), help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the best of each is reported)")
     parser.add_argument("--baseline", type=Path, help="another converter source tree to run the default merge of")
     parser.add_argument("--no-full", action="store_true", help="leave out the `--verify full` run")
@@ -68,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where results are appended")
     args = parser.parse_args(argv)
     if args.build_only:
-        build_safetensors_llama(BIG, args.build_only)
+        build_safetensors_llama(Shape(**json.loads(args.build_shape)), args.build_only)
         return 0
     if args.big:
-        return run_big(args)
+        return run_big(args, BIG)
     shape = SMALL if args.small else FULL
     work = args.workdir.resolve() / ("small" if args.small else "full")
     logs = work / "logs"
@@ -301,7 +302,7 @@ def build_safetensors_llama(shape: Shape, folder: Path) -> None:
     )
 
 
-def run_big(args) -> int:
+def run_big(args, shape: Shape) -> int:
     """The default `converter merge` of an 8B-shaped model, once: does verification stay in memory (no offload)?"""
     sys.path.insert(0, str(BENCH_DIR.parent))
     from converter.verify.loading import available_memory
@@ -322,7 +323,15 @@ def run_big(args) -> int:
         t0 = time.perf_counter()
         print(f"building an 8B-shaped model in {work / 'inputs'} ...", flush=True)
         env = {**os.environ, "PYTHONPATH": str(BENCH_DIR.parent)}
-        subprocess.run([sys.executable, __file__, "--build-only", str(work / "inputs")], check=True, env=env)
+        build = [
+            sys.executable,
+            __file__,
+            "--build-only",
+            str(work / "inputs"),
+            "--build-shape",
+            json.dumps(shape.__dict__),
+        ]
+        subprocess.run(build, check=True, env=env)
         built_s = time.perf_counter() - t0
         logs.mkdir(parents=True)
         base, adapter, out = work / "inputs" / "base", work / "inputs" / "adapter", work / "out"
