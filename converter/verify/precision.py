@@ -49,7 +49,8 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
         if where is None or id(param) in sources:
             continue
         info = where.tensors[name]
-        if TORCH_TO_ST.get(param.dtype) == info.dtype and tuple(param.shape) == tuple(info.shape):
+        stored = TORCH_TO_ST.get(param.dtype)
+        if stored in ("F32", "BF16", "F16") and stored == info.dtype and tuple(param.shape) == tuple(info.shape):
             sources[id(param)] = FileTensor(where.path, info.start, info.end, info.dtype)
     return sources
 
@@ -96,6 +97,8 @@ class _Buffers:
 
         out = self.take(shape)
         size = src.end - src.start
+        if size == 0:
+            return out
         if src.dtype == "F32":
             self._read_into(memoryview(out.numpy()).cast("B"), src)
             return out
