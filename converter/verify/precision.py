@@ -37,7 +37,8 @@ class FileTensor:
 
 def file_sources(model, folder: Path) -> dict[int, FileTensor]:
     """The weights of `model` (just loaded from `folder`) that are exactly a tensor of its safetensors files, same
-    name, dtype and shape; keyed by the parameter's id, which survives PEFT wrapping the model. Call it before
+    name, dtype (float32, bf16 or fp16) and shape; keyed by the parameter's id, which survives PEFT wrapping the
+    model. Call it before
     anything changes the weights: a weight edited in memory after loading would be read back from the file."""
     from converter.checkpoint import Checkpoint
     from converter.dtypes import TORCH_TO_ST
