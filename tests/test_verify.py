@@ -184,7 +184,8 @@ def test_streamed_float32_compute_leaves_the_mapped_weights_untouched(tmp_path):
 
 
 # PEFT features through the quick check's own paths (file-streamed float32 compute, the reference and the bare base
-# in one mixed-adapter batch): its numbers must be those of the full check (a float32 copy, one forward each).
+# in one mixed-adapter batch, or two forwards for DoRA): its numbers must be those of the full check (a float32
+# copy, one forward each), and a sabotaged copy must fail it.
 PEFT_FEATURES = {
     "dora": ({}, dict(use_dora=True)),
     "modules_to_save": ({}, dict(target_modules=["q_proj"], modules_to_save=["lm_head", "norm"])),
@@ -213,6 +214,37 @@ def test_quick_check_of_each_peft_feature_equals_the_full_check(feature, tmp_pat
         assert quick["merged_vs_reference"][key] == pytest.approx(full["merged_vs_reference"][key], rel=1e-3)
         assert quick["base_vs_reference"][key] == pytest.approx(full["base_vs_reference"][key], rel=1e-3)
     assert quick["base_vs_reference"]["mean_kl"] > quick["tolerance"]["mean_kl"]  # the adapter does something
+    # ... and the same quick path fails a sabotaged copy: every change the merge made, negated (a wrong sign; a
+    # wrong scale can hide behind the norms here: this random embedding LoRA dwarfs the embedding it adapts)
+    changed = json.loads((out / "converter_provenance.json").read_text())["tensors"]["changed"]
+    original = load_file(base / "model.safetensors")
+
+    def negated(t):
+        for n in changed:
+            before = original[n if n in original else "model.embed_tokens.weight"].float()  # a tied head's base
+            t[n] = (before - (t[n].float() - before)).to(t[n].dtype)
+
+    edit(out, negated)
+    code, stdout, err = cli("verify", out)
+    assert code == 3, report_of(out)["merged_vs_reference"]
+    assert report_of(out)["verdict"] == "fail" and report_of(out)["mode"] == "quick"
+
+
+def test_two_adapters_run_the_bare_base_in_its_own_forward_and_a_sabotage_still_fails(llama, tmp_path, cli):
+    """PEFT's mixed batch takes one adapter per row: with two adapters the bare base gets its own forward
+    (disable_adapter), the weights still streamed; a right merge passes and a shifted tensor fails."""
+    base, lora = llama
+    other = make_adapter(base, tmp_path / "other", seed=2, r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"])
+    out = tmp_path / "two"
+    args = ["merge", "--base", base, "--adapter", lora, "--adapter", other, "--out", out]
+    code, stdout, err = cli(*args, verify=True)
+    assert code == 0, stdout + err
+    report = report_of(out)
+    assert report["verdict"] == "pass" and "disable_adapter" in report["execution"]
+    assert report["execution"].startswith("weights read block by block")
+    edit(out, lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
+    code, stdout, err = cli("verify", out)
+    assert code == 3 and "model.layers.1.mlp.up_proj" in stdout + err
 
 
 def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
