@@ -10,7 +10,7 @@ shared machine affects all of them alike; the 1-minute load average is reported 
 all-linear LoRA straight to safetensors, tensor by tensor, runs the default `converter merge` on it once, checks
 that verification ran in memory (no disk offloading) and passed, and removes the ~32 GB of files afterwards
 (`--keep` leaves them). It needs ~40 GB of free disk and ~12 GiB of available memory; on a shared machine run it
-under the bench lock: `flock /work/notes/bench.lock python bench/verify_bench.py --big`.
+under a lock file the machine's users share: `flock BENCH.lock python bench/verify_bench.py --big`.
 
     python bench/verify_bench.py [--workdir DIR] [--small | --big [--keep]] [--rounds N] [--baseline SRC]
                                  [--no-full] [--no-record]
