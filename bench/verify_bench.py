@@ -6,7 +6,14 @@ alternately in whole subprocesses on the synthetic Llama of merge_bench.py (same
 shared machine affects all of them alike; the 1-minute load average is reported with every run.
 `--baseline SRC` adds the default `converter merge` of another source tree (e.g. the code before a change).
 
-    python bench/verify_bench.py [--workdir DIR] [--small] [--rounds N] [--baseline SRC] [--no-record]
+`--big` instead builds a Llama-3-8B-shaped synthetic model (8.03 B parameters, bf16, 16 GB) and a rank-16
+all-linear LoRA straight to safetensors, tensor by tensor, runs the default `converter merge` on it once, checks
+that verification ran in memory (no disk offloading) and passed, and removes the ~32 GB of files afterwards
+(`--keep` leaves them). It needs ~40 GB of free disk and ~12 GiB of available memory; on a shared machine run it
+under a lock file the machine's users share: `flock BENCH.lock python bench/verify_bench.py --big`.
+
+    python bench/verify_bench.py [--workdir DIR] [--small | --big [--keep]] [--rounds N] [--baseline SRC]
+                                 [--no-full] [--no-record]
 
 Results are appended to bench/RESULTS.md (not for --small).
 """
@@ -16,15 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_bench import (  # noqa: E402
     BENCH_DIR,
     FULL,
+    LORA_ALPHA,
+    LORA_RANK,
     PEFT_SCRIPT,
     SMALL,
+    Shape,
     _param_count,
     build_inputs,
     drop_caches,
@@ -32,17 +45,34 @@ from merge_bench import (  # noqa: E402
     measure,
 )
 
+# Llama-3-8B's shapes (untied head): 8.03 B parameters, 16 GB in bf16.
+BIG = Shape(hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32, kv_heads=8)
+BIG_MIN_AVAILABLE = 12 * 2**30  # verification's working set is ~6 GiB (two blocks + the head in float32, ...)
+BIG_MIN_DISK = 40 * 10**9  # base 16 GB + merged 16 GB + slack
+SHARD_BYTES = 4 * 10**9
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=BENCH_DIR / "work", help="cache and outputs (bench/work)")
-    parser.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
+    size.add_argument("--big", action="store_true", help="a Llama-3-8B-shaped model: default merge once, in memory?")
+    parser.add_argument("--keep", action="store_true", help="--big: keep the 8B model's files (~32 GB) afterwards")
+    parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)  # internal: --big's builder process
+    parser.add_argument("--build-shape", default=json.dumps(BIG.__dict__), help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (the best of each is reported)")
     parser.add_argument("--baseline", type=Path, help="another converter source tree to run the default merge of")
     parser.add_argument("--no-full", action="store_true", help="leave out the `--verify full` run")
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where results are appended")
     args = parser.parse_args(argv)
+    if args.build_only:
+        build_safetensors_llama(Shape(**json.loads(args.build_shape)), args.build_only)
+        return 0
+    if args.big:
+        return run_big(args, BIG)
     shape = SMALL if args.small else FULL
     work = args.workdir.resolve() / ("small" if args.small else "full")
     logs = work / "logs"
@@ -124,6 +154,219 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.results, "a") as f:
             f.write(text)
     return 0
+
+
+# ------------------------------------------------------------------------------------------------------ --big
+
+
+def llama_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Llama with these shapes, in the order transformers saves them."""
+    kv = shape.hidden // shape.heads * shape.kv_heads
+    out = [("model.embed_tokens.weight", (shape.vocab, shape.hidden))]
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (shape.hidden,)),
+            (p + "mlp.down_proj.weight", (shape.hidden, shape.intermediate)),
+            (p + "mlp.gate_proj.weight", (shape.intermediate, shape.hidden)),
+            (p + "mlp.up_proj.weight", (shape.intermediate, shape.hidden)),
+            (p + "post_attention_layernorm.weight", (shape.hidden,)),
+            (p + "self_attn.k_proj.weight", (kv, shape.hidden)),
+            (p + "self_attn.o_proj.weight", (shape.hidden, shape.hidden)),
+            (p + "self_attn.q_proj.weight", (shape.hidden, shape.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, shape.hidden)),
+        ]
+    return [*out, ("model.norm.weight", (shape.hidden,)), ("lm_head.weight", (shape.vocab, shape.hidden))]
+
+
+def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fill) -> None:
+    """One safetensors file written front to back: header first (all shapes are known), then each tensor as
+    `fill(name, shape, out_tensor)` produces it, in pieces; nothing larger than one piece is held."""
+    import math
+
+    import torch
+
+    from converter.dtypes import ITEMSIZE, ST_TO_TORCH
+    from converter.safetensors_header import encode_header, entry
+
+    entries, offset = {}, 0
+    for name, shape, dtype in tensors:
+        size = math.prod(shape) * ITEMSIZE[dtype]
+        entries[name] = entry(dtype, shape, offset, offset + size)
+        offset += size
+    with open(path, "wb") as f:
+        f.write(encode_header(entries, {"format": "pt"}))
+        for name, shape, dtype in tensors:
+            rows = max(1, (1 << 25) // max(1, math.prod(shape[1:])))  # ~32 M elements a piece
+            for start in range(0, shape[0], rows):
+                piece = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
+                fill(name, piece)
+                f.write(piece.to(ST_TO_TORCH[dtype]).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # 16 GB of page cache helps nobody
+
+
+def build_safetensors_llama(shape: Shape, folder: Path) -> None:
+    """A random bf16 Llama base (HF layout: config, shards, index) and a non-zero rank-16 all-linear PEFT LoRA,
+    written without a model object: transformers would need the whole model (16 GB for 8 B) in memory."""
+    import torch
+
+    torch.manual_seed(0)
+    base, adapter = folder / "base", folder / "adapter"
+    base.mkdir(parents=True)
+    adapter.mkdir()
+
+    def weights(name: str, piece) -> None:
+        if name.endswith("norm.weight"):
+            piece.normal_(1.0, 0.1)
+        else:
+            piece.normal_(0.0, 0.02)
+
+    shards, current, size = [], [], 0
+    for name, dims in llama_tensors(shape):
+        nbytes = 2 * int(torch.tensor(dims).prod())
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, dims, "BF16"))
+        size += nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(base / file, shard, weights)
+        weight_map.update({name: file for name, _, _ in shard})
+        print(f"  {file} written", flush=True)
+    (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (base / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": shape.hidden,
+                "intermediate_size": shape.intermediate,
+                "num_hidden_layers": shape.layers,
+                "num_attention_heads": shape.heads,
+                "num_key_value_heads": shape.kv_heads,
+                "vocab_size": shape.vocab,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "tie_word_embeddings": False,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "dtype": "bfloat16",
+            },
+            indent=2,
+        )
+    )
+    kv = shape.hidden // shape.heads * shape.kv_heads
+    sizes = {
+        "q_proj": (shape.hidden, shape.hidden),
+        "k_proj": (shape.hidden, kv),
+        "v_proj": (shape.hidden, kv),
+        "o_proj": (shape.hidden, shape.hidden),
+        "gate_proj": (shape.hidden, shape.intermediate),
+        "up_proj": (shape.hidden, shape.intermediate),
+        "down_proj": (shape.intermediate, shape.hidden),
+    }
+    lora = []
+    for i in range(shape.layers):
+        for module in LINEARS:
+            part = "self_attn" if module in LINEARS[:4] else "mlp"
+            key = f"base_model.model.model.layers.{i}.{part}.{module}"
+            fan_in, fan_out = sizes[module]
+            lora += [
+                (f"{key}.lora_A.weight", (LORA_RANK, fan_in), "F32"),
+                (f"{key}.lora_B.weight", (fan_out, LORA_RANK), "F32"),
+            ]
+    _write_file(adapter / "adapter_model.safetensors", lora, lambda _name, piece: piece.normal_(0.0, 0.02))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": LORA_RANK,
+                "lora_alpha": LORA_ALPHA,
+                "target_modules": list(LINEARS),
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "use_rslora": False,
+                "use_dora": False,
+                "inference_mode": True,
+            },
+            indent=2,
+        )
+    )
+
+
+def run_big(args, shape: Shape) -> int:
+    """The default `converter merge` of an 8B-shaped model, once: does verification stay in memory (no offload)?"""
+    sys.path.insert(0, str(BENCH_DIR.parent))
+    from converter.verify.loading import available_memory
+
+    work = args.workdir.resolve() / "big"
+    available, disk = available_memory(), shutil.disk_usage(args.workdir.resolve().parent).free
+    if available < BIG_MIN_AVAILABLE or disk < BIG_MIN_DISK:
+        print(
+            f"--big needs {BIG_MIN_AVAILABLE / 2**30:.0f} GiB of available memory and {BIG_MIN_DISK / 1e9:.0f} GB of "
+            f"free disk; this machine has {available / 2**30:.1f} GiB and {disk / 1e9:.0f} GB now",
+            file=sys.stderr,
+        )
+        return 2
+    info = machine_info()
+    shutil.rmtree(work, ignore_errors=True)
+    logs = work / "logs"
+    try:
+        t0 = time.perf_counter()
+        print(f"building an 8B-shaped model in {work / 'inputs'} ...", flush=True)
+        env = {**os.environ, "PYTHONPATH": str(BENCH_DIR.parent)}
+        build = [
+            sys.executable,
+            __file__,
+            "--build-only",
+            str(work / "inputs"),
+            "--build-shape",
+            json.dumps(shape.__dict__),
+        ]
+        subprocess.run(build, check=True, env=env)
+        built_s = time.perf_counter() - t0
+        logs.mkdir(parents=True)
+        base, adapter, out = work / "inputs" / "base", work / "inputs" / "adapter", work / "out"
+        os.environ["PYTHONPATH"] = str(BENCH_DIR.parent)
+        cmd = [sys.executable, "-P", "-m", "converter", "merge", "--base", str(base), "--adapter", str(adapter)]
+        r = measure("big", [*cmd, "--out", str(out), "--force"], logs / "big.log", drop_caches())
+        if not r.ok:
+            print((logs / "big.log").read_text()[-3000:], file=sys.stderr)
+            return 1
+        rep = json.loads((out / "verification.json").read_text())
+        text = "\n".join(
+            [
+                f"\n## Default merge + verification of an 8B-shaped model: {info['date']} (verify_bench.py --big)",
+                "",
+                f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Synthetic "
+                f"Llama-3-8B shapes ({_param_count(base)}), rank-{LORA_RANK} all-linear LoRA; built on disk in "
+                f"{built_s:.0f} s and removed afterwards. Load average at the start: {r.load1:.1f}.",
+                "",
+                "| run | wall | CPU | peak RSS | verdict | offloaded | verification |",
+                "|---|---|---|---|---|---|---|",
+                f"| `converter merge` (default: merge + quick verification) | {r.wall_s:.1f} s | {r.cpu_s:.1f} s | "
+                f"{r.peak_rss_mib:.0f} MiB | {rep['verdict']} | {rep['offloaded']} | {rep['seconds']:.1f} s |",
+                "",
+                "Verification phases (s): " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items()) + ".",
+                "",
+            ]
+        )
+        print(text)
+        if not args.no_record:
+            with open(args.results, "a") as f:
+                f.write(text)
+        return 0 if rep["verdict"] == "pass" and not rep["offloaded"] else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

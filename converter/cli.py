@@ -319,6 +319,10 @@ def run(args: argparse.Namespace) -> int:
             _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
                  f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
             settings = None
+        if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
+            from converter.verify.warmup import start
+
+            start()
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
         if settings is not None:
             from converter.pipeline import verify_folder

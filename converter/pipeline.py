@@ -80,6 +80,9 @@ def verify_folder(
     """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
     folder = Path(folder)
     from converter.training import is_training_checkpoint
+    from converter.verify.warmup import wait
+
+    wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
     if recipe.base and is_training_checkpoint(Path(recipe.base)):
         from converter.training.verify import verify_training

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +68,7 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
     quick = report_of(out)
     assert quick["mode"] == "quick" and quick["verdict"] == "pass" and quick["generations"] == []
     assert quick["weights_in_memory"] == "BF16" and quick["compute_dtype"] == "float32"  # upcast per layer
+    assert quick["execution"].startswith("weights read block by block") and "mixed-adapter batch" in quick["execution"]
     assert (
         quick["merged_vs_reference"]["greedy_total"] == 0 and "module probe (on failure)" not in quick["phase_seconds"]
     )
@@ -76,6 +78,8 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
     assert code == 0, stdout + err
     full = report_of(out)
     assert full["mode"] == "full" and full["merged_vs_reference"]["greedy_total"] == 4
+    assert full["execution"].startswith("each model loaded whole") and "disable_adapter" in full["execution"]
+    assert "- ran as: " in (out / "README.md").read_text()
     assert quick["verdict"] == full["verdict"] and quick["tolerance"] == full["tolerance"]
     for key in ("mean_kl", "confident_top1_agreement", "perplexity"):  # float32 math both: equal to its rounding
         assert quick["merged_vs_reference"][key] == pytest.approx(full["merged_vs_reference"][key], rel=1e-3)
@@ -84,32 +88,163 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
 def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_path):
-    """Weights kept in bf16, each block upcast while it runs: the logits of a float32 load, for the merged model
-    and for PEFT's unmerged reference (adapters on top), and afterwards the very bf16 tensors are back."""
+    """Weights kept in bf16, each block upcast while it runs (copied from memory, or read from the safetensors
+    files): the logits of a float32 load, each packed row exactly those of the row run alone, for the merged
+    model and for PEFT's unmerged reference (adapters on top); afterwards the very bf16 tensors are back."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from converter.verify.loading import load_model
     from converter.verify.metrics import logits_of
     from converter.verify.precision import float32_compute
 
     base = make_base(tmp_path / "base", family, dtype=torch.bfloat16)
     lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
-    rows = [torch.tensor([[1, 5, 9, 2, 7]]), torch.tensor([[3, 4, 11]])]
-
-    def load(dtype):
-        return AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    rows = [torch.tensor([[1, 5, 9, 2, 7]]), torch.tensor([[3, 4, 11]]), torch.tensor([[8, 6, 2, 2]])]
 
     for wrap in (lambda m: m, lambda m: PeftModel.from_pretrained(m, lora).eval()):
-        lean = wrap(load(torch.bfloat16))
-        before = {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()}
-        with float32_compute(lean):
-            got = logits_of(lean, rows)
-        want = logits_of(wrap(load(torch.float32)), rows)
-        for g, w in zip(got, want, strict=True):
+        exact = wrap(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
+        with torch.no_grad():  # each row alone, unpadded: what packing must reproduce
+            want = [exact(input_ids=r).logits[0] for r in rows]
+        for streamed in (False, True):
+            sources = {} if streamed else None
+            lean = wrap(load_model(base, torch.bfloat16, sources=sources))
+            assert bool(sources) == streamed  # every weight of the folder is found in its file
+            before = {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()}
+            with float32_compute(lean, sources):
+                got = logits_of(lean, rows)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
+            assert {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()} == before
+            assert torch.bfloat16 in {dtype for dtype, _ in before.values()}
+
+
+def test_reference_and_bare_base_in_one_mixed_batch_equal_two_forwards(llama):
+    """PEFT's mixed-adapter batch (the adapter's row and a "__base__" row) gives the reference's and the bare
+    base's logits of two separate forwards (disable_adapter for the bare base), to float32 rounding."""
+    from converter.recipe import AdapterSpec, Recipe
+    from converter.verify.loading import build_inputs, load_reference
+    from converter.verify.metrics import mixed_batch, run_model
+    from converter.verify.precision import float32_compute
+
+    base, lora = llama
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(source=str(lora))])
+    inputs, _probe, ppl, _ = build_inputs(None, ["a", "b", "c"], 128)
+    sources: dict = {}
+    model = load_reference(base, [lora], recipe, torch.bfloat16, 128, sources=sources)
+    with float32_compute(model, sources):
+        ref, bare = mixed_batch(model, inputs, ppl)
+        want_ref = run_model(model, inputs, None, ppl, 0)
+        with model.disable_adapter():
+            want_bare = run_model(model, inputs, None, ppl, 0)
+    for got, want in ((ref, want_ref), (bare, want_bare)):
+        for g, w in zip(got.logits, want.logits, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-        assert not torch.equal(got[0], logits_of(lean, rows)[0])  # without it: bf16 compute, visibly different
-        assert {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()} == before
-        assert torch.bfloat16 in {dtype for dtype, _ in before.values()}
+        assert got.perplexity == pytest.approx(want.perplexity, rel=1e-5)
+    assert (ref.logits[0] - bare.logits[0]).abs().max() > 1e-2  # the two rows did run differently
+
+
+def _mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_streamed_float32_compute_leaves_the_mapped_weights_untouched(tmp_path):
+    """transformers maps the safetensors file; reading each layer from the file (not through the mapping) keeps
+    the model out of the process's memory: its mapping stays (nearly) non-resident. Upcasting from the mapped
+    tensors instead pulls every page in, which is what the file reads avoid."""
+    from converter.verify.loading import load_model
+    from converter.verify.metrics import logits_of
+    from converter.verify.precision import float32_compute
+
+    base = make_base(  # ~35 MB: the page or so the loader touches per tensor is small next to each tensor
+        tmp_path / "base", "llama", dtype=torch.bfloat16, hidden_size=512, intermediate_size=2048, vocab_size=8192
+    )
+    weights = (base / "model.safetensors").resolve()
+    size_kib = weights.stat().st_size // 1024
+    rows = [torch.tensor([[1, 5, 9, 2, 7]])]
+    for streamed in (True, False):
+        sources = {} if streamed else None
+        model = load_model(base, torch.bfloat16, sources=sources)
+        with float32_compute(model, sources):
+            logits_of(model, rows)
+        resident = _mapped_kib(weights)
+        if streamed:
+            assert resident < size_kib // 4, (resident, size_kib)
+        else:
+            assert resident > size_kib // 2, (resident, size_kib)
+        del model
+
+
+# PEFT features through the quick check's own paths (file-streamed float32 compute, the reference and the bare base
+# in one mixed-adapter batch, or two forwards for DoRA): its numbers must be those of the full check (a float32
+# copy, one forward each), and a sabotaged copy must fail it.
+PEFT_FEATURES = {
+    "dora": ({}, dict(use_dora=True)),
+    "modules_to_save": ({}, dict(target_modules=["q_proj"], modules_to_save=["lm_head", "norm"])),
+    "embedding_lora_tied": (dict(tie_word_embeddings=True), dict(target_modules=["embed_tokens", "q_proj"])),
+    "lm_head_lora_tied": (dict(tie_word_embeddings=True), dict(target_modules=["lm_head", "v_proj"])),
+    "trainable_tokens_tied": (
+        dict(tie_word_embeddings=True),
+        dict(target_modules=["q_proj"], trainable_token_indices=[5, 17, 200]),
+    ),
+}
+
+
+@pytest.mark.parametrize("feature", list(PEFT_FEATURES))
+def test_quick_check_of_each_peft_feature_equals_the_full_check(feature, tmp_path, cli):
+    base_options, lora_options = PEFT_FEATURES[feature]
+    base = make_base(tmp_path / "base", "llama", dtype=torch.bfloat16, **base_options)
+    lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8, **lora_options)
+    out = merged_copy(tmp_path, cli, base, lora)
+    quick = report_of(out)
+    assert quick["verdict"] == "pass", quick["problems"]
+    assert quick["mode"] == "quick" and quick["weights_in_memory"] == "BF16"
+    code, stdout, err = cli("verify", out, "--verify", "full")
+    assert code == 0, stdout + err
+    full = report_of(out)
+    for key in ("mean_kl", "confident_top1_agreement", "perplexity"):
+        assert quick["merged_vs_reference"][key] == pytest.approx(full["merged_vs_reference"][key], rel=1e-3)
+        assert quick["base_vs_reference"][key] == pytest.approx(full["base_vs_reference"][key], rel=1e-3)
+    assert quick["base_vs_reference"]["mean_kl"] > quick["tolerance"]["mean_kl"]  # the adapter does something
+    # ... and the same quick path fails a sabotaged copy: every change the merge made, negated (a wrong sign; a
+    # wrong scale can hide behind the norms here: this random embedding LoRA dwarfs the embedding it adapts)
+    changed = json.loads((out / "converter_provenance.json").read_text())["tensors"]["changed"]
+    original = load_file(base / "model.safetensors")
+
+    def negated(t):
+        for n in changed:
+            before = original[n if n in original else "model.embed_tokens.weight"].float()  # a tied head's base
+            t[n] = (before - (t[n].float() - before)).to(t[n].dtype)
+
+    edit(out, negated)
+    code, stdout, err = cli("verify", out)
+    assert code == 3, report_of(out)["merged_vs_reference"]
+    assert report_of(out)["verdict"] == "fail" and report_of(out)["mode"] == "quick"
+
+
+def test_two_adapters_run_the_bare_base_in_its_own_forward_and_a_sabotage_still_fails(llama, tmp_path, cli):
+    """PEFT's mixed batch takes one adapter per row: with two adapters the bare base gets its own forward
+    (disable_adapter), the weights still streamed; a right merge passes and a shifted tensor fails."""
+    base, lora = llama
+    other = make_adapter(base, tmp_path / "other", seed=2, r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"])
+    out = tmp_path / "two"
+    args = ["merge", "--base", base, "--adapter", lora, "--adapter", other, "--out", out]
+    code, stdout, err = cli(*args, verify=True)
+    assert code == 0, stdout + err
+    report = report_of(out)
+    assert report["verdict"] == "pass" and "disable_adapter" in report["execution"]
+    assert report["execution"].startswith("weights read block by block")
+    edit(out, lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
+    code, stdout, err = cli("verify", out)
+    assert code == 3 and "model.layers.1.mlp.up_proj" in stdout + err
 
 
 def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
@@ -364,17 +499,54 @@ def tolerance_of(output, compute):
     return tolerance(output, compute)["mean_kl"]
 
 
+def llama_headers(folder, hidden=4096, layers=32, intermediate=14336, vocab=128256, kv=1024):
+    """A Llama-3-8B-shaped folder (8.03 B parameters, bf16) whose safetensors file is all header: its data is a
+    hole (a sparse file), which is all a placement decision reads."""
+    from converter.safetensors_header import encode_header, entry
+
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes["lm_head.weight"] = (vocab, hidden)
+    entries, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(torch.tensor(shape).prod())
+        entries[name] = entry("BF16", shape, offset, offset + size)
+        offset += size
+    folder.mkdir()
+    header = encode_header(entries)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + offset)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers}))
+    return folder, offset // 2
+
+
 def test_an_8b_bf16_model_verifies_in_memory_on_a_24gb_machine(tmp_path, monkeypatch):
-    """Weights kept in bf16 with float32 compute per layer: Llama-3-8B's shapes (8.03 B parameters, 128256 x 4096
-    embedding, 32 layers) fit in the ~21 GiB a 24 GB machine has available; a whole float32 copy never did, and
-    the old rule (half the model again as working space) offloaded it to disk."""
+    """Weights left mapped from their files, each layer read in float32 while it runs: Llama-3-8B's shapes need
+    only their working set (two blocks and the 128256 x 4096 embedding in float32, a 16-bit staging copy, 1 GiB),
+    well inside the ~21 GiB a 24 GB machine has, and inside 8 GiB too. Holding the bf16 weights as well would
+    not fit 8 GiB, and a whole float32 copy does not fit even 21 GiB: both go to disk."""
     from converter.verify import loading
-    from converter.verify.loading import choose_placement
+    from converter.verify.loading import choose_placement, upcast_working_set
 
     monkeypatch.setattr(loading, "_free_disk", lambda _folder: 2**40)  # offloading possible: the choice is memory's
-    params, embedding, layers = 8_030_261_248, 128_256 * 4096, 32
-    working = 4 * max(embedding, params // layers) + 2**30  # upcast_working_set's rule
-    available = 21 * 2**30
-    assert choose_placement(params, available, tmp_path, 2, working) == ("float32", None)
-    assert choose_placement(params, available, tmp_path, 2)[1] is not None
-    assert choose_placement(params, available, tmp_path, 4)[1] is not None  # float32 weights: to disk
+    folder, params = llama_headers(tmp_path / "llama-8b")
+    assert params == 8_030_261_248
+    working = upcast_working_set(folder)
+    assert 5 * 2**30 < working < 7 * 2**30
+    for available in (21 * 2**30, 8 * 2**30):
+        assert choose_placement(params, available, tmp_path, 0, working) == ("float32", None)
+    assert choose_placement(params, 8 * 2**30, tmp_path, 2, working)[1] is not None
+    assert choose_placement(params, 21 * 2**30, tmp_path, 4)[1] is not None  # float32 weights: to disk

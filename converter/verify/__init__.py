@@ -35,7 +35,6 @@ from converter.verify.fourbit import (
     quantized_peft_merge,
 )
 from converter.verify.loading import (
-    BYTES,
     PERPLEXITY_TEXT,
     PROMPTS,
     Offload,
@@ -46,6 +45,7 @@ from converter.verify.loading import (
     load_reference,
     load_tokenizer,
     own_dtype,
+    resident_bytes,
     upcast_working_set,
     vocab_size,
     weights_summary,
@@ -56,6 +56,7 @@ from converter.verify.metrics import (
     Run,
     compare,
     first_disagreement,
+    mixed_batch,
     probe_modules,
     run_model,
     tolerance,
@@ -99,6 +100,9 @@ def verify(
     alone (the verdict never used more); "full" also runs `max_new_tokens` greedy tokens per prompt for the card."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
+    from converter.verify.warmup import wait
+
+    wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     merged = Path(merged)
     if (merged / "model_index.json").is_file() or not (merged / "config.json").is_file():
         # a diffusers pipeline or a single diffusion file: diffusers' own loader, else the published formula
@@ -133,7 +137,9 @@ def _verify(
     # 0.85 B bench model (bench/RESULTS.md), so it holds a float32 copy where that fits.
     own = mode == "quick" and not stored_4bit and recipe.qlora_base != "dequantized"
     budget = memory or available_memory()
-    stored_bytes, working = (BYTES.get(output_dtype, 4), upcast_working_set(merged)) if own else (4, None)
+    # Streamed (own dtype, precision.py): the weights stay mapped from their files, untouched; only the working set
+    # (one block in float32, buffers, activations) is resident.
+    stored_bytes, working = (0, upcast_working_set(merged)) if own else (4, None)
     placement = choose_placement(params, budget, scratch, stored_bytes, working)
     if placement is None:
         return skipped_report(
@@ -168,28 +174,41 @@ def _verify(
         f"({compute} compute)"
     )
 
-    def lean(model):  # float32 compute over weights kept in their own dtype
-        return float32_compute(model) if own else nullcontext()
+    def lean(model, sources):  # float32 compute over weights kept in their own dtype, read from their files
+        return float32_compute(model, sources) if own else nullcontext()
 
     clock = Clock()
+    ref_sources: dict | None = {} if own else None
     try:
         quantization = qlora_quantization(recipe, merged, base, dtype)
         reference_model = load_reference(
-            base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+            base,
+            adapter_dirs,
+            recipe,
+            own_dtype(base) if own else dtype,
+            vocab_size(merged),
+            quantization,
+            offload,
+            sources=ref_sources,
         )
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return skipped_report(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
         )
     clock.lap("load reference")
-    with lean(reference_model):
-        # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise (kernel_noise)
-        probe = probe_ids if four_bit else None
-        ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
-        # A 4-bit reference: how far its kernels are from exact math on its own weights, measured (kernel_noise)
-        noise = kernel_noise(reference_model, ref, [*inputs, ppl_ids], probe_ids) if four_bit else None
-        with reference_model.disable_adapter():
-            bare = run_model(reference_model, inputs, None, ppl_ids, new_tokens)
+    with lean(reference_model, ref_sources):
+        both = mixed_batch(reference_model, inputs, ppl_ids) if own and len(adapter_dirs) == 1 else None
+        if both:  # quick: reference and bare base in one forward, the base weights read once
+            ref, bare = both
+            noise = None
+        else:
+            # The module probe only where it is needed on a pass: a 4-bit reference's per-module noise
+            probe = probe_ids if four_bit else None
+            ref = run_model(reference_model, inputs, probe, ppl_ids, new_tokens, prefix="base_model.model.")
+            # A 4-bit reference: how far its kernels are from exact math on its own weights, measured
+            noise = kernel_noise(reference_model, ref, inputs, ppl_ids, probe_ids) if four_bit else None
+            with reference_model.disable_adapter():
+                bare = run_model(reference_model, inputs, None, ppl_ids, new_tokens)
     clock.lap("run reference and bare base")
     reference = "the base + adapters applied unmerged through PEFT"
     if stored_4bit:  # 4-bit weights cannot match an unmerged model to rounding: judge against PEFT's own merge,
@@ -199,12 +218,18 @@ def _verify(
         ref = quantized_peft_merge(reference_model, stored_4bit, (inputs, probe_ids, ppl_ids, new_tokens))
         reference = f"PEFT's own merge quantized to {stored_4bit['bnb_4bit_quant_type'].upper()} by transformers"
         clock.lap("4-bit reference: PEFT merge, save, quantized load, run")
-    del reference_model
-    gc.collect()
+    # Collect the reference before the merged model loads, unless (streamed) it holds little but mappings: a
+    # full collection costs ~0.4 s after transformers' imports
+    if resident_bytes(reference_model, ref_sources) > 2**29:
+        del reference_model
+        gc.collect()
+    else:
+        del reference_model
 
-    candidate = load_model(merged, own_dtype(merged) if own else dtype, offload=offload)
+    candidate_sources: dict | None = {} if own else None
+    candidate = load_model(merged, own_dtype(merged) if own else dtype, offload=offload, sources=candidate_sources)
     clock.lap("load merged")
-    with lean(candidate):
+    with lean(candidate, candidate_sources):
         out = run_model(candidate, inputs, None, ppl_ids, new_tokens)
     clock.lap("run merged")
 
@@ -236,15 +261,23 @@ def _verify(
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
     culprit = None
     if problems and not stored_4bit:  # only a fail needs the module probe: merged, then the reference reloaded
-        with lean(candidate), torch.no_grad():
+        with lean(candidate, candidate_sources), torch.no_grad():
             out.probe = probe_modules(candidate, probe_ids, "")
         del candidate
         gc.collect()
         if not ref.probe:
+            ref_sources = {} if own else None
             reference_model = load_reference(
-                base, adapter_dirs, recipe, own_dtype(base) if own else dtype, vocab_size(merged), quantization, offload
+                base,
+                adapter_dirs,
+                recipe,
+                own_dtype(base) if own else dtype,
+                vocab_size(merged),
+                quantization,
+                offload,
+                sources=ref_sources,
             )
-            with lean(reference_model), torch.no_grad():
+            with lean(reference_model, ref_sources), torch.no_grad():
                 ref.probe = probe_modules(reference_model, probe_ids, "base_model.model.")
             del reference_model
         clock.lap("module probe (on failure)")
@@ -252,13 +285,15 @@ def _verify(
         culprit = first_disagreement(ref.probe, out.probe, tol["module_rel_err"], module_noise)
     else:
         del candidate
-    gc.collect()
+    study = is_qlora(recipe, adapter_dirs) and not four_bit_config(base) and not stored_4bit
+    if not own or study:  # streamed models hold little but mappings: no full collection needed before the end
+        gc.collect()
     if culprit:
         problems.append(
             f"first module that disagrees: {culprit['module']} (relative error {culprit['relative_error']:.3g})"
         )
     qlora = None
-    if is_qlora(recipe, adapter_dirs) and not four_bit_config(base) and not stored_4bit:
+    if study:
         log("QLoRA adapters: measuring both merge bases against the 4-bit training setting")
         batch = (inputs, ppl_ids, new_tokens)
         qlora = qlora_study(merged, recipe, base, adapter_dirs, dtype, batch, (ref, out), token)
@@ -273,6 +308,8 @@ def _verify(
         # Weights as held in memory: their own dtype, upcast per layer while computing (or the compute dtype)
         "weights_in_memory": output_dtype if own else TORCH_TO_ST[dtype],
         "offloaded": offload is not None,  # weights beyond offload_memory_bytes went to disk (accelerate)
+        # How the forwards ran (bench/RESULTS.md measures each way): the card says it
+        "execution": _execution(own, offload is not None, both is not None),
         "offload_memory_bytes": offload.max_memory if offload else None,
         "output_dtype": stored_4bit["bnb_4bit_quant_type"].upper() if stored_4bit else output_dtype,
         "tolerance": tol,
@@ -294,6 +331,18 @@ def _verify(
     report["markdown"] = markdown(report)
     (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _execution(streamed: bool, offloaded: bool, one_batch: bool) -> str:
+    weights = (
+        "weights read block by block from their files into float32 buffers (never the whole model in memory)"
+        if streamed
+        else "weights offloaded to disk by accelerate"
+        if offloaded
+        else "each model loaded whole in the compute dtype"
+    )
+    bare = "one PEFT mixed-adapter batch" if one_batch else "two forwards (PEFT's disable_adapter for the bare base)"
+    return f"{weights}; the reference and the bare base in {bare}; the merged model after them"
 
 
 def require_pass(report: dict) -> None:

@@ -151,7 +151,7 @@ def qlora_quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     return _bnb_config(recipe.qlora_quant, recipe.qlora_double_quant, dtype, ["lm_head", *untouched])
 
 
-def kernel_noise(model, ref: Run, inputs: list, probe_ids) -> dict:
+def kernel_noise(model, ref: Run, inputs: list, ppl_ids, probe_ids) -> dict:
     """How far bitsandbytes' 4-bit kernels are from exact math on the very weights they hold: the reference
     (4-bit base + adapters) against itself with each 4-bit layer computing x @ dequantize(W).T, same inputs.
 
@@ -174,7 +174,7 @@ def kernel_noise(model, ref: Run, inputs: list, probe_ids) -> dict:
             module.forward = exact
             patched.append(module)
     try:
-        twin = Run(logits=logits_of(model, inputs)[: len(ref.logits)])
+        twin = Run(logits=logits_of(model, [ppl_ids, *inputs])[1:])  # packed as run_model packs them
         with torch.no_grad():
             probe = probe_modules(model, probe_ids, "base_model.model.")
     finally:

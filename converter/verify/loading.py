@@ -59,11 +59,12 @@ class Offload:
 def choose_placement(
     params: int, budget: int, scratch: Path, stored_bytes: int = 4, working: int | None = None
 ) -> tuple[str, Offload | None] | None:
-    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter) fits: float32 compute.
-    `working`: the bytes computing takes on top of it when the weights stay in their own dtype and each layer is
-    upcast while it runs (precision.py); without it, half the model again. Float32 weights that do not fit load
-    in bfloat16. When that does not fit either, weights go to disk and the compute stays float32 if the disk
-    holds it (the offloaded verdict is then the in-memory one), else bfloat16. None: not even that fits."""
+    """In memory when one copy of the weights as loaded (`stored_bytes` per parameter; 0 when they stay mapped
+    from their files and each layer is read in float32 while it runs, precision.py) fits: float32 compute.
+    `working`: the bytes computing takes on top of it in that case (upcast_working_set); without it, half the
+    model again. Float32 weights that do not fit load in bfloat16. When that does not fit either, weights go to
+    disk and the compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one),
+    else bfloat16. None: not even that fits."""
     if params * stored_bytes + (working if working is not None else params * stored_bytes // 2) < budget:
         return "float32", None
     if stored_bytes > 2 and params * 2 * 1.5 < budget:
@@ -81,13 +82,20 @@ def _free_disk(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
-def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None):
+def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None, sources: dict | None = None):
+    """transformers' own load (its weights stay views of the mapped files). `sources`, when given, is filled with
+    the weights that are exactly a file's tensor (precision.file_sources), for float32 compute read from the files."""
     from transformers import AutoModelForCausalLM
 
     extra = {"quantization_config": quantization} if quantization else {}
     if offload:
         extra.update(offload.kwargs())
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
+    if sources is not None:
+        from converter.verify.precision import file_sources
+
+        sources.update(file_sources(model, folder))
+    return model
 
 
 BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -117,16 +125,24 @@ def weights_summary(folder: Path) -> tuple[str, int]:
 
 
 def upcast_working_set(folder: Path) -> int:
-    """Bytes computing in float32 over weights kept in their own dtype takes beyond the weights: the largest
-    unit upcast at once (a block is ~1/num_layers of the model; the embedding or head is one tensor) in float32,
-    plus 1 GiB for activations, logits and the metrics over them."""
+    """Bytes computing in float32 over weights kept in their files takes (precision.py): the reused float32
+    buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
+    ahead) plus the largest tensor (the embedding or the head), the 16-bit staging buffer of that largest tensor,
+    and 1 GiB for activations, logits and the metrics."""
     from converter.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     sizes = [ckpt.info(name).numel for name in ckpt.names()]
     config = json.loads((folder / "config.json").read_text())
     layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers") or 1
-    return 4 * max(max(sizes, default=0), sum(sizes) // int(layers)) + 2**30
+    largest = max(sizes, default=0)
+    return 4 * (2 * (sum(sizes) // int(layers)) + largest) + 2 * largest + 2**30
+
+
+def resident_bytes(model, sources: dict | None) -> int:
+    """Bytes of `model`'s parameters held in memory: all of them, less those left mapped from their files."""
+    skip = sources or {}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
 def available_memory() -> int:
@@ -253,13 +269,23 @@ def _require_trained_scales(model, names: list[str], adapters: list[Path]) -> No
 
 
 def load_reference(
-    base: Path, adapters: list[Path], recipe: Recipe, dtype, vocab: int, quantization=None, offload=None
+    base: Path,
+    adapters: list[Path],
+    recipe: Recipe,
+    dtype,
+    vocab: int,
+    quantization=None,
+    offload=None,
+    sources: dict | None = None,
 ):
+    """PEFT's unmerged model: the base with the adapters on top, each scaled by its recipe weight. `sources`: as
+    for load_model, of the base's weights (found before PEFT wraps them; a parameter keeps its id inside PEFT)."""
     from peft import PeftModel
 
     if offload:
         base = offload.peft_safe(base)
-    model = load_model(base, dtype, quantization, offload)  # (a base's own quantization_config applies by itself)
+    # (a base's own quantization_config applies by itself)
+    model = load_model(base, dtype, quantization, offload, sources)
     if model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]
@@ -275,6 +301,8 @@ def load_reference(
                 model.load_adapter(path, adapter_name=name, **placed)
     _require_all_loaded(results, adapters)
     _require_trained_scales(model, names, adapters)
+    if sources is not None:
+        _exact_adapter_tensors(model, adapters, names, sources)
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
@@ -283,3 +311,24 @@ def load_reference(
                 key = module_name.removeprefix("base_model.model.") + ".weight"
                 module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
     return model.eval()
+
+
+def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict) -> None:
+    """Float32 compute over weights in their own dtype must see the adapters' tensors as stored: PEFT makes its
+    copies for modules_to_save and trainable tokens in the base's dtype, which rounds a float32 adapter's values
+    (LoRA factors it upcasts itself). Upcast the adapters' own 16-bit tensors (PEFT puts the adapter's name in
+    each of their names; the base's, read from its files or copied while computing, stay as loaded), then load the
+    adapters' tensors into them again, now exactly."""
+    import torch
+    from peft import load_peft_weights, set_peft_model_state_dict
+
+    upcast = 0
+    for full_name, param in model.named_parameters():
+        owned = any(f".{n}." in full_name or full_name.endswith(f".{n}") for n in names)
+        if owned and id(param) not in sources and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+            upcast += 1
+    if not upcast:  # plain LoRA factors: PEFT loaded them in float32 already
+        return
+    for name, path in zip(names, adapters, strict=True):
+        set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)

@@ -84,19 +84,27 @@ def summary(metrics: dict) -> dict:
     return {k: metrics[k] for k in keys}
 
 
-def logits_of(model, rows: list) -> list:
-    """Float32 logits of each row of token ids ([1, n] each), all in one forward: the rows are padded on the
-    right, which causal attention never looks at, so each row's logits are its own."""
+def logits_of(model, rows: list, variants: list[str] | None = None) -> list:
+    """Float32 logits of each row of token ids ([1, n] each), all in one forward and without padding: the rows
+    are packed into one sequence, each with its own positions from 0, which transformers' masks turn into a
+    block-diagonal causal mask (no row sees another), so each row's logits are its own. `variants`: PEFT adapter
+    names (or "__base__") to run the same pack through at once, one batch row each (PEFT's mixed-adapter batch);
+    the result is then one list of per-row logits per variant."""
     import torch
 
-    width = max(r.shape[1] for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : r.shape[1]], mask[i, : r.shape[1]] = r[0], 1
+    ids = torch.cat([r[0] for r in rows])[None]
+    positions = torch.cat([torch.arange(r.shape[1]) for r in rows])[None]
+    count = len(variants) if variants else 1
+    extra = {"adapter_names": list(variants)} if variants else {}
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits
-    return [logits[i, : r.shape[1]].float() for i, r in enumerate(rows)]
+        logits = model(
+            input_ids=ids.expand(count, -1), position_ids=positions.expand(count, -1), use_cache=False, **extra
+        ).logits
+    ends = torch.tensor([r.shape[1] for r in rows]).cumsum(0).tolist()
+    split = [
+        [logits[v, end - r.shape[1] : end].float() for r, end in zip(rows, ends, strict=True)] for v in range(count)
+    ]
+    return split if variants else split[0]
 
 
 def greedy(model, inputs: list, max_new_tokens: int) -> list[list[int]]:
@@ -123,16 +131,56 @@ def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: st
     when max_new_tokens > 0 (`--verify full`); the module probe only when probe_ids are given."""
     import torch
 
-    run = Run()
-    *run.logits, ppl_logits = logits_of(model, [*inputs, ppl_ids])
-    nll = -ppl_logits[:-1].log_softmax(-1).gather(-1, ppl_ids[0, 1:, None]).mean().item()
-    run.perplexity = math.exp(min(nll, 50.0))
+    run = _scored(logits_of(model, [ppl_ids, *inputs]), ppl_ids)
     if max_new_tokens > 0:
         run.generations = greedy(model, inputs, max_new_tokens)
     if probe_ids is not None:
         with torch.no_grad():
             run.probe = probe_modules(model, probe_ids, prefix)
     return run
+
+
+def run_variants(model, inputs, ppl_ids, variants: list[str]) -> list[Run]:
+    """The quick check's runs of one PEFT model under several adapter settings (e.g. the adapter and "__base__",
+    the bare base) in one forward: the weights are read once for all of them."""
+    return [_scored(logits, ppl_ids) for logits in logits_of(model, [ppl_ids, *inputs], variants)]
+
+
+def mixed_batch(model, inputs, ppl_ids) -> tuple[Run, Run] | None:
+    """The reference (a PEFT model with one LoRA adapter) and the bare base in one forward, as rows of PEFT's
+    mixed-adapter batch (the adapter's name, and "__base__" for no adapter); None where PEFT does not offer that
+    for these adapters (DoRA, aLoRA): then the caller runs the two one after the other (disable_adapter)."""
+    config = getattr(model, "peft_config", {})
+    if len(config) != 1:
+        return None
+    ((name, adapter),) = config.items()
+    if adapter.peft_type != "LORA" or adapter.use_dora or getattr(adapter, "alora_invocation_tokens", None):
+        return None
+    try:
+        ref, bare = run_variants(model, inputs, ppl_ids, [name, "__base__"])
+    except (ValueError, TypeError, NotImplementedError):  # PEFT refused adapter_names after all
+        _drop_adapter_names_hooks(model)
+        return None
+    return ref, bare
+
+
+def _drop_adapter_names_hooks(model) -> None:
+    """PEFT 0.21 registers a pre-hook per layer for a mixed batch and removes them after the forward, but not when
+    the forward raises (its context manager has no `finally`): every later forward would then get the batch's
+    adapter names. Remove what it left behind."""
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if getattr(getattr(hook, "func", None), "__name__", "") == "_adapter_names_pre_forward_hook":
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _scored(logits: list, ppl_ids) -> Run:
+    """A Run from packed logits: the perplexity text first (it is packed first, so it never depends on whether a
+    model's mask keeps the rows apart), then the prompts."""
+    ppl_logits, *prompts = logits
+    nll = -ppl_logits[:-1].log_softmax(-1).gather(-1, ppl_ids[0, 1:, None]).mean().item()
+    return Run(logits=prompts, perplexity=math.exp(min(nll, 50.0)))
 
 
 def probe_modules(model, ids, prefix: str) -> dict:

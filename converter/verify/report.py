@@ -86,6 +86,8 @@ def markdown(report: dict) -> str:
         lines.append(f"\n- problem: {p}")
     for n in report["notes"]:
         lines.append(f"\n- note: {n}")
+    if report.get("execution"):
+        lines.append(f"\n- ran as: {report['execution']}")
     if report.get("offloaded"):
         lines.append("\n- note: the models did not fit in memory and ran with weights offloaded to disk (accelerate)")
     return "\n".join(lines)
