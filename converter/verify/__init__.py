@@ -177,11 +177,10 @@ def _verify(
     def lean(model, sources):  # float32 compute over weights kept in their own dtype, read from their files
         return float32_compute(model, sources) if own else nullcontext()
 
-    clock = Clock()
-    ref_sources: dict | None = {} if own else None
-    try:
-        quantization = qlora_quantization(recipe, merged, base, dtype)
-        reference_model = load_reference(
+    def peft_reference(quantization):
+        """PEFT's unmerged model and (when computing from the files) where its base weights came from."""
+        sources: dict | None = {} if own else None
+        model = load_reference(
             base,
             adapter_dirs,
             recipe,
@@ -189,8 +188,14 @@ def _verify(
             vocab_size(merged),
             quantization,
             offload,
-            sources=ref_sources,
+            sources=sources,
         )
+        return model, sources
+
+    clock = Clock()
+    try:
+        quantization = qlora_quantization(recipe, merged, base, dtype)
+        reference_model, ref_sources = peft_reference(quantization)
     except (ValueError, KeyError, RuntimeError) as e:  # PEFT refuses the adapter on this base
         return skipped_report(
             merged, f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})"
@@ -266,17 +271,7 @@ def _verify(
         del candidate
         gc.collect()
         if not ref.probe:
-            ref_sources = {} if own else None
-            reference_model = load_reference(
-                base,
-                adapter_dirs,
-                recipe,
-                own_dtype(base) if own else dtype,
-                vocab_size(merged),
-                quantization,
-                offload,
-                sources=ref_sources,
-            )
+            reference_model, ref_sources = peft_reference(quantization)
             with lean(reference_model, ref_sources), torch.no_grad():
                 ref.probe = probe_modules(reference_model, probe_ids, "base_model.model.")
             del reference_model
