@@ -174,10 +174,8 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
 
 def _finite_source(tensors, name: str) -> bool:
     """Finite check of one adapter tensor, on its bytes when it is a safetensors float (no torch needed)."""
-    file = getattr(tensors, "file", None)
-    dtype = tensors.dtype(name)
-    if file is not None and hasattr(file, "read_bytes") and dtype in npmath.NUMPY_FLOATS:
-        return npmath.finite(npmath.view(file.read_bytes(name), dtype, tensors.shape(name)), dtype)
+    if npmerge.viewable(tensors, name):
+        return npmath.finite(npmerge.raw(tensors, name, tensors.shape(name)), tensors.dtype(name))
     return all_finite(tensors.read(name))
 
 

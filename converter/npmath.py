@@ -33,10 +33,6 @@ def widen(a: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarra
     return out
 
 
-def to_float64(a: np.ndarray, dtype: str) -> np.ndarray:
-    return widen(a, dtype).astype(np.float64)
-
-
 def _bf16_bits(u: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even of float32 bits `u` (uint32) to bfloat16 bits, into `out` (uint16); NaN not handled."""
     t = np.right_shift(u, 16)

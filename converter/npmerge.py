@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from functools import cache
 
 import numpy as np
@@ -28,13 +27,23 @@ from converter.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowRe
 from converter.plan import OutputTensor, PlannedPatch
 
 BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
-AHEAD = 8  # blocks in flight per tensor on the pool: enough to keep two cores busy, a few MiB at most
 CHUNK_BYTES = 8 * 2**20  # output handed to the writer in chunks of this size
 
 
+def viewable(source, name: str) -> bool:
+    """Whether adapter tensor `name` of `source` can be read without torch: raw bytes of a safetensors file
+    (SafetensorsSource) in a float dtype numpy handles."""
+    file = getattr(source, "file", None)
+    return file is not None and hasattr(file, "read_bytes") and source.dtype(name) in npmath.NUMPY_FLOATS
+
+
+def raw(source, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A `viewable` tensor as stored (npmath.view: bfloat16 as its bits)."""
+    return npmath.view(source.file.read_bytes(name), source.dtype(name), shape)
+
+
 def _numpy_ref(ref: Ref) -> bool:
-    file = getattr(ref.source, "file", None)  # SafetensorsSource: raw bytes we can view without torch
-    return file is not None and hasattr(file, "read_bytes") and ref.source.dtype(ref.name) in npmath.NUMPY_FLOATS
+    return viewable(ref.source, ref.name)
 
 
 def _linear(p: LowRank, ndim: int) -> bool:
@@ -72,8 +81,7 @@ def supports(o: OutputTensor) -> bool:
 
 def load(ref: Ref) -> np.ndarray:
     """An adapter tensor as float32 values (exactly what torch's Ref.load gives)."""
-    dtype = ref.source.dtype(ref.name)
-    return npmath.widen(npmath.view(ref.source.file.read_bytes(ref.name), dtype, ref.shape), dtype)
+    return npmath.widen(raw(ref.source, ref.name, ref.shape), ref.source.dtype(ref.name))
 
 
 class _Delta:
@@ -154,7 +162,7 @@ class _Tensor:
             if isinstance(pp.patch, Replace):
                 value = pp.patch.value
                 start, self.src_dtype = k + 1, value.source.dtype(value.name)
-                src = npmath.view(value.source.file.read_bytes(value.name), self.src_dtype, o.shape)
+                src = raw(value.source, value.name, o.shape)
         self.o, self.shape = o, o.shape or (1,)
         self.src = src.reshape(self.shape)
         self.deltas = [_Delta(pp, self.shape) for pp in o.patches[start:]]
@@ -212,25 +220,6 @@ def one_blas_thread() -> None:
                     getattr(lib, name)(1)
     except OSError:  # not Linux, or no OpenBLAS: nothing to do
         pass
-
-
-def merged_blocks(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> Iterator[np.ndarray]:
-    """Output tensor `o` in row blocks (each a fresh array in o.dtype's numpy form), from `base` (npmath.view of
-    the base tensor's bytes). Patches apply in order; a replacement restarts from its value.
-
-    With `pool`, blocks are merged on its threads (numpy and BLAS release the GIL), a bounded number ahead of the
-    one being yielded, and still yielded in order."""
-    t = _Tensor(o, base)
-    if pool is None:
-        yield from (t.block(i) for i in t.starts)
-        return
-    ahead: deque[Future] = deque()
-    for i in t.starts:
-        ahead.append(pool.submit(t.block, i))
-        if len(ahead) >= AHEAD:
-            yield ahead.popleft().result()
-    while ahead:
-        yield ahead.popleft().result()
 
 
 def merged_chunks(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> Iterator[np.ndarray]:

@@ -200,7 +200,7 @@ def test_numpy_merge_is_the_float64_merge_rounded_once(case):
     o, base, tensors = case
     dtype = o.dtype
     view = base if dtype == "BF16" else base.view(npmath.NUMPY_FLOATS[dtype])
-    ours = np.concatenate([b.reshape(-1, *o.shape[1:]) for b in npmerge.merged_blocks(o, view)]).view(BITS[dtype][0])
+    ours = np.concatenate([b.reshape(-1, *o.shape[1:]) for b in npmerge.merged_chunks(o, view)]).view(BITS[dtype][0])
     exact = _exact(o, base, tensors)
     assert np.array_equal(ours, exact), (ours, exact)
 
@@ -221,9 +221,8 @@ def test_blocks_cover_every_row_with_several_patches():
     exact = base.astype(np.float64) + 0.5 * (up.astype(np.float64) @ down)
     exact[400:600] += 2.0 * (up[400:600].astype(np.float64) @ down)
     exact = exact.astype(np.float32)
-    assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base))), exact)
+    assert np.array_equal(np.concatenate(list(npmerge.merged_chunks(o, base))), exact)
     with ThreadPoolExecutor(2) as pool:  # the blocks on two threads: the same bytes, in order
-        assert np.array_equal(np.concatenate(list(npmerge.merged_blocks(o, base, pool))), exact)
         assert np.array_equal(np.concatenate(list(npmerge.merged_chunks(o, base, pool))), exact)
     npmerge.CHUNK_BYTES, chunk = 436 * 300 * 4 * 2, npmerge.CHUNK_BYTES  # two blocks a chunk: chunk edges too
     try:

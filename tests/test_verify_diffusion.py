@@ -9,19 +9,19 @@ import shutil
 
 import pytest
 import torch
-from diffusion_helpers import TE_TARGETS, UNET_TARGETS, kohya_lora, kohya_modules, make_pipeline, save
+from diffusion_helpers import (
+    TE_TARGETS,
+    UNET_TARGETS,
+    few_images,  # noqa: F401 (autouse: one cheap image per check)
+    kohya_lora,
+    kohya_modules,
+    make_pipeline,
+    save,
+)
 from safetensors.torch import load_file, save_file
-
-import converter.verify.diffusion as diffusion
 
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.{}.transformer_blocks.0.attn1.to_q.weight"
-
-
-@pytest.fixture(autouse=True)
-def few_images(monkeypatch):
-    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
-    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)
 
 
 def lora_for(models: dict, alpha: float | None, te_prefixes: dict[str, str]) -> dict:

@@ -9,7 +9,15 @@ import shutil
 
 import pytest
 import torch
-from diffusion_helpers import UNET_TARGETS, kohya_lora, kohya_modules, make_pipeline, read_component, save
+from diffusion_helpers import (
+    UNET_TARGETS,
+    few_images,  # noqa: F401 (autouse: one cheap image per check)
+    kohya_lora,
+    kohya_modules,
+    make_pipeline,
+    read_component,
+    save,
+)
 from safetensors.torch import load_file, save_file
 from test_community_lycoris import CASES
 from test_community_sd import sd15_lora, to_ldm
@@ -17,14 +25,6 @@ from test_community_sd import sd15_lora, to_ldm
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"
 LABEL = "reference: published formula, float64"
-
-
-@pytest.fixture(autouse=True)
-def few_images(monkeypatch):
-    import converter.verify.diffusion as diffusion
-
-    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
-    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)
 
 
 @pytest.fixture(scope="module")
