@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
 
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from converter.batch import jobs as joblist
+    from converter.optional import require
+
+    require("ray", "converter batch")  # before a job list, a state file or a report is written
 
     searching = args.from_hub_search is not None
     if bool(args.jobs) == searching:
