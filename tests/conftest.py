@@ -183,7 +183,10 @@ def torch_venv(tmp_path_factory):
     from venvs import TORCH, Venv, record
 
     venv = Venv.create(tmp_path_factory.mktemp("torch-venv") / "venv")
-    yield record("torch", venv, lambda: venv.install(TORCH))
+    record("torch", venv, lambda: venv.install(TORCH))
+    warm = venv.run("python", "-c", "import torch", env=dict(os.environ), cwd=venv.path)  # its bytecode, for all
+    assert warm.returncode == 0, warm.stderr
+    yield venv
     venv.remove()
 
 

@@ -49,10 +49,10 @@ def venvs(tmp_path_factory, wheel, torch_venv):
         venv.remove()
 
 
-def converter(venv: Venv, hub, *args, home: Path, cwd: Path) -> subprocess.CompletedProcess:
-    env = client_env(hub, token=MOCK_TOKEN, home=home) | {"TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([str(venv.path / "bin" / "converter"), *map(str, args)], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+def converter(venv: Venv, hub, *args, home: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """The venv's `converter` command, a Hub client of the local Hub, signed in as the demo user."""
+    env = client_env(hub, token=MOCK_TOKEN, home=home) | {"TOKENIZERS_PARALLELISM": "false"} | env
+    return venv.run("converter", *args, env=env, cwd=cwd)
 
 
 def test_the_base_install_merges_and_verifies_an_llm_and_names_the_extras_it_lacks(venvs, demo_hub, tmp_path):
@@ -111,12 +111,8 @@ def test_batch_extra_runs_two_jobs_on_a_local_ray_cluster(venvs, demo_hub, tmp_p
     ]}))  # fmt: skip
     # Ray's socket paths must fit 107 bytes: its session folder goes under a short temp folder
     with tempfile.TemporaryDirectory(prefix="cvi-ray-", dir="/tmp") as ray_tmp:
-        env_home = tmp_path / "home"
-        proc = subprocess.run(
-            [str(venv.path / "bin" / "converter"), "batch", str(jobs), "--num-cpus", "2"],
-            env=client_env(demo_hub, token=MOCK_TOKEN, home=env_home) | {"RAY_TMPDIR": ray_tmp},
-            cwd=tmp_path, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+        proc = converter(venv, demo_hub, "batch", jobs, "--num-cpus", "2", home=tmp_path / "home", cwd=tmp_path,
+                         RAY_TMPDIR=ray_tmp)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 jobs: 2 done, 0 failed, 0 skipped" in jobs.with_suffix(".report.md").read_text()
     assert demo_hub.exists("demo/install-batch-merged")

@@ -57,7 +57,8 @@ def test_a_merge_with_verification_prints_only_converters_own_lines(llm, tmp_pat
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr == ""  # no warnings, no log lines, no progress bars
     printed = [shape(line) for line in proc.stdout.splitlines()]
-    expected = [shape(line) for line in own_lines(base, adapter, tmp_path / "api" / "merged") for line in line.splitlines()]
+    logged = own_lines(base, adapter, tmp_path / "api" / "merged")
+    expected = [shape(line) for entry in logged for line in entry.splitlines()]
     assert printed == expected, proc.stdout
     assert "passed" in proc.stdout.lower()
 

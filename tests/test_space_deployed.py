@@ -73,6 +73,7 @@ def app(deployed, space_venv, demo_hub, tmp_path_factory):
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # nothing was compiled at install (tests/venvs.py)
     log_path = root / "app.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(space_venv.python), "app.py"], cwd=deployed, env=env, stdout=log,

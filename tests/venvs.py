@@ -62,18 +62,26 @@ class Venv:
         assert proc.returncode == 0, f"{' '.join(cmd)} {requirements}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
+    def run(self, *args: str | Path, env: dict[str, str], cwd: Path, timeout: float = 900):
+        """A command of this venv (`converter`, `python`), with bytecode written: the first process compiles what it
+        imports (nothing is compiled at install), the later ones and the copies made after it reuse that."""
+        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        command = [str(self.path / "bin" / str(args[0])), *map(str, args[1:])]
+        return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
     def packages(self) -> dict[str, str]:
         """Installed distributions, canonical name -> version."""
         code = ("import importlib.metadata as m, json, re\n"
                 "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
                 "for d in m.distributions()}))")  # fmt: skip
-        out = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, check=True)
+        # run from the venv's folder: from a checkout, `-c` would also list the checkout's own converter.egg-info
+        out = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, check=True, cwd=self.path)
         return json.loads(out.stdout)
 
     def check(self) -> None:
         """pip check: every installed package's requirements are met."""
         proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(self.python), "check"],
-                              capture_output=True, text=True)  # fmt: skip
+                              capture_output=True, text=True, cwd=self.path)  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def size(self) -> int:
@@ -81,7 +89,8 @@ class Venv:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file() and not p.is_symlink())
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """In the background: tens of thousands of files; the run need not wait for them to go."""
+        subprocess.Popen(["rm", "-rf", str(self.path)], start_new_session=True)
 
 
 def build_wheel(out: Path) -> Path:
