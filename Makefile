@@ -1,4 +1,6 @@
 # Two commands: `make run` and `make test`. Each sets itself up first.
+# `make test` also builds the documentation site (mkdocs.yml, docs/) with --strict: a broken link fails it.
+# NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner, printed on every build.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +11,7 @@ PIP := $(BIN)/pip --disable-pip-version-check
 WHEELHOUSE ?= $(HOME)/.cache/converter-wheelhouse
 WHEELHOUSE_STAMP = $(WHEELHOUSE)/.complete-$(shell sha256sum constraints.txt | cut -c1-12)
 
-.PHONY: run demo test setup fixtures chromium wheelhouse lock lint bench clean
+.PHONY: run demo test docs setup fixtures chromium wheelhouse lock lint bench clean
 
 # pyproject.toml says which packages (compatible ranges); constraints.txt, which versions: the tested set.
 $(STAMP): pyproject.toml constraints.txt
@@ -49,10 +51,15 @@ chromium:
 
 test: $(STAMP) fixtures chromium wheelhouse
 	$(BIN)/ruff check converter tests bench scripts app.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q --durations=25
+
+# The documentation site alone (what `make test` builds after ruff), into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python bench/merge_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -17,6 +17,8 @@ from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
 from converter.scratch import make_temp
 from converter.verify import require_pass, verify
 
+__all__ = ["push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
+
 
 def push(
     repo_id: str,

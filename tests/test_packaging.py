@@ -133,7 +133,7 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
 
 
 DOCUMENTED_API = {  # what the Python API page imports, module -> names
-    "converter": ["Recipe", "AdapterSpec", "merge", "ConverterError", "VerificationFailed", "__version__"],
+    "converter": ["Recipe", "AdapterSpec", "ConverterError", "VerificationFailed", "__version__"],
     "converter.describe": ["inspect_path", "render"],
     "converter.merge": ["merge"],
     "converter.pipeline": ["push", "verify_folder"],
@@ -157,3 +157,11 @@ def test_the_python_api_offers_what_its_page_shows(module):
     exported = getattr(loaded, "__all__", None)
     if exported is not None:
         assert set(DOCUMENTED_API[module]) <= set(exported) | {"__version__"}, f"{module}.__all__: {exported}"
+
+
+def test_the_merge_function_is_reliably_where_the_docs_say():
+    """`converter.merge` is the module, whatever was imported before; the function is `converter.merge.merge`."""
+    code = ("import converter.merge, converter; from converter.merge import merge; import converter.pipeline\n"
+            "print(callable(merge), type(converter.merge).__name__)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "module"]

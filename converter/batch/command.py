@@ -14,7 +14,7 @@ SOME_FAILED = 4
 
 def add_parser(sub) -> None:
     b = sub.add_parser("batch", help="run many convert / merge / verify jobs on Ray (resumable, with a report)")
-    b.add_argument("jobs", nargs="?", help="job list YAML (see README: Converting many LoRAs)")
+    b.add_argument("jobs", nargs="?", help="job list YAML (see docs/batch.md: the job list)")
     b.add_argument("--from-hub-search", metavar="TEXT",
                    help="build the job list from a Hub search instead: repos whose id contains TEXT")  # fmt: skip
     b.add_argument("--filter", action="append", default=[], metavar="TAG",
