@@ -9,6 +9,7 @@ loader failed to import). Every import of an optional package goes through `requ
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from converter.errors import MissingExtraError
@@ -23,6 +24,16 @@ EXTRAS = {
 
 def install_hint(extra: str) -> str:
     return f"pip install 'converter[{extra}]'"
+
+
+def check(module: str, why: str) -> None:
+    """Like `require`, without importing it (for a caller that must set the environment up first: gradio and
+    diffusers import huggingface_hub, which reads HF_ENDPOINT at import time)."""
+    if importlib.util.find_spec(module) is None:
+        package, extra = EXTRAS[module]
+        raise MissingExtraError(
+            f"{why} needs {package}, which is not installed: {install_hint(extra)}", package=package, extra=extra
+        )
 
 
 def require(module: str, why: str) -> ModuleType:

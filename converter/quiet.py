@@ -3,9 +3,11 @@
 Why: a merge imports transformers, PEFT, bitsandbytes, diffusers, Ray ...; each has warnings, log lines and
 progress bars of its own ("Failed to load CPU gemm_4bit_forward ...", "Loading weights", FutureWarnings) that look
 like failures to a user and are not theirs. While a command runs, file descriptors 1 and 2 point at a temporary
-file, so everything else written there is held back, from Python (warnings, logging, tqdm) or below it (C
-libraries, child processes). converter's own lines go to copies of the original stdout/stderr (`Console`). `-v`
-turns the capture off. After an unexpected failure (a bug) the held-back tail is shown with the traceback.
+file, so what is written there is held back: Python's stderr (warnings, logging, tqdm bars) and everything below
+Python (C libraries, child processes). Python's stdout stays the terminal's, through a copy of the original
+descriptor: converter's code prints its lines there (the `log` callables default to `print`); the libraries do
+not. Errors go to a copy of the original stderr (`Console`). `-v` turns the capture off. After an unexpected
+failure (a bug) the held-back tail is shown with the traceback.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def session(verbose: bool = False) -> Iterator[Console]:
         progress.bar_file = err if _is_terminal(err) else None
         stack.callback(setattr, progress, "bar_file", bar_before)
         if capture is not None:
-            stack.enter_context(_redirected(capture))
+            stack.enter_context(_redirected(capture, out))
         yield Console(out, err, capture)
 
 
@@ -96,8 +98,9 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 @contextlib.contextmanager
-def _redirected(capture: int) -> Iterator[None]:
-    """fds 1 and 2 into `capture`; so are sys.stdout/sys.stderr where they are not fds 1/2 (under pytest)."""
+def _redirected(capture: int, out: TextIO) -> Iterator[None]:
+    """fds 1 and 2 into `capture`, sys.stdout to `out` (the original stdout), and sys.stderr into `capture` too
+    where it is not fd 2 (under pytest)."""
     streams = {"stdout": sys.stdout, "stderr": sys.stderr}
     for stream in streams.values():
         stream.flush()
@@ -106,9 +109,9 @@ def _redirected(capture: int) -> Iterator[None]:
         for fd in saved:
             os.dup2(capture, fd)
         _HeldBack.target = capture
-        for name, stream in streams.items():
-            if not _writes_to(stream, 1 if name == "stdout" else 2):
-                setattr(sys, name, _HELD_BACK)
+        sys.stdout = out
+        if not _writes_to(sys.stderr, 2):
+            sys.stderr = _HELD_BACK
         yield
     finally:
         for name, stream in streams.items():

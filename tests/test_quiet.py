@@ -125,7 +125,8 @@ def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(ca
         "verbose = sys.argv[1] == '-v'\n"
         "with quiet.session(verbose) as console:\n"
         "    console.line('converter says this')\n"
-        "    print('a library prints this')\n"
+        "    print('converter prints this')\n"
+        "    print('a library logs this', file=sys.stderr)\n"
         "    warnings.warn('a library warns', FutureWarning)\n"
         "    os.write(2, b'a C library writes this\\n')\n"
         "    os.system('echo a child process says this')\n"
@@ -135,9 +136,25 @@ def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(ca
     )
     quiet_run = subprocess.run([sys.executable, "-c", script, "-"], capture_output=True, text=True, timeout=60)
     assert quiet_run.returncode == 0, quiet_run.stderr
-    assert quiet_run.stdout == "converter says this\nafter the session\n"
+    assert quiet_run.stdout == "converter says this\nconverter prints this\nafter the session\n"
     assert quiet_run.stderr == "error: one line\n"
     loud = subprocess.run([sys.executable, "-c", script, "-v"], capture_output=True, text=True, timeout=60)
-    assert "a library prints this" in loud.stdout and "a child process says this" in loud.stdout
+    assert "a library logs this" in loud.stderr and "a child process says this" in loud.stdout
     assert "a library warns" in loud.stderr and "a C library writes this" in loud.stderr
     assert quiet.TAIL > 0
+
+
+def test_downloads_show_one_bar_of_bytes_on_a_terminal(monkeypatch):
+    assert progress.hub_tqdm() is None  # not the command line's terminal: huggingface_hub's own bars, as usual
+    terminal = Terminal()
+    monkeypatch.setattr(progress, "bar_file", terminal)
+    bar_class = progress.hub_tqdm()
+    # what huggingface_hub's snapshot_download makes: a bar of files, one of bytes received, one of bytes written
+    files = bar_class(total=3, desc="Fetching 3 files")
+    received = bar_class(total=10**6, initial=0, unit="B", unit_scale=True, desc="Downloading bytes", name="x")
+    written = bar_class(total=10**6, initial=0, unit="B", unit_scale=True, desc="Reconstructing")
+    for bar in (files, received, written):
+        bar.update(bar.total)
+        bar.close()
+    drawn = terminal.getvalue()
+    assert "Downloading bytes" in drawn and "Fetching" not in drawn and "Reconstructing" not in drawn

@@ -232,11 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
     from converter.errors import MissingExtraError
-    from converter.optional import require
+    from converter.optional import check
 
-    try:  # the app, and the demo's diffusion pipelines
-        require("gradio", "the local app")
-        require("diffusers", "the local app's diffusion demo")
+    try:  # the app, and the demo's diffusion pipelines (not imported yet: the Hub's address is set below first)
+        check("gradio", "the local app")
+        check("diffusers", "the local app's diffusion demo")
     except MissingExtraError as e:
         raise SystemExit(f"error: {e}") from None
     root = Path(args.dir).resolve()
