@@ -69,22 +69,3 @@ class Progress:
         if self.unit == "B":
             return f"{share} {human_bytes(self.done)} / {human_bytes(self.total)}"
         return f"{share} {self.done}/{self.total} {self.unit}s"
-
-
-def hub_tqdm() -> type | None:
-    """The tqdm class to give huggingface_hub's downloads: on the command line's terminal, its byte count as one bar
-    of ours (its other bars off); None elsewhere, which keeps huggingface_hub's own bars (held back by the command
-    line when piped, shown to Python API users as usual)."""
-    if bar_file is None:
-        return None
-    from tqdm import tqdm
-
-    class HubBar(tqdm):
-        def __init__(self, *args, **kwargs) -> None:
-            kwargs.pop("name", None)  # huggingface_hub's own class takes a name; tqdm does not
-            desc = str(kwargs.get("desc") or "")
-            show = kwargs.get("unit") == "B" and not desc.startswith("Reconstruct")
-            kwargs.update(file=bar_file, disable=not show, leave=False, dynamic_ncols=True)
-            super().__init__(*args, **kwargs)
-
-    return HubBar

@@ -166,8 +166,6 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         _check_repo_kind(where, kind, wanted, siblings)
     from huggingface_hub import try_to_load_from_cache
 
-    from converter.progress import hub_tqdm  # one bar of bytes on the command line's terminal
-
     cache = cache_dir()
     missing = [n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, cache_dir=cache, revision=sha), str)]
     _check_disk(where, sum(siblings[n].size or 0 for n in missing) + need_bytes)
@@ -176,8 +174,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
             Path(
                 hub.call(
                     f"{where}/{n}",
-                    lambda n=n: hf_hub_download(repo, n, revision=sha, token=token, cache_dir=cache,
-                                                tqdm_class=hub_tqdm()),
+                    lambda n=n: hf_hub_download(repo, n, revision=sha, token=token, cache_dir=cache),
                 )
             )
             for n in wanted
@@ -187,8 +184,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         local = Path(
             hub.call(
                 where,
-                lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache,
-                                          tqdm_class=hub_tqdm()),
+                lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache),
             )
         )
     files = [{"name": n, "size": siblings[n].size, "sha256": getattr(siblings[n].lfs, "sha256", None)} for n in wanted]

@@ -142,19 +142,3 @@ def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(ca
     assert "a library logs this" in loud.stderr and "a child process says this" in loud.stdout
     assert "a library warns" in loud.stderr and "a C library writes this" in loud.stderr
     assert quiet.TAIL > 0
-
-
-def test_downloads_show_one_bar_of_bytes_on_a_terminal(monkeypatch):
-    assert progress.hub_tqdm() is None  # not the command line's terminal: huggingface_hub's own bars, as usual
-    terminal = Terminal()
-    monkeypatch.setattr(progress, "bar_file", terminal)
-    bar_class = progress.hub_tqdm()
-    # what huggingface_hub's snapshot_download makes: a bar of files, one of bytes received, one of bytes written
-    files = bar_class(total=3, desc="Fetching 3 files")
-    received = bar_class(total=10**6, initial=0, unit="B", unit_scale=True, desc="Downloading bytes", name="x")
-    written = bar_class(total=10**6, initial=0, unit="B", unit_scale=True, desc="Reconstructing")
-    for bar in (files, received, written):
-        bar.update(bar.total)
-        bar.close()
-    drawn = terminal.getvalue()
-    assert "Downloading bytes" in drawn and "Fetching" not in drawn and "Reconstructing" not in drawn
