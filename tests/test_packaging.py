@@ -165,3 +165,25 @@ def test_the_merge_function_is_reliably_where_the_docs_say():
             "print(callable(merge), type(converter.merge).__name__)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "module"]
+
+
+def test_without_diffusers_the_app_job_fails_with_the_readable_line_and_pushes_nothing(demo_hub, tmp_path):
+    """The Space's job on a kohya SD merge, where diffusers is missing: the one line, nothing on the Hub."""
+    from converter.app.local import MOCK_TOKEN, SD_BASE, SD_LORA
+    from converter.testing.hub import run_client
+
+    code = f"""
+import sys
+sys.modules["diffusers"] = None
+from pathlib import Path
+from converter.app.jobs import JobRequest, run_job
+from converter.errors import MissingExtraError
+try:
+    run_job(JobRequest(base={SD_BASE!r}, adapters={SD_LORA!r}, repo_id="demo/no-diffusers"), {MOCK_TOKEN!r},
+            workroot=Path({str(tmp_path / "jobs")!r}), log=lambda line: None)
+except MissingExtraError as e:
+    print("refused:", e)
+"""
+    out = run_client(demo_hub, code, token=MOCK_TOKEN, home=tmp_path / "home", timeout=600).stdout
+    assert out == f"refused: {DIFFUSERS_MISSING.removeprefix('error: ')}\n"
+    assert not demo_hub.exists("demo/no-diffusers") and not list((tmp_path / "jobs").iterdir())
