@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -86,9 +87,7 @@ def merge(
     base = base or fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
-        return _merge(
-            recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard
-        )
+        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard)
 
 
 def _merge(
@@ -105,6 +104,9 @@ def _merge(
     on_shard: Callable[[Shard], None] | None = None,
 ) -> MergeResult:
     original = checkpoint = open_base(base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
+    for f in checkpoint.files:  # a base still arriving (converter.streaming): reads wait for their bytes
+        if (stream := base.streams.get(f.path)) is not None:
+            f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
     if quant and checkpoint.diffusion:
         raise ConverterError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "
@@ -243,7 +245,7 @@ def write_weights(
         specs = [o.spec for o in plan.outputs if o.name.startswith(part.prefix)]
         specs = [OutSpec(s.name[len(part.prefix) :], s.dtype, s.shape) for s in specs]
         (folder / part.subfolder).mkdir(parents=True, exist_ok=True)
-        hook = None if on_shard is None else _prefixed(on_shard, part.prefix)
+        hook = None if on_shard is None else _part_shards(on_shard, part)
         if quant:
             writer = Quantizing4bitWriter(folder / part.subfolder, specs, max_shard, quant, quantized, hook)
         else:
@@ -274,11 +276,15 @@ def write_weights(
     return {_relative_name(checkpoint, path): r.finish() for path, r in readers.items()}
 
 
-def _prefixed(on_shard: Callable[[Shard], None], prefix: str) -> Callable[[Shard], None]:
-    """A part's shard reported with the plan's names (`unet/...` for a diffusers component)."""
-    if not prefix:
+def _part_shards(on_shard: Callable[[Shard], None], part) -> Callable[[Shard], None]:
+    """A part's shards reported with the plan's tensor names and their path in the output folder (`unet/...`
+    for a diffusers component)."""
+    if not part.subfolder and not part.prefix:
         return on_shard
-    return lambda s: on_shard(dataclasses.replace(s, tensors=tuple(prefix + n for n in s.tensors)))
+    where = f"{part.subfolder}/" if part.subfolder else ""
+    return lambda s: on_shard(
+        dataclasses.replace(s, name=where + s.name, tensors=tuple(part.prefix + n for n in s.tensors))
+    )
 
 
 def _relative_name(checkpoint: Checkpoint, path: Path) -> str:

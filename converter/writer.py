@@ -29,6 +29,7 @@ class Shard:
     """A finished output file, durable on disk: what an uploader needs without reading it again."""
 
     path: Path
+    name: str  # its path inside the output folder (the repo path)
     sha256: str
     size: int
     sample: bytes  # the first 512 bytes (the Hub's upload-mode check looks at them)
@@ -201,7 +202,8 @@ class ShardedWriter:
             scratch.stop_here("shard")
             if self._on_shard is not None:
                 names = tuple(s.name for s in self.shards[self._index])
-                self._on_shard(Shard(path, self._sha.hexdigest(), self._written, self._sample, names))
+                shard = Shard(path, path.name, self._sha.hexdigest(), self._written, self._sample, names)
+                self._on_shard(shard)
 
     def close(self) -> list[str]:
         """Finish the last shard and write the index (for more than one shard). Returns the file names."""
