@@ -128,7 +128,8 @@ class SequentialReader:
 
     def __init__(self, file: SafetensorsFile, sha256: str | None = None):
         self.file = file
-        self._f = open(file.path, "rb")  # noqa: SIM115 - closed in finish()
+        # Unbuffered: a buffered reader reads ahead, and a file still arriving has holes (zeros) past that point.
+        self._f = open(file.path, "rb", buffering=0)  # noqa: SIM115 - closed in finish()
         self._pos = 0
         self._known = sha256
         self._hash = hashlib.sha256()
@@ -151,7 +152,7 @@ class SequentialReader:
         while self._pos < to:
             n = min(CHUNK, to - self._pos)
             self.file.wait(self._pos + n)
-            chunk = self._f.read(n)
+            chunk = self._f.read(n)  # one read(2): may be short, the loop goes on from where it stopped
             if not chunk:
                 raise self.file._bad("unexpected end of file (truncated while reading)")
             self._hashed(chunk)
@@ -170,8 +171,12 @@ class SequentialReader:
         self._advance(info.start)
         self.file.wait(info.end)
         buf = bytearray(info.nbytes)
-        if self._f.readinto(buf) != info.nbytes:
-            raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
+        view, got = memoryview(buf), 0
+        while got < info.nbytes:
+            n = self._f.readinto(view[got:])
+            if not n:
+                raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
+            got += n
         self._hashed(buf)
         self._pos = info.end
         self._forget()

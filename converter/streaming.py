@@ -28,7 +28,6 @@ from converter.sources import Fetched, Remote, cache_dir, parse_source, resolve
 from converter.writer import Shard
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
-PIECE = 4 * 2**20  # download writes: readers are woken after each piece
 
 
 def _disk_bytes(folders: list[Path]) -> int:
@@ -133,7 +132,7 @@ class StreamedBase:
                 hf_raise_for_status(r)
             if r.status_code != 206 and start > 0:
                 raise HubError(f"{self.remote.where}/{name}: the server ignored a Range request", repo_id=None)
-            for chunk in r.iter_bytes(PIECE):
+            for chunk in r.iter_bytes():  # as received: a dropped connection loses nothing already read
                 sink(chunk)
 
     def _range(self, name: str, start: int, end: int) -> bytes:

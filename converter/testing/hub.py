@@ -218,6 +218,8 @@ class Fault:
     drop_connection: bool = False
     delay: float = 0.0
     hits: int = 0
+    after: int = 0  # matching requests let through untouched before the fault starts
+    passed: int = 0
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -444,9 +446,11 @@ class HubServer:
         retry_after: float | None = None,
         drop_connection: bool = False,
         delay: float = 0.0,
+        after: int = 0,
     ) -> Fault:
         """Make the next ``times`` matching requests fail: ``status`` (+ ``Retry-After``), a connection dropped
-        half-way through the response body (or before any byte when there is no body), and/or a ``delay``.
+        half-way through the response body (or before any byte when there is no body), and/or a ``delay``; the
+        first ``after`` matching requests pass untouched (e.g. a file's header reads before its download).
 
         ``path_regex`` is searched in the raw request path without query string (revision ``refs/pr/1`` appears as
         ``refs%2Fpr%2F1``). Note the 2.4 client only parses integer ``Retry-After`` values.
@@ -461,6 +465,7 @@ class HubServer:
             retry_after,
             drop_connection,
             delay,
+            after=after,
         )
         with self._lock:
             self._faults.append(fault)
@@ -480,6 +485,9 @@ class HubServer:
         with self._lock:
             for fault in self._faults:
                 if fault.matches(method, path):
+                    if fault.passed < fault.after:
+                        fault.passed += 1
+                        continue
                     fault.hits += 1
                     return fault
         return None
