@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     shape = SMALL if args.small else FULL
     work = args.workdir.resolve() / ("push-small" if args.small else "push")
-    inputs = args.workdir.resolve() / ("small" if args.small else "full")
+    inputs = args.workdir.resolve() / ("small" if args.small else "full") / "inputs"  # merge_bench's cache
     base, adapter = build_inputs(shape, inputs)
     merged = work / "merged"
     if not (merged / "config.json").is_file():
