@@ -24,6 +24,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import ConverterError, HubError
+from converter.safetensors_header import HeaderError, decode_header
 from converter.sources import Fetched, Remote, cache_dir, parse_source, resolve
 from converter.writer import Shard
 
@@ -145,15 +146,15 @@ class StreamedBase:
 
     def _standin(self, d: _Download) -> None:
         """The file with its real header bytes and its real length, the data a hole until it arrives."""
-        size = self._range(d.name, 0, 8)
-        n = int.from_bytes(size, "little")
-        if len(size) != 8 or n > d.size - 8:
-            raise ConverterError(f"{self.remote.where}/{d.name}: not a safetensors file (header length {n})")
-        header = self._range(d.name, 8, 8 + n)
+        head = _RangeReader(self, d.name)
+        try:
+            decode_header(head, d.size)  # two range reads: the length, then the header it announces
+        except HeaderError as e:
+            raise ConverterError(f"{self.remote.where}/{d.name}: {e}") from None
         with open(d.path, "wb") as f:
-            f.write(size + header)
+            f.write(head.seen)
             f.truncate(d.size)
-        d.have = 8 + len(header)
+        d.have = len(head.seen)
 
     # -- the download thread -----------------------------------------------------------------------------------------
 
@@ -251,6 +252,19 @@ class StreamedBase:
         for d in self.downloads:
             d.path.unlink(missing_ok=True)
             d.deleted = True
+
+
+class _RangeReader:
+    """A Hub file read from its start by HTTP ranges, one per `read` (what the header codec asks for)."""
+
+    def __init__(self, base: StreamedBase, name: str):
+        self.base, self.name, self.seen = base, name, bytearray()
+
+    def read(self, n: int) -> bytes:
+        start = len(self.seen)
+        data = self.base._range(self.name, start, start + n) if n > 0 else b""
+        self.seen += data
+        return data
 
 
 class _Stopped(Exception):

@@ -134,6 +134,7 @@ def test_dropped_connections_mid_transfer_are_resumed(hub, tmp_path):
     # after=2: its two header reads pass; the download itself is cut half-way, twice.
     hub.inject("GET", rf"/alice/sharded/resolve/.*/{second}", drop_connection=True, times=2, after=2)
     hub.inject("PUT", r"^/_lfs/", drop_connection=True)
+    hub.reset_log()
     code, out, err = push(hub, tmp_path, "alice/resumed", "--no-verify")
     hub.clear_faults()
     assert code == 0, err
