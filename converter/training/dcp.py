@@ -30,8 +30,27 @@ ALLOWED = {
 }  # fmt: skip
 
 
+# Megatron-Core up to 0.15 pickles `.metadata` as its own Metadata subclass (extra field `mcore_data`); it is read
+# into a stand-in of that shape, so Megatron need not be installed (or imported: no code of it runs).
+MCORE = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
+
+
+def _mcore_metadata() -> type:
+    from dataclasses import dataclass
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    @dataclass
+    class MCoreMetadata(Metadata):
+        mcore_data: dict | None = None
+
+    return MCoreMetadata
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == MCORE:
+            return _mcore_metadata()
         if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
@@ -105,11 +124,17 @@ class DcpSource:
     def storage_of(self, name: str) -> tuple:
         return tuple(sorted((str(i.relative_path), i.offset) for _, i in self.where[name]))
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The tensor, or `tensor[index]` (leading dims fixed: one layer of a stacked Megatron tensor) reading only
+        the chunks that hold it."""
         m = self.tensors[name]
-        out = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        lead = len(index)
+        out = torch.empty(tuple(m.size)[lead:], dtype=m.properties.dtype)
         sizes = {tuple(c.offsets): tuple(c.sizes) for c in m.chunks}
         for offsets, info in self.where[name]:
+            shape = sizes.get(offsets)
+            if shape is not None and not all(o <= i < o + n for i, o, n in zip(index, offsets, shape, strict=False)):
+                continue
             with open(self.folder / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 blob = f.read(info.length)
@@ -121,10 +146,13 @@ class DcpSource:
                 raise ConverterError(
                     f"{self.folder / info.relative_path}: tensor {name}: chunk unreadable ({type(e).__name__})"
                 ) from None
-            shape = sizes.get(offsets, tuple(chunk.shape))
+            shape = shape or tuple(chunk.shape)
+            chunk = chunk.reshape(shape)
+            for i, o in zip(index, offsets, strict=False):
+                chunk = chunk[i - o]
             view = out
-            for dim, (start, n) in enumerate(zip(offsets, shape, strict=True)):
+            for dim, (start, n) in enumerate(zip(offsets[lead:], shape[lead:], strict=True)):
                 view = view.narrow(dim, start, n)
-            view.copy_(chunk.reshape(shape))
+            view.copy_(chunk)
             del blob, chunk
         return out
