@@ -34,6 +34,7 @@ LORA_ROLES = (  # (suffix, role): verl keeps PEFT's adapter name ("default") in 
 # Model types whose transformers experts module keeps its 3D tensors (E, in, out) (`is_transposed=True` in
 # transformers 5); PEFT's target_parameters LoRA then gives ΔW[e] = (B_e @ A_e)ᵀ. The others store (E, out, in).
 TRANSPOSED_EXPERTS = {"gpt_oss", "aria", "openai_privacy_filter"}
+NESTED = re.compile(r"(?:\.base_layer)+\.(?=\w+_bias$)")  # `experts.base_layer.base_layer.gate_up_proj_bias`
 UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_dropout")
 
 
@@ -127,8 +128,8 @@ class TrainingCheckpoint(Checkpoint):
                 if bare.endswith(suffix):
                     groups.setdefault(bare[: -len(suffix)], {})[role] = key
                     break
-            else:
-                plain[bare] = key
+            else:  # a wrapped module's other parameters sit under its base_layer(s) (PEFT ParamWrapper nesting)
+                plain[bare if ".lora_" in bare else NESTED.sub(".", bare)] = key
         self._map: dict[str, str] = {}
         self._lora: dict[str, tuple[str, str, float]] = {}
         # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module, stored (E, in, out))
