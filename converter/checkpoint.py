@@ -384,7 +384,10 @@ def open_base(
     from converter.keymap import diffusion_family
 
     path = Path(path)
-    if path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+    from converter.training.locate import is_shard_file
+
+    bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
+    if bare or is_shard_file(path):
         from converter.training import open_training
         from converter.training.locate import NotFound
 

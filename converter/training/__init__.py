@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from converter.errors import ConverterError
-from converter.training.locate import Located, NotFound, config_candidates, locate
+from converter.training.locate import Located, NotFound, config_candidates, is_shard_file, locate
 from converter.training.view import TrainingCheckpoint
 
 __all__ = ["TrainingCheckpoint", "is_training_base", "is_training_checkpoint", "locate", "open_training"]
@@ -22,6 +22,8 @@ __all__ = ["TrainingCheckpoint", "is_training_base", "is_training_checkpoint", "
 def is_training_checkpoint(path: Path) -> bool:
     """A folder (not a model folder) in which `locate` finds a training layout, or an ambiguous one."""
     path = Path(path)
+    if is_shard_file(path):
+        return True
     if not path.is_dir() or (path / "config.json").is_file() or (path / "model_index.json").is_file():
         return False
     try:
@@ -34,16 +36,16 @@ def is_training_checkpoint(path: Path) -> bool:
 
 
 def is_training_base(base: str | None) -> bool:
-    """`--base` needs no `--adapter`: a training checkpoint, or a local folder that is no model or adapter at all
-    (opening it then says in one line which layouts were looked for, and where)."""
+    """`--base` needs no `--adapter`: a training checkpoint, or a local folder that is no model at all (opening it
+    then says in one line which layouts were looked for and where, or that it is an adapter)."""
     if not base:
         return False
     path = Path(base)
-    if not path.is_dir():
-        return False
     if is_training_checkpoint(path):
         return True
-    return not any((path / f).is_file() for f in ("config.json", "model_index.json", "adapter_config.json"))
+    if not path.is_dir():
+        return False
+    return not any((path / f).is_file() for f in ("config.json", "model_index.json"))
 
 
 def find_config(located: Located, given: str | Path | None) -> Path:
@@ -86,7 +88,7 @@ def open_training(
         source = LegacySource(folder, cfg, allow_pickle=allow_pickle)
     elif located.layout == "DCP":
         from converter.training.dcp import DcpSource
-        from converter.training.mcore_dist import MegatronDist, NoModelWeights, is_megatron_dist
+        from converter.training.mcore_dist import TRAINING_STATE, MegatronDist, NoModelWeights, is_megatron_dist
         from converter.training.torchtitan import TorchtitanNames, has_torchtitan_names
 
         source = DcpSource(folder, allow_pickle=allow_pickle)
@@ -95,14 +97,16 @@ def open_training(
                 f"{folder}: holds a LoRA adapter's training state only; its PEFT export is {adapter.parent}: merge it "
                 "with --adapter that folder and --base the model the run started from"
             )
-        if is_megatron_dist(source.names()):
-            try:
+        try:
+            if not any(not n.startswith(TRAINING_STATE) for n in source.names()):
+                raise NoModelWeights(f"{folder}: optimizer and training state only, no model weights")
+            if is_megatron_dist(source.names()):
                 source = MegatronDist(source, cfg)
-            except NoModelWeights as e:
-                if not any(config_file.parent.glob("*.safetensors")):
-                    raise
-                return _hf_export(config_file.parent, located, str(e))
-        elif has_torchtitan_names(source.names()):
+        except NoModelWeights as e:
+            if not any(config_file.parent.glob("*.safetensors")):
+                raise
+            return _hf_export(config_file.parent, located, str(e))
+        if has_torchtitan_names(source.names()):
             source = TorchtitanNames(source, cfg)
     else:
         from converter.training.fsdp import FsdpSource

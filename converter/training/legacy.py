@@ -124,6 +124,12 @@ class LegacySource:
                         self._add(key, [states[(t, e)] for t in range(self.tp)], [grid[(t, p, e)] for t in range(
                             self.tp)], offset, e * count, where, config, keymap)  # fmt: skip
                 offset += len(layers)
+        if config.get("num_hidden_layers") not in (None, offset):
+            raise ConverterError(
+                f"{self.folder}: the files hold {offset} layers; config.json says {config['num_hidden_layers']} "
+                "(another model's config? or expert-parallel ranks mp_rank_XX_YYY read as pipeline stages because "
+                "the files carry no args)"
+            )
 
     def _add(self, key, states, paths, offset, first_expert, where, config, keymap) -> None:
         value = states[0][key]
@@ -141,7 +147,10 @@ class LegacySource:
         if any(key not in s for s in states[1:]):
             raise ConverterError(f"{self.folder}: tensor {key} is missing on some tensor-parallel ranks")
         if name in self.entries:
-            raise ConverterError(f"{self.folder}: {name} is held by two pipeline or expert ranks")
+            raise ConverterError(
+                f"{self.folder}: {name} is held by two pipeline or expert ranks (expert-parallel ranks mp_rank_XX_YYY "
+                "read as pipeline stages? the files carry no args saying which they are)"
+            )
         split = None
         if rule.rows is not None:
             split = (eval_expr(rule.groups, config, keymap.defaults),

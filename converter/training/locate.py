@@ -73,6 +73,14 @@ def _side_of(shards: Path) -> Path:
     return side.parent if shards.name == "dist_ckpt" and side.name == "model" else side
 
 
+def is_shard_file(path: Path) -> bool:
+    """A file of a training checkpoint given instead of its folder."""
+    path = Path(path)
+    return path.is_file() and (
+        path.name == ".metadata" or bool(RANK_FILE.fullmatch(path.name)) or path.name == "model_optim_rng.pt"
+    )
+
+
 def _from_file(path: Path) -> Path:
     """A file of the checkpoint given instead of its folder (`.metadata`, a rank file, model_optim_rng.pt)."""
     if path.name == "model_optim_rng.pt" and RANK_DIR.fullmatch(path.parent.name):

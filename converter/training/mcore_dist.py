@@ -28,7 +28,16 @@ PER_LAYER_EXPERTS = re.compile(
 SINGLETON_EXPERT = re.compile(
     r"(?P<head>decoder\.layers\.\d+\.mlp\.experts)\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.(?P<p>weight|bias)"
 )
-NOT_MODEL = ("optimizer.", "rng_state", "lr_scheduler", "rerun_state_machine")
+# What trainers save beside the model in the same DCP folder (Megatron, torchtitan, torch's own app state).
+TRAINING_STATE = (
+    "optimizer.",
+    "optim.",
+    "rng_state",
+    "lr_scheduler",
+    "rerun_state_machine",
+    "dataloader",
+    "train_state",
+)
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -52,7 +61,7 @@ class MegatronDist:
         self._where: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.skipped = 0
         for key in source.names():
-            if key.startswith(NOT_MODEL):
+            if key.startswith(TRAINING_STATE):
                 self.skipped += 1
                 continue
             shape = source.shape(key)

@@ -14,10 +14,10 @@ import torch
 
 from converter.errors import ConverterError
 from converter.keymap import Keymap, all_keymaps, eval_expr
+from converter.training.mcore_dist import TRAINING_STATE
 from converter.training.megatron import rule_for
 
 NAME = "torchtitan"
-NOT_MODEL = ("optimizer.", "lr_scheduler", "dataloader", "train_state")
 ADJACENT_PAIRS = {"llama": True, "qwen3": False}  # how each model type's torchtitan attention pairs rotary dims
 
 
@@ -46,7 +46,7 @@ class TorchtitanNames:
         keymap = torchtitan_keymap()
         self._map: dict[str, tuple[str, int | None]] = {}
         for key in source.names():
-            if key.startswith(NOT_MODEL):
+            if key.startswith(TRAINING_STATE):
                 continue
             rule = rule_for(keymap, key)
             if rule is None:

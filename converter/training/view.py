@@ -34,6 +34,7 @@ LORA_ROLES = (  # (suffix, role): verl keeps PEFT's adapter name ("default") in 
 # Model types whose transformers experts module keeps its 3D tensors (E, in, out) (`is_transposed=True` in
 # transformers 5); PEFT's target_parameters LoRA then gives ΔW[e] = (B_e @ A_e)ᵀ. The others store (E, out, in).
 TRANSPOSED_EXPERTS = {"gpt_oss", "aria", "openai_privacy_filter"}
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
 NESTED = re.compile(r"(?:\.base_layer)+\.(?=\w+_bias$)")  # `experts.base_layer.base_layer.gate_up_proj_bias`
 UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_dropout")
 
@@ -168,6 +169,7 @@ class TrainingCheckpoint(Checkpoint):
         self._map.update(plain)
         order = {k: i for i, k in enumerate(self.source.names())}
         self._order = sorted(self._map, key=lambda n: order[self._map[n]])
+        self._check_layers()
         self._drop_tied_head()
         if heads := [n for n in self._order if n.startswith("v_head.")]:
             self.notes.append(
@@ -244,6 +246,17 @@ class TrainingCheckpoint(Checkpoint):
             f"{self.weights_folder}: the checkpoint holds a LoRA but no lora_alpha (no lora_train_meta.json or "
             "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
         )
+
+    def _check_layers(self) -> None:
+        """The layers the checkpoint holds are the ones config.json describes (else: another model's config)."""
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
+        declared = self.config.get("num_hidden_layers", text.get("num_hidden_layers"))
+        held = {int(m.group(1)) for n in self._order if (m := LAYER.match(n))}
+        if declared is not None and held and held != set(range(declared)):
+            raise ConverterError(
+                f"{self.weights_folder}: the checkpoint holds {len(held)} layers (up to {max(held)}) but its config "
+                f"says num_hidden_layers {declared}: another model's config?"
+            )
 
     def _drop_tied_head(self) -> None:
         """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
