@@ -400,7 +400,7 @@ def open_base(
                     "was trained on as --base"
                 ) from None
             if not any(path.glob("*.safetensors")):
-                raise ConverterError(f"{e}; nor a model folder (config.json + *.safetensors)") from None
+                raise ConverterError(f"{e}; nor a model folder: no config.json") from None
     if config is not None:
         raise ConverterError(
             f"--config {config}: it is for training checkpoints without a Hugging Face config; {path} is not one"
