@@ -158,29 +158,36 @@ def _save_mcore(hf: dict, config: dict, folder: Path, rank: int, world: int, v01
 
 
 def _as_mcore_metadata(path: Path) -> None:
-    """Re-pickle `.metadata` as Megatron-Core <= 0.15 writes it: its Metadata subclass with `mcore_data`."""
+    """Re-pickle `.metadata` as Megatron-Core <= 0.15 writes it: its Metadata subclass with `mcore_data`, and each
+    rank's plan as its SavePlan subclass in `all_local_plans` (classes registered under Megatron's module name)."""
     from dataclasses import dataclass
 
     from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
 
     name = "megatron.core.dist_checkpointing.strategies.torch"
-    module = types.ModuleType(name)
 
     @dataclass
     class MCoreMetadata(Metadata):
         mcore_data: dict | None = None
 
-    MCoreMetadata.__module__, MCoreMetadata.__qualname__ = name, "MCoreMetadata"
-    module.MCoreMetadata = MCoreMetadata
+    @dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):
+        mcore_data: dict | None = None
+
     parts = name.split(".")
     for i in range(1, len(parts) + 1):
         sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-    sys.modules[name] = module
+    for cls in (MCoreMetadata, MCoreSavePlan):
+        cls.__module__, cls.__qualname__ = name, cls.__name__
+        setattr(sys.modules[name], cls.__name__, cls)
     with open(path, "rb") as f:
         meta = pickle.load(f)
     data = {f: getattr(meta, f) for f in meta.__dataclass_fields__}
+    out = MCoreMetadata(**data, mcore_data={k: {} for k in meta.state_dict_metadata})
+    out.all_local_plans = [MCoreSavePlan(items=[], mcore_data={})]
     with open(path, "wb") as f:
-        pickle.dump(MCoreMetadata(**data, mcore_data={}), f)
+        pickle.dump(out, f)
 
 
 def to_torchtitan(hf: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -23,6 +23,10 @@ ALLOWED = {
         "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core 0.16 keeps every rank's save plan in the metadata (`all_local_plans`): plain planner records
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+    },
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"} | {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
     "collections": {"OrderedDict"},
@@ -30,27 +34,39 @@ ALLOWED = {
 }  # fmt: skip
 
 
-# Megatron-Core up to 0.15 pickles `.metadata` as its own Metadata subclass (extra field `mcore_data`); it is read
-# into a stand-in of that shape, so Megatron need not be installed (or imported: no code of it runs).
-MCORE = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata")
+# Megatron-Core up to 0.15 pickles `.metadata` as its own Metadata subclass and each rank's plan as its own SavePlan
+# subclass (extra field `mcore_data`, plain data); they are read into stand-ins of that shape, so Megatron need not
+# be installed (or imported: no code of it runs).
+MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 
 
-def _mcore_metadata() -> type:
+def _mcore_standin(name: str) -> type | None:
     from dataclasses import dataclass
 
     from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
 
-    @dataclass
-    class MCoreMetadata(Metadata):
-        mcore_data: dict | None = None
+    if name == "MCoreMetadata":
 
-    return MCoreMetadata
+        @dataclass
+        class MCoreMetadata(Metadata):
+            mcore_data: dict | None = None
+
+        return MCoreMetadata
+    if name == "MCoreSavePlan":
+
+        @dataclass(frozen=True)
+        class MCoreSavePlan(SavePlan):
+            mcore_data: dict | None = None
+
+        return MCoreSavePlan
+    return None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if (module, name) == MCORE:
-            return _mcore_metadata()
+        if module == MCORE and (standin := _mcore_standin(name)) is not None:
+            return standin
         if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
