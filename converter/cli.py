@@ -360,13 +360,13 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
-        if args.config:
-            recipe.base_config = args.config
             if recipe.method not in (None, "sum"):
                 raise ConverterError(
                     f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
                     "unmerged sum of the adapters, which that merge is not meant to equal"
                 )
+        if args.config:
+            recipe.base_config = args.config
         verify_folder(
             args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
         )
