@@ -103,7 +103,9 @@ def _merge(
     task_merge=None,
     on_shard: Callable[[Shard], None] | None = None,
 ) -> MergeResult:
-    original = checkpoint = open_base(base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
+    original = checkpoint = open_base(
+        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
+    )
     for f in checkpoint.files:  # a base still arriving (converter.streaming): reads wait for their bytes
         if (stream := base.streams.get(f.path)) is not None:
             f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
