@@ -68,8 +68,10 @@ def verify_diffusion(
     (`single_file_config`: the diffusers config folder or repo it needs, default diffusers' own guess, which it
     fetches from the Hub); where that fails, the published formula referees."""
 
+    from converter.optional import require
     from converter.sources import fetch
 
+    require("diffusers", "verifying a diffusion merge")  # never a weaker referee because diffusers is missing
     started = time.time()
     merged = Path(merged)
     base = fetch(recipe.base, "model", token).local
@@ -96,7 +98,8 @@ def verify_diffusion(
     try:
         pipe = load(base)
     except Exception as e:  # noqa: BLE001 - diffusers cannot read the single file here (offline, no config)
-        return fallback(f"diffusers' from_single_file cannot load the base here ({_first_line(e)})")
+        how = "from_single_file" if single else "from_pretrained"
+        return fallback(f"diffusers' {how} cannot load the base here ({_first_line(e)})")
     try:
         ignored = _apply_adapters(pipe, recipe, sources)
     except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter: the published formula referees
