@@ -215,7 +215,9 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-alpha", action="append", type=_alpha, default=[], help=LORA_ALPHA_HELP + " (one per --adapter)"
     )
-    p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB; a push: 1/16 of the weights, 256MB-2GB)"
+    )
     p.add_argument(
         "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
     )

@@ -47,6 +47,7 @@ SKIP_SUFFIXES = (
     ".index.json",
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
+DEFAULT_MAX_SHARD = "5GB"  # as transformers' save_pretrained
 
 
 @dataclass
@@ -76,7 +77,7 @@ def merge(
     quant = parse_output(recipe.dtype)
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
-    max_shard = parse_size(recipe.max_shard_size)
+    max_shard = parse_size(recipe.max_shard_size or DEFAULT_MAX_SHARD)
     from converter.methods.taskmerge import TaskMerge
 
     task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched

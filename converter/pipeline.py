@@ -35,13 +35,13 @@ from converter.units import parse_size
 from converter.verify import require_pass, verify
 from converter.writer import Shard
 
-DEFAULT_SHARD = Recipe.max_shard_size  # "5GB": what a push that was not given --max-shard-size replaces
 
+def pipelined_shard_size(given: str | None, weights: int) -> str:
+    """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
+    of the weights, 256 MiB to 2 GiB, so that the first upload starts early and the last one (which nothing
+    overlaps) is short."""
+    return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
 
-def stream_shard_bytes(weights: int) -> int:
-    """Output shard size of a pipelined push: a sixteenth of the weights, 256 MiB to 2 GiB, so the first upload
-    starts early and the last one (which nothing overlaps) is short."""
-    return min(2 * 2**30, max(256 * 2**20, weights // 16))
 
 __all__ = ["push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
 
@@ -164,8 +164,7 @@ def _push_streamed(
         else:  # verification loads the base again: it goes to (or stays in) the HF cache
             base = fetch(recipe.base, "model", token)
             weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
-        if recipe.max_shard_size == DEFAULT_SHARD:
-            recipe.max_shard_size = str(stream_shard_bytes(weights))
+        recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         uploader = ShardUploader(
             publication.api,
             repo_id,

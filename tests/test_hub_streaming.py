@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import make_adapter, make_base, read_tensors, run_cli
 
+from converter.pipeline import pipelined_shard_size
+from converter.recipe import AdapterSpec, Recipe
 from converter.testing.hub import HubServer, Link, client_env
 
 ALICE = "hf_fake_alice_0123456789"
@@ -213,3 +215,12 @@ def test_link_holds_transfers_to_its_rate():
     assert time.monotonic() - start >= 2 * 10 * 100_000 / 4e6 * 0.99
     unlimited = Link(None)
     unlimited.take(10**12)  # returns at once
+
+
+def test_pipelined_shard_size_keeps_what_the_user_gave():
+    """--max-shard-size 5GB is the user's choice, not "no choice": only a size not given is picked for the pipeline."""
+    assert pipelined_shard_size("5GB", 16 * 2**30) == "5GB"
+    assert pipelined_shard_size(None, 16 * 2**30) == str(2**30)
+    assert pipelined_shard_size(None, 2**20) == str(256 * 2**20) and pipelined_shard_size(None, 2**40) == str(2**31)
+    recipe = Recipe(base="b", adapters=[AdapterSpec(source="a")])
+    assert recipe.max_shard_size is None and "max_shard_size" not in recipe.to_dict()
