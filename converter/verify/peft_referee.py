@@ -1,0 +1,299 @@
+"""PEFT as the referee of every changed tensor: what PEFT itself would merge, module by module, in float64.
+
+The base model is built on the meta device (accelerate's init_empty_weights) and each weight replaced by a
+zero-stride stand-in of its shape (no memory); PEFT then loads the adapters onto it for real, from their files,
+with its own parsing, its own module names (`base_model.model.<path>`) and its own rules: scaling (alpha/r,
+rsLoRA, rank/alpha patterns), fan_in_fan_out, DoRA, modules_to_save, trainable tokens, the recipe's weights
+through `set_scale` as PEFT's own multi-adapter forward uses them. Nothing of converter's adapter readers,
+keymaps or plan is used. When the proof asks for a tensor, the module gets the base's rows (float64) as its
+weight, its adapter factors in float64, and PEFT's own `merge()` computes the rows (`get_delta_weight` inside);
+then the stand-in is put back. One module's factors and one block of rows are real at a time, beside the
+adapters themselves. TIES / DARE / magnitude pruning: each adapter's `get_delta_weight`, combined by PEFT's
+`merge_utils` exactly as `add_weighted_adapter` does for its `*_svd` types before their SVD (DARE handed the
+masks the merge drew, from the recorded seed).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+from converter.recipe import Recipe
+from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
+
+PREFIX = "base_model.model."
+ROW_BLOCKED = ("Linear", "Embedding")  # PEFT layer classes whose rows can be merged a block at a time
+
+
+class PeftReferee:
+    """PEFT's merge of `adapters` (PEFT folders) into the base at `base` (a transformers folder)."""
+
+    def __init__(self, base: Path, adapters: list[Path], recipe: Recipe, base_names: set[str], vocab: int | None):
+        self.recipe = recipe
+        self.base_names = base_names
+        self.names = [f"adapter{i}" for i in range(len(adapters))]
+        self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
+        self.ties = _tied_sources(self.model)
+        self.info = RefereeInfo(
+            "PEFT",
+            "PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens), located "
+            "by PEFT's module names, adapter files read by PEFT, in float64",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        from peft.tuners.lora import LoraLayer
+        from peft.utils.other import ModulesToSaveWrapper
+
+        out: dict[str, Expectation] = {}
+        for path, module in self.model.named_modules():
+            plain = path.removeprefix(PREFIX)
+            if isinstance(module, ModulesToSaveWrapper):
+                out.update(self._replacement(plain, module))
+            elif hasattr(module, "trainable_tokens_delta"):
+                out.update(self._tokens(plain, module))
+            elif isinstance(module, LoraLayer):
+                out.update(self._lora(plain, module))
+        return out
+
+    def _admitted(self, layer, tensor: str) -> list[str]:
+        """This layer's adapters the recipe applies to `tensor` (include/exclude), in recipe order."""
+        own = set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
+        own |= set(getattr(layer, "trainable_tokens_delta", {})) | set(getattr(layer, "modules_to_save", {}))
+        return [n for n, spec in zip(self.names, self.recipe.adapters, strict=True)
+                if n in own and spec.admits(tensor)]  # fmt: skip
+
+    def _tensor(self, plain: str, param: str = "weight") -> tuple[str, str | None]:
+        """The output tensor of a module's parameter, and the base tensor it starts from when that is another
+        (a tied head, absent from the base's files, starts from the embedding)."""
+        name = f"{plain}.{param}"
+        if name in self.base_names:
+            return name, None
+        if name in self.ties and self.ties[name] in self.base_names:
+            return name, self.ties[name]
+        raise RefereeUnavailable(
+            f"PEFT's module {plain} has no tensor {name} in the base's files (this model's weights are renamed "
+            "or fused when transformers loads them)"
+        )
+
+    def _lora(self, plain: str, layer) -> dict[str, Expectation]:
+        kind = type(layer).__name__
+        if not hasattr(layer, "get_delta_weight") or kind not in ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d"):
+            raise RefereeUnavailable(f"PEFT's {kind} layer at {plain} has no merge this referee can replay")
+        name, base_name = self._tensor(plain)
+        adapters = self._admitted(layer, name)
+        if not adapters:
+            return {}
+        _float64_adapters(layer)
+        dora = any(n in getattr(layer, "lora_magnitude_vector", {}) for n in adapters)
+        blocks = kind in ROW_BLOCKED and not getattr(layer, "fan_in_fan_out", False) and not (dora and kind != "Linear")
+        out = {name: Expectation(PREFIX + plain, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks),
+                                 blocks, base_name)}  # fmt: skip
+        if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
+            out[f"{plain}.bias"] = Expectation(PREFIX + plain, "LoRA bias", _merged_bias(layer, adapters))
+        return out
+
+    def _replacement(self, plain: str, wrapper) -> dict[str, Expectation]:
+        out = {}
+        for pname, _ in wrapper.original_module.named_parameters():
+            name, _base = self._tensor(plain, pname)
+            adapters = self._admitted(wrapper, name)
+            if adapters:  # a replacement ignores the weight; the last adapter that replaces it wins
+                value = dict(wrapper.modules_to_save[adapters[-1]].named_parameters())[pname]
+                out[name] = Expectation(f"{PREFIX}{plain}.modules_to_save.{adapters[-1]}", "replacement",
+                                        _constant(value), shape=tuple(value.shape))  # fmt: skip
+        return out
+
+    def _tokens(self, plain: str, layer) -> dict[str, Expectation]:
+        plain = plain.removesuffix(".token_adapter")
+        if getattr(layer, "tied_adapter", None) is not None and f"{plain}.weight" not in self.base_names:
+            return {}  # a head tied to the embedding stays tied: it is the embedding's tensor
+        name, base_name = self._tensor(plain)
+        adapters = self._admitted(layer, name)
+        if not adapters:
+            return {}
+        _float64_adapters(layer)
+        return {name: Expectation(PREFIX + plain, "trainable tokens", _token_rows(layer, adapters), True, base_name)}
+
+
+def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None):
+    """The base's module tree on no memory, PEFT's adapters loaded onto it for real."""
+    import torch
+    from accelerate import init_empty_weights
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
+
+    config = AutoConfig.from_pretrained(base)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _hollow(model)
+    if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
+        model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
+        _hollow(model)
+    with load_results() as results, peft_refusals():
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+        for name, path in zip(names[1:], adapters[1:], strict=True):
+            model.load_adapter(path, adapter_name=name)
+    require_all_loaded(results, adapters)
+    require_trained_scales(model, names, adapters)
+    return model
+
+
+def _hollow(model) -> None:
+    """Every parameter and buffer still on the meta device becomes a zero-stride CPU tensor of its shape and
+    dtype: no memory, and PEFT places what it loads next to it, on the CPU (next to meta it would load nothing)."""
+    import torch
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.device.type == "meta":
+                stand_in = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=False)
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b is not None and b.device.type == "meta":
+                module._buffers[name] = torch.zeros((), dtype=b.dtype).expand(b.shape)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+def _tied_sources(model) -> dict[str, str]:
+    """Tensor names the model ties to another (the head to the embedding), as transformers declares them."""
+    ties = getattr(model.base_model.model, "all_tied_weights_keys", None) or {}
+    return {k: v for k, v in dict(ties).items() if isinstance(v, str)}
+
+
+def _float64_adapters(layer) -> None:
+    """The adapters' own tensors (never the base's stand-ins) in float64, once: PEFT then computes in float64."""
+    import torch
+
+    for name, p in layer.named_parameters():
+        if "base_layer" not in name and p.dtype != torch.float64:
+            p.data = p.data.to(torch.float64)
+
+
+@contextmanager
+def _swapped(pairs: list[tuple[object, str, object]]):
+    """Set module parameters (owner, attribute, tensor) for the duration; put the originals back after."""
+    import torch
+
+    saved = [(owner, attr, owner._parameters[attr]) for owner, attr, _ in pairs]
+    try:
+        for owner, attr, value in pairs:
+            owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+        yield
+    finally:
+        for owner, attr, original in saved:
+            owner._parameters[attr] = original
+
+
+def _row_slices(layer, adapters: list[str], start: int, end: int) -> list[tuple[object, str, object]]:
+    """The adapter factors that produce rows start:end of the merged weight (PEFT's Linear: lora_B's rows, its
+    bias and DoRA's magnitudes; Embedding: lora_embedding_A's columns)."""
+    pairs = []
+    for n in adapters:
+        if type(layer).__name__ == "Embedding":
+            pairs.append((layer.lora_embedding_A, n, layer.lora_embedding_A[n][:, start:end]))
+            continue
+        b = layer.lora_B[n]
+        pairs.append((b, "weight", b.weight[start:end]))
+        if b.bias is not None:
+            pairs.append((b, "bias", b.bias[start:end]))
+        if n in getattr(layer, "lora_magnitude_vector", {}):
+            m = layer.lora_magnitude_vector[n]
+            pairs.append((m, "weight", m.weight[start:end]))
+    return pairs
+
+
+def _merged_rows(layer, adapters: list[str], blocks: bool):
+    """rows(base, start, end): PEFT's merge of these adapters onto the base rows, and the float32 allowance of a
+    merge computing the same in float32 (γ_r over |scale|·|B|@|A| per adapter, DoRA's norm on top)."""
+
+    def rows(base, start: int, end: int) -> Expected:
+        slices = _row_slices(layer, adapters, start, end) if blocks else []
+        real = layer.get_base_layer()
+        with _swapped([(real, "weight", base.clone()), *slices]):
+            layer.merge(adapter_names=adapters)
+            value = real.weight.data
+            allowance = _allowance(layer, adapters, value)
+        layer.merged_adapters.clear()
+        layer._caches.clear()
+        return Expected(value, allowance)
+
+    return rows
+
+
+def _allowance(layer, adapters: list[str], value):
+    """What float32 arithmetic may add: per adapter (n + SLACK)·u32·|scale|·|B|@|A| (n its rank); for DoRA its
+    weight norm's (n = in_features / 2 more, over |merged|)."""
+    total, dora_inner = 0.0, 0
+    for n in adapters:
+        a, b = _factors(layer, n)
+        mag = (b.abs().float() @ a.abs().float()).double() * abs(layer.scaling[n])
+        if getattr(layer, "fan_in_fan_out", False) or type(layer).__name__ == "Embedding":
+            mag = mag.T
+        total = total + gamma(a.shape[0]) * mag.reshape(value.shape)
+        if n in getattr(layer, "lora_magnitude_vector", {}):
+            dora_inner = max(dora_inner, math.prod(value.shape[1:]) // 2)
+            norm = layer._caches.get(f"{n}-weight_norm")
+            if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖
+                factor = (layer.lora_magnitude_vector[n].weight / norm).abs().reshape(-1, *[1] * (value.dim() - 1))
+                total = total * factor
+    if dora_inner:
+        total = total + gamma(dora_inner) * value.abs()
+    return total
+
+
+def _factors(layer, n: str):
+    """(A, B) of one adapter as matrices: A (r, in · kernel), B (out, r)."""
+    if type(layer).__name__ == "Embedding":
+        return layer.lora_embedding_A[n], layer.lora_embedding_B[n]
+    a, b = layer.lora_A[n].weight, layer.lora_B[n].weight
+    return a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+
+
+def _merged_bias(layer, adapters: list[str]):
+    """PEFT's lora_bias: the base bias + scale · lora_B's bias, per adapter (as its merge adds it)."""
+
+    def rows(base, start: int, end: int) -> Expected:
+        value = base.clone()
+        for n in adapters:
+            value = value + layer.lora_B[n].bias.double()[start:end] * layer.scaling[n]
+        return Expected(value, gamma(0) * value.abs())
+
+    return rows
+
+
+def _token_rows(layer, adapters: list[str]):
+    """PEFT's trainable tokens: its merge writes each adapter's rows over the base's (rows start:end only)."""
+
+    def rows(base, start: int, end: int) -> Expected:
+        saved = {n: (layer.token_indices[n], layer.trainable_tokens_delta[n]) for n in adapters}
+        real = layer.base_layer
+        try:
+            for n in adapters:
+                keep = [i for i, t in enumerate(saved[n][0]) if start <= t < end]
+                layer.token_indices[n] = [saved[n][0][i] - start for i in keep]
+                layer.trainable_tokens_delta[n] = saved[n][1][keep]
+            with _swapped([(real, "weight", base.clone())]):
+                layer.merge(adapter_names=adapters)
+                value = real.weight.data
+        finally:
+            for n, (idx, delta) in saved.items():
+                layer.token_indices[n], layer.trainable_tokens_delta[n] = idx, delta
+            layer.merged_adapters.clear()
+        return Expected(value)
+
+    return rows
+
+
+def _constant(value):
+    """A replacement: the adapter's own tensor (rows start:end), whatever the base holds."""
+
+    def rows(_base, start: int, end: int) -> Expected:
+        import torch
+
+        return Expected(value.detach().to(torch.float64)[start:end] if value.dim() else value.detach().double())
+
+    return rows

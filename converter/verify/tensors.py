@@ -1,0 +1,317 @@
+"""The tensor proof: every tensor of a merged output, read from its files, against the base and a referee.
+
+- A tensor the referee does not change must be the base's, byte for byte (or the base's exact cast to the
+  output dtype under --dtype), compared by content.
+- A tensor the referee changes must equal its expectation (base + ΔW, a replacement ...) to within the bound of
+  one rounding to the output dtype, elementwise:
+
+      |merged - expected| <= u·|expected| + u·|expected - base| + allowance + s
+
+  u: the output dtype's unit roundoff (one rounding of the result); u·|ΔW|: a merge may round ΔW to the output
+  dtype before adding it (PEFT's own merge of 16-bit adapter weights does); allowance: what float32 arithmetic
+  may add, derived by the referee from what is computed (γ_n over the sum of the absolute values of the terms,
+  |scale|·|B|@|A| for LoRA: referee.gamma); s: half the spacing of the dtype's subnormal numbers (rounding near
+  zero is absolute, not relative). Each tensor's worst |merged - expected| / bound is its ratio:
+  a right merge stays at or below 1, whatever it computed in, and a wrong module is off by many times its bound.
+- Every tensor of the base must be there, and nothing else (a tied head the referee unties is expected).
+
+Streaming: tensors are read from the files in row blocks of at most BLOCK_ELEMENTS elements (plain reads, not
+memory maps, whose pages would count against the process), so memory does not grow with the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from converter.verify.referee import Expectation, Referee, RefereeInfo
+
+UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+# Half the spacing of the smallest (subnormal) numbers: rounding near zero is off by this much, not by u·|x|.
+SUBNORMAL_HALF_SPACING = {"F64": 2.0**-1075, "F32": 2.0**-150, "F16": 2.0**-25, "BF16": 2.0**-134}
+BLOCK_ELEMENTS = 4 * 2**20  # rows per block: at most this many elements (32 MiB per float64 array)
+FLOATING = ("F64", "F32", "F16", "BF16")
+MAX_NAMED = 10  # failures kept one by one; the rest are counted
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a tensor's bytes are: file, absolute byte range, safetensors dtype, shape."""
+
+    path: Path
+    start: int
+    end: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class TensorCheck:
+    """The proof's finding on one output tensor. `ratio`: worst |merged - expected| / bound (0: exact; > 1:
+    wrong). `effect`: the same for the base itself (how far a merge that changed nothing would be; tensors the
+    referee does not change have none). `relative`: ‖merged - expected‖ / ‖expected - base‖, the error as a
+    share of what the adapters change (1: as if not merged, 2: the change negated)."""
+
+    name: str
+    kind: str  # "untouched" or the referee's kind of change ("LoRA", "DoRA", "replacement" ...)
+    module: str | None = None
+    ratio: float = 0.0
+    effect: float | None = None
+    relative: float | None = None
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+@dataclass
+class TensorProofResult:
+    """The verdict of the tensor proof over a whole output (typed; the report stores it as is)."""
+
+    referee: RefereeInfo
+    tensors: int = 0
+    untouched: int = 0
+    changed: int = 0
+    worst: TensorCheck | None = None  # the changed tensor with the highest ratio
+    weakest_effect: TensorCheck | None = None  # the changed tensor the adapters change least (effect / bound)
+    failures: list[TensorCheck] = field(default_factory=list)
+    failed: int = 0
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed and not self.missing and not self.extra
+
+
+class TensorProof:
+    """Prove a merged output tensor by tensor, streaming, one file (or one tensor) at a time.
+
+    Usage (the whole folder at once, or shard by shard as a pipelined upload finishes them):
+
+        proof = TensorProof(base_locations, referee, out_dtype="BF16")   # out_dtype None: each tensor's own
+        for shard in finished_shards:
+            checks = proof.check_file(shard)            # -> list[TensorCheck]; a bad one has .problem set
+            if not all(c.ok for c in checks): ...       # stop early: this shard is wrong
+        result = proof.result()                         # TensorProofResult: also missing and extra tensors
+
+    `check_file(path, prefix)` reads every tensor of one safetensors file (`prefix`: the namespace of a
+    diffusers component, "unet/"); `check_tensor(name, location)` one tensor. Each output tensor is read once,
+    its base tensor once, block by block. `result()` is the final verdict: failures, tensors of the base that
+    never came (dropped), names that are not the base's (extra), the worst ratio and the weakest effect.
+    """
+
+    def __init__(self, base: dict[str, Location], referee: Referee, out_dtype: str | None = None):
+        self.base = base
+        self.referee = referee
+        self.rules: dict[str, Expectation] = referee.expectations()
+        self.out_dtype = out_dtype
+        self.expected = set(base) | set(self.rules)
+        self.seen: set[str] = set()
+        self.extra: list[str] = []
+        self.checks: list[TensorCheck] = []
+        self.seconds = 0.0
+        self._files: dict[Path, int] = {}
+
+    def check_file(self, path: Path, prefix: str = "") -> list[TensorCheck]:
+        from converter.checkpoint import SafetensorsFile
+
+        f = SafetensorsFile(Path(path))
+        order = sorted(f.tensors.values(), key=lambda t: t.start)
+        return [
+            check
+            for t in order
+            if (check := self.check_tensor(prefix + t.name, Location(f.path, t.start, t.end, t.dtype, t.shape)))
+        ]
+
+    def check_tensor(self, name: str, out: Location) -> TensorCheck | None:
+        """Check one output tensor (None: a name that is not the base's, counted as extra)."""
+        started = time.perf_counter()
+        try:
+            if name not in self.expected:
+                self.extra.append(name)
+                return None
+            self.seen.add(name)
+            check = self._check(name, out)
+            self.checks.append(check)
+            return check
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _check(self, name: str, out: Location) -> TensorCheck:
+        rule = self.rules.get(name)
+        base = self.base.get(rule.base_name if rule and rule.base_name else name)
+        kind = rule.kind if rule else "untouched"
+        module = rule.module if rule else None
+        if base is None:
+            return TensorCheck(name, kind, module, math.inf, problem="no base tensor to start from")
+        want_dtype = self.out_dtype if self.out_dtype and base.dtype in FLOATING else base.dtype
+        want_shape = (rule.shape if rule and rule.shape else None) or base.shape
+        if out.dtype != want_dtype or tuple(out.shape) != tuple(want_shape):
+            return TensorCheck(name, kind, module, math.inf, problem=(
+                f"stored as {out.dtype} {list(out.shape)}, expected {want_dtype} {list(want_shape)}"))  # fmt: skip
+        if rule is None:
+            return self._untouched(name, base, out)
+        return self._changed(name, rule, base, out)
+
+    def _untouched(self, name: str, base: Location, out: Location) -> TensorCheck:
+        if base.dtype == out.dtype:
+            differ = self._bytes_differ(base, out)
+        else:
+            differ = sum(int((self._rows(base, s, e).to(_torch(out.dtype)).view(-1).view(_bits(out.dtype)) !=
+                              self._raw_rows(out, s, e).view(-1)).sum()) for s, e in _blocks(base.shape))  # fmt: skip
+        if not differ:
+            return TensorCheck(name, "untouched")
+        cast = "" if base.dtype == out.dtype else f" cast to {out.dtype}"
+        return TensorCheck(name, "untouched", ratio=math.inf,
+                           problem=f"not changed by any adapter, but {differ} element(s) differ from the base{cast}")  # fmt: skip
+
+    def _changed(self, name: str, rule: Expectation, base: Location, out: Location) -> TensorCheck:
+        u, sub = UNIT_ROUNDOFF.get(out.dtype), SUBNORMAL_HALF_SPACING.get(out.dtype)
+        if u is None:
+            return TensorCheck(name, rule.kind, rule.module, math.inf, problem=f"{out.dtype} is not a float dtype")
+        whole = [(0, _rows_of(out))]
+        blocks = _blocks(out.shape) if rule.row_blocks and base.shape == out.shape else whole
+        ratio = effect = 0.0
+        err2 = change2 = 0.0
+        for s, e in blocks:
+            w = self._rows(base, s, e) if rule.row_blocks else self._rows(base, 0, _rows_of(base))
+            m = self._rows(out, s, e)
+            want = rule.rows(w, s, e)
+            v = want.value
+            if v.shape != m.shape:
+                return TensorCheck(name, rule.kind, rule.module, math.inf,
+                                   problem=f"the referee's {list(v.shape)} does not fit the output's {list(m.shape)}")  # fmt: skip
+            w = w if w.shape == v.shape else v  # a replacement of another shape (resized vocabulary): no base
+            bound = u * v.abs() + u * (v - w).abs() + want.allowance + (sub + 2.0**-150)
+            diff = (m - v).abs().nan_to_num_(nan=math.inf)
+            ratio = max(ratio, float((diff / bound).max()) if diff.numel() else 0.0)
+            effect = max(effect, float(((w - v).abs() / bound).max()) if diff.numel() else 0.0)
+            err2 += float(diff.nan_to_num(posinf=1e300).square().sum())
+            change2 += float((v - w).square().sum())
+            del w, m, want, v, bound, diff
+        relative = math.sqrt(err2) / math.sqrt(change2) if change2 > 0 else (0.0 if err2 == 0 else math.inf)
+        check = TensorCheck(name, rule.kind, rule.module, ratio, effect, relative)
+        if not ratio <= 1:
+            check.problem = _what(check)
+        return check
+
+    def _bytes_differ(self, a: Location, b: Location) -> int:
+        """How many elements differ (0: identical bytes), read in blocks."""
+        count = 0
+        for s, e in _blocks(a.shape):
+            x, y = self._raw_rows(a, s, e), self._raw_rows(b, s, e)
+            if not bool((x == y).all()):
+                count += int((x != y).sum())
+        return count
+
+    def _raw_rows(self, loc: Location, start: int, end: int):
+        """Rows start:end as integers of the element's width (exact bit patterns, NaN-safe comparisons)."""
+        import torch
+
+        row = _row_bytes(loc)
+        data = self._read(loc.path, loc.start + start * row, (end - start) * row)
+        return torch.frombuffer(data, dtype=_bits(loc.dtype)) if data else torch.empty(0, dtype=_bits(loc.dtype))
+
+    def _rows(self, loc: Location, start: int, end: int):
+        """Rows start:end as float64 (exact for every float dtype)."""
+        import torch
+
+        raw = self._raw_rows(loc, start, end)
+        shape = (end - start, *loc.shape[1:]) if loc.shape else ()
+        return raw.view(_torch(loc.dtype)).to(torch.float64).reshape(shape)
+
+    def _read(self, path: Path, offset: int, size: int) -> bytearray:
+        if path not in self._files:
+            self._files[path] = os.open(path, os.O_RDONLY)
+        fd, buf, done = self._files[path], bytearray(size), 0
+        view = memoryview(buf)
+        while done < size:
+            got = os.preadv(fd, [view[done : done + 2**30]], offset + done)
+            if not got:
+                raise OSError(f"{path}: could not read {size} bytes at offset {offset} (truncated file?)")
+            done += got
+        if hasattr(os, "posix_fadvise"):  # read once: keep the page cache from growing by the model's size
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+        return buf
+
+    def result(self) -> TensorProofResult:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        changed = [c for c in self.checks if c.kind != "untouched" and c.effect is not None]
+        failures = [c for c in self.checks if not c.ok]
+        return TensorProofResult(
+            referee=self.referee.info,
+            tensors=len(self.checks),
+            untouched=sum(c.kind == "untouched" for c in self.checks),
+            changed=len(changed),
+            worst=max(changed, key=lambda c: c.ratio, default=None),
+            weakest_effect=min(changed, key=lambda c: c.effect, default=None),
+            failures=sorted(failures, key=lambda c: -c.ratio)[:MAX_NAMED],
+            failed=len(failures),
+            missing=sorted(self.expected - self.seen),
+            extra=sorted(self.extra),
+            seconds=round(self.seconds, 2),
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        )
+
+
+def _what(check: TensorCheck) -> str:
+    """A failure in words: how far off, in units of the bound, and what that looks like."""
+    rel = check.relative
+    if rel is not None and math.isfinite(rel) and abs(rel - 1) < 0.05 and check.effect and check.effect > 1:
+        shape = "as if the change were not merged"
+    elif rel is not None and math.isfinite(rel) and abs(rel - 2) < 0.05:
+        shape = "as if the change were negated"
+    elif rel is not None and math.isfinite(rel):
+        shape = f"error {rel:.3g}x the adapters' own change"
+    else:
+        shape = "not finite"
+    return f"{check.ratio:.3g}x its rounding bound ({shape})"
+
+
+def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    rows = shape[0] if shape else 1
+    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    step = max(1, BLOCK_ELEMENTS // max(per_row, 1))
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)] or [(0, 0)]
+
+
+def _rows_of(loc: Location) -> int:
+    return loc.shape[0] if loc.shape else 1
+
+
+def _row_bytes(loc: Location) -> int:
+    rows = _rows_of(loc)
+    return (loc.end - loc.start) // rows if rows else 0
+
+
+def _torch(dtype: str):
+    from converter.dtypes import ST_TO_TORCH
+
+    return ST_TO_TORCH[dtype]
+
+
+def _bits(dtype: str):
+    import torch
+
+    from converter.dtypes import ITEMSIZE
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ITEMSIZE[dtype]]
+
+
+def locations(checkpoint) -> dict[str, Location]:
+    """Every tensor of a converter Checkpoint (plain folder, diffusers pipeline, single file) by its name."""
+    out = {}
+    for name in checkpoint.names():
+        info = checkpoint.info(name)
+        out[name] = Location(checkpoint.where[name].path, info.start, info.end, info.dtype, tuple(info.shape))
+    return out
