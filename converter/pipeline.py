@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -76,8 +75,9 @@ def verify_folder(
     report_path: str | Path | None = None,
     log: Callable[[str], None] = print,
     **settings,
-) -> dict:
-    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
+):
+    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail.
+    Returns the VerificationReport."""
     folder = Path(folder)
     from converter.training import is_training_checkpoint
     from converter.verify.warmup import wait
@@ -91,9 +91,9 @@ def verify_folder(
     else:
         report = verify(folder, recipe, token=token, log=log, **settings)
     if report_path:
-        Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
+        Path(report_path).write_text(report.to_json())
     if (folder / PROVENANCE_FILE).is_file():
         write_card(folder, load_name=f"./{folder.name}")
-    log(report["markdown"])
+    log(report.markdown)
     require_pass(report)
     return report

@@ -352,3 +352,20 @@ def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], source
         return
     for name, path in zip(names, adapters, strict=True):
         set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)
+
+
+def side_by_side(tok, prompts: list[str], bare, ref, out, count: int = 3) -> list[dict]:
+    """The first `count` prompts' greedy continuations of the bare base, the reference and the merge."""
+
+    def text(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+
+    return [
+        {
+            "prompt": prompts[i] if tok is not None else f"(random token ids #{i})",
+            "base": text(bare.generations[i]),
+            "reference": text(ref.generations[i]),
+            "merged": text(out.generations[i]),
+        }
+        for i in range(min(count, len(ref.generations)))
+    ]

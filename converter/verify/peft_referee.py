@@ -26,28 +26,24 @@ PREFIX = "base_model.model."
 ROW_BLOCKED = ("Linear", "Embedding")  # PEFT layer classes whose rows can be merged a block at a time
 
 
-class PeftReferee:
-    """PEFT's merge of `adapters` (PEFT folders) into the base at `base` (a transformers folder)."""
+class PeftLayers:
+    """The expectations of every PEFT layer in one module tree: `strip` is removed from module paths (PEFT's
+    `base_model.model.`), `namespace` put before tensor names (a diffusers component's `unet/`), `names` are the
+    adapter names in recipe order and `specs` their recipe entries (include/exclude), `base_names` the base's
+    tensor names, `ties` tensor names tied to another (a head to the embedding)."""
 
-    def __init__(self, base: Path, adapters: list[Path], recipe: Recipe, base_names: set[str], vocab: int | None):
-        self.recipe = recipe
-        self.base_names = base_names
-        self.names = [f"adapter{i}" for i in range(len(adapters))]
-        self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
-        self.ties = _tied_sources(self.model)
-        self.info = RefereeInfo(
-            "PEFT",
-            "PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens), located "
-            "by PEFT's module names, adapter files read by PEFT, in float64",
-        )
+    def __init__(self, root, strip: str, namespace: str, names: list[str], specs: list, base_names: set[str],
+                 ties: dict[str, str] | None = None):  # fmt: skip
+        self.root, self.strip, self.namespace = root, strip, namespace
+        self.names, self.specs, self.base_names, self.ties = names, specs, base_names, ties or {}
 
     def expectations(self) -> dict[str, Expectation]:
         from peft.tuners.lora import LoraLayer
         from peft.utils.other import ModulesToSaveWrapper
 
         out: dict[str, Expectation] = {}
-        for path, module in self.model.named_modules():
-            plain = path.removeprefix(PREFIX)
+        for path, module in self.root.named_modules():
+            plain = path.removeprefix(self.strip)
             if isinstance(module, ModulesToSaveWrapper):
                 out.update(self._replacement(plain, module))
             elif hasattr(module, "trainable_tokens_delta"):
@@ -60,25 +56,26 @@ class PeftReferee:
         """This layer's adapters the recipe applies to `tensor` (include/exclude), in recipe order."""
         own = set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
         own |= set(getattr(layer, "trainable_tokens_delta", {})) | set(getattr(layer, "modules_to_save", {}))
-        return [n for n, spec in zip(self.names, self.recipe.adapters, strict=True)
+        return [n for n, spec in zip(self.names, self.specs, strict=True)
                 if n in own and spec.admits(tensor)]  # fmt: skip
 
     def _tensor(self, plain: str, param: str = "weight") -> tuple[str, str | None]:
         """The output tensor of a module's parameter, and the base tensor it starts from when that is another
         (a tied head, absent from the base's files, starts from the embedding)."""
-        name = f"{plain}.{param}"
+        name = f"{self.namespace}{plain}.{param}"
         if name in self.base_names:
             return name, None
-        if name in self.ties and self.ties[name] in self.base_names:
-            return name, self.ties[name]
+        tied = self.ties.get(f"{plain}.{param}")
+        if tied and f"{self.namespace}{tied}" in self.base_names:
+            return name, f"{self.namespace}{tied}"
         raise RefereeUnavailable(
             f"PEFT's module {plain} has no tensor {name} in the base's files (this model's weights are renamed "
-            "or fused when transformers loads them)"
+            "or fused when it is loaded)"
         )
 
     def _lora(self, plain: str, layer) -> dict[str, Expectation]:
         kind = type(layer).__name__
-        if not hasattr(layer, "get_delta_weight") or kind not in ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d"):
+        if kind not in ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d"):
             raise RefereeUnavailable(f"PEFT's {kind} layer at {plain} has no merge this referee can replay")
         name, base_name = self._tensor(plain)
         adapters = self._admitted(layer, name)
@@ -87,10 +84,11 @@ class PeftReferee:
         _float64_adapters(layer)
         dora = any(n in getattr(layer, "lora_magnitude_vector", {}) for n in adapters)
         blocks = kind in ROW_BLOCKED and not getattr(layer, "fan_in_fan_out", False) and not (dora and kind != "Linear")
-        out = {name: Expectation(PREFIX + plain, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks),
-                                 blocks, base_name)}  # fmt: skip
+        module = self.strip + plain
+        out = {name: Expectation(module, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks), blocks,
+                                 base_name)}  # fmt: skip
         if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
-            out[f"{plain}.bias"] = Expectation(PREFIX + plain, "LoRA bias", _merged_bias(layer, adapters))
+            out[f"{self.namespace}{plain}.bias"] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
         return out
 
     def _replacement(self, plain: str, wrapper) -> dict[str, Expectation]:
@@ -100,20 +98,43 @@ class PeftReferee:
             adapters = self._admitted(wrapper, name)
             if adapters:  # a replacement ignores the weight; the last adapter that replaces it wins
                 value = dict(wrapper.modules_to_save[adapters[-1]].named_parameters())[pname]
-                out[name] = Expectation(f"{PREFIX}{plain}.modules_to_save.{adapters[-1]}", "replacement",
+                out[name] = Expectation(f"{self.strip}{plain}.modules_to_save.{adapters[-1]}", "replacement",
                                         _constant(value), shape=tuple(value.shape))  # fmt: skip
         return out
 
     def _tokens(self, plain: str, layer) -> dict[str, Expectation]:
         plain = plain.removesuffix(".token_adapter")
-        if getattr(layer, "tied_adapter", None) is not None and f"{plain}.weight" not in self.base_names:
+        if getattr(layer, "tied_adapter", None) is not None and f"{self.namespace}{plain}.weight" not in self.base_names:
             return {}  # a head tied to the embedding stays tied: it is the embedding's tensor
         name, base_name = self._tensor(plain)
         adapters = self._admitted(layer, name)
         if not adapters:
             return {}
         _float64_adapters(layer)
-        return {name: Expectation(PREFIX + plain, "trainable tokens", _token_rows(layer, adapters), True, base_name)}
+        return {name: Expectation(self.strip + plain, "trainable tokens", _token_rows(layer, adapters), True,
+                                  base_name)}  # fmt: skip
+
+
+class PeftReferee:
+    """PEFT's merge of `adapters` (PEFT folders) into the base at `base` (a transformers folder)."""
+
+    def __init__(self, base: Path, adapters: list[Path], recipe: Recipe, base_names: set[str], vocab: int | None):
+        self.names = [f"adapter{i}" for i in range(len(adapters))]
+        self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
+        for name, spec in zip(self.names, recipe.adapters, strict=True):  # the recipe's weights, as PEFT scales
+            for module in self.model.modules():
+                if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+                    module.set_scale(name, spec.weight_for(None))
+        self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
+                                 _tied_sources(self.model))  # fmt: skip
+        self.info = RefereeInfo(
+            "PEFT",
+            "PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens), located "
+            "by PEFT's module names, adapter files read by PEFT, in float64",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        return self.layers.expectations()
 
 
 def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None):
@@ -128,10 +149,10 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     config = AutoConfig.from_pretrained(base)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _hollow(model)
+    hollow(model)
     if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
-        _hollow(model)
+        hollow(model)
     with load_results() as results, peft_refusals():
         model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
         for name, path in zip(names[1:], adapters[1:], strict=True):
@@ -141,7 +162,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     return model
 
 
-def _hollow(model) -> None:
+def hollow(model) -> None:
     """Every parameter and buffer still on the meta device becomes a zero-stride CPU tensor of its shape and
     dtype: no memory, and PEFT places what it loads next to it, on the CPU (next to meta it would load nothing)."""
     import torch

@@ -81,6 +81,7 @@ class TensorProofResult:
     weakest_effect: TensorCheck | None = None  # the changed tensor the adapters change least (effect / bound)
     failures: list[TensorCheck] = field(default_factory=list)
     failed: int = 0
+    groups: dict[str, dict] = field(default_factory=dict)  # per component ("unet" ...): counts, worst ratio
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -257,11 +258,26 @@ class TensorProof:
             weakest_effect=min(changed, key=lambda c: c.effect, default=None),
             failures=sorted(failures, key=lambda c: -c.ratio)[:MAX_NAMED],
             failed=len(failures),
+            groups=_groups(self.checks),
             missing=sorted(self.expected - self.seen),
             extra=sorted(self.extra),
             seconds=round(self.seconds, 2),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         )
+
+
+def _groups(checks: list[TensorCheck]) -> dict[str, dict]:
+    """Per component of a diffusers pipeline (the name's first part), else one group "model"."""
+    out: dict[str, dict] = {}
+    for c in checks:
+        g = out.setdefault(c.name.split("/", 1)[0] if "/" in c.name else "model",
+                           {"tensors": 0, "changed": 0, "failed": 0, "worst_ratio": 0.0})  # fmt: skip
+        g["tensors"] += 1
+        g["failed"] += not c.ok
+        if c.kind != "untouched":
+            g["changed"] += 1
+            g["worst_ratio"] = max(g["worst_ratio"], c.ratio)
+    return out
 
 
 def _what(check: TensorCheck) -> str:
