@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from converter.recipe import Recipe
-from converter.verify.peft_referee import PREFIX, PeftLayers, _allowance, _float64_adapters, _hollow_peft_model
+from converter.verify.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
 from converter.verify.peft_referee import _tied_sources as tied_sources
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
 
@@ -63,14 +63,16 @@ class CombinationReferee:
         weights = [self.recipe.adapters[self.names.index(n)].weight_for(None) for n in adapters]
 
         def rows(base, start: int, end: int) -> Expected:
-            _float64_adapters(layer)
-            deltas = [layer.get_delta_weight(n).double() for n in adapters]
+            _adapters_in(layer, base.dtype)
+            deltas = [layer.get_delta_weight(n).to(base.dtype) for n in adapters]
             masks = [self._mask(name, n, deltas[0].shape, density) for n in adapters] if "dare" in self.rule else []
-            args = (deltas, torch.tensor(weights, dtype=torch.float64), density)
+            args = (deltas, torch.tensor(weights, dtype=base.dtype), density)
             extra = () if self.rule in ("magnitude_prune", "dare_linear") else ("total",)
             with _given_masks(masks):
                 combined = getattr(merge_utils, self.rule)(*args, *extra)
-            noise = [2 * _allowance(layer, [n], deltas[i]) for i, n in enumerate(adapters)]
+            every = torch.arange(deltas[0].numel())
+            noise = [2 * _allowance(layer, [n], d)(every).reshape(d.shape)
+                     for d, n in zip(deltas, adapters, strict=True)]  # fmt: skip
             return Expected(base + combined, _allowance_of(self.rule, deltas, weights, noise, density, masks))
 
         return rows

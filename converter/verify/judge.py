@@ -59,9 +59,9 @@ def judge_tensors(result: TensorProofResult) -> tuple[list[str], list[str]]:
                         f"{_few(result.extra)}")  # fmt: skip
     notes = []
     weak = result.weakest_effect
-    if weak is not None and weak.effect is not None and weak.effect <= 1:
-        notes.append(f"{weak.name}: the adapters change it by less than its rounding; a merge that left it "
-                     "unchanged could not be told apart")  # fmt: skip
+    if weak is not None and weak.changed == 0:
+        notes.append(f"{weak.name}: the adapters change none of its elements at the output's precision; a merge "
+                     "that left it unchanged could not be told apart")  # fmt: skip
     if result.changed == 0 and not problems:
         notes.append("no tensor is changed by the adapters: the output is the base")
     return problems, notes

@@ -45,7 +45,8 @@ def peft_refusals():
         yield
     except ValueError as e:
         if any(words in str(e) for words in PEFT_REFUSALS):
-            raise PeftRefused(f"PEFT cannot apply the adapters to this base unmerged ({str(e).splitlines()[0][:200]})") from e
+            first = str(e).splitlines()[0][:200]
+            raise PeftRefused(f"PEFT cannot apply the adapters to this base unmerged ({first})") from e
         raise
 
 

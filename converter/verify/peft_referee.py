@@ -81,7 +81,6 @@ class PeftLayers:
         adapters = self._admitted(layer, name)
         if not adapters:
             return {}
-        _float64_adapters(layer)
         dora = any(n in getattr(layer, "lora_magnitude_vector", {}) for n in adapters)
         blocks = kind in ROW_BLOCKED and not getattr(layer, "fan_in_fan_out", False) and not (dora and kind != "Linear")
         module = self.strip + plain
@@ -104,13 +103,13 @@ class PeftLayers:
 
     def _tokens(self, plain: str, layer) -> dict[str, Expectation]:
         plain = plain.removesuffix(".token_adapter")
-        if getattr(layer, "tied_adapter", None) is not None and f"{self.namespace}{plain}.weight" not in self.base_names:
+        tied = getattr(layer, "tied_adapter", None) is not None
+        if tied and f"{self.namespace}{plain}.weight" not in self.base_names:
             return {}  # a head tied to the embedding stays tied: it is the embedding's tensor
         name, base_name = self._tensor(plain)
         adapters = self._admitted(layer, name)
         if not adapters:
             return {}
-        _float64_adapters(layer)
         return {name: Expectation(self.strip + plain, "trainable tokens", _token_rows(layer, adapters), True,
                                   base_name)}  # fmt: skip
 
@@ -185,13 +184,16 @@ def _tied_sources(model) -> dict[str, str]:
     return {k: v for k, v in dict(ties).items() if isinstance(v, str)}
 
 
-def _float64_adapters(layer) -> None:
-    """The adapters' own tensors (never the base's stand-ins) in float64, once: PEFT then computes in float64."""
-    import torch
-
+def _adapters_in(layer, dtype) -> None:
+    """The adapters' own tensors (never the base's stand-ins) in `dtype`, converted from their loaded values
+    (kept aside the first time), so PEFT computes in the proof's working precision."""
+    originals = layer.__dict__.setdefault("_proof_originals", {})
     for name, p in layer.named_parameters():
-        if "base_layer" not in name and p.dtype != torch.float64:
-            p.data = p.data.to(torch.float64)
+        if "base_layer" in name:
+            continue
+        original = originals.setdefault(name, p.data)
+        if p.dtype != dtype:
+            p.data = original.to(dtype)
 
 
 @contextmanager
@@ -232,9 +234,10 @@ def _merged_rows(layer, adapters: list[str], blocks: bool):
     merge computing the same in float32 (γ_r over |scale|·|B|@|A| per adapter, DoRA's norm on top)."""
 
     def rows(base, start: int, end: int) -> Expected:
+        _adapters_in(layer, base.dtype)
         slices = _row_slices(layer, adapters, start, end) if blocks else []
         real = layer.get_base_layer()
-        with _swapped([(real, "weight", base.clone()), *slices]):
+        with _swapped([(real, "weight", base), *slices]):  # the base rows become the merged rows
             layer.merge(adapter_names=adapters)
             value = real.weight.data
             allowance = _allowance(layer, adapters, value)
@@ -246,24 +249,37 @@ def _merged_rows(layer, adapters: list[str], blocks: bool):
 
 
 def _allowance(layer, adapters: list[str], value):
-    """What float32 arithmetic may add: per adapter (n + SLACK)·u32·|scale|·|B|@|A| (n its rank); for DoRA its
-    weight norm's (n = in_features / 2 more, over |merged|)."""
-    total, dora_inner = 0.0, 0
+    """What float32 arithmetic may add, as a function of flat positions in `value` (the proof asks only where
+    an element is not exactly the rounded expectation): per adapter γ_r · |scale| · |B|@|A|, bounded by
+    Cauchy-Schwarz as |scale| · ‖B's row‖ · ‖A's column‖ (vectors now, products later), twice when the referee
+    itself computes in float32; for DoRA, ΔW's share scaled by m/‖W+ΔW‖, and its norm's error (γ over half a
+    row) on the merged value."""
+    import torch
+
+    twice = 2.0 if value.dtype == torch.float32 else 1.0
+    terms, dora_inner = [], 0
     for n in adapters:
         a, b = _factors(layer, n)
-        mag = (b.abs().float() @ a.abs().float()).double() * abs(layer.scaling[n])
+        rows = b.norm(dim=1).to(value.dtype) * (twice * gamma(a.shape[0]) * abs(layer.scaling[n]))
+        cols = a.norm(dim=0).to(value.dtype)
         if getattr(layer, "fan_in_fan_out", False) or type(layer).__name__ == "Embedding":
-            mag = mag.T
-        total = total + gamma(a.shape[0]) * mag.reshape(value.shape)
+            rows, cols = cols, rows
+        norm = layer._caches.get(f"{n}-weight_norm")
         if n in getattr(layer, "lora_magnitude_vector", {}):
             dora_inner = max(dora_inner, math.prod(value.shape[1:]) // 2)
-            norm = layer._caches.get(f"{n}-weight_norm")
             if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖
-                factor = (layer.lora_magnitude_vector[n].weight / norm).abs().reshape(-1, *[1] * (value.dim() - 1))
-                total = total * factor
-    if dora_inner:
-        total = total + gamma(dora_inner) * value.abs()
-    return total
+                rows = rows * (layer.lora_magnitude_vector[n].weight / norm).abs().reshape(-1).to(value.dtype)
+        terms.append((rows, cols))
+    flat_value = value.reshape(-1)
+    width = math.prod(value.shape[1:]) if value.dim() > 1 else 1
+
+    def at(flat):
+        total = sum(r[flat // width] * c[flat % width] for r, c in terms)
+        if dora_inner:
+            total = total + twice * gamma(dora_inner) * flat_value[flat].abs()
+        return total
+
+    return at
 
 
 def _factors(layer, n: str):
@@ -280,7 +296,7 @@ def _merged_bias(layer, adapters: list[str]):
     def rows(base, start: int, end: int) -> Expected:
         value = base.clone()
         for n in adapters:
-            value = value + layer.lora_B[n].bias.double()[start:end] * layer.scaling[n]
+            value = value + layer.lora_B[n].bias.to(base.dtype)[start:end] * layer.scaling[n]
         return Expected(value, gamma(0) * value.abs())
 
     return rows
@@ -290,6 +306,7 @@ def _token_rows(layer, adapters: list[str]):
     """PEFT's trainable tokens: its merge writes each adapter's rows over the base's (rows start:end only)."""
 
     def rows(base, start: int, end: int) -> Expected:
+        _adapters_in(layer, base.dtype)
         saved = {n: (layer.token_indices[n], layer.trainable_tokens_delta[n]) for n in adapters}
         real = layer.base_layer
         try:
@@ -313,8 +330,7 @@ def _constant(value):
     """A replacement: the adapter's own tensor (rows start:end), whatever the base holds."""
 
     def rows(_base, start: int, end: int) -> Expected:
-        import torch
 
-        return Expected(value.detach().to(torch.float64)[start:end] if value.dim() else value.detach().double())
+        return Expected(value.detach().to(_base.dtype)[start:end] if value.dim() else value.detach().to(_base.dtype))
 
     return rows

@@ -37,14 +37,18 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
         wrong = result.failed + len(result.missing) + len(result.extra)
         head = f"**Tensors**: {wrong} tensor(s) are not base + ΔW (referee: {ref.name}{placed})."
     lines = [head, ""]
-    worst = result.worst
     facts = f"{result.changed} tensors changed by the adapters"
-    if worst is not None:
-        facts += f", worst {ratio_text(worst.ratio)}x its rounding bound (`{worst.name}`)"
+    if result.elements:
+        exact = 1 - result.inexact / result.elements
+        facts += f": {exact:.2%} of their {result.elements:,} elements exactly base + ΔW rounded to the output dtype"
+        if result.inexact and result.worst is not None:
+            facts += f", the others within their rounding bound (worst {ratio_text(result.worst.ratio)}x, " \
+                     f"`{result.worst.name}`)"
     facts += f"; {result.untouched} untouched tensors compared with the base byte for byte. {ref.detail}."
     lines.append(facts)
     if len(result.groups) > 1:
-        lines += ["", "| component | tensors | changed | worst error / rounding bound | wrong |", "|---|---|---|---|---|"]
+        lines += ["", "| component | tensors | changed | worst error / rounding bound | wrong |"]
+        lines.append("|---|---|---|---|---|")
         for name, g in result.groups.items():
             lines.append(f"| {name} | {g['tensors']} | {g['changed']} | {ratio_text(g['worst_ratio'])} | "
                          f"{g['failed']} |")  # fmt: skip

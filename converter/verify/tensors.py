@@ -51,16 +51,19 @@ class Location:
 
 @dataclass
 class TensorCheck:
-    """The proof's finding on one output tensor. `ratio`: worst |merged - expected| / bound (0: exact; > 1:
-    wrong). `effect`: the same for the base itself (how far a merge that changed nothing would be; tensors the
-    referee does not change have none). `relative`: ‖merged - expected‖ / ‖expected - base‖, the error as a
-    share of what the adapters change (1: as if not merged, 2: the change negated)."""
+    """The proof's finding on one output tensor. `ratio`: worst |merged - expected| / bound over the elements
+    that are not exactly the expectation rounded to the output dtype (0: none; > 1: wrong); `inexact`: how many
+    such elements; `changed`: how many elements the adapters change at the output's precision (0: a merge that
+    changed nothing would pass here); `relative` (failures only): ‖merged - expected‖ / ‖expected - base‖,
+    the error as a share of what the adapters change (1: as if not merged, 2: the change negated)."""
 
     name: str
     kind: str  # "untouched" or the referee's kind of change ("LoRA", "DoRA", "replacement" ...)
     module: str | None = None
     ratio: float = 0.0
-    effect: float | None = None
+    numel: int = 0
+    inexact: int = 0
+    changed: int | None = None
     relative: float | None = None
     problem: str | None = None
 
@@ -78,7 +81,9 @@ class TensorProofResult:
     untouched: int = 0
     changed: int = 0
     worst: TensorCheck | None = None  # the changed tensor with the highest ratio
-    weakest_effect: TensorCheck | None = None  # the changed tensor the adapters change least (effect / bound)
+    weakest_effect: TensorCheck | None = None  # the changed tensor with the fewest elements the adapters change
+    elements: int = 0  # elements of the changed tensors
+    inexact: int = 0  # of which not exactly the expectation rounded (each within its bound on a pass)
     failures: list[TensorCheck] = field(default_factory=list)
     failed: int = 0
     groups: dict[str, dict] = field(default_factory=dict)  # per component ("unet" ...): counts, worst ratio
@@ -163,46 +168,78 @@ class TensorProof:
         return self._changed(name, rule, base, out)
 
     def _untouched(self, name: str, base: Location, out: Location) -> TensorCheck:
-        if base.dtype == out.dtype:
-            differ = self._bytes_differ(base, out)
-        else:
-            differ = sum(int((self._rows(base, s, e).to(_torch(out.dtype)).view(-1).view(_bits(out.dtype)) !=
-                              self._raw_rows(out, s, e).view(-1)).sum()) for s, e in _blocks(base.shape))  # fmt: skip
+        differ = self._bytes_differ(base, out) if base.dtype == out.dtype else self._cast_differs(base, out)
         if not differ:
             return TensorCheck(name, "untouched")
         cast = "" if base.dtype == out.dtype else f" cast to {out.dtype}"
-        return TensorCheck(name, "untouched", ratio=math.inf,
-                           problem=f"not changed by any adapter, but {differ} element(s) differ from the base{cast}")  # fmt: skip
+        problem = f"not changed by any adapter, but {differ} element(s) differ from the base{cast}"
+        return TensorCheck(name, "untouched", ratio=math.inf, problem=problem)
 
     def _changed(self, name: str, rule: Expectation, base: Location, out: Location) -> TensorCheck:
-        u, sub = UNIT_ROUNDOFF.get(out.dtype), SUBNORMAL_HALF_SPACING.get(out.dtype)
-        if u is None:
+        if out.dtype not in UNIT_ROUNDOFF:
             return TensorCheck(name, rule.kind, rule.module, math.inf, problem=f"{out.dtype} is not a float dtype")
-        whole = [(0, _rows_of(out))]
-        blocks = _blocks(out.shape) if rule.row_blocks and base.shape == out.shape else whole
-        ratio = effect = 0.0
-        err2 = change2 = 0.0
-        for s, e in blocks:
-            w = self._rows(base, s, e) if rule.row_blocks else self._rows(base, 0, _rows_of(base))
-            m = self._rows(out, s, e)
-            want = rule.rows(w, s, e)
-            v = want.value
-            if v.shape != m.shape:
-                return TensorCheck(name, rule.kind, rule.module, math.inf,
-                                   problem=f"the referee's {list(v.shape)} does not fit the output's {list(m.shape)}")  # fmt: skip
-            w = w if w.shape == v.shape else v  # a replacement of another shape (resized vocabulary): no base
-            bound = u * v.abs() + u * (v - w).abs() + want.allowance + (sub + 2.0**-150)
-            diff = (m - v).abs().nan_to_num_(nan=math.inf)
-            ratio = max(ratio, float((diff / bound).max()) if diff.numel() else 0.0)
-            effect = max(effect, float(((w - v).abs() / bound).max()) if diff.numel() else 0.0)
-            err2 += float(diff.nan_to_num(posinf=1e300).square().sum())
-            change2 += float((v - w).square().sum())
-            del w, m, want, v, bound, diff
-        relative = math.sqrt(err2) / math.sqrt(change2) if change2 > 0 else (0.0 if err2 == 0 else math.inf)
-        check = TensorCheck(name, rule.kind, rule.module, ratio, effect, relative)
-        if not ratio <= 1:
+        check = TensorCheck(name, rule.kind, rule.module, numel=math.prod(out.shape), changed=0)
+        for s, e in self._blocks_of(rule, base, out):
+            found = self._block(rule, base, out, s, e)
+            if isinstance(found, str):
+                check.problem, check.ratio = found, math.inf
+                return check
+            ratio, inexact, changed = found
+            check.ratio, check.inexact, check.changed = max(check.ratio, ratio), check.inexact + inexact, (
+                check.changed + changed)  # fmt: skip
+        if not check.ratio <= 1:
+            check.relative = self._relative(rule, base, out)
             check.problem = _what(check)
         return check
+
+    def _blocks_of(self, rule: Expectation, base: Location, out: Location) -> list[tuple[int, int]]:
+        return _blocks(out.shape) if rule.row_blocks and base.shape == out.shape else [(0, _rows_of(out))]
+
+    def _expected(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
+        """The referee's rows s:e, from the base's rows (the whole base tensor when not row by row)."""
+        work = _working_dtype(out.dtype)
+        w = self._rows(base, s, e, work) if rule.row_blocks else self._rows(base, 0, _rows_of(base), work)
+        return rule.rows(w, s, e)
+
+    def _block(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
+        """(worst ratio, inexact elements, changed elements) of rows s:e, or the problem in words. Elements that
+        are exactly the expectation rounded to the output dtype pass without more arithmetic (their error is at
+        most half a unit in the last place, within u·|v|); only the others are held to the full bound."""
+        want = self._expected(rule, base, out, s, e)
+        v = want.value
+        m_bits = self._raw_rows(out, s, e)
+        if tuple(v.shape) != (e - s, *out.shape[1:]):
+            return f"the referee's {list(v.shape)} does not fit the output's {[e - s, *out.shape[1:]]}"
+        rounded = v.to(_torch(out.dtype)).reshape(-1).view(_bits(out.dtype))
+        same_shape = base.shape == out.shape
+        changed = int((rounded != self._base_bits(base, out.dtype, s, e)).sum()) if same_shape else rounded.numel()
+        off = (rounded != m_bits).nonzero().squeeze(1)
+        if not off.numel():
+            return 0.0, 0, changed
+        vv = v.reshape(-1)[off]
+        mm = m_bits[off].view(_torch(out.dtype)).to(vv.dtype)
+        ww = self._rows(base, s, e, vv.dtype).reshape(-1)[off] if same_shape else vv
+        bound = _bound(vv, ww, _allowance_at(want.allowance, off, vv), out.dtype)
+        return float(((mm - vv).abs() / bound).max()), int(off.numel()), changed
+
+    def _base_bits(self, base: Location, dtype: str, s: int, e: int):
+        """The base's rows as stored in `dtype` (its exact cast under --dtype), as integers."""
+        if base.dtype == dtype:
+            return self._raw_rows(base, s, e)
+        return self._rows(base, s, e, _torch(base.dtype)).to(_torch(dtype)).reshape(-1).view(_bits(dtype))
+
+    def _relative(self, rule: Expectation, base: Location, out: Location) -> float:
+        """A failed tensor's ‖merged - expected‖ / ‖expected - base‖ (one more pass, on failures only)."""
+        import torch
+
+        err2 = change2 = 0.0
+        for s, e in self._blocks_of(rule, base, out):
+            v = self._expected(rule, base, out, s, e).value
+            m = self._rows(out, s, e, v.dtype)
+            err2 += float(torch.linalg.vector_norm(m - v)) ** 2
+            if base.shape == out.shape:
+                change2 += float(torch.linalg.vector_norm(v - self._rows(base, s, e, v.dtype))) ** 2
+        return math.sqrt(err2 / change2) if change2 > 0 else (0.0 if err2 == 0 else math.inf)
 
     def _bytes_differ(self, a: Location, b: Location) -> int:
         """How many elements differ (0: identical bytes), read in blocks."""
@@ -213,6 +250,11 @@ class TensorProof:
                 count += int((x != y).sum())
         return count
 
+    def _cast_differs(self, base: Location, out: Location) -> int:
+        """How many elements differ from the base's exact cast to the output dtype (torch's conversion)."""
+        return sum(int((self._base_bits(base, out.dtype, s, e) != self._raw_rows(out, s, e)).sum())
+                   for s, e in _blocks(base.shape))  # fmt: skip
+
     def _raw_rows(self, loc: Location, start: int, end: int):
         """Rows start:end as integers of the element's width (exact bit patterns, NaN-safe comparisons)."""
         import torch
@@ -221,13 +263,13 @@ class TensorProof:
         data = self._read(loc.path, loc.start + start * row, (end - start) * row)
         return torch.frombuffer(data, dtype=_bits(loc.dtype)) if data else torch.empty(0, dtype=_bits(loc.dtype))
 
-    def _rows(self, loc: Location, start: int, end: int):
-        """Rows start:end as float64 (exact for every float dtype)."""
+    def _rows(self, loc: Location, start: int, end: int, dtype=None):
+        """Rows start:end in `dtype` (float64 by default; exact for every float dtype up to its width)."""
         import torch
 
         raw = self._raw_rows(loc, start, end)
         shape = (end - start, *loc.shape[1:]) if loc.shape else ()
-        return raw.view(_torch(loc.dtype)).to(torch.float64).reshape(shape)
+        return raw.view(_torch(loc.dtype)).to(dtype or torch.float64).reshape(shape)
 
     def _read(self, path: Path, offset: int, size: int) -> bytearray:
         if path not in self._files:
@@ -247,7 +289,7 @@ class TensorProof:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
-        changed = [c for c in self.checks if c.kind != "untouched" and c.effect is not None]
+        changed = [c for c in self.checks if c.kind != "untouched" and c.changed is not None]
         failures = [c for c in self.checks if not c.ok]
         return TensorProofResult(
             referee=self.referee.info,
@@ -255,7 +297,9 @@ class TensorProof:
             untouched=sum(c.kind == "untouched" for c in self.checks),
             changed=len(changed),
             worst=max(changed, key=lambda c: c.ratio, default=None),
-            weakest_effect=min(changed, key=lambda c: c.effect, default=None),
+            weakest_effect=min(changed, key=lambda c: c.changed / max(c.numel, 1), default=None),
+            elements=sum(c.numel for c in changed),
+            inexact=sum(c.inexact for c in changed),
             failures=sorted(failures, key=lambda c: -c.ratio)[:MAX_NAMED],
             failed=len(failures),
             groups=_groups(self.checks),
@@ -264,6 +308,34 @@ class TensorProof:
             seconds=round(self.seconds, 2),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         )
+
+
+def _working_dtype(out_dtype: str):
+    """float64 for 32/64-bit outputs; float32 for 16-bit ones, whose rounding (2^-8, 2^-11) dwarfs float32's
+    own (2^-24, allowed for in the bound): half the memory traffic, the same verdict."""
+    import torch
+
+    return torch.float64 if out_dtype in ("F32", "F64") else torch.float32
+
+
+def _bound(v, w, allowance, out_dtype: str):
+    """u·|v| + u·|v - w| + the referee's allowance + subnormal spacing (+ float32's own rounding of v, when the
+    proof works in float32)."""
+    import torch
+
+    u = UNIT_ROUNDOFF[out_dtype]
+    slack = 0.0 if v.dtype == torch.float64 else 4 * 2.0**-24
+    bound = v.abs().mul_(u + slack).add_((v - w).abs_(), alpha=u)
+    return bound.add_(allowance).add_(SUBNORMAL_HALF_SPACING[out_dtype] + 2.0**-149)
+
+
+def _allowance_at(allowance, flat, like):
+    """The referee's allowance at these flat positions of the block: a number, a tensor, or a function of them."""
+    if callable(allowance):
+        return allowance(flat).to(like.dtype)
+    if isinstance(allowance, int | float):
+        return allowance
+    return allowance.reshape(-1)[flat].to(like.dtype)
 
 
 def _groups(checks: list[TensorCheck]) -> dict[str, dict]:
@@ -283,7 +355,7 @@ def _groups(checks: list[TensorCheck]) -> dict[str, dict]:
 def _what(check: TensorCheck) -> str:
     """A failure in words: how far off, in units of the bound, and what that looks like."""
     rel = check.relative
-    if rel is not None and math.isfinite(rel) and abs(rel - 1) < 0.05 and check.effect and check.effect > 1:
+    if rel is not None and math.isfinite(rel) and abs(rel - 1) < 0.05 and check.changed:
         shape = "as if the change were not merged"
     elif rel is not None and math.isfinite(rel) and abs(rel - 2) < 0.05:
         shape = "as if the change were negated"
