@@ -33,6 +33,7 @@ chromium:
 
 test: $(STAMP) fixtures chromium
 	$(BIN)/ruff check converter tests bench scripts app.py
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

@@ -85,7 +85,7 @@ def verify_folder(
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
     if recipe.base and is_training_checkpoint(Path(recipe.base)):
-        from converter.training.verify import verify_training
+        from converter.verify.training import verify_training
 
         report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
     else:

@@ -126,6 +126,6 @@ def _inject(model, folder: Path, name: str, weight: float) -> None:
 
 
 def _base_names(base: Path) -> set[str]:
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     return set(open_base(base).names())

@@ -210,7 +210,7 @@ def _pipeline_params(pipe) -> dict:
 
 
 def open_base_checkpoint(base: Path):
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     return open_base(base)
 
@@ -245,7 +245,7 @@ def _load_single(file: Path, config: str | None):
     import torch
     from diffusers.utils import logging as dlog
 
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.keymap import keymap_for
 
     checkpoint = open_base(file)

@@ -194,7 +194,7 @@ class FormulaReferee:
     """Every planned tensor with patches, recomputed from the adapter files by the published formulas."""
 
     def __init__(self, recipe, base: Path, adapters: list[Path], reason: str):
-        from converter.checkpoint import open_base
+        from converter.bases import open_base
         from converter.formats import load_adapter
         from converter.plan import plan_merge
 

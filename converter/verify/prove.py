@@ -21,7 +21,7 @@ def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
 ) -> tuple[TensorProofResult | None, str | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.dtypes import parse_user_dtype
 
     try:
@@ -103,7 +103,7 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
         return None
     if not (base / "config.json").is_file():
         return None
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.verify.peft_referee import PeftReferee
 
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from converter.recipe import AdapterSpec, Recipe
 from converter.scratch import temp_folder
+from converter.verify.render import markdown
 
 NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"
 
 
 def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Callable[[str], None] = print, **kw):
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.training.unmerged import write_unmerged
 
     ckpt = open_base(Path(recipe.base), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
@@ -32,8 +33,6 @@ def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Call
         log(f"verification: the training checkpoint written unmerged ({'base + its LoRA' if adapter else 'base'})")
         report = verify(folder, unmerged, log=log, **kw)
     report.notes.append(NOTE)
-    from converter.verify.render import markdown
-
     report.markdown = markdown(report)
     report.save(folder)
     return report
