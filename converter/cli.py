@@ -315,10 +315,6 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        if settings is not None and recipe.method not in (None, "sum"):
-            _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
-                 f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
-            settings = None
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
             from converter.verify.warmup import start
 
@@ -343,11 +339,6 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
-            if recipe.method not in (None, "sum"):
-                raise ConverterError(
-                    f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
-                    "unmerged sum of the adapters, which that merge is not meant to equal"
-                )
         verify_folder(
             args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
         )
@@ -363,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
             private=args.private,
             create_pr=args.create_pr,
             overwrite=args.overwrite,
-            verify=None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args),
+            verify=None if args.no_verify else _verify_settings(args),
             log=_log,
         )
         print(result.summary())

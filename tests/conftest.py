@@ -164,3 +164,20 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def training_checkpoints(tmp_path_factory):
+    """Every verl-style training checkpoint of converter.testing.training_checkpoints (two gloo processes,
+    ~30 s on 2 cores), built once per session for the modules that need them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed.fsdp")
+    root = tmp_path_factory.mktemp("training")
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter.testing.training_checkpoints", str(root), "--world", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root

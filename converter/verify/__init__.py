@@ -30,10 +30,12 @@ from converter.verify.render import markdown
 from converter.verify.report import Clock, VerificationReport
 
 MODES = ("quick", "full")
+PROOFS = ("tensors", "behaviour")
 
 __all__ = [
     "MODES",
     "NOISE_MARGIN",
+    "PROOFS",
     "PROMPTS",
     "REPORT_FILE",
     "UNIT_ROUNDOFF",
@@ -58,12 +60,14 @@ def verify(
     log: Callable[[str], None] = print,
     mode: str = "quick",
     single_file_config: str | None = None,
+    proofs: tuple[str, ...] = PROOFS,
 ) -> VerificationReport:
     """Prove `merged` against base + adapters (the recipe); returns the report, also written next to the model.
 
     `memory` caps the bytes the behavioural comparison's models may take (default: what the machine has
     available; beyond it accelerate offloads to disk). `mode`: "quick" compares logits; "full" also greedy
-    continuations for the card. `single_file_config`: diffusers' config for a single-file diffusion base."""
+    continuations for the card. `single_file_config`: diffusers' config for a single-file diffusion base.
+    `proofs`: both by default; one of them alone to look at it by itself (the other is reported as not run)."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
     from converter.verify.warmup import wait
@@ -75,10 +79,15 @@ def verify(
     report = VerificationReport("diffusion" if diffusion else "llm")
     from converter.verify.prove import prove_tensors
 
-    report.tensors, report.tensors_skipped, referee = prove_tensors(merged, recipe, base, adapters, log)
-    clock.lap("tensor proof")
+    if "tensors" in proofs:
+        report.tensors, report.tensors_skipped, referee = prove_tensors(merged, recipe, base, adapters, log)
+        clock.lap("tensor proof")
+    else:
+        report.tensors_skipped, referee = "not asked for", None
     findings = None
-    if report.tensors is not None and not report.tensors.passed:
+    if "behaviour" not in proofs:
+        report.behaviour_skipped = "not asked for"
+    elif report.tensors is not None and not report.tensors.passed:
         report.behaviour_skipped = "the tensor proof already failed"
     elif not adapters:
         report.behaviour_skipped = "no adapters: there is no other model to compare with"

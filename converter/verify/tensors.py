@@ -220,7 +220,8 @@ class TensorProof:
         mm = m_bits[off].view(_torch(out.dtype)).to(vv.dtype)
         ww = self._rows(base, s, e, vv.dtype).reshape(-1)[off] if same_shape else vv
         bound = _bound(vv, ww, _allowance_at(want.allowance, off, vv), out.dtype)
-        return float(((mm - vv).abs() / bound).max()), int(off.numel()), changed
+        ratio = float(((mm - vv).abs() / bound).max())
+        return (math.inf if math.isnan(ratio) else ratio), int(off.numel()), changed  # NaN: never a pass
 
     def _base_bits(self, base: Location, dtype: str, s: int, e: int):
         """The base's rows as stored in `dtype` (its exact cast under --dtype), as integers."""

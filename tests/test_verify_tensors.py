@@ -1,0 +1,331 @@
+"""The tensor proof's sabotage suite: a "Passed" that a one-module mistake cannot earn.
+
+On the real SmolLM2-135M-Instruct (bf16) with a LoRA on all 210 linear modules (r=16, alpha=32, each module's ΔW
+2% of its weight's norm, as a trained LoRA) plus a modules_to_save norm: right merges pass (ours in bf16, fp16 and
+fp32; PEFT's own merge_and_unload in bf16, double rounding included) and each sabotage exits 3 naming the tensor.
+Then the same on a kohya SDXL-layout LoRA (diffusers referee), a verl FSDP checkpoint with its LoRA inside
+(PEFT on the checkpoint written unmerged) and a TIES / DARE merge (PEFT's merge_utils). Merges are made once per
+module; each sabotage edits a copy, checked with the proof alone where the behaviour adds nothing to the test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_adapter, make_base
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from build_fixtures import cache_dir, is_complete  # noqa: E402
+
+SMOL = cache_dir() / "smollm2-135m-instruct"
+WEIGHTS = "model.safetensors"
+
+
+def proof_only(folder: Path, recipe=None):
+    """The tensor proof by itself (the report as verify returns it)."""
+    from converter.merge import recorded_recipe
+    from converter.verify import verify
+
+    return verify(folder, recipe or recorded_recipe(folder), log=lambda _line: None, proofs=("tensors",))
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """SmolLM2 and a LoRA like a trained one: every linear module, ΔW scaled to 2% of the weight's norm."""
+    if not is_complete(SMOL):
+        pytest.fail(f"SmolLM2 fixture missing at {SMOL}: run `make fixtures` (make test does it first)")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.float32)
+    config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", init_lora_weights=False,
+                        modules_to_save=["model.norm"])  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for module in peft_model.modules():
+            if hasattr(module, "lora_A") and "default" in module.lora_A:
+                delta = module.get_delta_weight("default")
+                module.lora_B["default"].weight.mul_(0.02 * module.base_layer.weight.norm() / delta.norm())
+            if hasattr(module, "modules_to_save") and "default" in module.modules_to_save:
+                module.modules_to_save["default"].weight.mul_(1.5)
+    folder = tmp_path_factory.mktemp("smol") / "lora"
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ours(smol, tmp_path_factory):
+    """converter's merges of the SmolLM2 LoRA, one per output dtype, made once."""
+    from converter.cli import main
+
+    made = {}
+
+    def get(dtype: str) -> Path:
+        if dtype not in made:
+            out = tmp_path_factory.mktemp(f"ours-{dtype}") / "m"
+            extra = [] if dtype == "bf16" else ["--dtype", {"fp16": "float16", "fp32": "float32"}[dtype]]
+            args = ["merge", "--base", str(SMOL), "--adapter", str(smol), "--out", str(out), "--no-verify", *extra]
+            assert main(args) == 0
+            made[dtype] = out
+        return made[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_our_right_merges_pass_within_one_rounding(ours, dtype):
+    report = proof_only(ours(dtype))
+    t = report.tensors
+    assert report.verdict == "pass" and t.passed, report.problems
+    assert t.referee.name == "PEFT" and t.changed == 211 and t.untouched == 61  # 210 LoRA + the norm replaced
+    assert t.worst.ratio <= 1 and t.inexact / t.elements < 1e-3  # one rounding: nearly all exactly rounded
+
+
+def test_right_bf16_merge_passes_both_proofs_and_the_card_says_so(ours):
+    from converter.merge import recorded_recipe
+    from converter.verify import verify
+
+    folder = ours("bf16")
+    report = verify(folder, recorded_recipe(folder), log=lambda _line: None)
+    assert report.verdict == "pass" and report.behaviour is not None, report.problems
+    assert "every tensor within rounding of base + ΔW (referee: PEFT)" in report.markdown
+    assert "| mean KL(reference‖model) |" in report.markdown and "two proofs" in report.markdown
+
+
+@pytest.mark.parametrize("adapter_dtype", ["float32", "bfloat16"], ids=["fp32-factors", "bf16-factors-double-rounded"])
+def test_peft_merge_and_unload_in_bf16_passes(smol, tmp_path, adapter_dtype):
+    """PEFT's own merge of the bf16 model: float32 factors (one rounding of W + ΔW), or bf16 factors (ΔW rounded
+    to bf16 first, then the sum: two roundings) both stay within the bound."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from converter.recipe import AdapterSpec, Recipe
+
+    model = AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.bfloat16)
+    peft_model = PeftModel.from_pretrained(model, smol, autocast_adapter_dtype=adapter_dtype == "float32")
+    assert peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.dtype == getattr(
+        torch, adapter_dtype)  # fmt: skip
+    peft_model.merge_and_unload().save_pretrained(tmp_path / "peft")
+    report = proof_only(tmp_path / "peft", Recipe(base=str(SMOL), adapters=[AdapterSpec(str(smol))]))
+    assert report.verdict == "pass" and report.tensors.changed == 211, report.problems
+    assert report.tensors.worst.ratio <= 1
+
+
+def _deltas(folder: Path, base: dict) -> dict[str, torch.Tensor]:
+    return {k: v.double() - base[k].double() for k, v in load_file(folder / WEIGHTS).items() if k in base}
+
+
+def _sabotage(kind: str, right: Path, folder: Path) -> str:
+    """A copy of the right merge with one defect; returns the tensor the failure must name."""
+    shutil.copytree(right, folder)
+    base = load_file(SMOL / WEIGHTS)
+    t = load_file(folder / WEIGHTS)
+    layer = "model.layers.{}.{}.weight".format
+    name = {
+        "one module missing": layer(15, "self_attn.v_proj"),
+        "one ΔW transposed": layer(5, "self_attn.o_proj"),
+        "one ΔW negated": layer(20, "mlp.down_proj"),
+        "adjacent layers' deltas exchanged": layer(3, "self_attn.q_proj"),
+        "every ΔW doubled": layer(0, "self_attn.q_proj"),
+        "one ulp off in an untouched tensor": layer(7, "input_layernorm"),
+        "a tensor dropped": layer(9, "mlp.up_proj"),
+        "modules_to_save left as the base": "model.norm.weight",
+    }[kind]
+
+    def with_delta(n: str, delta: torch.Tensor) -> None:
+        t[n] = (base[n].double() + delta).to(t[n].dtype)
+
+    if kind == "one module missing" or kind == "modules_to_save left as the base":
+        t[name] = base[name].clone()
+    elif kind == "one ΔW transposed":
+        with_delta(name, (t[name].double() - base[name].double()).T)
+    elif kind == "one ΔW negated":
+        with_delta(name, -(t[name].double() - base[name].double()))
+    elif kind == "adjacent layers' deltas exchanged":
+        other = layer(4, "self_attn.q_proj")
+        d3, d4 = t[name].double() - base[name].double(), t[other].double() - base[other].double()
+        with_delta(name, d4)
+        with_delta(other, d3)
+    elif kind == "every ΔW doubled":
+        for n in [k for k in t if "layers." in k and "norm" not in k]:
+            with_delta(n, 2 * (t[n].double() - base[n].double()))
+    elif kind == "one ulp off in an untouched tensor":
+        t[name].view(torch.int16)[0] += 1
+    elif kind == "a tensor dropped":
+        del t[name]
+    save_file(t, folder / WEIGHTS, metadata={"format": "pt"})
+    return name
+
+
+SABOTAGES = [
+    "one module missing",
+    "one ΔW transposed",
+    "one ΔW negated",
+    "adjacent layers' deltas exchanged",
+    "every ΔW doubled",
+    "one ulp off in an untouched tensor",
+    "a tensor dropped",
+    "modules_to_save left as the base",
+]
+
+
+@pytest.mark.parametrize("kind", SABOTAGES)
+def test_each_sabotage_exits_3_naming_the_tensor(ours, tmp_path, cli, kind):
+    folder = tmp_path / "sabotaged"
+    name = _sabotage(kind, ours("bf16"), folder)
+    code, out, err = cli("verify", folder)
+    assert code == 3, out + err
+    assert name in err and "verification failed" in err
+    report = json.loads((folder / "verification.json").read_text())
+    assert report["verdict"] == "fail" and report["behaviour_skipped"] == "the tensor proof already failed"
+    failures = {f["name"]: f for f in report["tensors"]["failures"]}
+    if kind == "a tensor dropped":
+        assert report["tensors"]["missing"] == [name]
+    else:
+        assert name in failures and float(failures[name]["ratio"]) > 10  # far beyond one rounding
+    if kind == "one module missing":
+        assert "as if the change were not merged" in failures[name]["problem"]
+    if kind == "one ΔW negated":
+        assert "as if the change were negated" in failures[name]["problem"]
+    if kind == "every ΔW doubled":
+        assert report["tensors"]["failed"] == 210  # every LoRA tensor, the replaced norm is right
+    shutil.rmtree(folder)
+
+
+def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
+    """`push` verifies before uploading: a wrong tensor stops it before any Hub call that writes."""
+    from converter import pipeline
+    from converter.errors import VerificationFailed
+
+    folder = tmp_path / "sabotaged"
+    _sabotage("one ΔW negated", ours("bf16"), folder)
+    calls = []
+    monkeypatch.setattr(pipeline.hub, "whoami", lambda token: {"name": "me"})
+    monkeypatch.setattr(pipeline, "push_folder", lambda *a, **k: calls.append(a))
+    with pytest.raises(VerificationFailed, match="model.layers.20.mlp.down_proj.weight"):
+        pipeline.push("me/merged", folder=folder, verify={}, log=lambda _line: None)
+    assert calls == []
+
+
+# --- a kohya SDXL-layout LoRA on a tiny SDXL pipeline: diffusers' loader is the referee -------------------------
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    from diffusion_helpers import make_pipeline, save
+    from test_community_sd import sdxl_lora, uniform_alpha
+
+    root = tmp_path_factory.mktemp("sdxl")
+    models = make_pipeline(root / "base", "sdxl")
+    lora = uniform_alpha(sdxl_lora(models, ldm=True), 2.0)  # sd-scripts' SGM names: lora_unet_input_blocks_4_1_...
+    assert any(k.startswith("lora_unet_input_blocks_") for k in lora)
+    save(lora, root / "lora.safetensors")
+    from converter.cli import main
+
+    assert main(["merge", "--base", str(root / "base"), "--adapter", str(root / "lora.safetensors"), "--out",
+                 str(root / "m"), "--no-verify"]) == 0  # fmt: skip
+    return root
+
+
+def test_kohya_sdxl_right_merge_passes_with_diffusers_as_referee(sdxl):
+    report = proof_only(sdxl / "m")
+    assert report.verdict == "pass" and report.tensors.referee.name == "diffusers", report.problems
+    assert set(report.tensors.groups) >= {"unet", "text_encoder", "text_encoder_2"}
+    assert report.tensors.changed > 50 and report.tensors.worst.ratio <= 1
+
+
+UNET = "unet/diffusion_pytorch_model.safetensors"
+
+
+@pytest.mark.parametrize("kind", ["one module missing", "one conv ΔW transposed"])
+def test_kohya_sdxl_sabotage_fails_naming_the_tensor(sdxl, tmp_path, kind):
+    shutil.copytree(sdxl / "m", tmp_path / "s")
+    base, t = load_file(sdxl / "base" / UNET), load_file(tmp_path / "s" / UNET)
+    if kind == "one module missing":
+        name = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"
+        t[name] = base[name].clone()
+    else:  # a 3x3 conv whose in and out channels agree: its ΔW transposed (out <-> in) still fits
+        name = "down_blocks.0.resnets.0.conv2.weight"
+        assert t[name].shape[0] == t[name].shape[1]
+        t[name] = base[name] + (t[name] - base[name]).transpose(0, 1).contiguous()
+    save_file(t, tmp_path / "s" / UNET)
+    report = proof_only(tmp_path / "s", _recipe_of(sdxl))
+    assert report.verdict == "fail" and [f.name for f in report.tensors.failures] == [f"unet/{name}"]
+    assert report.tensors.failures[0].ratio > 10
+
+
+def _recipe_of(root: Path):
+    from converter.recipe import AdapterSpec, Recipe
+
+    return Recipe(base=str(root / "base"), adapters=[AdapterSpec(str(root / "lora.safetensors"))])
+
+
+# --- a verl FSDP checkpoint with its LoRA inside: PEFT on the checkpoint written unmerged -----------------------
+
+
+def test_verl_checkpoint_with_lora_inside_passes_and_a_sabotage_fails(training_checkpoints, tmp_path, cli):
+    actor = training_checkpoints / "lora/actor"
+    code, out, err = cli("merge", "--base", actor, "--out", tmp_path / "m", verify=True)
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert report["verdict"] == "pass" and report["tensors"]["referee"]["name"] == "PEFT"
+    assert report["tensors"]["changed"] == 14 and "training checkpoint" in report["notes"][-1]
+    name = "model.layers.1.self_attn.v_proj.weight"
+    t = load_file(tmp_path / "m" / WEIGHTS)
+    t[name] = -t[name]
+    save_file(t, tmp_path / "m" / WEIGHTS, metadata={"format": "pt"})
+    code, out, err = cli("verify", tmp_path / "m")
+    assert code == 3 and name in err, out + err
+
+
+# --- TIES and DARE: PEFT's merge_utils on PEFT's deltas -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ties")
+    base = make_base(root / "base", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    a = make_adapter(base, root / "a", seed=1, r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"])
+    b = make_adapter(base, root / "b", seed=2, r=4, lora_alpha=4, target_modules=["q_proj", "o_proj"])
+    return base, a, b
+
+
+@pytest.mark.parametrize("method", ["ties", "magnitude_prune", "dare", "dare_ties"])
+def test_ties_and_dare_merges_are_proven_and_a_sabotage_fails(pair, tmp_path, cli, method):
+    base, a, b = pair
+    out = tmp_path / "m"
+    options = ("--method", method, "--density", "0.4", "--seed", "3")
+    code, stdout, err = cli("merge", "--base", base, "--adapter", a, "--adapter", b, "--weight", "0.7", "--weight",
+                            "0.5", *options, "--out", out, verify=True)  # fmt: skip
+    assert code == 0, stdout + err
+    report = json.loads((out / "verification.json").read_text())
+    assert report["verdict"] == "pass" and report["tensors"]["changed"] == 6, report["problems"]
+    assert "merge_utils" in report["tensors"]["referee"]["detail"] and "not compared" in report["markdown"]
+    # the plain weighted sum instead of the method, on one tensor: named
+    name = "model.layers.1.self_attn.q_proj.weight"
+    summed = tmp_path / "sum"
+    assert cli("merge", "--base", base, "--adapter", a, "--adapter", b, "--weight", "0.7", "--weight", "0.5",
+               "--out", summed)[0] == 0  # fmt: skip
+    t = load_file(out / WEIGHTS)
+    t[name] = load_file(summed / WEIGHTS)[name]
+    save_file(t, out / WEIGHTS, metadata={"format": "pt"})
+    code, stdout, err = cli("verify", out)
+    assert code == 3 and name in err, stdout + err
+
+
+def test_dare_is_checked_with_the_masks_of_the_recorded_seed(pair, tmp_path, cli):
+    """The proof redraws DARE's masks from the seed the recipe records: another seed's merge fails."""
+    base, a, b = pair
+    args = ["--adapter", a, "--adapter", b, "--method", "dare", "--density", "0.5"]
+    assert cli("merge", "--base", base, *args, "--seed", "1", "--out", tmp_path / "one")[0] == 0
+    assert cli("merge", "--base", base, *args, "--seed", "2", "--out", tmp_path / "two")[0] == 0
+    shutil.copyfile(tmp_path / "two" / WEIGHTS, tmp_path / "one" / WEIGHTS)
+    code, stdout, err = cli("verify", tmp_path / "one")
+    assert code == 3 and "q_proj" in err, stdout + err
