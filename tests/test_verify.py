@@ -235,7 +235,8 @@ def test_quick_check_of_each_peft_feature_equals_the_full_check(feature, tmp_pat
     edit(out, negated)
     code, stdout, err = cli("verify", out)
     assert code == 3 and report_of(out)["verdict"] == "fail"  # the tensor proof names every negated tensor
-    assert {f["name"] for f in report_of(out)["tensors"]["failures"]} == set(changed[:10])
+    tensors = report_of(out)["tensors"]
+    assert tensors["failed"] == len(changed) and {f["name"] for f in tensors["failures"]} <= set(changed)
     behaviour = verdict_of(out, prompts=None, proofs=("behaviour",))  # and the behaviour, by itself, fails too
     assert behaviour.verdict == "fail" and behaviour.behaviour.mode == "quick", behaviour.problems
 

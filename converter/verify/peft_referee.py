@@ -50,6 +50,18 @@ class PeftLayers:
                 out.update(self._tokens(plain, module))
             elif isinstance(module, LoraLayer):
                 out.update(self._lora(plain, module))
+        return {**out, **self._untied_heads(out)}
+
+    def _untied_heads(self, changed: dict[str, Expectation]) -> dict[str, Expectation]:
+        """A head tied to an embedding the adapters change (by LoRA or a replacement) sees the base's embedding
+        in PEFT's forward: written untied, it must be that (trainable tokens keep the tie: PEFT ties them too)."""
+        out = {}
+        for head, source in self.ties.items():
+            head, source = self.namespace + head, self.namespace + source
+            rule = changed.get(source)
+            if head in self.base_names or head in changed or rule is None or rule.kind == "trainable tokens":
+                continue
+            out[head] = Expectation(rule.module, "untied head (the base's embedding)", _same, True, source)
         return out
 
     def _admitted(self, layer, tensor: str) -> list[str]:
@@ -162,18 +174,19 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
 
 
 def hollow(model) -> None:
-    """Every parameter and buffer still on the meta device becomes a zero-stride CPU tensor of its shape and
-    dtype: no memory, and PEFT places what it loads next to it, on the CPU (next to meta it would load nothing)."""
+    """Every parameter and buffer still on the meta device becomes an uninitialised CPU tensor of its shape and
+    dtype: address space only (the kernel backs a page when it is first written), so the model costs no memory,
+    PEFT places what it loads next to it on the CPU (next to meta it would load nothing), and what PEFT itself
+    loads into a base weight (an embedding it saved whole) has somewhere to go."""
     import torch
 
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.device.type == "meta":
-                stand_in = torch.zeros((), dtype=p.dtype).expand(p.shape)
-                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
         for name, b in list(module.named_buffers(recurse=False)):
             if b is not None and b.device.type == "meta":
-                module._buffers[name] = torch.zeros((), dtype=b.dtype).expand(b.shape)
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
 
@@ -324,6 +337,10 @@ def _token_rows(layer, adapters: list[str]):
         return Expected(value)
 
     return rows
+
+
+def _same(base, start: int, end: int) -> Expected:
+    return Expected(base)
 
 
 def _constant(value):
