@@ -5,6 +5,8 @@ Why: the default command must not be slower or hungrier than the tool it replace
 alternately in whole subprocesses on the synthetic Llama of merge_bench.py (same inputs, cached), so a noisy,
 shared machine affects all of them alike; the 1-minute load average is reported with every run.
 `--baseline SRC` adds the default `converter merge` of another source tree (e.g. the code before a change).
+The tensor proof is also measured alone (`converter verify --proof tensors` on the default merge's output, in its
+own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported.
 
 `--big` instead builds a Llama-3-8B-shaped synthetic model (8.03 B parameters, bf16, 16 GB) and a rank-16
 all-linear LoRA straight to safetensors, tensor by tensor, runs the default `converter merge` on it once, checks
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", PEFT_SCRIPT, str(base), str(adapter), str(work / "out-peft")],
         ),
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
+        "proof": ("the tensor proof alone (`converter verify --proof tensors`)",
+                  [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report",
+                   str(work / "proof.json")]),  # fmt: skip
         "full": ("`converter merge --verify full`", merge(work / "out-full", "--verify", "full")),
     }
     if args.no_full:
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         tools["baseline"] = (f"`converter merge` of {args.baseline.name} (before)", merge(work / "out-baseline"))
     cold = drop_caches()
     runs: dict[str, list] = {name: [] for name in tools}
+    reports: dict[str, dict] = {}
     for i in range(args.rounds):
         for name, (_label, cmd) in tools.items():
             env_path = str(args.baseline.resolve()) if name == "baseline" else str(Path(__file__).resolve().parents[1])
@@ -118,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} failed: see {r.log}", file=sys.stderr)
                 return 1
             runs[name].append(r)
-    reports = {n: json.loads((work / f"out-{n}" / "verification.json").read_text()) for n in tools if n != "peft"}
+            written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
+            if name != "peft":  # read now: the proof-only run rewrites out-quick's report
+                reports[name] = json.loads(written.read_text())
     best = {n: min(rs, key=lambda r: r.wall_s) for n, rs in runs.items()}
     peft = best["peft"]
     rows = []
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{b.wall_s / peft.wall_s:.2f}x / {b.peak_rss_mib / peft.peak_rss_mib:.2f}x | {loads} |"
         )
     phases = reports["quick"]["phase_seconds"]
+    proof = reports["quick"].get("tensors") or {}
     text = "\n".join(
         [
             f"\n## Default merge + verification vs PEFT's plain merge: {info['date']} ({_param_count(base)}, "
@@ -147,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "Quick verification phases (s): " + ", ".join(f"{k} {v}" for k, v in phases.items()) + ".",
             "",
+            _proof_line(proof),
+            "",
         ]
     )
     print(text)
@@ -154,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.results, "a") as f:
             f.write(text)
     return 0
+
+
+def _proof_line(proof: dict) -> str:
+    """What the tensor proof checked, from a report's "tensors" section."""
+    if not proof:
+        return "The tensor proof did not run."
+    worst = (proof.get("worst") or {}).get("ratio", 0)
+    return (
+        f"Tensor proof (referee {proof['referee']['name']}): {proof['changed']} changed tensors "
+        f"({proof['elements']:,} elements, {proof['inexact']:,} not exactly the rounded expectation, worst "
+        f"{float(worst):.3g}x the rounding bound) and {proof['untouched']} untouched ones, in {proof['seconds']} s "
+        "of checking after the referee was built."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ --big
@@ -342,6 +366,12 @@ def run_big(args, shape: Shape) -> int:
             print((logs / "big.log").read_text()[-3000:], file=sys.stderr)
             return 1
         rep = json.loads((out / "verification.json").read_text())
+        proof_cmd = [sys.executable, "-P", "-m", "converter", "verify", str(out), "--proof", "tensors", "--report",
+                     str(work / "proof.json")]  # fmt: skip
+        p = measure("big-proof", proof_cmd, logs / "big-proof.log", drop_caches())
+        if not p.ok:
+            print((logs / "big-proof.log").read_text()[-3000:], file=sys.stderr)
+            return 1
         text = "\n".join(
             [
                 f"\n## Default merge + verification of an 8B-shaped model: {info['date']} (verify_bench.py --big)",
@@ -354,8 +384,12 @@ def run_big(args, shape: Shape) -> int:
                 "|---|---|---|---|---|---|---|",
                 f"| `converter merge` (default: merge + quick verification) | {r.wall_s:.1f} s | {r.cpu_s:.1f} s | "
                 f"{r.peak_rss_mib:.0f} MiB | {rep['verdict']} | {rep['offloaded']} | {rep['seconds']:.1f} s |",
+                f"| the tensor proof alone (`converter verify --proof tensors`) | {p.wall_s:.1f} s | {p.cpu_s:.1f} s | "
+                f"{p.peak_rss_mib:.0f} MiB | | | |",
                 "",
                 "Verification phases (s): " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items()) + ".",
+                "",
+                _proof_line(rep.get("tensors") or {}),
                 "",
             ]
         )

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--adapter", action="append", default=[], help="adapter (repeatable; default: from the recipe)")
     v.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter")
     v.add_argument("--report", help="also write the JSON report here")
+    v.add_argument("--proof", choices=["both", "tensors", "behaviour"], default="both",
+                   help="both (default), or one alone: every tensor against its referee, or the behaviour")  # fmt: skip
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
 
@@ -339,9 +341,9 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
-        verify_folder(
-            args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
-        )
+        proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
+        verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
+                      **_verify_settings(args))  # fmt: skip
         return 0
     if args.command == "push":
         from converter.pipeline import push

@@ -33,9 +33,10 @@ class PeftLayers:
     tensor names, `ties` tensor names tied to another (a head to the embedding)."""
 
     def __init__(self, root, strip: str, namespace: str, names: list[str], specs: list, base_names: set[str],
-                 ties: dict[str, str] | None = None):  # fmt: skip
+                 ties: dict[str, str] | None = None, quantized=None):  # fmt: skip
         self.root, self.strip, self.namespace = root, strip, namespace
         self.names, self.specs, self.base_names, self.ties = names, specs, base_names, ties or {}
+        self.quantized = quantized  # (layer -> the 4-bit round trip of its weight) for QLoRA's dequantized base
 
     def expectations(self) -> dict[str, Expectation]:
         from peft.tuners.lora import LoraLayer
@@ -96,8 +97,10 @@ class PeftLayers:
         dora = any(n in getattr(layer, "lora_magnitude_vector", {}) for n in adapters)
         blocks = kind in ROW_BLOCKED and not getattr(layer, "fan_in_fan_out", False) and not (dora and kind != "Linear")
         module = self.strip + plain
-        out = {name: Expectation(module, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks), blocks,
-                                 base_name)}  # fmt: skip
+        first = self.quantized(layer) if self.quantized else None  # the base as QLoRA training saw it
+        blocks = blocks and first is None
+        out = {name: Expectation(module, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks, first),
+                                 blocks, base_name)}  # fmt: skip
         if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
             out[f"{self.namespace}{plain}.bias"] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
         return out
@@ -137,7 +140,7 @@ class PeftReferee:
                 if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
                     module.set_scale(name, spec.weight_for(None))
         self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
-                                 _tied_sources(self.model))  # fmt: skip
+                                 _tied_sources(self.model), _qlora_base(self.model, recipe))  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
             "PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens), located "
@@ -146,6 +149,29 @@ class PeftReferee:
 
     def expectations(self) -> dict[str, Expectation]:
         return self.layers.expectations()
+
+
+def _qlora_base(model, recipe: Recipe):
+    """--qlora-base dequantized: the merge starts from each LoRA-targeted linear weight as load_in_4bit held it
+    in training (bitsandbytes' round trip with the recipe's settings); the output head stays as it is."""
+    if recipe.qlora_base != "dequantized":
+        return None
+    head = model.get_output_embeddings()
+
+    def quantized(layer):
+        if type(layer).__name__ != "Linear" or getattr(layer, "fan_in_fan_out", False) or layer is head:
+            return None
+        return lambda base: _round_trip_4bit(base, recipe)
+
+    return quantized
+
+
+def _round_trip_4bit(base, recipe: Recipe):
+    import bitsandbytes.functional as bnb
+
+    packed, state = bnb.quantize_4bit(base.float(), quant_type=recipe.qlora_quant, blocksize=recipe.qlora_blocksize,
+                                      compress_statistics=recipe.qlora_double_quant)  # fmt: skip
+    return bnb.dequantize_4bit(packed, state).to(base.dtype)
 
 
 def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None):
@@ -242,12 +268,15 @@ def _row_slices(layer, adapters: list[str], start: int, end: int) -> list[tuple[
     return pairs
 
 
-def _merged_rows(layer, adapters: list[str], blocks: bool):
+def _merged_rows(layer, adapters: list[str], blocks: bool, first=None):
     """rows(base, start, end): PEFT's merge of these adapters onto the base rows, and the float32 allowance of a
-    merge computing the same in float32 (γ_r over |scale|·|B|@|A| per adapter, DoRA's norm on top)."""
+    merge computing the same in float32 (γ_r over |scale|·|B|@|A| per adapter, DoRA's norm on top). `first`:
+    what becomes of the base before the merge (QLoRA's 4-bit round trip), whole tensors only."""
 
     def rows(base, start: int, end: int) -> Expected:
         _adapters_in(layer, base.dtype)
+        if first is not None:
+            base = first(base)
         slices = _row_slices(layer, adapters, start, end) if blocks else []
         real = layer.get_base_layer()
         with _swapped([(real, "weight", base), *slices]):  # the base rows become the merged rows

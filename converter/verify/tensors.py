@@ -65,6 +65,7 @@ class TensorCheck:
     inexact: int = 0
     changed: int | None = None
     relative: float | None = None
+    alignment: float | None = None  # (failures) cosine of (merged - expected) with (expected - base)
     problem: str | None = None
 
     @property
@@ -125,6 +126,7 @@ class TensorProof:
         self.checks: list[TensorCheck] = []
         self.seconds = 0.0
         self._files: dict[Path, int] = {}
+        self._failed: dict[str, tuple] = {}
 
     def check_file(self, path: Path, prefix: str = "") -> list[TensorCheck]:
         from converter.checkpoint import SafetensorsFile
@@ -188,8 +190,8 @@ class TensorProof:
             check.ratio, check.inexact, check.changed = max(check.ratio, ratio), check.inexact + inexact, (
                 check.changed + changed)  # fmt: skip
         if not check.ratio <= 1:
-            check.relative = self._relative(rule, base, out)
-            check.problem = _what(check)
+            self._failed[name] = (rule, base, out)  # described in result(), for the failures it names
+            check.problem = f"{check.ratio:.3g}x its rounding bound"
         return check
 
     def _blocks_of(self, rule: Expectation, base: Location, out: Location) -> list[tuple[int, int]]:
@@ -229,18 +231,21 @@ class TensorProof:
             return self._raw_rows(base, s, e)
         return self._rows(base, s, e, _torch(base.dtype)).to(_torch(dtype)).reshape(-1).view(_bits(dtype))
 
-    def _relative(self, rule: Expectation, base: Location, out: Location) -> float:
-        """A failed tensor's ‖merged - expected‖ / ‖expected - base‖ (one more pass, on failures only)."""
-        import torch
+    def _relative(self, rule: Expectation, base: Location, out: Location) -> tuple[float, float | None]:
+        """A failed tensor's ‖merged - expected‖ / ‖expected - base‖ and the cosine between the two (one more
+        pass, for the failures the report names)."""
 
-        err2 = change2 = 0.0
+        err2 = change2 = dot = 0.0
         for s, e in self._blocks_of(rule, base, out):
             v = self._expected(rule, base, out, s, e).value
-            m = self._rows(out, s, e, v.dtype)
-            err2 += float(torch.linalg.vector_norm(m - v)) ** 2
+            err = (self._rows(out, s, e, v.dtype) - v).nan_to_num_(posinf=1e30, neginf=-1e30).reshape(-1)
+            err2 += float(err.double().square().sum())
             if base.shape == out.shape:
-                change2 += float(torch.linalg.vector_norm(v - self._rows(base, s, e, v.dtype))) ** 2
-        return math.sqrt(err2 / change2) if change2 > 0 else (0.0 if err2 == 0 else math.inf)
+                change = (v - self._rows(base, s, e, v.dtype)).reshape(-1).double()
+                change2, dot = change2 + float(change.square().sum()), dot + float(err.double() @ change)
+        if change2 == 0:
+            return (0.0 if err2 == 0 else math.inf), None
+        return math.sqrt(err2 / change2), (dot / math.sqrt(err2 * change2) if err2 else None)
 
     def _bytes_differ(self, a: Location, b: Location) -> int:
         """How many elements differ (0: identical bytes), read in blocks."""
@@ -287,11 +292,15 @@ class TensorProof:
         return buf
 
     def result(self) -> TensorProofResult:
+        failures = sorted((c for c in self.checks if not c.ok), key=lambda c: -c.ratio)
+        for check in failures[:MAX_NAMED]:  # what the named failures look like: one more pass over each
+            if check.name in self._failed:
+                check.relative, check.alignment = self._relative(*self._failed[check.name])
+                check.problem = _what(check)
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
         changed = [c for c in self.checks if c.kind != "untouched" and c.changed is not None]
-        failures = [c for c in self.checks if not c.ok]
         return TensorProofResult(
             referee=self.referee.info,
             tensors=len(self.checks),
@@ -301,7 +310,7 @@ class TensorProof:
             weakest_effect=min(changed, key=lambda c: c.changed / max(c.numel, 1), default=None),
             elements=sum(c.numel for c in changed),
             inexact=sum(c.inexact for c in changed),
-            failures=sorted(failures, key=lambda c: -c.ratio)[:MAX_NAMED],
+            failures=failures[:MAX_NAMED],
             failed=len(failures),
             groups=_groups(self.checks),
             missing=sorted(self.expected - self.seen),
@@ -354,16 +363,16 @@ def _groups(checks: list[TensorCheck]) -> dict[str, dict]:
 
 
 def _what(check: TensorCheck) -> str:
-    """A failure in words: how far off, in units of the bound, and what that looks like."""
-    rel = check.relative
-    if rel is not None and math.isfinite(rel) and abs(rel - 1) < 0.05 and check.changed:
-        shape = "as if the change were not merged"
-    elif rel is not None and math.isfinite(rel) and abs(rel - 2) < 0.05:
-        shape = "as if the change were negated"
-    elif rel is not None and math.isfinite(rel):
-        shape = f"error {rel:.3g}x the adapters' own change"
-    else:
-        shape = "not finite"
+    """A failure in words: how far off, in units of the bound, and what that looks like next to the change the
+    adapters make (the same size, pointing back: not merged; twice its size, back: negated; the same, forward:
+    applied twice)."""
+    rel, cos = check.relative, check.alignment
+    shape = "not finite" if rel is None or not math.isfinite(rel) else f"error {rel:.3g}x the adapters' own change"
+    if rel is not None and cos is not None and math.isfinite(rel) and abs(cos) > 0.99:
+        if abs(rel - 1) < 0.05:
+            shape = "as if the change were not merged" if cos < 0 else "as if the change were applied twice"
+        elif abs(rel - 2) < 0.05 and cos < 0:
+            shape = "as if the change were negated"
     return f"{check.ratio:.3g}x its rounding bound ({shape})"
 
 
