@@ -123,6 +123,12 @@ def _llm_behaviour(report, merged, recipe, base, adapters, settings, log, clock)
         report.behaviour_skipped = (f"a --method {recipe.method} merge has no unmerged PEFT forward to compare "
                                     "with (its tensors are the proof)")  # fmt: skip
         return None
+    from converter.verify.prove import is_peft_folder
+
+    if not_peft := [a.name for a in adapters if not is_peft_folder(a)]:
+        report.behaviour_skipped = (f"PEFT builds its unmerged reference from PEFT adapter folders with their "
+                                    f"adapter_config.json; {', '.join(not_peft)} is not one")  # fmt: skip
+        return None
     folders = [a if a.is_dir() else a.parent for a in adapters]
     with temp_folder("verify", log=log) as scratch:
         try:
