@@ -186,10 +186,11 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     config = AutoConfig.from_pretrained(base)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hollow(model)
+    written = _saved_base_weights(adapters)
+    hollow(model, written)
     if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
-        hollow(model)
+        hollow(model, written)
     with load_results() as results, peft_refusals():
         model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
         for name, path in zip(names[1:], adapters[1:], strict=True):
@@ -199,22 +200,39 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     return model
 
 
-def hollow(model) -> None:
-    """Every parameter and buffer still on the meta device becomes an uninitialised CPU tensor of its shape and
-    dtype: address space only (the kernel backs a page when it is first written), so the model costs no memory,
-    PEFT places what it loads next to it on the CPU (next to meta it would load nothing), and what PEFT itself
-    loads into a base weight (an embedding it saved whole) has somewhere to go."""
+def hollow(model, written: set[str] = frozenset()) -> None:
+    """Every parameter and buffer still on the meta device becomes a zero-stride CPU tensor of its shape and dtype
+    (no memory), so PEFT places what it loads next to it, on the CPU (next to meta it would load nothing). The
+    parameters in `written` (base weights an adapter file holds whole, such as an embedding PEFT saved with its
+    LoRA) get unbacked memory instead (address space; a page is real once PEFT writes it)."""
     import torch
 
-    for module in model.modules():
+    for path, module in model.named_modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.device.type == "meta":
-                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                full = f"{path}.{name}" if path else name
+                stand_in = torch.empty(p.shape, dtype=p.dtype) if full in written else torch.zeros(
+                    (), dtype=p.dtype).expand(p.shape)  # fmt: skip
+                module._parameters[name] = torch.nn.Parameter(stand_in, requires_grad=False)
         for name, b in list(module.named_buffers(recurse=False)):
             if b is not None and b.device.type == "meta":
-                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+                module._buffers[name] = torch.zeros((), dtype=b.dtype).expand(b.shape)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+
+
+def _saved_base_weights(adapters: list[Path]) -> set[str]:
+    """Base weights the adapter files hold whole (PEFT saves an adapted embedding's `base_layer.weight`), by
+    their names in the model (read from the files' headers)."""
+    from converter.checkpoint import SafetensorsFile
+
+    names = set()
+    for folder in adapters:
+        for f in folder.glob("adapter_model*.safetensors"):
+            for key in SafetensorsFile(f).tensors:
+                if ".base_layer." in key and "lora_" not in key:
+                    names.add(key.removeprefix(PREFIX).replace(".base_layer.", "."))
+    return names
 
 
 def _tied_sources(model) -> dict[str, str]:
