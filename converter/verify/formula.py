@@ -206,7 +206,8 @@ class FormulaReferee:
         if self.plan.task_merge is not None or getattr(recipe, "method", None) not in (None, "sum"):
             raise Unsupported(f"--method {recipe.method} has no published formula here")
         self.factors = [AdapterFactors(a, s.lora_alpha) for a, s in loaded]
-        self.owner = {id(ap.patch): ap for a, _ in loaded for ap in a.patches}
+        # each patch's adapter entry (a target_parameters LoRA offers candidates: the plan keeps one of them)
+        self.owner = {id(p): ap for a, _ in loaded for ap in a.patches for p in (ap.patch, *(c for _, c in ap.either))}
         self.specs = specs
         self.info = RefereeInfo(
             REFERENCE,

@@ -66,16 +66,18 @@ def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path
     for ask in (_peft, _peft_components, _diffusers) if diffusion else (_peft,):
         try:
             referee = ask(recipe, base, adapters, merged)
+            if referee is not None:
+                referee.expectations()  # every module it would judge is asked now: it declines here, or never
+                return referee
         except RefereeUnavailable as e:
             reasons.append(str(e))
-            continue
-        if referee is not None:
-            return referee
     from converter.verify.formula import FormulaReferee
 
     reason = "; ".join(reasons) or "no other referee reads these adapters"
     try:
-        return FormulaReferee(recipe, base, adapters, reason)
+        referee = FormulaReferee(recipe, base, adapters, reason)
+        referee.expectations()
+        return referee
     except RefereeUnavailable as e:
         raise RefereeUnavailable(f"{reason}, and the published formula cannot recompute it either ({e})") from None
 
