@@ -328,3 +328,36 @@ def test_dare_is_checked_with_the_masks_of_the_recorded_seed(pair, tmp_path, cli
     shutil.copyfile(tmp_path / "two" / WEIGHTS, tmp_path / "one" / WEIGHTS)
     code, stdout, err = cli("verify", tmp_path / "one")
     assert code == 3 and "q_proj" in err, stdout + err
+
+
+# --- multi-component PEFT folders: PEFT per component ---------------------------------------------------------------
+
+
+def test_multi_component_peft_folder_is_proven_by_peft_and_a_sabotage_fails(tmp_path, cli):
+    """A kohya SD 1.5 LoRA converted to PEFT folders per component (`unet/`, `text_encoder/`), merged: PEFT injects
+    each component's adapter into that component's weightless model; a text-encoder tensor left unmerged fails."""
+    from diffusion_helpers import TE_TARGETS, UNET_TARGETS, kohya_lora, kohya_modules, make_pipeline, save
+
+    models = make_pipeline(tmp_path / "base", "sd15")
+    mods = kohya_modules(models["unet"], "lora_unet", UNET_TARGETS)
+    mods.update(kohya_modules(models["text_encoder"], "lora_te", TE_TARGETS))
+    lora = kohya_lora(mods, alpha=None)
+    save(lora, tmp_path / "kohya.safetensors")
+    code, out, err = cli("convert", "--adapter", tmp_path / "kohya.safetensors", "--to", "peft", "--base",
+                         tmp_path / "base", "--out", tmp_path / "peft")  # fmt: skip
+    assert code == 0 and (tmp_path / "peft/unet/adapter_config.json").is_file(), out + err
+    assert (tmp_path / "peft/text_encoder/adapter_config.json").is_file()
+    code, out, err = cli("merge", "--base", tmp_path / "base", "--adapter", tmp_path / "peft", "--out", tmp_path / "m",
+                         "--dtype", "bfloat16", verify=True)  # fmt: skip
+    assert code == 0, out + err
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    tensors = report["tensors"]
+    assert tensors["referee"]["name"] == "PEFT" and "per component" in tensors["referee"]["detail"]
+    assert tensors["groups"]["unet"]["changed"] and tensors["groups"]["text_encoder"]["changed"]
+    te = tmp_path / "m/text_encoder/model.safetensors"
+    t, before = load_file(te), load_file(tmp_path / "base/text_encoder/model.safetensors")
+    name = next(k for k in sorted(t) if k.endswith("q_proj.weight") and not torch.equal(t[k], before[k].bfloat16()))
+    t[name] = before[name].bfloat16()
+    save_file(t, te, metadata={"format": "pt"})
+    code, out, err = cli("verify", tmp_path / "m")
+    assert code == 3 and f"text_encoder/{name}" in err, out + err

@@ -24,6 +24,10 @@ def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str 
         return "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)"
     if not base.is_file() and not (base / "model_index.json").is_file():
         return "the base is neither a diffusers folder nor a single file"
+    from converter.formats.components import component_folders
+
+    if folders := [a.name for a in adapters if component_folders(a)]:
+        return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
     if dora := lycoris_dora(adapters):
         return f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
     return None
