@@ -13,6 +13,7 @@ outcome (at most twice the largest weighted value there); every other element is
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -65,7 +66,8 @@ class CombinationReferee:
         def rows(base, start: int, end: int) -> Expected:
             _adapters_in(layer, base.dtype)
             deltas = [layer.get_delta_weight(n).to(base.dtype) for n in adapters]
-            masks = [self._mask(name, n, deltas[0].shape, density) for n in adapters] if "dare" in self.rule else []
+            with _DRAWING:  # dare_mask draws with torch.bernoulli too: never while another tensor's is replaced
+                masks = [self._mask(name, n, deltas[0].shape, density) for n in adapters] if "dare" in self.rule else []
             args = (deltas, torch.tensor(weights, dtype=base.dtype), density)
             extra = () if self.rule in ("magnitude_prune", "dare_linear") else ("total",)
             with _given_masks(masks):
@@ -83,6 +85,10 @@ class CombinationReferee:
         return dare_mask(tuple(shape), density, int(self.recipe.seed or 0), name, "delta", self.names.index(adapter))
 
 
+# torch.bernoulli is replaced process-wide while PEFT draws, and the masks are drawn with it: one tensor at a time
+_DRAWING = threading.Lock()
+
+
 @contextmanager
 def _given_masks(masks: list):
     """PEFT's DARE draws each task tensor's mask with torch.bernoulli, in task order: hand it these instead."""
@@ -91,7 +97,13 @@ def _given_masks(masks: list):
     if not masks:
         yield
         return
-    queue, original = list(masks), torch.bernoulli
+    with _DRAWING, _replaced_bernoulli(torch, list(masks)):
+        yield
+
+
+@contextmanager
+def _replaced_bernoulli(torch, queue: list):
+    original = torch.bernoulli
 
     def drawn(p, *args, **kwargs):
         mask = queue.pop(0)
