@@ -18,6 +18,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from converter.recipe import Recipe
@@ -73,39 +74,41 @@ def verify(
     from converter.verify.warmup import wait
 
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
-    merged, started, clock = Path(merged), time.time(), Clock()
-    base, adapters = _sources(recipe, token)
-    diffusion = (merged / "model_index.json").is_file() or not (merged / "config.json").is_file()
-    report = VerificationReport("diffusion" if diffusion else "llm")
-    from converter.verify.prove import prove_tensors
+    started = time.time()
+    job = Job(Path(merged), recipe, *_sources(recipe, token), log, Clock())
+    report = VerificationReport("diffusion" if job.diffusion else "llm")
+    referee = _tensor_proof(job, report) if "tensors" in proofs else None
+    if "tensors" not in proofs:
+        report.tensors_skipped = "not asked for"
+    from converter.verify.llm import Settings
 
-    if "tensors" in proofs:
-        report.tensors, report.tensors_skipped, referee = prove_tensors(merged, recipe, base, adapters, log)
-        clock.lap("tensor proof")
-    else:
-        report.tensors_skipped, referee = "not asked for", None
-    findings = None
+    settings = Settings(prompts, mode, max_new_tokens, memory, token)
+    findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
     if "behaviour" not in proofs:
         report.behaviour_skipped = "not asked for"
-    elif report.tensors is not None and not report.tensors.passed:
-        report.behaviour_skipped = "the tensor proof already failed"
-    elif not adapters:
-        report.behaviour_skipped = "no adapters: there is no other model to compare with"
-    elif diffusion:
-        findings = _diffusion_behaviour(report, (merged, recipe, base, adapters), single_file_config, referee, log,
-                                        clock)  # fmt: skip
-    else:
-        from converter.verify.llm import Settings
-
-        settings = Settings(prompts, mode, max_new_tokens, memory, token)
-        findings = _llm_behaviour(report, merged, recipe, base, adapters, settings, log, clock)
     verdict = judge(report.tensors, findings, (report.tensors_skipped, report.behaviour_skipped))
     report.verdict, report.problems, report.notes = verdict.verdict, verdict.problems, verdict.notes
-    report.seconds, report.phase_seconds = round(time.time() - started, 1), clock.phases
+    report.seconds, report.phase_seconds = round(time.time() - started, 1), job.clock.phases
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report.markdown = markdown(report)
-    report.save(merged)
+    report.save(job.merged)
     return report
+
+
+@dataclass
+class Job:
+    """What one verification works on."""
+
+    merged: Path
+    recipe: Recipe
+    base: Path
+    adapters: list[Path]
+    log: Callable[[str], None]
+    clock: Clock
+
+    @property
+    def diffusion(self) -> bool:
+        return (self.merged / "model_index.json").is_file() or not (self.merged / "config.json").is_file()
 
 
 def _sources(recipe: Recipe, token: str | None) -> tuple[Path, list[Path]]:
@@ -115,41 +118,63 @@ def _sources(recipe: Recipe, token: str | None) -> tuple[Path, list[Path]]:
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]
 
 
-def _llm_behaviour(report, merged, recipe, base, adapters, settings, log, clock):
+def _tensor_proof(job: Job, report: VerificationReport):
+    """The tensor proof into the report; returns its referee (the diffusion images may use it)."""
+    from converter.verify.prove import prove_tensors
+
+    report.tensors, report.tensors_skipped, referee = prove_tensors(job.merged, job.recipe, job.base, job.adapters,
+                                                                    job.log)  # fmt: skip
+    job.clock.lap("tensor proof")
+    return referee
+
+
+def _behaviour(job: Job, report: VerificationReport, referee, settings, single_file_config):
+    """The behavioural comparison into the report, when it can and should run; returns its findings."""
+    if report.tensors is not None and not report.tensors.passed:
+        report.behaviour_skipped = "the tensor proof already failed"
+    elif not job.adapters:
+        report.behaviour_skipped = "no adapters: there is no other model to compare with"
+    elif job.diffusion:
+        return _diffusion_behaviour(report, job, single_file_config, referee)
+    else:
+        return _llm_behaviour(report, job, settings)
+    return None
+
+
+def _llm_behaviour(report: VerificationReport, job: Job, settings):
     """The causal LM's behaviour against PEFT's unmerged reference; None (with the reason) when it cannot run."""
     from converter.verify.llm import LLMCheck, Skip
-
-    if recipe.method not in (None, "sum"):
-        report.behaviour_skipped = (f"a --method {recipe.method} merge has no unmerged PEFT forward to compare "
-                                    "with (its tensors are the proof)")  # fmt: skip
-        return None
     from converter.verify.prove import is_peft_folder
 
-    if not_peft := [a.name for a in adapters if not is_peft_folder(a)]:
+    if job.recipe.method not in (None, "sum"):
+        report.behaviour_skipped = (f"a --method {job.recipe.method} merge has no unmerged PEFT forward to compare "
+                                    "with (its tensors are the proof)")  # fmt: skip
+        return None
+    if not_peft := [a.name for a in job.adapters if not is_peft_folder(a)]:
         report.behaviour_skipped = (f"PEFT builds its unmerged reference from PEFT adapter folders with their "
                                     f"adapter_config.json; {', '.join(not_peft)} is not one")  # fmt: skip
         return None
-    folders = [a if a.is_dir() else a.parent for a in adapters]
-    with temp_folder("verify", log=log) as scratch:
+    folders = [a if a.is_dir() else a.parent for a in job.adapters]
+    with temp_folder("verify", log=job.log) as scratch:
         try:
-            report.behaviour, findings = LLMCheck(merged, recipe, base, folders, settings, Path(scratch), log,
-                                                  clock).run()  # fmt: skip
+            report.behaviour, findings = LLMCheck(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
+                                                  job.log, job.clock).run()  # fmt: skip
         except (Skip, PeftRefused) as e:
             report.behaviour_skipped = str(e)
             return None
     return findings
 
 
-def _diffusion_behaviour(report, job, single_file_config, referee, log, clock):
+def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):
     """A diffusion merge's behaviour against diffusers' unmerged loader; images either way."""
     from converter.verify.diffusion import DiffusionCheck, Skip
 
-    check = DiffusionCheck(*job, single_file_config, log, clock)
+    check = DiffusionCheck(job.merged, job.recipe, job.base, job.adapters, single_file_config, job.log, job.clock)
+    findings = None
     try:
         report.behaviour, findings = check.run()
     except Skip as e:
         report.behaviour_skipped = str(e)
-        findings = None
     report.images = check.images(referee if report.tensors is not None and report.tensors.passed else None)
     return findings
 
