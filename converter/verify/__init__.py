@@ -77,6 +77,7 @@ def verify(
     started = time.time()
     job = Job(Path(merged), recipe, *_sources(recipe, token), log, Clock())
     report = VerificationReport("diffusion" if job.diffusion else "llm")
+    log(f"verifying {job.merged.name}: {' and '.join(proofs)}")
     referee = _tensor_proof(job, report) if "tensors" in proofs else None
     if "tensors" not in proofs:
         report.tensors_skipped = "not asked for"

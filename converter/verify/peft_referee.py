@@ -187,6 +187,8 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     written = _saved_base_weights(adapters)
+    ties = {k: v for k, v in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if isinstance(v, str)}
+    written |= {v for k, v in ties.items() if k in written} | {k for k, v in ties.items() if v in written}
     hollow(model, written)
     if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary

@@ -21,21 +21,48 @@ def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
 ) -> tuple[TensorProofResult | None, str | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
+    from converter.scratch import temp_folder
+
+    with temp_folder("proof", log=log) as scratch:
+        base, note = _plain_base(base, Path(scratch), recipe)
+        try:
+            referee = choose_referee(merged, recipe, base, adapters)
+        except RefereeUnavailable as e:
+            return None, str(e), None
+        if note:
+            referee.info.notes.append(note)
+        log(f"tensor proof: every tensor of {merged.name} against the base and the {referee.info.name} referee")
+        return _checked(merged, recipe, base, referee), None, referee
+
+
+def _checked(merged: Path, recipe: Recipe, base: Path, referee: Referee) -> TensorProofResult:
     from converter.bases import open_base
     from converter.dtypes import parse_user_dtype
 
-    try:
-        referee = choose_referee(merged, recipe, base, adapters)
-    except RefereeUnavailable as e:
-        return None, str(e), None
-    log(f"tensor proof: every tensor of {merged.name} against the base and the {referee.info.name} referee")
     proof = TensorProof(locations(open_base(base, allow_pickle=recipe.allow_pickle)), referee,
                         parse_user_dtype(recipe.dtype))  # fmt: skip
     output = open_base(merged / base.name if base.is_file() else merged)
     with one_torch_thread():
         for f in output.files:
             proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
-    return proof.result(), None, referee
+    return proof.result()
+
+
+def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | None]:
+    """A bitsandbytes 4-bit base as the merge reads it: each weight dequantized by bitsandbytes (from its stored
+    quant state, as transformers' `dequantize()` does), into `scratch`; any other base as it is."""
+    if base.is_file() or not (base / "config.json").is_file():
+        return base, None
+    import json
+
+    from converter.bnb4 import dequantize_folder, prequantized
+
+    if not prequantized(json.loads((base / "config.json").read_text())):
+        return base, None
+    from converter.bases import open_base
+
+    dequantize_folder(open_base(base), scratch)
+    return scratch, "the base is bitsandbytes 4-bit: each weight dequantized by bitsandbytes first, as the merge does"
 
 
 @contextmanager

@@ -45,6 +45,7 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
             facts += f", the others within their rounding bound (worst {ratio_text(result.worst.ratio)}x, " \
                      f"`{result.worst.name}`)"
     facts += f"; {result.untouched} untouched tensors compared with the base byte for byte. {ref.detail}."
+    facts += "".join(f" Note: {n}." for n in ref.notes)
     lines.append(facts)
     if len(result.groups) > 1:
         lines += ["", "| component | tensors | changed | worst error / rounding bound | wrong |"]
