@@ -1,18 +1,15 @@
-"""PEFT as the referee of every changed tensor: what PEFT itself would merge, module by module, in float64.
+"""PEFT as the referee of every changed tensor: what PEFT itself would merge, module by module.
 
 The base model is built on the meta device (accelerate's init_empty_weights) and each weight replaced by a
 zero-stride stand-in of its shape (no memory); PEFT then loads the adapters onto it for real, from their files,
 with its own parsing, its own module names (`base_model.model.<path>`) and its own rules: scaling (alpha/r,
 rsLoRA, rank/alpha patterns), fan_in_fan_out, DoRA, modules_to_save, trainable tokens, the recipe's weights
 through `set_scale` as PEFT's own multi-adapter forward uses them. Nothing of converter's adapter readers,
-keymaps or plan is used. When the proof asks for a tensor, the module gets the base's rows (float64) as its
-weight, its adapter factors in float64, and PEFT's own `merge()` computes the rows (`get_delta_weight` inside);
-then the stand-in is put back. One module's factors and one block of rows are real at a time, beside the
-adapters themselves. TIES / DARE / magnitude pruning: each adapter's `get_delta_weight`, combined by PEFT's
-`merge_utils` exactly as `add_weighted_adapter` does for its `*_svd` types before their SVD (DARE handed the
-masks the merge drew, from the recorded seed).
+keymaps or plan is used. When the proof asks for a tensor, the module gets the base's rows as its weight and its
+adapter factors in the proof's working precision (float64 for 32-bit outputs, float32 for 16-bit ones), and PEFT's
+own `merge()` computes the rows (`get_delta_weight` inside); then the stand-in is put back. One module's rows are
+real at a time, beside the adapters themselves. TIES / DARE / magnitude pruning: combination.py.
 """
-
 from __future__ import annotations
 
 import math
