@@ -85,6 +85,8 @@ class PeftLayers:
 
     def _lora(self, plain: str, layer) -> dict[str, Expectation]:
         kind = type(layer).__name__
+        if kind == "ParamWrapper":
+            return self._parameter(plain, layer)
         if kind not in ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d"):
             raise RefereeUnavailable(f"PEFT's {kind} layer at {plain} has no merge this referee can replay")
         name, base_name = self._tensor(plain)
@@ -101,6 +103,16 @@ class PeftLayers:
         if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
             out[f"{self.namespace}{plain}.bias"] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
         return out
+
+    def _parameter(self, plain: str, layer) -> dict[str, Expectation]:
+        """A `target_parameters` LoRA (one ParamWrapper per parameter, nested, on fused MoE experts): PEFT's merge
+        of the whole parameter (its own expert layout: (E, out, in) or (E, in, out) by the model)."""
+        owner = plain.replace(".base_layer", "")  # the nested wrappers sit at <module>(.base_layer)*
+        name, _ = self._tensor(owner, layer.parameter_name)
+        adapters = self._admitted(layer, name)
+        if not adapters:
+            return {}
+        return {name: Expectation(self.strip + owner, "LoRA (target_parameters)", _merged_parameter(layer, adapters))}
 
     def _replacement(self, plain: str, wrapper) -> dict[str, Expectation]:
         out = {}
@@ -305,6 +317,36 @@ def _merged_rows(layer, adapters: list[str], blocks: bool, first=None):
         return Expected(value, allowance)
 
     return rows
+
+
+def _merged_parameter(layer, adapters: list[str]):
+    """rows(base, 0, n): PEFT's merge of a ParamWrapper's adapters onto the whole parameter; the float32
+    allowance γ_r · |scale| · |B|@|A| per expert, laid out by PEFT itself (its delta of the factors' magnitudes)."""
+
+    def rows(base, start: int, end: int) -> Expected:
+        _adapters_in(layer, base.dtype)
+        owner = layer.get_base_layer()
+        with _swapped([(owner, layer.parameter_name, base.clone())]):
+            layer.merge(adapter_names=adapters)
+            value = getattr(owner, layer.parameter_name).data
+            allowance = _parameter_allowance(layer, adapters, value)
+        layer.merged_adapters.clear()
+        return Expected(value, allowance)
+
+    return rows
+
+
+def _parameter_allowance(layer, adapters: list[str], value):
+    import torch
+
+    twice = 2.0 if value.dtype == torch.float32 else 1.0
+    total = torch.zeros_like(value)
+    for n in adapters:
+        a, b = layer.lora_A[n], layer.lora_B[n]
+        rank = a.weight.shape[0] // max(getattr(layer, "num_experts", 1), 1)
+        with _swapped([(a, "weight", a.weight.abs()), (b, "weight", b.weight.abs())]):
+            total += layer.get_delta_weight(n).abs().to(value.dtype) * (twice * gamma(rank))
+    return total
 
 
 def _allowance(layer, adapters: list[str], value):

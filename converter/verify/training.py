@@ -23,12 +23,22 @@ NOTE = "the base is a training checkpoint: the referees saw it written unmerged 
 def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Callable[[str], None] = print, **kw):
     from converter.bases import open_base
     from converter.training.unmerged import write_unmerged
+    from converter.training.view import TrainingCheckpoint
 
-    ckpt = open_base(Path(recipe.base), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
+    ckpt = open_base(
+        Path(recipe.base),
+        lora_alpha=recipe.base_lora_alpha,
+        allow_pickle=recipe.allow_pickle,
+        config=recipe.base_config,
+    )
+    if not isinstance(ckpt, TrainingCheckpoint):  # the run's weights are a Hugging Face folder inside it
+        plain = copy.deepcopy(recipe)
+        plain.base, plain.base_config = str(ckpt.folder), None
+        return verify(folder, plain, log=log, **kw)
     with temp_folder("verify-training", log=log) as scratch:
         base, adapter = write_unmerged(ckpt, Path(scratch))
         unmerged = copy.deepcopy(recipe)
-        unmerged.base = str(base)
+        unmerged.base, unmerged.base_config = str(base), None
         unmerged.adapters = ([AdapterSpec(str(adapter), 1.0)] if adapter else []) + list(recipe.adapters)
         log(f"verification: the training checkpoint written unmerged ({'base + its LoRA' if adapter else 'base'})")
         report = verify(folder, unmerged, log=log, **kw)
