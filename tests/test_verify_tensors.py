@@ -361,3 +361,40 @@ def test_multi_component_peft_folder_is_proven_by_peft_and_a_sabotage_fails(tmp_
     save_file(t, te, metadata={"format": "pt"})
     code, out, err = cli("verify", tmp_path / "m")
     assert code == 3 and f"text_encoder/{name}" in err, out + err
+
+
+def test_shards_proven_before_the_output_exists_resized_vocabulary(tmp_path, cli):
+    """A pipelined push proves each shard before the output's config.json is written: the PEFT referee then takes
+    the vocabulary the adapter was trained on from its files (a resized embedding saved whole), and the shards'
+    verdict is the whole proof (every tensor seen once, nothing missing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from converter.merge import recorded_recipe
+    from converter.verify.shards import ShardProof
+    from converter.writer import Shard
+
+    base = make_base(tmp_path / "base", "llama")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(260)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"],
+                      init_lora_weights=False)  # fmt: skip
+    get_peft_model(model, lora).save_pretrained(tmp_path / "lora")
+    merged = tmp_path / "merged"
+    args = ["merge", "--base", base, "--adapter", tmp_path / "lora", "--out", merged, "--no-verify"]
+    assert cli(*args, "--max-shard-size", "40KB")[0] == 0
+    recipe = recorded_recipe(merged)
+    recipe.out = str(tmp_path / "not-written-yet")
+    lines = []
+    proof = ShardProof(recipe, log=lines.append)
+    shards = sorted(merged.glob("*.safetensors"))
+    assert len(shards) > 2
+    try:
+        for path in shards:
+            proof.check(Shard(path, path.name, "", path.stat().st_size, b"", ()))
+        result, referee = proof.finish()
+    finally:
+        proof.close()
+    assert referee.info.name == "PEFT" and any("before it is uploaded" in line for line in lines)
+    assert result.passed and result.changed == 4 and not result.missing  # 2 q_proj, the embedding and the head
+    assert referee.expectations()["model.embed_tokens.weight"].shape == (260, 64)

@@ -62,23 +62,26 @@ def verify(
     mode: str = "quick",
     single_file_config: str | None = None,
     proofs: tuple[str, ...] = PROOFS,
+    shard_proof=None,
 ) -> VerificationReport:
     """Prove `merged` against base + adapters (the recipe); returns the report, also written next to the model.
 
     `memory` caps the bytes the behavioural comparison's models may take (default: what the machine has
     available; beyond it accelerate offloads to disk). `mode`: "quick" compares logits; "full" also greedy
     continuations for the card. `single_file_config`: diffusers' config for a single-file diffusion base.
-    `proofs`: both by default; one of them alone to look at it by itself (the other is reported as not run)."""
+    `proofs`: both by default; one of them alone to look at it by itself (the other is reported as not run).
+    `shard_proof`: a `shards.ShardProof` that already proved the output's shards as they were written (a
+    pipelined push): its verdict is the tensor proof, the files are not read again."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
     from converter.verify.warmup import wait
 
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     started = time.time()
-    job = Job(Path(merged), recipe, *_sources(recipe, token), log, Clock())
+    job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
     report = VerificationReport("diffusion" if job.diffusion else "llm")
     log(f"verifying {job.merged.name}: {' and '.join(proofs)}")
-    referee = _tensor_proof(job, report) if "tensors" in proofs else None
+    referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None
     if "tensors" not in proofs:
         report.tensors_skipped = "not asked for"
     from converter.verify.llm import Settings
@@ -112,17 +115,23 @@ class Job:
         return (self.merged / "model_index.json").is_file() or not (self.merged / "config.json").is_file()
 
 
-def _sources(recipe: Recipe, token: str | None) -> tuple[Path, list[Path]]:
+def sources(recipe: Recipe, token: str | None) -> tuple[Path, list[Path]]:
     from converter.sources import fetch
 
     base = fetch(recipe.base, "model", token).local
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]
 
 
-def _tensor_proof(job: Job, report: VerificationReport):
+def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
     """The tensor proof into the report; returns its referee (the diffusion images may use it)."""
     from converter.verify.prove import prove_tensors
 
+    finished = shard_proof.finish() if shard_proof is not None else None
+    if finished is not None:
+        report.tensors, referee = finished
+        job.log(f"tensor proof: {report.tensors.tensors} tensors, proven shard by shard as they were written")
+        job.clock.lap("tensor proof")
+        return referee
     report.tensors, report.tensors_skipped, referee = prove_tensors(job.merged, job.recipe, job.base, job.adapters,
                                                                     job.log)  # fmt: skip
     job.clock.lap("tensor proof")

@@ -195,6 +195,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     config = AutoConfig.from_pretrained(base)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    vocab = vocab or _adapter_vocab(model, adapters)
     written = _saved_base_weights(adapters)
     ties = {k: v for k, v in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if isinstance(v, str)}
     written |= {v for k, v in ties.items() if k in written} | {k for k, v in ties.items() if v in written}
@@ -244,6 +245,20 @@ def _saved_base_weights(adapters: list[Path]) -> set[str]:
                 if ".base_layer." in key and "lora_" not in key:
                     names.add(key.removeprefix(PREFIX).replace(".base_layer.", "."))
     return names
+
+
+def _adapter_vocab(model, adapters: list[Path]) -> int | None:
+    """The vocabulary the adapters were trained on, when their files hold the input embedding whole (PEFT saves
+    it with a resized vocabulary: modules_to_save, or save_embedding_layers): its rows, from the files' headers.
+    For an output not written yet (a pipelined push proves its shards as they come), whose config says nothing."""
+    from converter.checkpoint import SafetensorsFile
+
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    rows = {t.shape[0] for folder in adapters for f in folder.glob("adapter_model*.safetensors")
+            for k, t in SafetensorsFile(f).tensors.items()
+            if k.startswith(f"{PREFIX}{embedding}.") and len(t.shape) == 2
+            and not any(part in k for part in ("lora_", "trainable_tokens", "token_adapter"))}  # fmt: skip
+    return max(rows) if rows else None
 
 
 def _tied_sources(model) -> dict[str, str]:

@@ -21,31 +21,36 @@ def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
 ) -> tuple[TensorProofResult | None, str | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
+    from converter.bases import open_base
     from converter.scratch import temp_folder
 
     with temp_folder("proof", log=log) as scratch:
-        base, note = _plain_base(base, Path(scratch), recipe)
         try:
-            referee = choose_referee(merged, recipe, base, adapters)
+            proof, base = open_proof(merged, recipe, base, adapters, Path(scratch))
         except RefereeUnavailable as e:
             return None, str(e), None
-        if note:
-            referee.info.notes.append(note)
-        log(f"tensor proof: every tensor of {merged.name} against the base and the {referee.info.name} referee")
-        return _checked(merged, recipe, base, referee), None, referee
+        log(f"tensor proof: every tensor of {merged.name} against the base and the {proof.referee.info.name} referee")
+        output = open_base(merged / base.name if base.is_file() else merged)
+        with one_torch_thread():
+            for f in output.files:
+                proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
+        return proof.result(), None, proof.referee
 
 
-def _checked(merged: Path, recipe: Recipe, base: Path, referee: Referee) -> TensorProofResult:
+def open_proof(
+    merged: Path, recipe: Recipe, base: Path, adapters: list[Path], scratch: Path
+) -> tuple[TensorProof, Path]:
+    """A TensorProof of the output `merged` (which may not exist yet: a pipelined push proves its shards as they
+    are written) and the base it reads (a 4-bit base dequantized into `scratch`); RefereeUnavailable: none can."""
     from converter.bases import open_base
     from converter.dtypes import parse_user_dtype
 
-    proof = TensorProof(locations(open_base(base, allow_pickle=recipe.allow_pickle)), referee,
-                        parse_user_dtype(recipe.dtype))  # fmt: skip
-    output = open_base(merged / base.name if base.is_file() else merged)
-    with one_torch_thread():
-        for f in output.files:
-            proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
-    return proof.result()
+    base, note = _plain_base(base, scratch, recipe)
+    referee = choose_referee(merged, recipe, base, adapters)
+    if note:
+        referee.info.notes.append(note)
+    where = locations(open_base(base, allow_pickle=recipe.allow_pickle))
+    return TensorProof(where, referee, parse_user_dtype(recipe.dtype)), base
 
 
 def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | None]:
