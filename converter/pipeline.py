@@ -42,6 +42,8 @@ def stream_shard_bytes(weights: int) -> int:
     starts early and the last one (which nothing overlaps) is short."""
     return min(2 * 2**30, max(256 * 2**20, weights // 16))
 
+__all__ = ["push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
+
 
 def push(
     repo_id: str,

@@ -79,6 +79,10 @@ def verify(
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     started = time.time()
     job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
+    if job.diffusion:  # never a weaker referee because diffusers is missing: one line naming the extra
+        from converter.optional import require
+
+        require("diffusers", "verifying a diffusion merge")
     report = VerificationReport("diffusion" if job.diffusion else "llm")
     log(f"verifying {job.merged.name}: {' and '.join(proofs)}")
     referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None

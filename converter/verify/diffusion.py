@@ -103,7 +103,8 @@ class DiffusionCheck:
         try:
             pipe = self.load(self.base)
         except (OSError, ValueError) as e:  # diffusers cannot read the single file here (offline, no config)
-            raise Skip(f"diffusers' from_single_file cannot load the base here ({_first_line(e)})") from None
+            how = "from_single_file" if self.single else "from_pretrained"
+            raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
         try:
             ignored = _apply_adapters(pipe, self.recipe, self.adapters)
         except ValueError as e:  # diffusers' loader refusing the file (its refusals are ValueErrors)
