@@ -241,6 +241,7 @@ def test_a_verified_push_proves_each_shard_as_it_goes(hub, tmp_path):
     assert len(hub.history("alice/verified")) == 2
     card = hub.read_file("alice/verified", "README.md").decode()
     assert "every tensor within rounding of base + ΔW (referee: PEFT)" in card
+    assert "| mean KL(reference‖model) |" in card and "two proofs" in card  # and the behaviour table
     report = json.loads(hub.read_file("alice/verified", "verification.json"))
     assert report["verdict"] == "pass" and report["tensors"]["failed"] == 0 and not report["tensors"]["missing"]
     assert report["tensors"]["tensors"] == len(read_tensors(hub.local["reference"]))
