@@ -398,3 +398,17 @@ def test_shards_proven_before_the_output_exists_resized_vocabulary(tmp_path, cli
     assert referee.info.name == "PEFT" and any("before it is uploaded" in line for line in lines)
     assert result.passed and result.changed == 4 and not result.missing  # 2 q_proj, the embedding and the head
     assert referee.expectations()["model.embed_tokens.weight"].shape == (260, 64)
+
+
+def test_shards_of_a_4bit_output_are_left_to_the_finished_folder(tmp_path):
+    """A 4-bit output's packed weights are not proven tensor by tensor: the per-shard check steps aside (nothing
+    read, no referee built) and verification judges the finished folder by its behaviour."""
+    from converter.recipe import AdapterSpec, Recipe
+    from converter.verify.shards import ShardProof
+    from converter.writer import Shard
+
+    recipe = Recipe(base=str(tmp_path / "base"), adapters=[AdapterSpec(str(tmp_path / "lora"))], dtype="bnb-nf4")
+    proof = ShardProof(recipe, log=lambda _line: None)
+    proof.check(Shard(tmp_path / "missing.safetensors", "model.safetensors", "", 0, b"", ()))
+    assert proof.finish() is None and proof.declined.startswith("a 4-bit output")
+    proof.close()
