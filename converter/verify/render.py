@@ -23,7 +23,7 @@ def markdown(report: VerificationReport) -> str:
         lines.append(f"\n- problem: {p}")
     for n in report.notes:
         lines.append(f"\n- note: {n}")
-    return "\n".join(lines).rstrip() + "\n"
+    return "\n".join(lines).rstrip()  # no blank line after it in the log
 
 
 def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]:
