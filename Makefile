@@ -51,6 +51,7 @@ chromium:
 
 test: $(STAMP) fixtures chromium wheelhouse
 	$(BIN)/ruff check converter tests bench scripts app.py
+	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q --durations=25
 

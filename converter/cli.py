@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--adapter", action="append", default=[], help="adapter (repeatable; default: from the recipe)")
     v.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter")
     v.add_argument("--report", help="also write the JSON report here")
+    v.add_argument("--proof", choices=["both", "tensors", "behaviour"], default="both",
+                   help="both (default), or one alone: every tensor against its referee, or the behaviour")  # fmt: skip
     v.add_argument("--config", help=CONFIG_HELP)
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
@@ -386,10 +388,6 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        if settings is not None and recipe.method not in (None, "sum"):
-            _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
-                 f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
-            settings = None
         if settings is not None:
             _check_extras(recipe, args.token)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
@@ -416,22 +414,17 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
-            if recipe.method not in (None, "sum"):
-                raise ConverterError(
-                    f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
-                    "unmerged sum of the adapters, which that merge is not meant to equal"
-                )
         if args.config:
             recipe.base_config = args.config
-        verify_folder(
-            args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
-        )
+        proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
+        verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
+                      **_verify_settings(args))  # fmt: skip
         return 0
     if args.command == "push":
         from converter.pipeline import push
 
         recipe = None if args.from_folder else _recipe_from_args(args)
-        settings = None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args)
+        settings = None if args.no_verify else _verify_settings(args)
         if recipe is not None and settings is not None:
             _check_extras(recipe, args.token)
         result = push(

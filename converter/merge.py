@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter import __version__, dtypes, npmath, npmerge
+from converter.bases import open_base
 from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
 from converter.card import INHERITED, card_metadata, write_card
-from converter.checkpoint import Checkpoint, SequentialReader, file_sha256, open_base
+from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
 from converter.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter

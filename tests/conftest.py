@@ -205,3 +205,20 @@ def demo_hub(tmp_path_factory):
     seed_demo(hub, root / "seed", fast=True)
     yield hub
     hub.stop()
+
+
+@pytest.fixture(scope="session")
+def training_checkpoints(tmp_path_factory):
+    """Every verl-style training checkpoint of converter.testing.training_checkpoints (two gloo processes,
+    ~30 s on 2 cores), built once per session for the modules that need them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed.fsdp")
+    root = tmp_path_factory.mktemp("training")
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter.testing.training_checkpoints", str(root), "--world", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
