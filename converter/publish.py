@@ -16,6 +16,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import ConverterError
+from converter.records import REPORT_FILE
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 MODEL_FILES = re.compile(r"(^|/)(config\.json|.*\.safetensors|.*\.bin|.*\.gguf|adapter_config\.json)$")
@@ -208,7 +209,11 @@ def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> b
         return False
     for name in local:
         sibling = remote[name]
-        if name in replace:
+        if name == REPORT_FILE:  # verified again before this push: the same verdict, other timings
+            data = replace[name] if name in replace else (folder / name).read_bytes()
+            if not _same_report(api, repo_id, info.sha, data):
+                return False
+        elif name in replace:
             data = replace[name]
             if hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() != sibling.blob_id:
                 return False
@@ -218,6 +223,29 @@ def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> b
         elif _digest(folder / name, hashlib.sha1(b"blob %d\0" % (folder / name).stat().st_size)) != sibling.blob_id:
             return False
     return True
+
+
+MEASURED = ("seconds", "phase_seconds", "peak_rss_mb")  # what a verification measures of itself, run to run
+
+
+def _same_report(api, repo_id: str, revision: str, local: bytes) -> bool:
+    """Whether the repo's verification report says what `local` says, its own time and memory aside."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    def facts(data: bytes) -> dict:
+        report = json.loads(data)
+        for part in (report, report.get("tensors") or {}):
+            for key in MEASURED:
+                part.pop(key, None)
+        return report
+
+    path = hub.call(repo_id, lambda: hf_hub_download(repo_id, REPORT_FILE, revision=revision, token=api.token))
+    try:
+        return facts(Path(path).read_bytes()) == facts(local)
+    except (ValueError, AttributeError):  # not a report of ours
+        return False
 
 
 def _digest(path: Path, h) -> str:

@@ -368,7 +368,8 @@ def test_push_from_folder(hub, tmp_path):
     # Re-pushing the same folder (its public records included) makes no new commit.
     commits = len(hub.history("alice/from-folder"))
     code, out, err = cli(hub, "push", "--repo", "alice/from-folder", "--from", tmp_path / "m")
-    assert code == 0 and "nothing changed" in out and len(hub.history("alice/from-folder")) == commits
+    assert code == 0 and "nothing changed" in out, out + err
+    assert len(hub.history("alice/from-folder")) == commits
 
 
 def test_inspect_hub_ids(hub):
