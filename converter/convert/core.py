@@ -13,7 +13,9 @@ from converter.formats import Adapter, load_adapter
 from converter.scratch import temp_folder
 from converter.writer import check_output_target
 
-TARGETS = ("peft", "diffusers", "kohya")
+TARGETS = ("peft", "diffusers", "kohya", "comfyui")
+# targets written as one .safetensors file (the others are folders)
+FILE_TARGETS = ("kohya", "comfyui")
 
 
 @dataclass
@@ -51,8 +53,10 @@ def convert(
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
     adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
+    if not base:
+        _check_naming(adapter, to)
     with temp_folder("base-headers", log=log) as scratch:
-        base_view = BaseNames(base_names(base, token, Path(scratch))) if base else None
+        base_view = BaseNames(base_names(base, token, Path(scratch))).naming_for(to) if base else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
     notes = list(adapter.warnings)
     if svd:
@@ -71,6 +75,22 @@ def convert(
     if verify:
         _prove(adapter, out, svd, log)
     return ConvertResult(out, files, len(modules), notes, svd)
+
+
+def _check_naming(adapter: Adapter, to: str) -> None:
+    """Without a base, names are kept as they are: refuse when the target reads the family's other naming."""
+    from converter.formats.family import identify
+
+    identity = identify(adapter)
+    if identity is None or identity.family is None or identity.naming is None:
+        return
+    wanted = identity.family.targets.get(to)
+    if wanted is not None and wanted != identity.naming:
+        raise ConverterError(
+            f"{adapter.path}: its modules have {identity.family.title}'s {identity.naming} names and a {to} file "
+            f"names them as the {wanted} checkpoint does; give --base (the model: a diffusers folder or a single "
+            "file) so each module is looked up there"
+        )
 
 
 def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None]) -> None:
@@ -97,8 +117,8 @@ def _public_base(base: str | None, adapter: Adapter) -> str | None:
 
 
 def _check_out(out: Path, to: str, force: bool) -> None:
-    if to == "kohya" and out.suffix != ".safetensors":
-        raise ConverterError(f"--out {out}: a kohya LoRA is one file; give a path ending in .safetensors")
-    if to != "kohya" and out.suffix == ".safetensors":
+    if to in FILE_TARGETS and out.suffix != ".safetensors":
+        raise ConverterError(f"--out {out}: a {to} LoRA is one file; give a path ending in .safetensors")
+    if to not in FILE_TARGETS and out.suffix == ".safetensors":
         raise ConverterError(f"--out {out}: {to} output is a folder; give a folder path")
     check_output_target(out, force)

@@ -49,6 +49,21 @@ class BaseNames:
                     self.prefixes.append((used, comp))
             self.prefixes.sort(key=lambda p: -len(p[0]))
 
+    @property
+    def naming(self) -> str | None:
+        """The naming of a diffusion base's denoiser: a diffusers folder has diffusers', a single file the original
+        checkpoint's."""
+        layout = getattr(self.checkpoint, "diffusion", None)
+        return {"diffusers": "diffusers", "single_file": "original"}.get(layout)
+
+    def naming_for(self, to: str) -> BaseNames | RelaidNames:
+        """The view whose names target `to` writes: this base, or its denoiser relaid in the family's other naming
+        (the keymap's `targets`: kohya and ComfyUI files name FLUX.2's BFL modules, diffusers' its own)."""
+        wanted = self.keymap.targets.get(to)
+        if wanted is None or self.naming in (None, wanted) or self.keymap.one_naming:
+            return self
+        return RelaidNames(self, wanted)
+
     def components(self) -> set[str]:
         if self.checkpoint.diffusion == "single_file":
             return {c for _, c in self.prefixes}
@@ -75,9 +90,58 @@ class BaseNames:
         return self.checkpoint.info(key).shape[0]
 
 
+class RelaidNames:
+    """A diffusion base's denoiser as the family's other naming would store it, built from the keymap's aliases of
+    its real keys: a fused original module (BFL qkv) is the tensors it covers stacked by rows, a diffusers module the
+    rows of the fused original it takes. Only names and shapes: nothing is read. Other components are the base's."""
+
+    def __init__(self, base: BaseNames, naming: str):
+        from converter.keymap import DiffusionResolver
+
+        self.base, self.naming, self.keymap = base, naming, base.keymap
+        resolver = base.resolver
+        self.component = next(c for c in ("transformer", "unet") if c in resolver.dotted)
+        patterns = self.keymap.names.get(naming, [])
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, places in resolver.dotted[self.component].items():
+            module = name.rsplit(".", 1)[0]
+            if not any(p.fullmatch(module) for p in patterns):
+                continue
+            first = base.checkpoint.info(next(iter(places)).key).shape
+            if all(p.src is None and p.rows is None for p in places):
+                shapes[name] = first
+            elif all(p.src is not None for p in places):
+                shapes[name] = (max(p.src[1] for p in places), *first[1:])
+            else:  # one row slice of a fused tensor
+                place = next(iter(places))
+                shapes[name] = (place.rows[1] - place.rows[0], *first[1:])
+        config = dict(base.checkpoint.component_configs.get(self.component, {})) if hasattr(
+            base.checkpoint, "component_configs") else {}  # fmt: skip
+        self.resolver = DiffusionResolver(self.keymap, {self.component: ("", {**self.keymap.defaults, **config})},
+                                          shapes)  # fmt: skip
+        self.shapes = shapes
+
+    def components(self) -> set[str]:
+        return self.base.components()
+
+    def places(self, ap: AdapterPatch) -> list:
+        if ap.component not in (None, "denoiser", self.component):
+            return self.base.places(ap)
+        return self.resolver.resolve_all(ap.module, ap.param, ap.component, ap.flat)
+
+    def split_key(self, key: str, param: str) -> tuple[str | None, str]:
+        if key not in self.shapes:
+            return self.base.split_key(key, param)
+        module = key[: -len(param) - 1] if key.endswith("." + param) else key
+        return ("denoiser" if self.naming == "original" else self.component), module
+
+    def rows(self, key: str) -> int:
+        return self.shapes[key][0] if key in self.shapes else self.base.rows(key)
+
+
 def collect(
     adapter: Adapter,
-    base: BaseNames | None,
+    base: BaseNames | RelaidNames | None,
     to: str,
     *,
     rank: int | None = None,
