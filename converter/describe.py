@@ -144,6 +144,7 @@ def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
         "kind": "adapter",
         "path": str(path),
         "format": adapter.format,
+        **_family(adapter, str(path)),
         **adapter.summary,
         "base_model": adapter.base_model,
         "patches": dict(kinds),
@@ -154,6 +155,24 @@ def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
         "size": sum(p.stat().st_size for p in adapter.files),
         "tensor_dtypes": dict(Counter(adapter.tensors.dtype(n) for n in names)),
         "has_tokenizer": adapter.tokenizer_dir is not None,
+    }
+
+
+def _family(adapter, path: str) -> dict:
+    """A diffusion LoRA's family and spelling, the tools that load it as it is, and the command for the others."""
+    from converter.formats.family import convert_hint, identify
+
+    identity = identify(adapter)
+    if identity is None or (identity.family is None and not identity.candidates):
+        return {}
+    if identity.family is None:
+        return {"family": None, "family_candidates": identity.candidates, "spelling": identity.prefix}
+    return {
+        "family": identity.family.name,
+        "family_title": identity.family.title,
+        "spelling": identity.spelling,
+        "loads_in": identity.loads_in(),
+        "convert_for": convert_hint(identity, path),
     }
 
 

@@ -56,7 +56,8 @@ def convert(
     if not base:
         _check_naming(adapter, to)
     with temp_folder("base-headers", log=log) as scratch:
-        base_view = BaseNames(base_names(base, token, Path(scratch))).naming_for(to) if base else None
+        names = BaseNames(base_names(base, token, Path(scratch))) if base else None  # headers read here, kept
+        base_view = names.naming_for(to) if names else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
     notes = list(adapter.warnings)
     if svd:
@@ -73,7 +74,7 @@ def convert(
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
     if verify:
-        _prove(adapter, out, svd, log)
+        _prove(adapter, out, svd, log, names)
     return ConvertResult(out, files, len(modules), notes, svd)
 
 
@@ -93,14 +94,16 @@ def _check_naming(adapter: Adapter, to: str) -> None:
         )
 
 
-def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None]) -> None:
+def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None], base=None) -> None:
+    """Read `out` back and compare its ΔW with the source's: on the base's tensors when there is a base (any names,
+    fused or split), else module by module."""
     import shutil
 
-    from converter.convert.proof import prove
+    from converter.convert.proof import prove, prove_on_base
     from converter.errors import VerificationFailed
 
     try:
-        log(prove(adapter, out, svd).summary())
+        log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
     except VerificationFailed as e:
         shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
         raise VerificationFailed(f"{e} (removed {out})") from None

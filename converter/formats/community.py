@@ -130,8 +130,9 @@ def detect(path: Path) -> bool:
     return bool(names) and known * 2 > len(names)
 
 
-def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
-    """(component, module name, flat) of a module stem."""
+def _name(stem: str, where: Path, processor: bool = False) -> tuple[str | None, str, bool]:
+    """(component, module name, flat) of a module stem; `processor`: its tensors are old diffusers attention-processor
+    ones (`to_out_lora.down`), whose `to_out` is the module `to_out.0`."""
     if stem.startswith("lora_unet__"):  # Wan-Fun files (ComfyUI lora_convert)
         stem = "lora_unet_" + stem[len("lora_unet__") :]
     for prefixes, flat in ((FLAT_PREFIXES, True), (DOTTED_PREFIXES, False)):
@@ -144,8 +145,8 @@ def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
                         "the file was converted twice; strip one prefix and retry",
                         file=where,
                     )
-                return component, _normalise(rest, component), flat
-    return "denoiser", _normalise(stem, "denoiser"), False  # bare diffusers/xlabs/DiffSynth names
+                return component, _normalise(rest, component, processor), flat
+    return "denoiser", _normalise(stem, "denoiser", processor), False  # bare diffusers/xlabs/DiffSynth names
 
 
 # Older diffusers layouts and xlabs processors, as module-path rewrites (§4 UNET_TO_DIFFUSERS, §10 xlabs).
@@ -163,7 +164,7 @@ _REWRITES = [
 _TE_REWRITES = [(".to_q", ".q_proj"), (".to_k", ".k_proj"), (".to_v", ".v_proj"), (".to_out", ".out_proj")]
 
 
-def _normalise(module: str, component: str) -> str:
+def _normalise(module: str, component: str, processor: bool = False) -> str:
     for old, new in _REWRITES:
         if module.endswith(old):
             module = module[: -len(old)] + new
@@ -171,7 +172,7 @@ def _normalise(module: str, component: str) -> str:
         for old, new in _TE_REWRITES:
             if module.endswith(old):
                 module = module[: -len(old)] + new
-    if module.endswith(".to_out") and component == "denoiser":
+    if module.endswith(".to_out") and component == "denoiser" and processor:
         module += ".0"
     return module
 
@@ -342,7 +343,8 @@ def parse(
     components: set[str] = set()
     for stem, roles in groups.items():
         _check_factor_shapes(tensors, roles, weights)
-        component, module, flat = _name(stem, weights)
+        processor = any(k.endswith(("_lora.down.weight", "_lora.up.weight")) for k in roles.values())
+        component, module, flat = _name(stem, weights, processor)
         components.add(component or "?")
         flavours.add(_flavour(stem, roles))
         delta: DeltaPatch | None = None

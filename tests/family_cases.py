@@ -1,0 +1,232 @@
+"""Today's diffusion families at test size: a tiny transformer from each family's diffusers config (reduced widths and
+layers), its two base layouts (diffusers folder, original single file), and one LoRA spelt every way the family's
+writers spell it, all from the same random factors, so every spelling means the same ΔW.
+
+The original single file is built from the diffusers weights through the keymap's own aliases and then checked
+against diffusers' single-file converter (`convert_*_checkpoint_to_diffusers`), which must give the diffusers weights
+back: the keymap's layout facts are diffusers', not ours. Expected merges are computed here from the factors by
+the published formula (W + alpha / rank · up @ down); diffusers' own loader (`lora_state_dict` +
+`load_lora_into_transformer`, merged by PEFT) must agree with it for every spelling the keymap says diffusers reads.
+Spellings are listed in docs/FORMATS.md §12.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusion_helpers import _perturb, peft_merge, save
+from torch import nn
+
+from converter.keymap import DiffusionResolver, Keymap, all_keymaps, flatten
+
+RANK = 4
+ALPHA = 2.0  # scale 1/2: a power of two, so spellings that fold it into lora_B are exact
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str  # keymap name
+    cls: str  # diffusers transformer class
+    config: dict
+    pipeline: str  # model_index.json _class_name
+    targets: str  # regex over diffusers module names: what the LoRAs adapt (typical trainer targets)
+    spellings: tuple[str, ...]  # the spellings this family's writers use (built and tested)
+    # why diffusers' single-file converter cannot check the original layout at test widths (None: it can)
+    no_single_file_check: str | None = None
+    prefix: str = "model.diffusion_model."  # the single file's key prefix (ComfyUI's)
+    extra: dict = field(default_factory=dict)
+
+
+CASES = {
+    c.family: c
+    for c in [
+        Case(
+            "flux2",
+            "Flux2Transformer2DModel",
+            dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=12, timestep_guidance_channels=16,
+                 axes_dims_rope=(2, 2, 2, 2)),
+            "Flux2Pipeline",
+            r"(single_)?transformer_blocks\.\d+\..*",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers", "comfyui/diffusers", "peft/diffusers",
+             "peft/original"),
+        ),
+    ]
+}  # fmt: skip
+
+
+def keymap(family: str) -> Keymap:
+    return {k.name: k for k in all_keymaps()}[family]
+
+
+def tiny(case: Case, seed: int = 0) -> nn.Module:
+    import diffusers
+
+    torch.manual_seed(seed)
+    return _perturb(getattr(diffusers, case.cls)(**case.config), seed)
+
+
+def linears(model: nn.Module) -> dict[str, tuple[int, int]]:
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _resolver(km: Keymap, shapes: dict[str, tuple[int, ...]]) -> DiffusionResolver:
+    return DiffusionResolver(km, {"transformer": ("", dict(km.defaults))}, shapes)
+
+
+def _module(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]]) -> dict[str, list]:
+    """Original-layout names of the diffusers keys (the keymap's aliases), each with its placements."""
+    if km.one_naming:
+        return {}
+    res = _resolver(km, shapes)
+    patterns = km.names.get("original", [])
+    out = {}
+    for alias, places in res.dotted["transformer"].items():
+        if alias in shapes:
+            continue
+        if alias.endswith((".weight", ".bias")) and not any(p.fullmatch(_module(alias)) for p in patterns):
+            continue
+        out[alias] = sorted(places, key=lambda p: p.src or (0, 0))
+    return out
+
+
+def original_layout(sd: dict[str, torch.Tensor], km: Keymap) -> dict[str, torch.Tensor]:
+    """The family's original checkpoint of diffusers weights `sd`, by the keymap's aliases (a fused tensor is its
+    parts stacked by rows; keys without an alias keep their name)."""
+    shapes = {k: tuple(v.shape) for k, v in sd.items()}
+    out, covered = {}, set()
+    for alias, places in _original_aliases(km, shapes).items():
+        first = sd[places[0].key]
+        rows = max(p.src[1] if p.src else first.shape[0] for p in places)
+        t = torch.full((rows, *first.shape[1:]), float("nan"), dtype=first.dtype)
+        for p in places:
+            t[slice(*p.src) if p.src else slice(None)] = sd[p.key][slice(*p.rows) if p.rows else slice(None)]
+            covered.add(p.key)
+        assert not t.isnan().any(), f"{alias}: the keymap's aliases leave rows of it uncovered"
+        out[alias] = t
+    return out | {k: v for k, v in sd.items() if k not in covered}
+
+
+@dataclass
+class Lora:
+    """One LoRA as factors on original modules (fused where the original fuses) and the same on diffusers modules."""
+
+    original: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    diffusers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    alpha: float = ALPHA
+    rank: int = RANK
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def make_lora(case: Case, model: nn.Module, seed: int = 5) -> Lora:
+    km = keymap(case.family)
+    mods = linears(model)
+    shapes = {f"{n}.weight": s for n, s in mods.items()}
+    g = torch.Generator().manual_seed(seed)
+    targets = {n for n in mods if re.fullmatch(case.targets, n)}
+    assert targets, f"{case.family}: no module matches {case.targets}"
+    if km.one_naming:
+        original = {
+            n: (torch.randn(RANK, mods[n][1], generator=g) * 0.3, torch.randn(mods[n][0], RANK, generator=g) * 0.3)
+            for n in sorted(targets)
+        }
+        return Lora(original, dict(original))
+    original, diffusers = {}, {}
+    for alias, places in sorted(_original_aliases(km, shapes).items()):
+        keys = {_module(p.key) for p in places}
+        if not alias.endswith(".weight") or not keys & targets or keys & set(diffusers):
+            continue
+        first = shapes[places[0].key]
+        rows = max(p.src[1] if p.src else first[0] for p in places)
+        down = torch.randn(RANK, first[1], generator=g) * 0.3
+        up = torch.randn(rows, RANK, generator=g) * 0.3
+        original[_module(alias)] = (down, up)
+        for key in keys:
+            d_up = torch.full((shapes[f"{key}.weight"][0], RANK), float("nan"))
+            for p in places:
+                if _module(p.key) == key:
+                    d_up[slice(*p.rows) if p.rows else slice(None)] = up[slice(*p.src) if p.src else slice(None)]
+            assert not d_up.isnan().any(), f"{key}: rows not covered by {alias}"
+            diffusers[key] = (down.clone(), d_up)
+    return Lora(original, diffusers)
+
+
+def expected(base: dict[str, torch.Tensor], lora: Lora) -> dict[str, torch.Tensor]:
+    """The merged diffusers weights by the published formula, in float64 then rounded once."""
+    out = dict(base)
+    for name, (down, up) in lora.diffusers.items():
+        w = base[f"{name}.weight"]
+        out[f"{name}.weight"] = (w.double() + lora.scale * up.double() @ down.double()).to(w.dtype)
+    return out
+
+
+def spell(lora: Lora, spelling: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The LoRA's tensors and metadata as a writer of `spelling` stores them (docs/FORMATS.md §12): kohya-style
+    prefixes carry lora_down/lora_up/alpha, the others lora_A/lora_B with the scale folded into lora_B (ai-toolkit,
+    ComfyUI), diffusers' own file its LoraConfig in `lora_adapter_metadata`."""
+    kind, _, naming = spelling.partition("/")
+    modules = lora.diffusers if naming == "diffusers" else lora.original
+    flat = {"kohya": "lora_unet_", "onetrainer": "lora_transformer_", "lycoris": "lycoris_"}
+    dotted = {"comfyui": "diffusion_model.", "diffusers": "transformer.", "peft": "base_model.model.", "bare": ""}
+    sd, meta = {}, {}
+    for name, (down, up) in modules.items():
+        if kind in flat:
+            stem = flat[kind] + flatten(name)
+            sd |= {f"{stem}.lora_down.weight": down, f"{stem}.lora_up.weight": up,
+                   f"{stem}.alpha": torch.tensor(lora.alpha)}  # fmt: skip
+        elif kind == "diffusers":
+            sd |= {f"transformer.{name}.lora_A.weight": down, f"transformer.{name}.lora_B.weight": up}
+        else:
+            stem = dotted[kind] + name
+            sd |= {f"{stem}.lora_A.weight": down, f"{stem}.lora_B.weight": up * lora.scale}
+    if kind == "diffusers":
+        config = {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": sorted(modules)}
+        meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in config.items()})
+    return sd, meta
+
+
+def write_spelling(lora: Lora, spelling: str, folder: Path) -> Path:
+    sd, meta = spell(lora, spelling)
+    return save(sd, folder / f"{spelling.replace('/', '-')}.safetensors", meta)
+
+
+def diffusers_merge(case: Case, model: nn.Module, file: Path) -> dict[str, torch.Tensor]:
+    """diffusers' own reading of a LoRA file for this family: lora_state_dict + load_lora_into_transformer on a
+    copy of the model, merged by PEFT."""
+    from diffusers.loaders import lora_pipeline
+
+    mixin = getattr(lora_pipeline, keymap(case.family).diffusers["loader"])
+    sd, metadata = mixin.lora_state_dict(str(file.parent), weight_name=file.name, return_lora_metadata=True)
+    if isinstance(sd, tuple):  # loaders that also return network alphas
+        sd = sd[0]
+    target = copy.deepcopy(model)
+    params = inspect.signature(mixin.load_lora_into_transformer).parameters
+    kwargs = {"metadata": metadata} if "metadata" in params else {}
+    if "network_alphas" in params:
+        kwargs["network_alphas"] = None
+    mixin.load_lora_into_transformer(sd, transformer=target, **kwargs)
+    return peft_merge(target)
+
+
+def make_bases(case: Case, model: nn.Module, root: Path) -> tuple[Path, Path]:
+    """The diffusers folder (transformer/ + model_index.json) and the original single file."""
+    folder = root / "pipe"
+    model.save_pretrained(folder / "transformer")
+    index = {"_class_name": case.pipeline, "_diffusers_version": "0.42.1", "transformer": ["diffusers", case.cls]}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    original = original_layout(model.state_dict(), keymap(case.family))
+    single = save({case.prefix + k: v for k, v in original.items()}, root / f"{case.family}-tiny.safetensors")
+    return folder, single

@@ -1,0 +1,144 @@
+"""Community LoRAs of today's diffusion families (docs/FORMATS.md §12), one tiny transformer per family.
+
+For each family: its original single file agrees with diffusers' single-file converter; every spelling its writers
+use merges into both base layouts exactly like the published formula, and diffusers' own loader reads exactly the
+spellings the keymap says it reads; `convert` to kohya, diffusers, PEFT and ComfyUI gives files that diffusers (or
+PEFT), the formula referee and our merge all read as the same ΔW; `inspect` names the family, the spelling and the
+tools that load it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusion_helpers import read_component
+from family_cases import (
+    CASES,
+    diffusers_merge,
+    expected,
+    keymap,
+    make_bases,
+    make_lora,
+    original_layout,
+    tiny,
+    write_spelling,
+)
+from safetensors.torch import load_file
+
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each family's tiny model, both base layouts and its LoRA, built once per family on first use."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            case = CASES[name]
+            root = tmp_path_factory.mktemp(case.family)
+            model = tiny(case)
+            folder, single = make_bases(case, model, root)
+            lora = make_lora(case, model)
+            base = model.state_dict()
+            cache[name] = (case, model, folder, single, lora, base, expected(base, lora), root)
+        return cache[name]
+
+    return get
+
+
+FAMILIES = sorted(CASES)
+SPELLINGS = [(f, s) for f in FAMILIES for s in CASES[f].spellings]
+
+
+def _close(ours: dict, reference: dict, what: str) -> None:
+    assert set(ours) == set(reference), f"{what}: {sorted(set(ours) ^ set(reference))[:4]}"
+    for k, v in reference.items():
+        torch.testing.assert_close(ours[k], v, atol=ATOL, rtol=1e-5, msg=lambda m, k=k: f"{what}: {k}: {m}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_original_layout_is_diffusers_own(built, name):
+    """The keymap's original names, built into a single file, are what diffusers' single-file converter reads back
+    into the diffusers weights: the aliases carry diffusers' facts."""
+    case, model, *_ = built(name)
+    km = keymap(case.family)
+    if km.one_naming:
+        pytest.skip(f"{km.title}: the original checkpoint has diffusers' names")
+    if case.no_single_file_check:
+        pytest.skip(case.no_single_file_check)
+    from diffusers.loaders import single_file_utils
+
+    convert = getattr(single_file_utils, km.diffusers["single_file"])
+    base = model.state_dict()
+    back = convert(original_layout(base, km))
+    _close(back, base, "diffusers' single-file converter")
+
+
+@pytest.mark.parametrize("name, spelling", SPELLINGS)
+def test_every_spelling_merges_like_the_formula_and_diffusers(built, name, spelling, cli, tmp_path):
+    case, model, folder, single, lora, base, want, _ = built(name)
+    km = keymap(case.family)
+    adapter = write_spelling(lora, spelling, tmp_path)
+    # diffusers reads exactly what the keymap says it reads
+    listed = any(s == spelling or s == spelling.split("/")[0] for s in km.loaders.get("diffusers", []))
+    try:
+        theirs = diffusers_merge(case, model, adapter)
+        agrees = all(torch.allclose(theirs[k], v, atol=ATOL, rtol=1e-5) for k, v in want.items())
+    except Exception:  # noqa: BLE001 - a loader that refuses the file does not read it
+        agrees = False
+    assert agrees == listed, f"diffusers {'does not read' if listed else 'reads'} {spelling} ({km.name} loaders)"
+    # ours, into the diffusers folder and the original single file; `base_model.model.` weights without their
+    # adapter_config.json need their alpha stated (here: the scale is folded in, alpha = rank)
+    alpha = ["--lora-alpha", str(lora.rank)] if spelling.startswith("peft") else []
+    code, _, err = cli("merge", "--base", folder, "--adapter", adapter, "--out", tmp_path / "f", *alpha)
+    assert code == 0, err
+    _close(read_component(tmp_path / "f", "transformer"), want, f"{spelling} into the folder")
+    code, _, err = cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "s", *alpha)
+    assert code == 0, err
+    merged = load_file(tmp_path / "s" / single.name)
+    _close(merged, {case.prefix + k: v for k, v in original_layout(want, km).items()}, f"{spelling} into the file")
+    # inspect names the family, the spelling and who loads it
+    code, out, err = cli("inspect", adapter, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["family"] == case.family and info["spelling"] == spelling, info
+    assert ("diffusers" in info["loads_in"]) == listed
+
+
+@pytest.mark.parametrize("to", ["kohya", "comfyui", "diffusers", "peft"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_convert_to_every_target_reads_back_everywhere(built, name, to, cli, tmp_path):
+    """From the family's first spelling: the converted file is read by diffusers (PEFT for a PEFT folder) as the
+    same ΔW, merged by us under the formula referee (verification on) to the same weights."""
+    case, model, folder, single, lora, base, want, _ = built(name)
+    source = write_spelling(lora, case.spellings[0], tmp_path / "in")
+    out = tmp_path / ("out.safetensors" if to in ("kohya", "comfyui") else "out")
+    code, log, err = cli("convert", "--adapter", source, "--to", to, "--base", folder, "--out", out)
+    assert code == 0, err
+    assert "ΔW identical" in log or "within float32 rounding" in log, log
+    if to == "peft":
+        theirs = _peft_merge(model, out)
+    else:
+        file = out if out.is_file() else out / "pytorch_lora_weights.safetensors"
+        code, info, err = cli("inspect", file, "--json")
+        assert code == 0, err
+        assert "diffusers" in json.loads(info)["loads_in"], info
+        theirs = diffusers_merge(case, model, file)
+    _close(theirs, want, f"{to} read by {'PEFT' if to == 'peft' else 'diffusers'}")
+    code, log, err = cli("merge", "--base", folder, "--adapter", out, "--out", tmp_path / "m", verify=True)
+    assert code == 0, err + log
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert report["verdict"] == "pass", report
+    _close(read_component(tmp_path / "m", "transformer"), want, f"{to} merged by us")
+
+
+def _peft_merge(model, folder):
+    import copy
+
+    from peft import PeftModel
+
+    wrapped = PeftModel.from_pretrained(copy.deepcopy(model), folder)
+    return {k: v for k, v in wrapped.merge_and_unload().state_dict().items()}
