@@ -57,6 +57,15 @@ CASES = {
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "comfyui/diffusers", "peft/diffusers",
              "peft/original"),
         ),
+        Case(
+            "qwen_image",
+            "QwenImageTransformer2DModel",
+            dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=12, axes_dims_rope=(2, 2, 4)),
+            "QwenImagePipeline",
+            r"transformer_blocks\.\d+\.(attn\..*|(img|txt)_mlp\..*)",
+            ("kohya", "comfyui", "diffusers", "bare", "lycoris", "peft"),
+        ),
     ]
 }  # fmt: skip
 

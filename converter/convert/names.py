@@ -4,6 +4,7 @@ or kept as they are without one (dotted names only: kohya's flattened names cann
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
@@ -36,6 +37,7 @@ class BaseNames:
         from converter.checkpoint import open_base
         from converter.keymap import keymap_for
 
+        self.denoiser_as: str | None = None  # the component name the denoiser's modules are written under
         self.checkpoint = open_base(path)
         self.keymap = keymap_for(self.checkpoint.config)
         self.resolver = self.checkpoint.make_resolver(self.keymap)
@@ -60,9 +62,13 @@ class BaseNames:
         """The view whose names target `to` writes: this base, or its denoiser relaid in the family's other naming
         (the keymap's `targets`: kohya and ComfyUI files name FLUX.2's BFL modules, diffusers' its own)."""
         wanted = self.keymap.targets.get(to)
-        if wanted is None or self.naming in (None, wanted) or self.keymap.one_naming:
+        if wanted is None or self.naming in (None, wanted):
             return self
-        return RelaidNames(self, wanted)
+        if not self.keymap.one_naming:
+            return RelaidNames(self, wanted)
+        view = copy.copy(self)  # same names: only the prefix changes (kohya lora_unet_, not OneTrainer's)
+        view.denoiser_as = "denoiser"
+        return view
 
     def components(self) -> set[str]:
         if self.checkpoint.diffusion == "single_file":
@@ -80,7 +86,7 @@ class BaseNames:
         module = key[: -len(param) - 1] if key.endswith("." + param) else key
         if "/" in module:  # diffusers folder: <component>/<key>
             comp, module = module.split("/", 1)
-            return comp, module
+            return (self.denoiser_as if comp in ("unet", "transformer") and self.denoiser_as else comp), module
         for prefix, comp in self.prefixes:  # a single file keeps the original names: the denoiser is "denoiser"
             if module.startswith(prefix):
                 return (comp if comp.startswith("text_encoder") else "denoiser"), module[len(prefix) :]
