@@ -23,7 +23,7 @@ import torch
 from diffusion_helpers import _perturb, peft_merge, save
 from torch import nn
 
-from converter.keymap import DiffusionResolver, Keymap, all_keymaps, flatten
+from converter.keymap import DiffusionResolver, Keymap, Placement, all_keymaps, flatten
 
 RANK = 4
 ALPHA = 2.0  # scale 1/2: a power of two, so spellings that fold it into lora_B are exact
@@ -66,6 +66,16 @@ CASES = {
             r"transformer_blocks\.\d+\.(attn\..*|(img|txt)_mlp\..*)",
             ("kohya", "comfyui", "diffusers", "bare", "lycoris", "peft"),
         ),
+        Case(
+            "z_image",
+            "ZImageTransformer2DModel",
+            dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=16, n_layers=2, n_refiner_layers=1,
+                 n_heads=2, n_kv_heads=2, cap_feat_dim=12, axes_dims=[2, 2, 4], axes_lens=[64, 32, 32]),
+            "ZImagePipeline",
+            r"(layers|noise_refiner|context_refiner)\.\d+\.(attention\.(to_[qkv]|to_out\.0)|feed_forward\.w[123])",
+            ("kohya/diffusers", "comfyui/diffusers", "diffusers/diffusers", "kohya/original", "comfyui/original",
+             "lycoris/diffusers"),
+        ),
     ]
 }  # fmt: skip
 
@@ -101,11 +111,15 @@ def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]]) -> dict[st
     patterns = km.names.get("original", [])
     out = {}
     for alias, places in res.dotted["transformer"].items():
-        if alias in shapes:
+        if alias in shapes and not any(p.key != alias for p in places):
             continue
         if alias.endswith((".weight", ".bias")) and not any(p.fullmatch(_module(alias)) for p in patterns):
             continue
         out[alias] = sorted(places, key=lambda p: p.src or (0, 0))
+    covered = {p.key for places in out.values() for p in places}
+    for key in shapes:  # modules named alike in both layouts are their own original
+        if key not in covered and key.endswith(".weight") and any(p.fullmatch(_module(key)) for p in patterns):
+            out[key] = [Placement(key)]
     return out
 
 

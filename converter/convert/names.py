@@ -62,12 +62,12 @@ class BaseNames:
         """The view whose names target `to` writes: this base, or its denoiser relaid in the family's other naming
         (the keymap's `targets`: kohya and ComfyUI files name FLUX.2's BFL modules, diffusers' its own)."""
         wanted = self.keymap.targets.get(to)
-        if wanted is None or self.naming in (None, wanted):
+        if wanted is None or self.naming is None:
             return self
-        if not self.keymap.one_naming:
-            return RelaidNames(self, wanted)
-        view = copy.copy(self)  # same names: only the prefix changes (kohya lora_unet_, not OneTrainer's)
-        view.denoiser_as = "denoiser"
+        view = self if wanted == self.naming or self.keymap.one_naming else RelaidNames(self, wanted)
+        if to == "kohya":  # kohya/musubi files name the denoiser lora_unet_ (not OneTrainer's lora_transformer_)
+            view = copy.copy(view)
+            view.denoiser_as = "denoiser"
         return view
 
     def components(self) -> set[str]:
@@ -105,6 +105,7 @@ class RelaidNames:
         from converter.keymap import DiffusionResolver
 
         self.base, self.naming, self.keymap = base, naming, base.keymap
+        self.denoiser_as = "denoiser" if naming == "original" else None
         resolver = base.resolver
         self.component = next(c for c in ("transformer", "unet") if c in resolver.dotted)
         patterns = self.keymap.names.get(naming, [])
@@ -139,7 +140,7 @@ class RelaidNames:
         if key not in self.shapes:
             return self.base.split_key(key, param)
         module = key[: -len(param) - 1] if key.endswith("." + param) else key
-        return ("denoiser" if self.naming == "original" else self.component), module
+        return self.denoiser_as or self.component, module
 
     def rows(self, key: str) -> int:
         return self.shapes[key][0] if key in self.shapes else self.base.rows(key)
