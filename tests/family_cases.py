@@ -76,6 +76,16 @@ CASES = {
             ("kohya/diffusers", "comfyui/diffusers", "diffusers/diffusers", "kohya/original", "comfyui/original",
              "lycoris/diffusers"),
         ),
+        Case(
+            "wan",
+            "WanTransformer3DModel",
+            dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
+            "WanPipeline",
+            r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers", "kohya/diffusers", "bare/diffusers",
+             "comfyui/diffusers"),
+        ),
     ]
 }  # fmt: skip
 
@@ -103,8 +113,9 @@ def _module(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]]) -> dict[str, list]:
-    """Original-layout names of the diffusers keys (the keymap's aliases), each with its placements."""
+def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]], modules: bool = False) -> dict[str, list]:
+    """Original-layout names of the diffusers keys (the keymap's aliases), each with its placements; `modules`:
+    only the weights of modules an adapter names (the keymap's original `names`)."""
     if km.one_naming:
         return {}
     res = _resolver(km, shapes)
@@ -113,11 +124,11 @@ def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]]) -> dict[st
     for alias, places in res.dotted["transformer"].items():
         if alias in shapes and not any(p.key != alias for p in places):
             continue
-        if alias.endswith((".weight", ".bias")) and not any(p.fullmatch(_module(alias)) for p in patterns):
+        if modules and not any(p.fullmatch(_module(alias)) for p in patterns):
             continue
         out[alias] = sorted(places, key=lambda p: p.src or (0, 0))
     covered = {p.key for places in out.values() for p in places}
-    for key in shapes:  # modules named alike in both layouts are their own original
+    for key in shapes if modules else ():  # modules named alike in both layouts are their own original
         if key not in covered and key.endswith(".weight") and any(p.fullmatch(_module(key)) for p in patterns):
             out[key] = [Placement(key)]
     return out
@@ -168,7 +179,7 @@ def make_lora(case: Case, model: nn.Module, seed: int = 5) -> Lora:
         }
         return Lora(original, dict(original))
     original, diffusers = {}, {}
-    for alias, places in sorted(_original_aliases(km, shapes).items()):
+    for alias, places in sorted(_original_aliases(km, shapes, modules=True).items()):
         keys = {_module(p.key) for p in places}
         if not alias.endswith(".weight") or not keys & targets or keys & set(diffusers):
             continue
