@@ -166,7 +166,8 @@ def _family(adapter, path: str) -> dict:
     if identity is None or (identity.family is None and not identity.candidates):
         return {}
     if identity.family is None:
-        return {"family": None, "family_candidates": identity.candidates, "spelling": identity.prefix}
+        # the names fit several families (FLUX.1's and HunyuanVideo's diffusers blocks are alike)
+        return {"family": None, "family_candidates": identity.candidates, "spelling": identity.spelling}
     return {
         "family": identity.family.name,
         "family_title": identity.family.title,

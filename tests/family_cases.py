@@ -86,6 +86,18 @@ CASES = {
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "kohya/diffusers", "bare/diffusers",
              "comfyui/diffusers"),
         ),
+        Case(
+            "hunyuan_video",
+            "HunyuanVideoTransformer3DModel",
+            dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                 num_single_layers=2, num_refiner_layers=1, patch_size=1, text_embed_dim=12,
+                 pooled_projection_dim=8, rope_axes_dim=(2, 2, 4)),
+            "HunyuanVideoPipeline",
+            # not single blocks' linear1: diffusers' LoRA converter splits it at HunyuanVideo's own width (3072)
+            r"transformer_blocks\.\d+\.(attn\..*|ff(_context)?\..*)|single_transformer_blocks\.\d+\.proj_out",
+            ("comfyui/original", "kohya/original", "diffusers/diffusers", "diffusers/original", "bare/original"),
+            no_single_file_check="diffusers' single-file converter splits linear1 at HunyuanVideo's own width (3072)",
+        ),
     ]
 }  # fmt: skip
 

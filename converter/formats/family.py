@@ -136,7 +136,9 @@ def identify(adapter: Adapter) -> Identity | None:
     if not fitting:
         known = [(km, [p for ps in km.names.values() for p in ps]) for km in all_keymaps() if km.names]
         unmatched = sorted({ap.module for ap in modules if not any(_fits(ps, ap.module, ap.flat) for _, ps in known)})
-    return Identity(None, [km.name for km, _ in fitting], prefix, None, unmatched[:5])
+    namings = {naming for _, naming in fitting}
+    naming = namings.pop() if len(namings) == 1 else None
+    return Identity(None, [km.name for km, _ in fitting], prefix, naming, unmatched[:5])
 
 
 def convert_hint(identity: Identity, path: str) -> dict[str, str]:
