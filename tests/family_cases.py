@@ -98,6 +98,16 @@ CASES = {
             ("comfyui/original", "kohya/original", "diffusers/diffusers", "diffusers/original", "bare/original"),
             no_single_file_check="diffusers' single-file converter splits linear1 at HunyuanVideo's own width (3072)",
         ),
+        Case(
+            "ltx2",
+            "LTX2VideoTransformer3DModel",
+            dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+                 audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+                 audio_cross_attention_dim=8, num_layers=2, caption_channels=16),
+            "LTX2Pipeline",
+            r"transformer_blocks\.\d+\.((audio_)?attn[12]\..*|(audio_)?ff\..*)|proj_in|time_embed\.linear",
+            ("comfyui/original", "diffusers/diffusers", "bare/original", "kohya/original"),
+        ),
     ]
 }  # fmt: skip
 
