@@ -89,7 +89,8 @@ def test_every_spelling_merges_like_the_formula_and_diffusers(built, name, spell
         agrees = all(torch.allclose(theirs[k], v, atol=ATOL, rtol=1e-5) for k, v in want.items())
     except Exception:  # noqa: BLE001 - a loader that refuses the file does not read it
         agrees = False
-    assert agrees == listed, f"diffusers {'does not read' if listed else 'reads'} {spelling} ({km.name} loaders)"
+    if spelling not in case.unchecked:
+        assert agrees == listed, f"diffusers {'does not read' if listed else 'reads'} {spelling} ({km.name} loaders)"
     # ours, into the diffusers folder and the original single file; `base_model.model.` weights without their
     # adapter_config.json need their alpha stated (here: the scale is folded in, alpha = rank)
     alpha = ["--lora-alpha", str(lora.rank)] if spelling.startswith("peft") else []
@@ -132,7 +133,7 @@ def test_convert_to_every_target_reads_back_everywhere(built, name, to, cli, tmp
         info = json.loads(info)
         loads_in = info["loads_in"] if info["family"] else _tools(keymap(case.family), info["spelling"])
         assert to in loads_in or to not in keymap(case.family).loaders, info  # the target's tool reads it
-        if "diffusers" in loads_in:
+        if "diffusers" in loads_in and info["spelling"] not in case.unchecked:
             _close(diffusers_merge(case, model, file), want, f"{to} read by diffusers")
     code, log, err = cli("merge", "--base", folder, "--adapter", out, "--out", tmp_path / "m", verify=True)
     assert code == 0, err + log
