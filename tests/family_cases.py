@@ -131,6 +131,15 @@ CASES = {
             no_single_file_check="diffusers' single-file converter splits qkv at Lumina-Image 2.0's widths",
             unchecked={"comfyui/original": "diffusers' LoRA converter splits qkv at Lumina-Image 2.0's widths"},
         ),
+        Case(
+            "ltx_video",
+            "LTXVideoTransformer3DModel",
+            dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+                 num_layers=2, caption_channels=12),
+            "LTXPipeline",
+            r"transformer_blocks\.\d+\.(attn[12]\..*|ff\..*)|proj_in",
+            ("comfyui/original", "comfyui/diffusers", "diffusers/diffusers", "bare/original", "kohya/original"),
+        ),
     ]
 }  # fmt: skip
 

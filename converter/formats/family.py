@@ -89,14 +89,13 @@ def _shape(ap: AdapterPatch) -> tuple[int, int] | None:
 
 
 def _naming(km: Keymap, modules: list[AdapterPatch]) -> str | None | bool:
-    """The naming every module of `modules` has in family `km` (None: the family has one), False: they do not fit."""
+    """The naming every module of `modules` has in family `km`; None: the family has one, or these modules are
+    named alike in both (LTX's blocks); False: they do not fit the family."""
     if km.one_naming:
         patterns = [p for ps in km.names.values() for p in ps]
         return None if all(_fits(patterns, ap.module, ap.flat) for ap in modules) else False
-    for naming, patterns in km.names.items():
-        if all(_fits(patterns, ap.module, ap.flat) for ap in modules):
-            return naming
-    return False
+    fitting = [n for n, patterns in km.names.items() if all(_fits(patterns, ap.module, ap.flat) for ap in modules)]
+    return False if not fitting else fitting[0] if len(fitting) == 1 else None
 
 
 def _shapes_agree(km: Keymap, modules: list[AdapterPatch]) -> bool:
