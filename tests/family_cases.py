@@ -140,6 +140,17 @@ CASES = {
             r"transformer_blocks\.\d+\.(attn[12]\..*|ff\..*)|proj_in",
             ("comfyui/original", "comfyui/diffusers", "diffusers/diffusers", "bare/original", "kohya/original"),
         ),
+        Case(
+            "krea2",
+            "Krea2Transformer2DModel",
+            dict(in_channels=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=32, timestep_embed_dim=16, text_hidden_dim=12, num_text_layers=2,
+                 text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=24,
+                 num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(2, 2, 4)),
+            "Krea2Pipeline",
+            r"(transformer_blocks|text_fusion\.(layerwise|refiner)_blocks)\.\d+\.(attn|ff)\..*|img_in|time_mod_proj",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers", "peft/original", "lycoris/diffusers"),
+        ),
     ]
 }  # fmt: skip
 
