@@ -151,6 +151,17 @@ CASES = {
             r"(transformer_blocks|text_fusion\.(layerwise|refiner)_blocks)\.\d+\.(attn|ff)\..*|img_in|time_mod_proj",
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "peft/original", "lycoris/diffusers"),
         ),
+        Case(
+            "anima",
+            "CosmosTransformer3DModel",
+            dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                 mlp_ratio=2.0, text_embed_dim=12, adaln_lora_dim=8, max_size=(4, 16, 16), patch_size=(1, 2, 2),
+                 rope_scale=(1.0, 1.0, 1.0), concat_padding_mask=True, extra_pos_embed_type=None),
+            "Cosmos2TextToImagePipeline",
+            r"transformer_blocks\.\d+\.(attn[12]\..*|ff\..*)",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers"),
+            prefix="net.",
+        ),
     ]
 }  # fmt: skip
 
