@@ -162,6 +162,15 @@ CASES = {
             ("kohya/original", "comfyui/original", "diffusers/diffusers"),
             prefix="net.",
         ),
+        Case(
+            "flux3",
+            "Flux3Transformer2DModel",
+            dict(in_channels=8, cond_in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=12, timestep_channels=16, axes_dims_rope=(2, 2, 2, 2)),
+            "Flux3ModularPipeline",
+            r"(mode_blocks\.[a-z_]+|txt_mode_blocks|single_transformer_blocks)\.\d+\.(attn|ff)\..*",
+            ("comfyui/original", "diffusers/diffusers", "kohya/original", "comfyui/diffusers"),
+        ),
     ]
 }  # fmt: skip
 
