@@ -42,6 +42,7 @@ class Case:
     prefix: str = "model.diffusion_model."  # the single file's key prefix (ComfyUI's)
     # spellings diffusers reads only at the family's own widths: their diffusers claim is not checked here (why)
     unchecked: dict = field(default_factory=dict)
+    single_file: bool = True  # whether the family has a single-file layout here
 
 
 CASES = {
@@ -170,6 +171,17 @@ CASES = {
             "Flux3ModularPipeline",
             r"(mode_blocks\.[a-z_]+|txt_mode_blocks|single_transformer_blocks)\.\d+\.(attn|ff)\..*",
             ("comfyui/original", "diffusers/diffusers", "kohya/original", "comfyui/diffusers"),
+        ),
+        Case(
+            "ideogram4",
+            "Ideogram4Transformer2DModel",
+            dict(in_channels=8, num_layers=2, attention_head_dim=8, num_attention_heads=2, intermediate_size=32,
+                 adaln_dim=8, llm_features_dim=12, mrope_section=(1, 1, 2)),
+            "Ideogram4Pipeline",
+            r"layers\.\d+\.(attention|feed_forward)\..*",
+            ("comfyui/original", "diffusers/diffusers", "kohya/original", "comfyui/diffusers"),
+            no_single_file_check="diffusers reads no Ideogram 4 single file",
+            single_file=False,
         ),
     ]
 }  # fmt: skip
@@ -340,12 +352,14 @@ def diffusers_merge(case: Case, model: nn.Module, file: Path) -> dict[str, torch
     return peft_merge(target)
 
 
-def make_bases(case: Case, model: nn.Module, root: Path) -> tuple[Path, Path]:
+def make_bases(case: Case, model: nn.Module, root: Path) -> tuple[Path, Path | None]:
     """The diffusers folder (transformer/ + model_index.json) and the original single file."""
     folder = root / "pipe"
     model.save_pretrained(folder / "transformer")
     index = {"_class_name": case.pipeline, "_diffusers_version": "0.42.1", "transformer": ["diffusers", case.cls]}
     (folder / "model_index.json").write_text(json.dumps(index))
+    if not case.single_file:
+        return folder, None
     original = original_layout(model.state_dict(), keymap(case.family))
     single = save({case.prefix + k: v for k, v in original.items()}, root / f"{case.family}-tiny.safetensors")
     return folder, single
