@@ -183,6 +183,17 @@ CASES = {
             no_single_file_check="diffusers reads no Ideogram 4 single file",
             single_file=False,
         ),
+        Case(
+            "minimax_h3",
+            "MiniMaxH3Transformer3DModel",
+            dict(num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=2, num_refiner_layers=1,
+                 ffn_dim=24, in_channels=4, audio_in_channels=4, patch_size=(1, 2, 2), text_dim=12, freq_dim=16,
+                 time_embed_hidden_dim=16, time_embed_dim=8, rope_freq_dim=4),
+            "MiniMaxH3ModularPipeline",
+            r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn|ff|adaln_proj)\..*",
+            ("kohya/original", "comfyui/original", "bare/original", "diffusers/diffusers"),
+            prefix="",
+        ),
     ]
 }  # fmt: skip
 
