@@ -117,7 +117,7 @@ class Keymap:
     experts: list[ExpertRule] = field(default_factory=list)  # fused MoE expert tensors <-> per-expert weights
     # Diffusion families, the adapter side: a display name, diffusers' classes, how adapter module names look in
     # each naming (original checkpoint / diffusers), shape rules that tell apart families with the same names,
-    # which tools load which spelling as it is, the naming each convert target writes, and (for a family diffusers
+    # which tools load which spelling as it is, the spelling each convert target writes, and (for a family diffusers
     # lists that is not reached here) why not.
     title: str = ""
     diffusers: dict = field(default_factory=dict)
@@ -186,6 +186,11 @@ class Keymap:
     @property
     def is_diffusion(self) -> bool:
         return bool(self.pipelines or self.detect or self.unreached)
+
+    def target(self, to: str) -> tuple[str | None, str | None]:
+        """(prefix kind, naming) a `convert --to` target writes for this family (both None: not said)."""
+        kind, _, naming = self.targets.get(to, "").partition("/")
+        return kind or None, naming or None
 
     @property
     def one_naming(self) -> bool:

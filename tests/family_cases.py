@@ -194,6 +194,18 @@ CASES = {
             ("kohya/original", "comfyui/original", "bare/original", "diffusers/diffusers"),
             prefix="",
         ),
+        Case(
+            "ace_step",
+            "AceStepTransformer1DModel",
+            dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, in_channels=8, audio_acoustic_hidden_dim=4, patch_size=2,
+                 encoder_hidden_size=12),
+            "AceStepPipeline",
+            r"layers\.\d+\.((self|cross)_attn|mlp)\..*",
+            ("peft/original", "diffusers/diffusers", "bare/original", "comfyui/original"),
+            no_single_file_check="diffusers reads no ACE-Step single file",
+            single_file=False,
+        ),
     ]
 }  # fmt: skip
 

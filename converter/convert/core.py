@@ -69,13 +69,25 @@ def convert(
         )
     source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
     files = write(modules, to, out, force=force, source=source, base_model=_public_base(base, adapter), svd=svd,
-                  components=base_view.components() if base_view else set())  # fmt: skip
+                  components=base_view.components() if base_view else set(),
+                  denoiser_prefix=_denoiser_prefix(adapter, names, to))  # fmt: skip
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
     if verify:
         _prove(adapter, out, svd, log, names)
     return ConvertResult(out, files, len(modules), notes, svd)
+
+
+def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
+    """What a ComfyUI file puts before the denoiser's names: the family keymap's target spelling (the base's
+    family, else the adapter's), ComfyUI's own `diffusion_model.` by default."""
+    from converter.convert.writers import DOTTED_PREFIX
+    from converter.formats.family import identify
+
+    keymap = names.keymap if names is not None else getattr(identify(adapter), "family", None)
+    kind, _ = keymap.target(to) if keymap is not None else (None, None)
+    return DOTTED_PREFIX.get(kind or "comfyui", "diffusion_model.")
 
 
 def _check_naming(adapter: Adapter, to: str) -> None:
@@ -85,7 +97,7 @@ def _check_naming(adapter: Adapter, to: str) -> None:
     identity = identify(adapter)
     if identity is None or identity.family is None or identity.naming is None:
         return
-    wanted = identity.family.targets.get(to)
+    _, wanted = identity.family.target(to)
     if wanted is not None and wanted != identity.naming:
         raise ConverterError(
             f"{adapter.path}: its modules have {identity.family.title}'s {identity.naming} names and a {to} file "

@@ -61,10 +61,10 @@ class BaseNames:
     def naming_for(self, to: str) -> BaseNames | RelaidNames:
         """The view whose names target `to` writes: this base, or its denoiser relaid in the family's other naming
         (the keymap's `targets`: kohya and ComfyUI files name FLUX.2's BFL modules, diffusers' its own)."""
-        wanted = self.keymap.targets.get(to)
-        if wanted is None or self.naming is None:
+        kind, wanted = self.keymap.target(to)
+        if kind is None or self.naming is None:
             return self
-        view = self if wanted == self.naming or self.keymap.one_naming else RelaidNames(self, wanted)
+        view = self if wanted in (None, self.naming) or self.keymap.one_naming else RelaidNames(self, wanted)
         if to == "kohya":  # kohya/musubi files name the denoiser lora_unet_ (not OneTrainer's lora_transformer_)
             view = copy.copy(view)
             view.denoiser_as = "denoiser"

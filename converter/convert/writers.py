@@ -40,17 +40,21 @@ def write(
     base_model: str | None = None,
     svd: dict[str, float] | None = None,
     components: set[str] | None = None,
+    denoiser_prefix: str = "diffusion_model.",
 ) -> list[str]:
-    """Write `modules` in format `to` at `out` (a file for kohya, a folder otherwise), atomically. `components`:
-    the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is adapted."""
+    """Write `modules` in format `to` at `out` (a file for kohya/ComfyUI, a folder otherwise), atomically.
+    `components`: the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is
+    adapted; `denoiser_prefix`: what a ComfyUI file puts before the denoiser's names (the family keymap's target)."""
     if not modules:
         raise ConverterError("the adapter has no LoRA modules to convert")
     info = {**(source or {}), "tool": "converter"}
     if svd:
         info["svd_relative_errors"] = {k: round(v, 8) for k, v in sorted(svd.items())}
     if to in ("kohya", "comfyui"):
-        build = kohya_tensors if to == "kohya" else comfyui_tensors
-        tensors, meta = build(modules, info, components or set())
+        if to == "kohya":
+            tensors, meta = kohya_tensors(modules, info, components or set())
+        else:
+            tensors, meta = comfyui_tensors(modules, info, components or set(), denoiser_prefix)
         _atomic_file(out, tensors, meta, force)
         return [out.name]
     with atomic_folder(out, force) as tmp:
@@ -139,12 +143,17 @@ def folded_up(m: LoraModule) -> torch.Tensor:
     return m.up.float() * scale
 
 
+# The prefix a file of each spelling kind puts before a dotted denoiser name (docs/FORMATS.md §12).
+DOTTED_PREFIX = {"comfyui": "diffusion_model.", "peft": "base_model.model.", "diffusers": "transformer.", "bare": ""}
+
+
 def comfyui_tensors(
-    modules: list[LoraModule], info: dict, base_components: set[str] = frozenset()
+    modules: list[LoraModule], info: dict, base_components: set[str] = frozenset(), prefix: str = "diffusion_model."
 ) -> tuple[dict, dict]:
-    """`diffusion_model.<module>.lora_A.weight / .lora_B.weight` for the denoiser (the key of ComfyUI's own model,
-    which every ComfyUI version looks up, docs/FORMATS.md §5), kohya's names for text encoders; no alpha tensors,
-    the scale folded into lora_B: diffusers' converters for the newer families refuse leftover alphas (§12)."""
+    """`<prefix><module>.lora_A.weight / .lora_B.weight` for the denoiser (`diffusion_model.` + the key of ComfyUI's
+    own model, which every ComfyUI version looks up, docs/FORMATS.md §5; a family's keymap may name another prefix
+    ComfyUI reads for it), kohya's names for text encoders; no alpha tensors, the scale folded into lora_B:
+    diffusers' converters for the newer families refuse leftover alphas (§12)."""
     out: dict[str, torch.Tensor] = {}
     rest = []
     for m in modules:
@@ -157,7 +166,7 @@ def comfyui_tensors(
             )
         if m.magnitude is not None:
             raise ConverterError(f"{m.source}: DoRA has no ComfyUI diffusion_model. form here; convert to kohya")
-        stem = f"diffusion_model.{m.name}"
+        stem = f"{prefix}{m.name}"
         if f"{stem}.lora_A.weight" in out:
             raise ConverterError(f"two modules are written as {stem}")
         out[f"{stem}.lora_A.weight"] = m.down
@@ -167,8 +176,6 @@ def comfyui_tensors(
     if rest:
         te, _ = kohya_tensors(rest, info, base_components | {m.component for m in modules})
         out.update(te)
-    if not any(k.startswith("diffusion_model.") for k in out) and not rest:
-        raise ConverterError("the adapter has no modules to write")
     return out, meta
 
 

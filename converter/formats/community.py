@@ -308,6 +308,8 @@ def parse(
         raise AdapterFormatError(f"{path}: not a single .safetensors adapter file", file=path)
     tensors = open_tensor_file(weights, allow_pickle)
     meta = _diffusers_alphas(tensors.metadata, weights)
+    # our own ComfyUI-style files carry their scale in lora_B (convert --to comfyui): scale 1 is the file's word
+    folded = tensors.metadata.get("converter_alphas", "").startswith("folded into lora_B")
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
         for suffix, algo in UNSUPPORTED.items():
@@ -365,7 +367,7 @@ def parse(
             if alpha is None and meta:
                 prefix = stem.split(".", 1)[0] if not flat else None
                 scale = _config_scale(meta, prefix, module, rank, weights) or scale
-            elif alpha is None and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
+            elif alpha is None and not folded and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
                 if lora_alpha is None:
                     no_alpha += 1
                 else:  # the user's word: lora_alpha over the factors' own rank (PEFT's rule without rsLoRA)

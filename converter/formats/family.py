@@ -152,7 +152,7 @@ def convert_hint(identity: Identity, path: str) -> dict[str, str]:
     for tool, target in TOOL_TARGET.items():
         if tool in loads or tool not in km.loaders:
             continue
-        wanted = km.targets.get(target)
+        _, wanted = km.target(target)
         needs_base = flat or (identity.naming is not None and wanted is not None and wanted != identity.naming)
         out = f"{_stem(path)}_{target}" + (".safetensors" if target in ("kohya", "comfyui") else "")
         base = " --base BASE" if needs_base else ""
