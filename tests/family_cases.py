@@ -49,6 +49,19 @@ CASES = {
     c.family: c
     for c in [
         Case(
+            "flux",
+            "FluxTransformer2DModel",
+            dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=12, pooled_projection_dim=12, axes_dims_rope=(2, 2, 4),
+                 guidance_embeds=True),
+            "FluxPipeline",
+            # not single blocks' linear1: diffusers' converters split it at FLUX.1's own width (3072)
+            r"transformer_blocks\.\d+\.(attn|ff|ff_context)\..*|single_transformer_blocks\.\d+\.proj_out",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers", "onetrainer/diffusers",
+             "lycoris/diffusers", "bare/diffusers"),
+            no_single_file_check="diffusers' single-file converter splits linear1 at FLUX.1's own width (3072)",
+        ),
+        Case(
             "flux2",
             "Flux2Transformer2DModel",
             dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=8,
