@@ -1,10 +1,12 @@
 # Two commands: `make run` and `make test`. Each sets itself up first.
+# `make test` also builds the documentation site (mkdocs.yml, docs/) with --strict: a broken link fails it.
+# NO_MKDOCS_2_WARNING silences mkdocs-material's end-of-life banner, printed on every build.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test setup fixtures chromium lint bench clean
+.PHONY: run demo test docs setup fixtures chromium lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,10 +35,15 @@ chromium:
 
 test: $(STAMP) fixtures chromium
 	$(BIN)/ruff check converter tests bench scripts app.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q
+
+# The documentation site alone (what `make test` builds after ruff), into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python bench/merge_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -50,9 +50,9 @@ CAPS_MIB = (512, 1024)
 RUN_TIMEOUT_S = 3600
 # Near its cap a process can thrash (code pages evicted and re-read) for a very long time instead of being killed.
 CAP_TIMEOUT_S = 300
-TARGET_SPEEDUP = 5.0  # converter vs PEFT, from issue 15
-TARGET_FLOOR = 2.0  # converter within this factor of the floor (copy + interpreter start), from issue 15
-TARGET_CAP_MIB = 512  # converter must finish under this cap, from issue 15
+TARGET_SPEEDUP = 5.0  # the project's targets for the merge: converter vs PEFT
+TARGET_FLOOR = 2.0  # converter within this factor of the floor (copy + interpreter start)
+TARGET_CAP_MIB = 512  # converter must finish under this memory cap
 
 # The PEFT way, exactly as a user would write it. Phase times go to stdout (the run's log) for the diagnosis.
 PEFT_SCRIPT = textwrap.dedent(

@@ -58,7 +58,7 @@ class _Writeback:
     """Streams a file out of the page cache as it is written: each 64 MiB window is handed to writeback at once,
     the one before it is waited for and dropped. The page cache would otherwise grow by the model's size (slow on
     these VMs, and charged to a memory cgroup); an fdatasync per window (what this replaced) also flushes the
-    disk's cache each time and made writing 5x slower than `cp` (bench/RESULTS.md, issue 15)."""
+    disk's cache each time and made writing 5x slower than `cp` (bench/RESULTS.md, the merge runs of 2026-12-02)."""
 
     def __init__(self, f):
         self.f, self.done, self.kicked = f, 0, 0

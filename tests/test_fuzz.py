@@ -32,7 +32,7 @@ SETTINGS = dict(
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-RUNS: dict[str, int] = {}  # examples actually run per property, for the README's figure (printed with -s)
+RUNS: dict[str, int] = {}  # examples actually run per property (printed with -s)
 
 
 @pytest.fixture(scope="module")

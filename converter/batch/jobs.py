@@ -105,7 +105,7 @@ def is_hub_id(source: str) -> bool:
 
 
 def load_jobs(path: str | Path) -> list[Job]:
-    """Read a job list (see README "Converting many LoRAs"); every problem is a one-line error naming the job."""
+    """Read a job list (docs/batch.md, "The job list"); every problem is a one-line error naming the job."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
