@@ -267,6 +267,16 @@ def _original_aliases(km: Keymap, shapes: dict[str, tuple[int, ...]], modules: b
     return out
 
 
+def original_shapes(shapes: dict[str, tuple[int, ...]], km: Keymap) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes of the family's original checkpoint of a diffusers model with `shapes`."""
+    out, covered = {}, set()
+    for alias, places in _original_aliases(km, shapes).items():
+        first = shapes[places[0].key]
+        out[alias] = (max(p.src[1] if p.src else first[0] for p in places), *first[1:])
+        covered.update(p.key for p in places)
+    return out | {k: v for k, v in shapes.items() if k not in covered}
+
+
 def original_layout(sd: dict[str, torch.Tensor], km: Keymap) -> dict[str, torch.Tensor]:
     """The family's original checkpoint of diffusers weights `sd`, by the keymap's aliases (a fused tensor is its
     parts stacked by rows; keys without an alias keep their name)."""

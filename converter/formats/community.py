@@ -312,6 +312,14 @@ def parse(
     folded = tensors.metadata.get("converter_alphas", "").startswith("folded into lora_B")
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
+        if key.endswith(("query_norm.scale", "key_norm.scale")):  # BFL's control LoRAs (docs/FORMATS.md §12)
+            raise AdapterFormatError(
+                f"{weights}: {key} is a norm scale: this is a FLUX control LoRA (BFL's Canny/Depth), which replaces "
+                "norm weights and widens img_in to take the control image, making a FLUX.1-Canny/Depth-dev model; "
+                "merging it is not supported (load it with diffusers' FluxControlPipeline)",
+                file=weights,
+                tensor=key,
+            )
         for suffix, algo in UNSUPPORTED.items():
             if key.endswith(suffix):
                 raise AdapterFormatError(

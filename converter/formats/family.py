@@ -88,7 +88,7 @@ def _shape(ap: AdapterPatch) -> tuple[int, int] | None:
     return (shape[0], shape[1] if len(shape) > 1 else 1) if shape else None
 
 
-def _naming(km: Keymap, modules: list[AdapterPatch]) -> str | None | bool:
+def naming_of(km: Keymap, modules: list[AdapterPatch]) -> str | None | bool:
     """The naming every module of `modules` has in family `km`; None: the family has one, or these modules are
     named alike in both (LTX's blocks); False: they do not fit the family."""
     if km.one_naming:
@@ -125,7 +125,7 @@ def identify(adapter: Adapter) -> Identity | None:
     for km in all_keymaps():
         if not km.names:
             continue
-        naming = _naming(km, modules)
+        naming = naming_of(km, modules)
         if naming is not False and _shapes_agree(km, modules):
             fitting.append((km, naming))
     if len(fitting) == 1:
