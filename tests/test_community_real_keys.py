@@ -140,5 +140,5 @@ def test_the_control_lora_is_refused_with_its_reason(tmp_path):
     not a partial merge."""
     keys = SETS["flux_control_lora_format"]["keys"]
     file = save(_tiny(keys, real=False), tmp_path / "control.safetensors")
-    with pytest.raises(AdapterFormatError, match=r"query_norm\.scale"):
+    with pytest.raises(AdapterFormatError, match=r"norm\.key_norm\.scale is a norm scale: this is a FLUX control LoRA"):
         load_adapter(file)
