@@ -96,6 +96,28 @@ class BaseNames:
         return self.checkpoint.info(key).shape[0]
 
 
+def _one_name_each(shapes: dict[str, tuple[int, ...]], dotted: dict[str, set]) -> dict[str, tuple[int, ...]]:
+    """Where an alias rule offers alternatives for one tensor (an LDM upsampler sits at index 1 or 2 of its block,
+    after an attention or not), the first one (in name order) whose slot no other module occupies: the slot is the
+    name up to the part in which the alternatives differ."""
+    by_key: dict[str, list[str]] = {}
+    for name in shapes:
+        places = dotted.get(name, set())
+        if len(places) == 1 and (place := next(iter(places))).rows is None and place.src is None:
+            by_key.setdefault(place.key, []).append(name)
+    drop = set()
+    groups = [sorted(n) for n in by_key.values() if len(n) > 1]
+    alternatives = {name for names in groups for name in names}
+    settled = [name for name in shapes if name not in alternatives]
+    for names in groups:
+        parts = [name.split(".") for name in names]
+        differ = next((i for i in range(min(map(len, parts))) if len({p[i] for p in parts}) > 1), 0)
+        slots = {name: ".".join(p[: differ + 1]) + "." for name, p in zip(names, parts, strict=True)}
+        free = [n for n in names if not any(o.startswith(slots[n]) for o in settled)]
+        drop.update(n for n in names if not free or n != free[0])
+    return {k: v for k, v in shapes.items() if k not in drop}
+
+
 class RelaidNames:
     """A diffusion base's denoiser as the family's other naming would store it, built from the keymap's aliases of
     its real keys: a fused original module (BFL qkv) is the tensors it covers stacked by rows, a diffusers module the
@@ -122,6 +144,7 @@ class RelaidNames:
             else:  # one row slice of a fused tensor
                 place = next(iter(places))
                 shapes[name] = (place.rows[1] - place.rows[0], *first[1:])
+        shapes = _one_name_each(shapes, resolver.dotted[self.component])
         config = dict(base.checkpoint.component_configs.get(self.component, {})) if hasattr(
             base.checkpoint, "component_configs") else {}  # fmt: skip
         self.resolver = DiffusionResolver(self.keymap, {self.component: ("", {**self.keymap.defaults, **config})},
