@@ -58,8 +58,9 @@ CASES = {
             # not single blocks' linear1: diffusers' converters split it at FLUX.1's own width (3072)
             r"transformer_blocks\.\d+\.(attn|ff|ff_context)\..*|single_transformer_blocks\.\d+\.proj_out",
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "onetrainer/diffusers",
-             "lycoris/diffusers", "bare/diffusers"),
+             "lycoris/diffusers", "bare/diffusers", "peft/original"),
             no_single_file_check="diffusers' single-file converter splits linear1 at FLUX.1's own width (3072)",
+            unchecked={"peft/original": "diffusers' fal Kontext converter takes FLUX.1's 19 + 38 blocks at width 3072"},
         ),
         Case(
             "flux2",

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from diffusion_helpers import read_component
+from diffusion_helpers import read_component, save
 from family_cases import (
     CASES,
     diffusers_merge,
@@ -162,3 +162,42 @@ def _peft_merge(model, folder):
 
     wrapped = PeftModel.from_pretrained(copy.deepcopy(model), folder)
     return {k: v for k, v in wrapped.merge_and_unload().state_dict().items()}
+
+
+def test_lycoris_lokr_on_fused_bfl_modules_merges_by_rows_into_both_layouts(built, cli, tmp_path):
+    """A LyCORIS LoKr on FLUX.2's fused qkv / linear1 (diffusion_model. + BFL names, as ai-toolkit writes it): its
+    Kronecker delta lands whole on the single file and by rows on diffusers' to_q/to_k/to_v, as the published
+    formula says (kron(w1, w2) · alpha / rank when a factor is decomposed); the formula referee passes it."""
+    case, model, folder, single, lora, base, want, _ = built("flux2")
+    g = torch.Generator().manual_seed(11)
+    qkv, linear1 = base["transformer_blocks.0.attn.to_q.weight"].shape, base[
+        "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"].shape  # fmt: skip
+    sd = {  # (3h, h) = kron((3, 2), (h, h / 2)); w2 decomposed: scale alpha / rank
+        "diffusion_model.double_blocks.0.img_attn.qkv.lokr_w1": torch.randn(3, 2, generator=g),
+        "diffusion_model.double_blocks.0.img_attn.qkv.lokr_w2_a": torch.randn(qkv[0], 2, generator=g) * 0.3,
+        "diffusion_model.double_blocks.0.img_attn.qkv.lokr_w2_b": torch.randn(2, qkv[1] // 2, generator=g) * 0.3,
+        "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(1.0),
+        "diffusion_model.single_blocks.0.linear1.lokr_w1": torch.randn(linear1[0] // 8, 2, generator=g) * 0.3,
+        "diffusion_model.single_blocks.0.linear1.lokr_w2": torch.randn(8, linear1[1] // 2, generator=g) * 0.3,
+    }
+    adapter = save(sd, tmp_path / "lokr.safetensors")
+    d = sd["diffusion_model.double_blocks.0.img_attn.qkv.lokr_w2_a"] @ sd[
+        "diffusion_model.double_blocks.0.img_attn.qkv.lokr_w2_b"]  # fmt: skip
+    qkv_delta = torch.kron(sd["diffusion_model.double_blocks.0.img_attn.qkv.lokr_w1"], d) * 0.5
+    l1_delta = torch.kron(sd["diffusion_model.single_blocks.0.linear1.lokr_w1"],
+                          sd["diffusion_model.single_blocks.0.linear1.lokr_w2"])  # fmt: skip
+    expect = dict(base)
+    for i, x in enumerate(("q", "k", "v")):
+        k = f"transformer_blocks.0.attn.to_{x}.weight"
+        expect[k] = base[k] + qkv_delta[i * qkv[0] : (i + 1) * qkv[0]]
+    k = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
+    expect[k] = base[k] + l1_delta
+    code, log, err = cli("merge", "--base", folder, "--adapter", adapter, "--out", tmp_path / "f", verify=True)
+    assert code == 0, err + log
+    assert json.loads((tmp_path / "f" / "verification.json").read_text())["verdict"] == "pass"
+    _close(read_component(tmp_path / "f", "transformer"), expect, "LoKr into the folder")
+    code, _, err = cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "s")
+    assert code == 0, err
+    km = keymap("flux2")
+    _close(load_file(tmp_path / "s" / single.name), {case.prefix + k: v for k, v in original_layout(expect, km).items()},
+           "LoKr into the file")  # fmt: skip
