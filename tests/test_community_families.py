@@ -198,6 +198,5 @@ def test_lycoris_lokr_on_fused_bfl_modules_merges_by_rows_into_both_layouts(buil
     _close(read_component(tmp_path / "f", "transformer"), expect, "LoKr into the folder")
     code, _, err = cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "s")
     assert code == 0, err
-    km = keymap("flux2")
-    _close(load_file(tmp_path / "s" / single.name), {case.prefix + k: v for k, v in original_layout(expect, km).items()},
-           "LoKr into the file")  # fmt: skip
+    in_file = {case.prefix + k: v for k, v in original_layout(expect, keymap("flux2")).items()}
+    _close(load_file(tmp_path / "s" / single.name), in_file, "LoKr into the file")
