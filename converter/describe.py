@@ -79,7 +79,7 @@ def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
     names = {s.rfilename for s in info.siblings or []}
     if source.path or "adapter_config.json" in names:
         fetched = fetch(source.spec, "adapter", token)
-        return {**inspect_adapter(fetched.local, allow_pickle), "path": fetched.pinned}
+        return {**inspect_adapter(fetched.local, allow_pickle, shown=source.spec), "path": fetched.pinned}
     if "config.json" not in names and "model_index.json" not in names:
         raise ConverterError(f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)")
     with temp_folder("headers", log=lambda line: print(line, file=sys.stderr)) as scratch:
@@ -134,7 +134,8 @@ def _model_summary(where: str, cfg: dict, dtypes: Counter, tensors: int, shards:
     }
 
 
-def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
+def inspect_adapter(path: Path, allow_pickle: bool, shown: str | None = None) -> dict:
+    """`shown`: how the user named the adapter (a Hub id), for the commands printed; default its path."""
     adapter = load_adapter(path, allow_pickle=allow_pickle, require_scale=False)
     names = adapter.tensors.names()
     params = sum(_numel(adapter.tensors.shape(n)) for n in names)
@@ -144,7 +145,7 @@ def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
         "kind": "adapter",
         "path": str(path),
         "format": adapter.format,
-        **_family(adapter, str(path)),
+        **_family(adapter, shown or str(path)),
         **adapter.summary,
         "base_model": adapter.base_model,
         "patches": dict(kinds),

@@ -200,3 +200,36 @@ def test_lycoris_lokr_on_fused_bfl_modules_merges_by_rows_into_both_layouts(buil
     assert code == 0, err
     in_file = {case.prefix + k: v for k, v in original_layout(expect, keymap("flux2")).items()}
     _close(load_file(tmp_path / "s" / single.name), in_file, "LoKr into the file")
+
+
+def test_flux2_kohya_file_diffusers_cannot_read_whole_converts_to_one_it_reads(built, cli, tmp_path):
+    """A FLUX.2 kohya file on every linear (the stream modulations and the final layer too): diffusers' kohya
+    converter drops those modules ("Unsupported keys"), so it does not read the file as trained; converted with a
+    base it becomes a diffusers file diffusers reads exactly, the final layer's [shift, scale] halves swapped."""
+    from family_cases import Lora, linears, spell
+
+    case, model, folder, single, lora, base, want, _ = built("flux2")
+    g = torch.Generator().manual_seed(12)
+    extra = {}
+    for name in ("double_stream_modulation_img.linear", "single_stream_modulation.linear", "norm_out.linear"):
+        out, inp = linears(model)[name]
+        extra[name] = (torch.randn(lora.rank, inp, generator=g) * 0.3, torch.randn(out, lora.rank, generator=g) * 0.3)
+    half = extra["norm_out.linear"][1].shape[0] // 2
+    swapped = torch.cat([extra["norm_out.linear"][1][half:], extra["norm_out.linear"][1][:half]])
+    original = dict(lora.original) | {
+        "double_stream_modulation_img.lin": extra["double_stream_modulation_img.linear"],
+        "single_stream_modulation.lin": extra["single_stream_modulation.linear"],
+        "final_layer.adaLN_modulation.1": (extra["norm_out.linear"][0], swapped),  # BFL order: [shift, scale]
+    }
+    whole = Lora(original, dict(lora.diffusers) | extra)
+    expect = expected(base, whole)
+    sd, _ = spell(whole, "kohya/original")
+    source = save(sd, tmp_path / "flux2_kohya.safetensors")
+    theirs = diffusers_merge(case, model, source)
+    assert any(not torch.allclose(theirs[k], v) for k, v in expect.items())  # the extra modules are lost
+    code, log, err = cli("convert", "--adapter", source, "--to", "diffusers", "--base", folder, "--out", tmp_path / "d")
+    assert code == 0, err
+    _close(diffusers_merge(case, model, tmp_path / "d" / "pytorch_lora_weights.safetensors"), expect, "converted")
+    code, _, err = cli("merge", "--base", folder, "--adapter", source, "--out", tmp_path / "m")
+    assert code == 0, err
+    _close(read_component(tmp_path / "m", "transformer"), expect, "merged")
