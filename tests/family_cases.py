@@ -111,7 +111,7 @@ CASES = {
             "HunyuanVideoPipeline",
             # not single blocks' linear1: diffusers' LoRA converter splits it at HunyuanVideo's own width (3072)
             r"transformer_blocks\.\d+\.(attn\..*|ff(_context)?\..*)|single_transformer_blocks\.\d+\.proj_out",
-            ("comfyui/original", "kohya/original", "diffusers/diffusers", "diffusers/original", "bare/original"),
+            ("kohya/original", "comfyui/original", "diffusers/diffusers", "diffusers/original", "bare/original"),
             no_single_file_check="diffusers' single-file converter splits linear1 at HunyuanVideo's own width (3072)",
         ),
         Case(
