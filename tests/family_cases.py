@@ -71,7 +71,7 @@ CASES = {
             "Flux2Pipeline",
             r"(single_)?transformer_blocks\.\d+\..*",
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "comfyui/diffusers", "peft/diffusers",
-             "peft/original"),
+             "peft/original", "lycoris/diffusers", "onetrainer/diffusers"),
         ),
         Case(
             "qwen_image",
@@ -100,7 +100,7 @@ CASES = {
             "WanPipeline",
             r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))",
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "kohya/diffusers", "bare/diffusers",
-             "comfyui/diffusers"),
+             "comfyui/diffusers", "lycoris/diffusers"),
         ),
         Case(
             "hunyuan_video",
