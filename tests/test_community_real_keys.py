@@ -5,7 +5,8 @@ Each key set is written as a file of the same names (1x1 factors: only the names
 converter's reader, named (family and spelling) by `inspect`'s identification, and every denoiser module is looked
 up on the family's base in both layouts: a diffusers folder (the transformer built from the family's diffusers
 config on the meta device, full size, no memory) and the original single file (its keys from the keymap's
-aliases). Where the file's shapes are a real file's, each module's factors must fit the tensor it lands on.
+aliases). Where the file's shapes are a real file's, each module's factors must fit the tensor it lands on. FLUX.1
+files' text-encoder modules (CLIP-L lora_te1_, OneTrainer's T5 lora_te2_) are looked up on those encoders' keys.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def _shaped(key: str) -> bool:
     return any(_flat(p).fullmatch(stem) for km in all_keymaps() for p, _ in km.shapes)
 
 
+def _flux_text_encoders() -> dict[str, tuple[int, ...]]:
+    """FLUX.1's text encoders' keys as a pipeline folder holds them: CLIP-L's text model (transformers' default
+    config) and T5 v1.1's encoder (gated FFN, 24 blocks; small widths: names only), on the meta device."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    with torch.device("meta"):
+        clip = CLIPTextModel(CLIPTextConfig())
+        t5 = T5EncoderModel(T5Config(num_layers=24, feed_forward_proj="gated-gelu"))
+    return {f"{c}/{k}": tuple(v.shape) for c, m in (("text_encoder", clip), ("text_encoder_2", t5))
+            for k, v in m.state_dict().items()}  # fmt: skip
+
+
 def _tiny(keys: dict[str, list[int]], real: bool) -> dict[str, torch.Tensor]:
     """The key set with every tensor of its rank but size 1 (enough for the reader, nothing to store), except,
     in a real file's set, the few a shape rule reads."""
@@ -118,6 +131,12 @@ def test_real_key_set_resolves_on_both_layouts(name, tag, tmp_path):
                 f"{name}: {ap.native} ({out}x{cols}) on {', '.join(map(str, places))}")  # fmt: skip
             checked += 1
     assert entry["shapes"] != "real" or checked, "no module's shape was checked"
+    text = [ap for ap in adapter.patches if (ap.component or "").startswith("text_encoder")]
+    if family == "flux" and text:  # FLUX.1's CLIP-L (lora_te1_) and T5 (OneTrainer lora_te2_), on the encoders' keys
+        encoders = _flux_text_encoders()
+        resolver = DiffusionResolver(km, {c: (f"{c}/", {}) for c in ("text_encoder", "text_encoder_2")}, encoders)
+        for ap in text:
+            assert resolver.resolve_all(ap.module, ap.param, ap.component, ap.flat), f"{name}: {ap.native}"
 
 
 def _rows(places: list, shapes: dict) -> int:
