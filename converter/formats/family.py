@@ -12,7 +12,7 @@ family that fits is named.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 from converter.formats.base import Adapter, AdapterPatch
@@ -28,8 +28,6 @@ PREFIX_KINDS = {
     "unet.": "diffusers",
     "base_model.model.": "peft",
 }
-# What a `converter convert --to X` output is, in the same terms (targets' naming comes from the keymap).
-TARGET_KIND = {"kohya": "kohya", "comfyui": "comfyui", "diffusers": "diffusers", "peft": "peft"}
 # The tool each target format is for.
 TOOL_TARGET = {"diffusers": "diffusers", "comfyui": "comfyui", "kohya": "kohya"}
 
@@ -42,7 +40,6 @@ class Identity:
     candidates: list[str]  # every family whose names and shapes the file fits (several: the names do not tell)
     prefix: str  # kohya, onetrainer, lycoris, comfyui, diffusers, peft, bare
     naming: str | None  # original / diffusers; None for a family that names its modules alike in both
-    unmatched: list[str] = field(default_factory=list)  # module names no known family has
 
     @property
     def spelling(self) -> str:
@@ -131,13 +128,9 @@ def identify(adapter: Adapter) -> Identity | None:
     if len(fitting) == 1:
         km, naming = fitting[0]
         return Identity(km, [km.name], prefix, naming)
-    unmatched = []
-    if not fitting:
-        known = [(km, [p for ps in km.names.values() for p in ps]) for km in all_keymaps() if km.names]
-        unmatched = sorted({ap.module for ap in modules if not any(_fits(ps, ap.module, ap.flat) for _, ps in known)})
     namings = {naming for _, naming in fitting}
     naming = namings.pop() if len(namings) == 1 else None
-    return Identity(None, [km.name for km, _ in fitting], prefix, naming, unmatched[:5])
+    return Identity(None, [km.name for km, _ in fitting], prefix, naming)
 
 
 def convert_hint(identity: Identity, path: str) -> dict[str, str]:
