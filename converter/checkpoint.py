@@ -374,17 +374,37 @@ class SingleFileCheckpoint(Checkpoint):
         return DiffusionResolver(keymap, parts, keys)
 
 
-def open_base(path: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False) -> Checkpoint:
+def open_base(
+    path: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False, config: str | Path | None = None
+) -> Checkpoint:
     """A transformers-style model folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
-    training checkpoint (verl FSDP rank files, DCP; `lora_alpha` for the LoRA inside one, see converter.training)."""
+    training checkpoint from any folder of its run (verl, Megatron-LM, torchtitan, DCP; `lora_alpha` for the LoRA
+    inside one, `config` the Hugging Face config it lacks: see converter.training). A folder that is none of them
+    is refused in one line naming the layouts looked for."""
     from converter.keymap import diffusion_family
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        from converter.training import is_training_checkpoint, open_training
+    from converter.training.locate import is_shard_file
 
-        if is_training_checkpoint(path):
-            return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle)
+    bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
+    if bare or is_shard_file(path):
+        from converter.training import open_training
+        from converter.training.locate import NotFound
+
+        try:
+            return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
+        except NotFound as e:
+            if (path / "adapter_config.json").is_file():
+                raise ConverterError(
+                    f"{path}: an adapter (adapter_config.json), not a model: give it as --adapter, with the model it "
+                    "was trained on as --base"
+                ) from None
+            if not any(path.glob("*.safetensors")):
+                raise ConverterError(f"{e}; nor a model folder: no config.json") from None
+    if config is not None:
+        raise ConverterError(
+            f"--config {config}: it is for training checkpoints without a Hugging Face config; {path} is not one"
+        )
     if path.is_dir() and (path / "model_index.json").is_file():
         try:
             index = json.loads((path / "model_index.json").read_text())

@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
     i.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+    i.add_argument("--config", help=CONFIG_HELP)
 
     m = sub.add_parser("merge", help="merge adapters into a base model")
     _merge_options(m)
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--adapter", action="append", default=[], help="adapter (repeatable; default: from the recipe)")
     v.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter")
     v.add_argument("--report", help="also write the JSON report here")
+    v.add_argument("--config", help=CONFIG_HELP)
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
 
@@ -100,6 +102,12 @@ def _convert_parser(sub) -> None:
     c.add_argument("--lora-alpha", type=_alpha, help=LORA_ALPHA_HELP)
     c.add_argument("--no-verify", action="store_true", help="skip reading the output back and comparing its ΔW")
     c.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+
+
+CONFIG_HELP = (
+    "a training checkpoint without its Hugging Face config (torchtitan, Megatron-LM): the base model's folder or "
+    "its config.json (tokenizer files beside it are carried over)"
+)
 
 
 LORA_ALPHA_HELP = (
@@ -173,7 +181,10 @@ def _verify_settings(args: argparse.Namespace) -> dict:
 
 def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help="a recipe YAML (command-line options override it)")
-    p.add_argument("--base", help="base model: folder or Hub id org/name[@revision]")
+    p.add_argument(
+        "--base", help="base model: folder or Hub id org/name[@revision], or a training run's checkpoint folder"
+    )
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument(
         "--adapter", action="append", default=[], help="adapter folder/file or Hub id (repeatable, in order)"
     )
@@ -244,8 +255,13 @@ def _recipe_from_args(args: argparse.Namespace):
         if args.lora_alpha:
             raise UsageError("with --recipe, give lora_alpha in the recipe (per adapter), not --lora-alpha")
     else:
-        if not args.base or not (args.adapter or _training_base(args.base)):
-            raise UsageError("merge needs --base and at least one --adapter (or --recipe FILE)")
+        if not args.base:
+            raise UsageError("merge needs --base (and --adapter, unless the base is a training checkpoint) or --recipe")
+        if not args.adapter and not _training_base(args.base):
+            raise UsageError(
+                f"merge needs at least one --adapter: {args.base} is a model (only a training checkpoint, whose "
+                "weights are the result, merges without one)"
+            )
         alphas = getattr(args, "lora_alpha", [])
         if not args.adapter and alphas:  # a training checkpoint alone: --lora-alpha is for the LoRA inside it
             if len(alphas) > 1:
@@ -262,6 +278,8 @@ def _recipe_from_args(args: argparse.Namespace):
             setattr(recipe, field, getattr(args, field))
     recipe.allow_unmatched = recipe.allow_unmatched or args.allow_unmatched
     recipe.allow_pickle = recipe.allow_pickle or args.allow_pickle
+    if args.config:
+        recipe.base_config = args.config
     return recipe
 
 
@@ -283,17 +301,16 @@ def _keep_adapter(args: argparse.Namespace) -> int:
     if not args.out:
         raise UsageError("--keep-adapter needs --out (a folder: OUT/base and OUT/adapter are written there)")
     keep_adapter(recipe.base, Path(args.out), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle,
-                 force=args.force, log=_log)  # fmt: skip
+                 force=args.force, log=_log, config=recipe.base_config)  # fmt: skip
     return 0
 
 
 def _training_base(base: str) -> bool:
-    """A training checkpoint (verl FSDP / DCP) is a complete model by itself: it needs no --adapter."""
-    from pathlib import Path
+    """A training checkpoint is a complete model by itself: it needs no --adapter (a folder that is no model at all
+    is taken as one too, so that opening it says which layouts were looked for)."""
+    from converter.training import is_training_base
 
-    from converter.training import is_training_checkpoint
-
-    return is_training_checkpoint(Path(base))
+    return is_training_base(base)
 
 
 def _log(msg: str) -> None:
@@ -304,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from converter.describe import inspect_path, render
 
-        info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token)
+        info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
         print(render(info, as_json=args.json))
         return 0
     if args.command in ("merge", "push"):
@@ -350,6 +367,8 @@ def run(args: argparse.Namespace) -> int:
                     f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
                     "unmerged sum of the adapters, which that merge is not meant to equal"
                 )
+        if args.config:
+            recipe.base_config = args.config
         verify_folder(
             args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
         )

@@ -18,7 +18,7 @@ from converter.sources import Source, fetch, parse_source
 from converter.units import human_bytes
 
 
-def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None) -> dict:
+def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None, config: str | None = None) -> dict:
     source = parse_source(spec)
     if source.local is None:
         return inspect_hub(source, allow_pickle, token)
@@ -27,8 +27,8 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
         return inspect_diffusion(path)
     from converter.training import is_training_checkpoint
 
-    if not (path / "config.json").is_file() and is_training_checkpoint(path):
-        return inspect_training(path, allow_pickle)
+    if is_training_checkpoint(path):
+        return inspect_training(path, allow_pickle, config)
     if path.is_dir() and (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         return inspect_model(path)
     try:
@@ -100,17 +100,19 @@ def inspect_model(path: Path) -> dict:
     )
 
 
-def inspect_training(path: Path, allow_pickle: bool) -> dict:
-    """A training checkpoint (verl FSDP / DCP): the model it holds, from the shards' metadata only."""
+def inspect_training(path: Path, allow_pickle: bool, config: str | None = None) -> dict:
+    """A training checkpoint (verl, Megatron-LM, torchtitan, DCP): the model it holds, from the shards' metadata."""
     from converter.training import open_training
 
-    ckpt = open_training(path, allow_pickle=allow_pickle)
+    ckpt = open_training(path, allow_pickle=allow_pickle, config=config)
     dtypes = Counter()
     for key in ckpt.names():
         info = ckpt.info(key)
         dtypes[info.dtype] += info.numel
     shards = [f.path.name for f in ckpt.files]
     summary = _model_summary(str(path), ckpt.config, dtypes, len(ckpt.names()), shards, ckpt.total_bytes)
+    if not hasattr(ckpt, "source"):  # its weights are a Hugging Face folder inside (verl with Megatron-Bridge)
+        return {**summary, "layout": "Hugging Face folder", "notes": ckpt.notes}
     return {**summary, "layout": ckpt.source.kind, "notes": ckpt.notes}
 
 

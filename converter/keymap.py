@@ -74,6 +74,7 @@ class RenameRule:
     groups: str = "1"  # row blocks (KV groups of an interleaved qkv)
     rows: list[str] | None = None  # rows of each part within a block, in `to` order
     parallel: str = "replicated"  # legacy tensor-parallel shards: "column" (dim 0), "row" (dim 1), "replicated"
+    rope: str | None = None  # heads whose rotary pairs are adjacent rows (torchtitan's Llama), not two halves
 
 
 @dataclass
@@ -169,6 +170,7 @@ class Keymap:
                     str(r.get("split", {}).get("groups", 1)),
                     [str(x) for x in r["split"]["rows"]] if "split" in r else None,
                     r.get("parallel", "replicated"),
+                    str(r["rope"]) if "rope" in r else None,
                 )
                 for r in data.get("renames", [])
             ],

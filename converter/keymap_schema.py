@@ -134,11 +134,12 @@ def choice(*allowed: str) -> Check:
 
 # Training-checkpoint names -> transformers names (Megatron-Core): one source tensor to one or several keys; a
 # `split` cuts its rows into `groups` blocks of `rows` each, part i of every block going to `to[i]`. `parallel`
-# says how tensor-parallel ranks of the legacy layout hold it: column (dim 0), row (dim 1), replicated.
+# says how tensor-parallel ranks of the legacy layout hold it: column (dim 0), row (dim 1), replicated. `rope`: the
+# rows hold that many heads whose rotary pairs are adjacent (torchtitan's Llama), reordered to transformers' halves.
 _SPLIT = record({"groups": expr, "rows": list_of(expr)}, required=("rows",))
 _RENAME = record(
     {"from": regex, "to": one_of((text, str), (list_of(text), list), what="a key template or a list"),
-     "split": _SPLIT, "parallel": choice("column", "row", "replicated")},
+     "split": _SPLIT, "parallel": choice("column", "row", "replicated"), "rope": expr},
     required=("from", "to"),
 )  # fmt: skip
 _FUSED = record({"module": regex, "into": text, "parts": map_of(expr)}, required=("module", "into", "parts"))

@@ -97,7 +97,9 @@ def _merge(
     log: Callable[[str], None],
     task_merge=None,
 ) -> MergeResult:
-    original = checkpoint = open_base(base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
+    original = checkpoint = open_base(
+        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
+    )
     if quant and checkpoint.diffusion:
         raise ConverterError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "

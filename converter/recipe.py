@@ -70,6 +70,8 @@ class Recipe:
     seed: int | None = None
     # A training checkpoint as the base (converter.training) may hold a LoRA whose alpha its files do not record.
     base_lora_alpha: float | None = None
+    # ... and may lack its Hugging Face config (torchtitan, Megatron-LM): a folder or config.json that describes it.
+    base_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.qlora_base not in ("original", "dequantized"):
@@ -170,6 +172,7 @@ _TYPES = {
     "qlora_blocksize": (int,),
     "qlora_double_quant": (bool,),
     "base_lora_alpha": (int, float),
+    "base_config": (str,),
 }
 
 
@@ -184,7 +187,7 @@ def _check_types(entry: dict, cls: type, what: str, where: str) -> None:
             bad = not all(isinstance(p, str) for p in value)
         if key == "weight" and isinstance(value, dict) and not bad:
             bad = not all(_is_number(w) for w in value.values())
-        if value is None and key in ("dtype", "out", "lora_alpha", "base_lora_alpha"):
+        if value is None and key in ("dtype", "out", "lora_alpha", "base_lora_alpha", "base_config"):
             bad = False
         if bad:
             want = " or ".join(
@@ -200,6 +203,6 @@ def _relative_to(spec: str, here: Path) -> str:
 
 
 def _is_training_checkpoint(base: str | None) -> bool:
-    from converter.training import is_training_checkpoint
+    from converter.training import is_training_base
 
-    return bool(base) and is_training_checkpoint(Path(base))
+    return is_training_base(base)

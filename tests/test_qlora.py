@@ -266,7 +266,9 @@ def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, 
     assert code == 0, out + err
     report = json.loads((tmp_path / "right" / "verification.json").read_text())
     tol, noise = report["tolerance"], report["tolerance"]["kernel_noise_mean_kl"]
-    assert report["verdict"] == "pass" and noise > 0
+    # bitsandbytes computes in bfloat16 only where the CPU has bf16 instructions; elsewhere its kernels are exact
+    # and the measured noise is 0 (the threshold is then rounding alone)
+    assert report["verdict"] == "pass" and noise >= 0
     assert tol["mean_kl"] == pytest.approx(tolerance("F32", "F32")["mean_kl"] + NOISE_MARGIN * noise)
     right = report["merged_vs_reference"]["mean_kl"]
     assert right <= tol["mean_kl"] and "4-bit kernels, measured" in report["markdown"]

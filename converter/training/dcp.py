@@ -23,6 +23,10 @@ ALLOWED = {
         "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core 0.16 keeps every rank's save plan in the metadata (`all_local_plans`): plain planner records
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+    },
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"} | {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)},
     "collections": {"OrderedDict"},
@@ -30,8 +34,39 @@ ALLOWED = {
 }  # fmt: skip
 
 
+# Megatron-Core up to 0.15 pickles `.metadata` as its own Metadata subclass and each rank's plan as its own SavePlan
+# subclass (extra field `mcore_data`, plain data); they are read into stand-ins of that shape, so Megatron need not
+# be installed (or imported: no code of it runs).
+MCORE = "megatron.core.dist_checkpointing.strategies.torch"
+
+
+def _mcore_standin(name: str) -> type | None:
+    from dataclasses import dataclass
+
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    if name == "MCoreMetadata":
+
+        @dataclass
+        class MCoreMetadata(Metadata):
+            mcore_data: dict | None = None
+
+        return MCoreMetadata
+    if name == "MCoreSavePlan":
+
+        @dataclass(frozen=True)
+        class MCoreSavePlan(SavePlan):
+            mcore_data: dict | None = None
+
+        return MCoreSavePlan
+    return None
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if module == MCORE and (standin := _mcore_standin(name)) is not None:
+            return standin
         if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
@@ -105,11 +140,17 @@ class DcpSource:
     def storage_of(self, name: str) -> tuple:
         return tuple(sorted((str(i.relative_path), i.offset) for _, i in self.where[name]))
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The tensor, or `tensor[index]` (leading dims fixed: one layer of a stacked Megatron tensor) reading only
+        the chunks that hold it."""
         m = self.tensors[name]
-        out = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        lead = len(index)
+        out = torch.empty(tuple(m.size)[lead:], dtype=m.properties.dtype)
         sizes = {tuple(c.offsets): tuple(c.sizes) for c in m.chunks}
         for offsets, info in self.where[name]:
+            shape = sizes.get(offsets)
+            if shape is not None and not all(o <= i < o + n for i, o, n in zip(index, offsets, shape, strict=False)):
+                continue
             with open(self.folder / info.relative_path, "rb") as f:
                 f.seek(info.offset)
                 blob = f.read(info.length)
@@ -121,10 +162,13 @@ class DcpSource:
                 raise ConverterError(
                     f"{self.folder / info.relative_path}: tensor {name}: chunk unreadable ({type(e).__name__})"
                 ) from None
-            shape = sizes.get(offsets, tuple(chunk.shape))
+            shape = shape or tuple(chunk.shape)
+            chunk = chunk.reshape(shape)
+            for i, o in zip(index, offsets, strict=False):
+                chunk = chunk[i - o]
             view = out
-            for dim, (start, n) in enumerate(zip(offsets, shape, strict=True)):
+            for dim, (start, n) in enumerate(zip(offsets[lead:], shape[lead:], strict=True)):
                 view = view.narrow(dim, start, n)
-            view.copy_(chunk.reshape(shape))
+            view.copy_(chunk)
             del blob, chunk
         return out

@@ -56,7 +56,7 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
             keys.append((f"{PEFT_PREFIX}{module}.{role}.weight", key, info))
         ranks.add(ckpt.source.shape(a_key)[0])
     parameters = []
-    for name, (a_key, b_key, _, experts, module) in ckpt.expert_lora.items():
+    for name, (a_key, b_key, _, experts, module, _) in ckpt.expert_lora.items():
         parameters.append(name)  # PEFT nests one wrapper per parameter: its keys keep the nesting (`base_layer.`)
         for key, role in ((a_key, "lora_A"), (b_key, "lora_B")):
             keys.append((f"{PEFT_PREFIX}{module}.{role}.weight", key, ckpt.source_info(key)))
@@ -88,13 +88,13 @@ def write_unmerged(ckpt: TrainingCheckpoint, out: Path) -> tuple[Path, Path | No
 
 def keep_adapter(
     base: Path, out: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False, force: bool = False,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, config: str | Path | None = None,
 ) -> tuple[Path, Path]:  # fmt: skip
     """`converter merge --keep-adapter`: the training checkpoint's base weights as stored in `out/base` (a model
     folder) and its LoRA as a PEFT folder in `out/adapter`, both appearing at once (one rename) or not at all."""
     from converter.checkpoint import open_base
 
-    ckpt = open_base(Path(base), lora_alpha=lora_alpha, allow_pickle=allow_pickle)
+    ckpt = open_base(Path(base), lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
     if not isinstance(ckpt, TrainingCheckpoint):
         raise UsageError(f"--keep-adapter is for training checkpoints with a LoRA inside; {base} is not one")
     if not ckpt.lora and not ckpt.expert_lora:

@@ -21,7 +21,18 @@ def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Call
     from converter.checkpoint import open_base
     from converter.training.unmerged import write_unmerged
 
-    ckpt = open_base(Path(recipe.base), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle)
+    ckpt = open_base(
+        Path(recipe.base),
+        lora_alpha=recipe.base_lora_alpha,
+        allow_pickle=recipe.allow_pickle,
+        config=recipe.base_config,
+    )
+    from converter.training.view import TrainingCheckpoint
+
+    if not isinstance(ckpt, TrainingCheckpoint):  # the run's weights are a Hugging Face folder inside it
+        plain = copy.deepcopy(recipe)
+        plain.base, plain.base_config = str(ckpt.folder), None
+        return verify(folder, plain, log=log, **kw)
     if not ckpt.lora and not ckpt.expert_lora and not recipe.adapters:
         return _skipped(
             "there is nothing to compare with (no LoRA in the checkpoint, no adapters): the base was reassembled "

@@ -31,30 +31,12 @@ LORA_ROLES = (  # (suffix, role): verl keeps PEFT's adapter name ("default") in 
     (".base_layer.weight", "weight"),
     (".base_layer.bias", "bias"),
 )
+# Model types whose transformers experts module keeps its 3D tensors (E, in, out) (`is_transposed=True` in
+# transformers 5); PEFT's target_parameters LoRA then gives ΔW[e] = (B_e @ A_e)ᵀ. The others store (E, out, in).
+TRANSPOSED_EXPERTS = {"gpt_oss", "aria", "openai_privacy_filter"}
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+NESTED = re.compile(r"(?:\.base_layer)+\.(?=\w+_bias$)")  # `experts.base_layer.base_layer.gate_up_proj_bias`
 UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "lora_dropout")
-ROLES_DIR = ("actor", "critic")
-
-
-def actor_folder(path: Path) -> Path:
-    """`global_step_N/` → its `actor/` (or `critic/` when there is no actor); anything else as given."""
-    if path.is_dir() and not _has_weights(path):
-        for sub in ROLES_DIR:
-            if (path / sub).is_dir() and _has_weights(path / sub):
-                return path / sub
-    return path
-
-
-def _has_weights(folder: Path) -> bool:
-    return (
-        (folder / ".metadata").is_file()
-        or any(folder.glob("model_world_size_*_rank_*.pt"))
-        or any(folder.glob("mp_rank_*/model_optim_rng.pt"))
-    )
-
-
-def is_training_checkpoint(path: Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and _has_weights(actor_folder(path))
 
 
 class _RankFile:
@@ -97,12 +79,16 @@ class TrainingCheckpoint(Checkpoint):
     parts = (Part(),)
     diffusion = None
 
-    def __init__(self, folder: Path, source, *, lora_alpha: float | None = None):  # noqa: D107 - no super()
-        self.weights_folder = Path(folder)
+    def __init__(
+        self, folder: Path, source, *, lora_alpha: float | None = None, config_file: Path | None = None,
+        notes: tuple[str, ...] = (),
+    ):  # fmt: skip  # noqa: D107 - no super()
+        self.weights_folder = Path(folder)  # verl's actor/ (or critic/, or the step folder): LoRA meta files there
         self.source = source
-        self.notes: list[str] = []
-        self.config: dict = self.read_config(self.weights_folder)
-        self.folder = self.weights_folder / "huggingface"
+        self.notes: list[str] = list(notes)
+        config_file = Path(config_file) if config_file else self.weights_folder / "huggingface" / "config.json"
+        self.config: dict = self.read_config(config_file)
+        self.folder = config_file.parent  # config, tokenizer, generation config: carried over from here
         self._build_names(lora_alpha)
         infos = {n: self._info(n) for n in self._order}
         files = [Path(p) for p in source.files]
@@ -110,18 +96,17 @@ class TrainingCheckpoint(Checkpoint):
         self.where = dict.fromkeys(infos, self.files[0])
         self._infos = infos
         self.notes.insert(
-            0,
+            len(notes),
             f"base reassembled from {source.kind} shards ({len(files)} files, read weights-only, one tensor at a time)",
         )
 
     @staticmethod
-    def read_config(folder: Path) -> dict:
-        """`huggingface/config.json` beside the weights, where verl saves the model's config and tokenizer."""
-        config_path = Path(folder) / "huggingface" / "config.json"
+    def read_config(config_path: Path) -> dict:
+        """The model's config.json (verl saves it, with the tokenizer, in huggingface/ beside the weights)."""
         if not config_path.is_file():
             raise ConverterError(
-                f"{folder}: training checkpoint without huggingface/config.json (verl saves the model's config, "
-                f"tokenizer and generation config there); copy the base model's config.json into {config_path.parent}"
+                f"{config_path.parent.parent}: training checkpoint without huggingface/config.json; give --config "
+                "with the base model's folder or its config.json"
             )
         try:
             return json.loads(config_path.read_text())
@@ -144,12 +129,12 @@ class TrainingCheckpoint(Checkpoint):
                 if bare.endswith(suffix):
                     groups.setdefault(bare[: -len(suffix)], {})[role] = key
                     break
-            else:
-                plain[bare] = key
+            else:  # a wrapped module's other parameters sit under its base_layer(s) (PEFT ParamWrapper nesting)
+                plain[bare if ".lora_" in bare else NESTED.sub(".", bare)] = key
         self._map: dict[str, str] = {}
         self._lora: dict[str, tuple[str, str, float]] = {}
-        # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT module name of the wrapper)
-        self._experts: dict[str, tuple[str, str, float, int, str]] = {}
+        # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module, stored (E, in, out))
+        self._experts: dict[str, tuple[str, str, float, int, str, bool]] = {}
         self.alpha: tuple[float, bool, str, int | None] | None = None
         ranks = set()
         alpha = None
@@ -159,12 +144,12 @@ class TrainingCheckpoint(Checkpoint):
             if "weight" not in roles and "A" in roles:  # PEFT target_parameters: a LoRA on a 3D expert tensor
                 if alpha is None:
                     alpha = self.alpha = self._alpha(lora_alpha)
-                name, key, experts = self._expert_target(module, roles, plain)
+                name, key, experts, transposed = self._expert_target(module, roles, plain)
                 r = self.source.shape(roles["A"])[0] // experts
                 ranks.add(r)
                 self._map[name] = key
                 scale = lora_scale(alpha[0], r, alpha[1])
-                self._experts[name] = (roles["A"], roles["B"], scale, experts, module)
+                self._experts[name] = (roles["A"], roles["B"], scale, experts, module, transposed)
                 continue
             if "weight" not in roles:
                 raise ConverterError(f"{self.weights_folder}: module {module} has a base_layer but no base weight")
@@ -184,6 +169,7 @@ class TrainingCheckpoint(Checkpoint):
         self._map.update(plain)
         order = {k: i for i, k in enumerate(self.source.names())}
         self._order = sorted(self._map, key=lambda n: order[self._map[n]])
+        self._check_layers()
         self._drop_tied_head()
         if heads := [n for n in self._order if n.startswith("v_head.")]:
             self.notes.append(
@@ -206,32 +192,33 @@ class TrainingCheckpoint(Checkpoint):
                 f"written as stored unless --dtype {declared} is given"
             )
 
-    def _expert_target(self, module: str, roles: dict[str, str], plain: dict[str, str]) -> tuple[str, str, int]:
+    def _expert_target(self, module: str, roles: dict[str, str], plain: dict[str, str]) -> tuple[str, str, int, bool]:
         """The 3D parameter a target_parameters LoRA acts on. PEFT nests one wrapper per parameter
         (`experts.base_layer.lora_A` is the inner one, the parameter itself `experts.base_layer.base_layer.<p>`), so
-        the pairing comes from shapes: A is (r·E, in), B (out, r·E), the parameter (E, out, in)."""
+        the pairing comes from shapes: A is (r·E, in), B (out, r·E), the parameter (E, out, in), or (E, in, out)
+        where the experts module stores it transposed (GPT-OSS: PEFT then gives ΔW[e] transposed)."""
         root = re.sub(r"(\.base_layer)+$", "", module)
         pattern = re.compile(re.escape(root) + r"(?:\.base_layer)+\.(\w+)")
         (rows, inp), out = self.source.shape(roles["A"]), self.source.shape(roles["B"])[0]
-        fits, transposed = [], []
+        transposed = self.config.get("model_type") in TRANSPOSED_EXPERTS
+        want = (inp, out) if transposed else (out, inp)
+        fits = []
         for bare, key in plain.items():
-            if (m := pattern.fullmatch(bare)) and len(shape := self.source.shape(key)) == 3:
-                if shape[1:] == (out, inp) and rows % shape[0] == 0:
-                    fits.append((m.group(1), bare, key, shape[0]))
-                elif shape[1:] == (inp, out):
-                    transposed.append(bare)
+            shape = self.source.shape(key)
+            if (m := pattern.fullmatch(bare)) and len(shape) == 3 and shape[1:] == want and rows % shape[0] == 0:
+                fits.append((m.group(1), bare, key, shape[0]))
         if len(fits) != 1:
+            layout = "(experts, in, out)" if transposed else "(experts, out, in)"
             why = (
                 f"several parameters fit its shapes ({', '.join(f[1] for f in fits)})"
                 if fits
-                else f"{transposed[0]} is stored (experts, in, out), which is not supported yet"
-                if transposed
-                else "no base_layer.weight and no (experts, out, in) parameter it fits"
+                else f"no base_layer.weight and no {layout} parameter it fits ({self.config.get('model_type')} "
+                "stores its experts that way)"
             )
             raise ConverterError(f"{self.weights_folder}: LoRA {roles['A']}: {why}")
         param, bare, key, experts = fits[0]
         del plain[bare]
-        return f"{root}.{param}", key, experts
+        return f"{root}.{param}", key, experts, transposed
 
     def _alpha(self, explicit: float | None) -> tuple[float, bool, str, int | None]:
         """(lora_alpha, use_rslora, where it came from, r the meta file declares): --lora-alpha, then
@@ -260,6 +247,17 @@ class TrainingCheckpoint(Checkpoint):
             "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
         )
 
+    def _check_layers(self) -> None:
+        """The layers the checkpoint holds are the ones config.json describes (else: another model's config)."""
+        text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
+        declared = self.config.get("num_hidden_layers", text.get("num_hidden_layers"))
+        held = {int(m.group(1)) for n in self._order if (m := LAYER.match(n))}
+        if declared is not None and held and held != set(range(declared)):
+            raise ConverterError(
+                f"{self.weights_folder}: the checkpoint holds {len(held)} layers (up to {max(held)}) but its config "
+                f"says num_hidden_layers {declared}: another model's config?"
+            )
+
     def _drop_tied_head(self) -> None:
         """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
         either side unties them (as PEFT's merge does): both are written and config.json says so."""
@@ -284,8 +282,8 @@ class TrainingCheckpoint(Checkpoint):
                 )
 
     @property
-    def expert_lora(self) -> dict[str, tuple[str, str, float, int, str]]:
-        """Fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module)."""
+    def expert_lora(self) -> dict[str, tuple[str, str, float, int, str, bool]]:
+        """Fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module, stored (E, in, out))."""
         return dict(self._experts)
 
     @property
@@ -324,9 +322,11 @@ class TrainingCheckpoint(Checkpoint):
     def read(self, name: str) -> torch.Tensor:
         t = self.source.read(self._map[name])
         if name in self._experts:
-            a_key, b_key, scale, experts, _ = self._experts[name]
+            a_key, b_key, scale, experts, _, transposed = self._experts[name]
             w = t.to(torch.float32, copy=True)
             delta = patches.expert_delta(self.source.read(a_key).float(), self.source.read(b_key).float(), experts)
+            if transposed:
+                delta = delta.transpose(1, 2)
             return w.add_(delta, alpha=scale).to(t.dtype)
         if name not in self._lora:
             return t
