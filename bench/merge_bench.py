@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import filecmp
 import json
 import math
 import os
@@ -44,6 +45,10 @@ TOOLS = {
 # `converter merge` verifies its output by default (since the CLI has --no-verify): (a) is the merge alone, the
 # comparison the targets are about; this extra run, once per benchmark, is what the default command costs.
 VERIFY_RUN = "converter-verify"
+# (e), with --baseline REF: `converter merge --no-verify` of another commit's tree, the same way as (a). The
+# default is the last commit of the float32 torch path, before the numpy path replaced it.
+BASELINE_RUN = "baseline"
+BASELINE_REF = "0385150"
 LABELS = {**TOOLS, VERIFY_RUN: "(a') `converter merge`, default: merge + verification"}
 MiB = 2**20
 CAPS_MIB = (512, 1024)
@@ -51,7 +56,7 @@ RUN_TIMEOUT_S = 3600
 # Near its cap a process can thrash (code pages evicted and re-read) for a very long time instead of being killed.
 CAP_TIMEOUT_S = 300
 TARGET_SPEEDUP = 5.0  # the project's targets for the merge: converter vs PEFT
-TARGET_FLOOR = 2.0  # converter within this factor of the floor (copy + interpreter start)
+TARGET_FLOOR = 3.0  # converter within this factor of the floor (copy + interpreter start)
 TARGET_CAP_MIB = 512  # converter must finish under this memory cap
 
 # The PEFT way, exactly as a user would write it. Phase times go to stdout (the run's log) for the diagnosis.
@@ -168,6 +173,7 @@ class Comparison:
     ref_elements: int = 0
     converter_off_ref: int = 0  # elements not equal to the correctly rounded float64 result
     peft_off_ref: int = 0
+    numpy_path_identical: bool | None = None  # (a) vs the same merge with CONVERTER_NO_KERNEL=1, file bytes
 
 
 # ---------------------------------------------------------------------------------------------------------- inputs
@@ -354,7 +360,7 @@ def run_capped(
             note = f"could not create a capped memory cgroup under {root} ({e})"
             print(f"memory caps skipped: {note}", flush=True)
             return None, note
-        note = f"groups under `{root}`, `memory.limit_in_bytes` = " + (
+        note = "child groups of this process's memory group, `memory.limit_in_bytes` = " + (
             "`memory.memsw.limit_in_bytes` (RAM + swap: no escape to swap)"
             if has_memsw
             else "the cap (no memsw file: swap, if any, is not limited)"
@@ -553,7 +559,9 @@ def render(
     seen: dict[tuple[str, str], int] = {}
     for r in runs:
         seen[r.name, r.cache] = seen.get((r.name, r.cache), 0) + 1
-        label = LABELS[r.name] + (f" #{seen[r.name, r.cache]}" if repeats > 1 and r.name in TOOLS else "")
+        label = LABELS[r.name] + (
+            f" #{seen[r.name, r.cache]}" if repeats > 1 and r.name in (*TOOLS, BASELINE_RUN) else ""
+        )
         lines.append(
             f"| {label} | {r.cache} | {r.rc} | {r.wall_s:.2f} | {r.wall_s + r.sync_s:.2f} | {r.cpu_s:.2f} "
             f"| {r.peak_rss_mib:.0f} | {r.load1:.2f} |"
@@ -572,6 +580,15 @@ def render(
             f"{floor + copy.sync_s:.2f} s: {(conv.wall_s + conv.sync_s) / (floor + copy.sync_s):.2f}x); "
             f"PEFT / converter peak RSS {peft.peak_rss_mib / conv.peak_rss_mib:.1f}x",
         ]
+    for c in caches:
+        baseline = [r for r in runs if r.name == BASELINE_RUN and r.cache == c]
+        if baseline:
+            old = min(baseline, key=lambda r: r.wall_s)
+            conv = best["converter", c]
+            lines.append(
+                f"- {c}: {LABELS[BASELINE_RUN]} / converter time **{old.wall_s / conv.wall_s:.2f}x** "
+                f"(CPU time {old.cpu_s / conv.cpu_s:.2f}x); its peak RSS {old.peak_rss_mib:.0f} MiB"
+            )
     if verify_run:
         peft = best["peft", verify_run.cache]
         lines.append(
@@ -611,6 +628,8 @@ def render(
         f"{cmp.elements_differing:,} of {cmp.elements:,} ({_pct(cmp.elements_differing, cmp.elements)}); "
         f"max abs difference: {cmp.max_abs_diff:.3g}",
         f"- tensors the merge changed (converter output vs base): {cmp.changed_vs_base}",
+        "- (a)'s weight files vs the same merge on numpy alone (`CONVERTER_NO_KERNEL=1`): "
+        + {True: "**byte-identical**", False: "**DIFFERENT**", None: "not compared"}[cmp.numpy_path_identical],
     ]
     if cmp.ref_tensors:
         lines.append(
@@ -821,6 +840,10 @@ def main(argv: list[str] | None = None) -> int:
         "--huge", type=float, default=0, metavar="GB",
         help="also merge a synthetic model of GB gigabytes (larger than RAM) under the cap, vs cp under it",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline", default=BASELINE_REF, metavar="REF",
+        help=f"also run `converter merge` of this git ref's tree, (e) (default {BASELINE_REF}: the torch path)",
+    )  # fmt: skip
     parser.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
     parser.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md", help="where results are appended")
     args = parser.parse_args(argv)
@@ -865,6 +888,14 @@ def main(argv: list[str] | None = None) -> int:
         else [sys.executable, "-c", "import converter.cli, converter.merge"],
     }
     outputs = {"converter": out_conv, "peft": out_peft, "copy": out_copy, "imports": work / "out-none"}
+    if args.baseline:
+        tree = baseline_tree(args.baseline, work)
+        LABELS[BASELINE_RUN] = f"(e) `converter merge` of {args.baseline}"
+        run_tree = f"import sys; sys.path.insert(0, {str(tree)!r}); from converter.cli import main; sys.exit(main())"
+        old = [sys.executable, "-c", run_tree, *merge_cmd(work / "out-baseline")[len(converter_cmd) :]]
+        if "--no-verify" not in (tree / "converter" / "cli.py").read_text():  # a CLI from before verification
+            old = [a for a in old if a != "--no-verify"]
+        commands[BASELINE_RUN], outputs[BASELINE_RUN] = old, work / "out-baseline"
     out_verify = work / "out-converter-verify"
     verify_run = verifies and not args.skip_verify_run
 
@@ -936,6 +967,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print("comparing outputs tensor by tensor ...", flush=True)
     cmp = compare_outputs(out_conv, out_peft, base, adapter)
+    # The same merge on numpy alone (no compiled fused step, converter.npkernel): the output must be the same bytes.
+    out_numpy = work / "out-converter-numpy"
+    shutil.rmtree(out_numpy, ignore_errors=True)
+    numpy_rc = subprocess.call([*merge_cmd(out_numpy)], env=os.environ | {"CONVERTER_NO_KERNEL": "1"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+    cmp.numpy_path_identical = numpy_rc == 0 and all(
+        filecmp.cmp(f, out_numpy / f.name, shallow=False) for f in sorted(out_conv.glob("*.safetensors"))
+    )
+    shutil.rmtree(out_numpy, ignore_errors=True)
     shutil.rmtree(out_conv, ignore_errors=True)
     shutil.rmtree(out_peft, ignore_errors=True)
 
@@ -952,6 +992,17 @@ def main(argv: list[str] | None = None) -> int:
             f.write(section + "\n")
         print(f"appended to {args.results}")
     return 0
+
+
+def baseline_tree(ref: str, work: Path) -> Path:
+    """`git archive` of `ref`'s converter package and keymaps, made once."""
+    tree = work / f"baseline-{ref}"
+    if not (tree / "converter").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(BENCH_DIR.parent), "archive", ref, "converter", "keymaps"],
+                                 capture_output=True, check=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
 
 
 def _param_count(base: Path) -> str:

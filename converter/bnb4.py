@@ -124,13 +124,15 @@ def quantized_names(specs: list[OutSpec], skip: Callable[[str], bool]) -> set[st
 class Quantizing4bitWriter:
     """A ShardedWriter whose `quantized` tensors arrive as usual (full precision) and are stored in 4 bits."""
 
-    def __init__(self, folder: Path, specs: list[OutSpec], max_shard_bytes: int, quant: Quant4, quantized: set):
+    def __init__(
+        self, folder: Path, specs: list[OutSpec], max_shard_bytes: int, quant: Quant4, quantized: set, on_shard=None
+    ):
         self.quant = quant
         self.specs = {s.name: s for s in specs if s.name in quantized}
         expanded = []
         for s in specs:
             expanded += quant.components(s.name, s.shape, s.dtype) if s.name in quantized else [s]
-        self.inner = ShardedWriter(folder, expanded, max_shard_bytes)
+        self.inner = ShardedWriter(folder, expanded, max_shard_bytes, on_shard=on_shard)
 
     def write(self, name: str, produce: Callable[[Callable[[bytes], None]], None]) -> None:
         spec = self.specs.get(name)

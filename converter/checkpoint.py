@@ -48,6 +48,12 @@ def _count(n) -> bool:
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked eagerly, tensor bytes read on demand."""
 
+    # A file fetched for one job (converter.streaming) sets these: `arrival(end)` returns once bytes [0, end) are
+    # on disk; `release(after)` is called once the merge has read everything it needs from the file (`after`: the
+    # last output tensor that read it). None: a complete file that stays.
+    arrival = None
+    release = None
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.size = self.path.stat().st_size
@@ -85,9 +91,15 @@ class SafetensorsFile:
     def _bad(self, why: str) -> ConverterError:
         return ConverterError(f"{self.path}: {why}")
 
+    def wait(self, end: int) -> None:
+        """Return once bytes [0, end) of the file are there (at once unless it is still being downloaded)."""
+        if self.arrival is not None:
+            self.arrival(end)
+
     def read_bytes(self, name: str) -> bytearray:
         """One tensor's raw bytes (a fresh, writable buffer)."""
         info = self.tensors[name]
+        self.wait(info.end)
         buf = bytearray(info.nbytes)
         with open(self.path, "rb") as f:
             f.seek(info.start)
@@ -110,17 +122,21 @@ def as_tensor(buf: bytearray, info: TensorInfo) -> torch.Tensor:
 class SequentialReader:
     """Reads one file front to back exactly once, hashing every byte on the way (sha256 for provenance).
 
-    Tensors must be requested in file order; the bytes between and after them are hashed too.
+    Tensors must be requested in file order; the bytes between and after them are hashed too. With `sha256`
+    (a Hub file: its LFS id) nothing is hashed and that is the answer.
     """
 
-    def __init__(self, file: SafetensorsFile):
+    def __init__(self, file: SafetensorsFile, sha256: str | None = None):
         self.file = file
-        self._f = open(file.path, "rb")  # noqa: SIM115 - closed in finish()
+        # Unbuffered: a buffered reader reads ahead, and a file still arriving has holes (zeros) past that point.
+        self._f = open(file.path, "rb", buffering=0)  # noqa: SIM115 - closed in finish()
         self._pos = 0
+        self._known = sha256
         self._hash = hashlib.sha256()
         # Hashing runs on another core (hashlib releases the GIL); buffers handed to it are never mutated.
-        self._hasher = Worker(self._hash.update, name="converter-sha256")
+        self._hasher = None if sha256 else Worker(self._hash.update, name="converter-sha256")
         self._dropped = 0
+        self._digest: str | None = None
 
     def _forget(self) -> None:
         """Tell the kernel the bytes read so far are not needed again (each base byte is read once)."""
@@ -128,12 +144,18 @@ class SequentialReader:
             os.posix_fadvise(self._f.fileno(), 0, self._pos, os.POSIX_FADV_DONTNEED)
             self._dropped = self._pos
 
+    def _hashed(self, chunk) -> None:
+        if self._hasher is not None:
+            self._hasher.put(chunk)
+
     def _advance(self, to: int, sink=None) -> None:
         while self._pos < to:
-            chunk = self._f.read(min(CHUNK, to - self._pos))
+            n = min(CHUNK, to - self._pos)
+            self.file.wait(self._pos + n)
+            chunk = self._f.read(n)  # one read(2): may be short, the loop goes on from where it stopped
             if not chunk:
                 raise self.file._bad("unexpected end of file (truncated while reading)")
-            self._hasher.put(chunk)
+            self._hashed(chunk)
             if sink is not None:
                 sink(chunk)
             self._pos += len(chunk)
@@ -147,10 +169,15 @@ class SequentialReader:
     def read_bytes(self, info: TensorInfo) -> bytearray:
         """The tensor's bytes, hashed in the background: callers must not modify them."""
         self._advance(info.start)
+        self.file.wait(info.end)
         buf = bytearray(info.nbytes)
-        if self._f.readinto(buf) != info.nbytes:
-            raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
-        self._hasher.put(buf)
+        view, got = memoryview(buf), 0
+        while got < info.nbytes:
+            n = self._f.readinto(view[got:])
+            if not n:
+                raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
+            got += n
+        self._hashed(buf)
         self._pos = info.end
         self._forget()
         return buf
@@ -160,14 +187,19 @@ class SequentialReader:
         return as_tensor(self.read_bytes(info), info)
 
     def finish(self) -> str:
-        """Hash the rest of the file and return its sha256."""
-        self._advance(self.file.size)
-        self._f.close()
-        self._hasher.close()
-        return self._hash.hexdigest()
+        """Hash the rest of the file (unless its sha256 is known) and return its sha256. Idempotent."""
+        if self._digest is None:
+            if self._hasher is not None:
+                self._advance(self.file.size)
+            self._f.close()
+            if self._hasher is not None:
+                self._hasher.close()
+            self._digest = self._known or self._hash.hexdigest()
+        return self._digest
 
     def abort(self) -> None:
-        self._hasher.abort()
+        if self._hasher is not None:
+            self._hasher.abort()
         self._f.close()
 
 

@@ -63,6 +63,14 @@ def _is_connection_error(err: Exception) -> bool:
     )
 
 
+def _unwrapped(err: Exception) -> Exception:
+    """huggingface_hub wraps an LFS upload's HTTP error in a RuntimeError ("Error while uploading ..."): the
+    cause is what says whether to retry and what went wrong."""
+    while type(err) is RuntimeError and isinstance(err.__cause__, Exception):
+        err = err.__cause__
+    return err
+
+
 def call(what: str, fn: Callable[[], T]) -> T:
     """Run a Hub call, retrying transient failures with backoff; other failures become a one-line error."""
     tries = attempts()
@@ -71,7 +79,8 @@ def call(what: str, fn: Callable[[], T]) -> T:
             return fn()
         except ConverterError:
             raise
-        except Exception as err:  # noqa: BLE001 - classified below
+        except Exception as wrapped:  # noqa: BLE001 - classified below
+            err = _unwrapped(wrapped)
             wait = _retry_after(err, attempt)
             if wait is None or attempt == tries - 1:
                 raise explain(what, err) from None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
+import functools
 import json
 import os
 import shutil
@@ -28,7 +30,7 @@ from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # n
 from converter.scratch import temp_folder
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.units import human_bytes, parse_size
-from converter.writer import OutSpec, ShardedWriter, atomic_folder, check_output_target
+from converter.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
 SKIP_SUFFIXES = (
@@ -61,11 +63,14 @@ def merge(
     force: bool = False,
     token: str | None = None,
     log: Callable[[str], None] = print,
+    base: Fetched | None = None,
+    on_shard: Callable[[Shard], None] | None = None,
 ) -> MergeResult:
     """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
 
     `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
-    it is never written anywhere.
+    it is never written anywhere. `base`: the base already made local (converter.streaming: its weights may
+    still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter).
     """
     quant = parse_output(recipe.dtype)
     if not quant:
@@ -79,10 +84,10 @@ def merge(
             raise ConverterError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
         check_output_target(Path(recipe.out), force)
 
-    base = fetch(recipe.base, "model", token)
+    base = base or fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
-        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge)
+        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard)
 
 
 def _merge(
@@ -96,10 +101,14 @@ def _merge(
     force: bool,
     log: Callable[[str], None],
     task_merge=None,
+    on_shard: Callable[[Shard], None] | None = None,
 ) -> MergeResult:
     original = checkpoint = open_base(
         base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
     )
+    for f in checkpoint.files:  # a base still arriving (converter.streaming): reads wait for their bytes
+        if (stream := base.streams.get(f.path)) is not None:
+            f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
     if quant and checkpoint.diffusion:
         raise ConverterError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "
@@ -151,9 +160,11 @@ def _merge(
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
     )
     with atomic_folder(out, force, needs=plan.bytes_to_write, log=log) as tmp:
-        hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized)
+        known = hub_hashes(base) if original is checkpoint else {}
+        hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized, known, on_shard)
         if original is not checkpoint:  # provenance names the files that were downloaded, not our scratch copy
-            hashes = {f.path.name: file_sha256(f.path) for f in original.files}
+            known = hub_hashes(base)
+            hashes = {f.path.name: known.get(f.path.name) or file_sha256(f.path) for f in original.files}
         write_side_files(checkpoint, plan, tmp)
         (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
         provenance = build_provenance(recipe, base, fetched, original, adapters, plan, hashes)
@@ -162,6 +173,18 @@ def _merge(
         files = sorted(p.name for p in tmp.iterdir())
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
     return MergeResult(out, plan, files, warnings)
+
+
+def hub_hashes(fetched: Fetched) -> dict[str, str]:
+    """sha256 of a Hub source's files by path in the repo (and by file name), from the Hub's LFS ids: what the
+    provenance records, without hashing the files again. Empty for local sources (those are hashed on the way)."""
+    if not fetched.sha:
+        return {}
+    known = {}
+    for f in fetched.files:
+        if f.get("sha256"):
+            known[f["name"]] = known.setdefault(f["name"].rsplit("/", 1)[-1], f["sha256"])
+    return known
 
 
 def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
@@ -213,21 +236,31 @@ def write_weights(
     log: Callable[[str], None],
     quant: Quant4 | None = None,
     quantized: set[str] = frozenset(),
+    known: dict[str, str] | None = None,
+    on_shard: Callable[[Shard], None] | None = None,
 ) -> dict[str, str]:
-    """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once)."""
+    """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once, and
+    not hashed at all when `known` gives it: a Hub file's LFS id). `on_shard`: see ShardedWriter."""
+    known = known or {}
     writers = []
     for part in checkpoint.parts:  # diffusers components each go back to their own subfolder, same file names
         specs = [o.spec for o in plan.outputs if o.name.startswith(part.prefix)]
         specs = [OutSpec(s.name[len(part.prefix) :], s.dtype, s.shape) for s in specs]
         (folder / part.subfolder).mkdir(parents=True, exist_ok=True)
+        hook = None if on_shard is None else _part_shards(on_shard, part)
         if quant:
-            writer = Quantizing4bitWriter(folder / part.subfolder, specs, max_shard, quant, quantized)
+            writer = Quantizing4bitWriter(folder / part.subfolder, specs, max_shard, quant, quantized, hook)
         else:
             limit = max_shard if part.single_file is None else float("inf")
-            writer = ShardedWriter(folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata)
+            writer = ShardedWriter(
+                folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata, hook
+            )
         writers.append((part, writer))
     # A training checkpoint's files bring their own reader (tensors rebuilt from shards, see converter.training).
-    readers = {f.path: f.reader() if hasattr(f, "reader") else SequentialReader(f) for f in checkpoint.files}
+    readers = {}
+    for f in checkpoint.files:
+        sha = known.get(_relative_name(checkpoint, f.path))
+        readers[f.path] = f.reader() if hasattr(f, "reader") else SequentialReader(f, sha)
     # Tensors whose patches numpy covers skip torch (see converter.npmerge); the rest, and every tensor of a
     # TIES/DARE merge, a 4-bit output or a training checkpoint (its own readers), go through torch.
     plain = all(isinstance(r, SequentialReader) for r in readers.values())
@@ -243,6 +276,17 @@ def write_weights(
     for _, writer in writers:
         writer.close()
     return {_relative_name(checkpoint, path): r.finish() for path, r in readers.items()}
+
+
+def _part_shards(on_shard: Callable[[Shard], None], part) -> Callable[[Shard], None]:
+    """A part's shards reported with the plan's tensor names and their path in the output folder (`unet/...`
+    for a diffusers component)."""
+    if not part.subfolder and not part.prefix:
+        return on_shard
+    where = f"{part.subfolder}/" if part.subfolder else ""
+    return lambda s: on_shard(
+        dataclasses.replace(s, name=where + s.name, tensors=tuple(part.prefix + n for n in s.tensors))
+    )
 
 
 def _relative_name(checkpoint: Checkpoint, path: Path) -> str:
@@ -269,6 +313,7 @@ def _stream_into(
 ) -> None:
     total, done, next_report = plan.bytes_to_write, 0, 0.1
     quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
+    last_use = {checkpoint.where[o.source.name].path: o.name for o in plan.outputs}
     for o in plan.outputs:
         part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
         name = o.name[len(part.prefix) :]
@@ -294,6 +339,10 @@ def _stream_into(
             del t, result
             writer.write(name, lambda sink, d=data: sink(d))
             del data
+        source_file = checkpoint.where[o.source.name]
+        if last_use.get(source_file.path) == o.name and getattr(source_file, "release", None) is not None:
+            readers[source_file.path].finish()  # nothing more is read from it: a file fetched for this job can go
+            source_file.release(o.name)
         done += o.spec.nbytes
         if not quiet and done / total >= next_report:
             log(f"  {done / total:4.0%} {human_bytes(done)} / {human_bytes(total)}")

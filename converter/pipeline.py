@@ -1,7 +1,14 @@
-"""The whole job, as every front end runs it: merge → card → upload."""
+"""The whole job, as every front end runs it: merge → card → upload.
+
+A push that merges runs as a pipeline (converter.streaming): base shards download while the merge reads them,
+output shards upload while it writes, and one commit at the end publishes them. It falls back to merging first
+and publishing after only where the target repo already holds a model and neither --create-pr nor --overwrite
+was given (then the result may be identical, a no-op, or must be refused before anything is uploaded).
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from collections.abc import Callable
@@ -11,11 +18,30 @@ from converter import hub
 from converter.card import public_records, write_card
 from converter.errors import ConverterError
 from converter.merge import merge
-from converter.publish import PushResult, check_repo_id, push_folder
+from converter.publish import (
+    Publication,
+    PushResult,
+    additions,
+    check_repo_id,
+    inspect_target,
+    local_files,
+    push_folder,
+)
 from converter.recipe import Recipe
 from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
 from converter.scratch import make_temp
+from converter.sources import fetch, parse_source
+from converter.units import parse_size
 from converter.verify import require_pass, verify
+from converter.writer import Shard
+
+DEFAULT_SHARD = Recipe.max_shard_size  # "5GB": what a push that was not given --max-shard-size replaces
+
+
+def stream_shard_bytes(weights: int) -> int:
+    """Output shard size of a pipelined push: a sixteenth of the weights, 256 MiB to 2 GiB, so the first upload
+    starts early and the last one (which nothing overlaps) is short."""
+    return min(2 * 2**30, max(256 * 2**20, weights // 16))
 
 
 def push(
@@ -30,16 +56,26 @@ def push(
     workdir: str | Path | None = None,
     verify: dict | None = None,
     log: Callable[[str], None] = print,
+    check_shard: Callable[[Shard], None] | None = None,
 ) -> PushResult:
-    """Publish `folder`, or merge `recipe` into a temporary folder first and publish that.
+    """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
 
     With `verify` (settings for `verify_folder`, {} for the defaults) the folder is verified first (against the
-    recipe it was merged from) and nothing is uploaded when it fails.
+    recipe it was merged from) and nothing is committed when it fails. `check_shard` runs on every output shard
+    before its upload starts (a per-shard proof); raising stops the job, and nothing is committed.
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
     hub.whoami(token)  # a missing or refused token fails now, not after the merge
+    if recipe is not None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        target = inspect_target(api, repo_id, token)
+        if create_pr or overwrite or not target.has_model:
+            publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
+            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, log)
     tmp = None
     try:
         if recipe is not None:
@@ -97,3 +133,74 @@ def verify_folder(
     log(report["markdown"])
     require_pass(report)
     return report
+
+
+def _push_streamed(
+    publication: Publication,
+    recipe: Recipe,
+    token: str | None,
+    workdir: str | Path | None,
+    verify: dict | None,
+    check_shard: Callable[[Shard], None] | None,
+    log: Callable[[str], None],
+) -> PushResult:
+    """Download, merge and upload at once; one commit at the end, after verification when it is on."""
+    from converter.streaming import ScratchMeter, ShardUploader, StreamedBase
+
+    repo_id = publication.target.repo_id
+    tmp = make_temp("push", workdir, log)
+    meter = ScratchMeter([tmp])
+    base_stream = uploader = None
+    try:
+        recipe = copy.deepcopy(recipe)
+        recipe.out = str(tmp / "out" / repo_id.split("/")[1])
+        if parse_source(recipe.base).repo_id and verify is None:
+            # Nothing reads the base after the merge: shards not already cached are fetched for this job only.
+            base_stream = StreamedBase.open(recipe.base, token, tmp / "base", meter)
+            base = base_stream.fetched
+            weights = sum(f["size"] or 0 for f in base.files if f["name"].endswith(".safetensors"))
+        else:  # verification loads the base again: it goes to (or stays in) the HF cache
+            base = fetch(recipe.base, "model", token)
+            weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
+        if recipe.max_shard_size == DEFAULT_SHARD:
+            recipe.max_shard_size = str(stream_shard_bytes(weights))
+        uploader = ShardUploader(
+            publication.api,
+            repo_id,
+            tmp / "upload",
+            ensure_repo=publication.ensure_repo,
+            revision=publication.revision,
+            create_pr=publication.new_pr,
+            keep=verify is not None,
+            check=check_shard,
+            finished=base_stream.shard_done if base_stream else None,
+            meter=meter,
+            log=log,
+        )
+        if base_stream is not None:
+            base_stream.start()
+        folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
+        uploaded = uploader.close()
+        if base_stream is not None:
+            base_stream.close()
+        if verify is not None:
+            verify_folder(folder, recipe, token=token, log=log, **verify)
+        write_card(folder, load_name=repo_id)
+        sent = {op.path_in_repo for op in uploaded}
+        names = local_files(folder)
+        operations = uploaded + additions(folder, [n for n in names if n not in sent], public_records(folder))
+        meter.sample()
+        log(
+            f"scratch disk peak: {meter.peak / 2**20:.1f} MiB (weights {weights / 2**20:.1f} MiB, output shards of "
+            f"{parse_size(recipe.max_shard_size) / 2**20:.1f} MiB)"
+        )
+        return publication.commit(operations, sorted(sent | set(names)))
+    except BaseException:
+        if uploader is not None:
+            uploader.abort()
+        publication.abandon()
+        raise
+    finally:
+        if base_stream is not None:
+            base_stream.close()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,14 +1,15 @@
 """Publish an output folder as one Hub commit (or a pull request). Idempotent; never leaves an empty repo.
 
-The repo is created only when the upload starts. If the upload fails on a repo this run created, the repo is
-deleted again, so a failed job leaves nothing behind; an existing repo is left exactly as it was (the commit
-is atomic on the Hub side).
+The repo is created only when the first file goes up (`Publication`). If the job fails on a repo this run
+created, the repo is deleted again, so a failed job leaves nothing behind; an existing repo is left exactly as it
+was (the commit is atomic on the Hub side, and blobs uploaded before it belong to no commit).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,107 @@ def check_repo_id(repo_id: str) -> None:
         raise ConverterError(f"{repo_id!r} is not a valid repo id: write namespace/name (letters, digits, - _ .)")
 
 
+@dataclass
+class Target:
+    """The repo a push goes to, as it is before the push."""
+
+    repo_id: str
+    me: str
+    exists: bool
+    remote: list[str]
+
+    @property
+    def has_model(self) -> bool:
+        return any(MODEL_FILES.search(f) for f in self.remote)
+
+
+def inspect_target(api, repo_id: str, token: str | None) -> Target:
+    me = hub.whoami(token)
+    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id))
+    remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id)) if exists else []
+    return Target(repo_id, me, exists, remote)
+
+
+class Publication:
+    """One commit (or pull request) being prepared: the repo is created only when the first file goes up, and
+    deleted again if this run created it and the job fails before its commit."""
+
+    def __init__(
+        self,
+        api,
+        target: Target,
+        *,
+        private: bool = False,
+        create_pr: bool = False,
+        overwrite: bool = False,
+        message: str = "Upload merged model (converter)",
+        log: Callable[[str], None] = print,
+    ):
+        self.api, self.target, self.private, self.overwrite, self.message, self.log = (
+            api, target, private, overwrite, message, log,
+        )  # fmt: skip
+        self.create_pr = create_pr
+        self.created = False
+        self._lock = threading.Lock()
+        self.revision, self.open_pr = None, None
+        if create_pr and target.exists:
+            self.open_pr = _our_open_pr(api, target.repo_id, target.me, message)
+            if self.open_pr is not None:
+                self.revision = self.open_pr.git_reference
+                log(f"updating our open pull request #{self.open_pr.num}")
+
+    @property
+    def new_pr(self) -> bool:
+        """Whether the commit opens a pull request (a new repo gets its first commit on main instead)."""
+        return self.create_pr and self.open_pr is None and self.target.exists
+
+    def ensure_repo(self) -> None:
+        """Create the repo if it does not exist yet (once; thread-safe): uploads need it."""
+        with self._lock:
+            if self.target.exists or self.created:
+                return
+            repo_id = self.target.repo_id
+            hub.call(repo_id, lambda: self.api.create_repo(repo_id, private=self.private, exist_ok=True))
+            self.created = True
+            self.log(f"created {'private ' if self.private else ''}repo {repo_id}")
+
+    def commit(self, operations: list, local: list[str]) -> PushResult:
+        """The one commit: `operations` add `local` (the output's files); with overwrite, the rest is deleted."""
+        from huggingface_hub import CommitOperationDelete
+
+        api, repo_id = self.api, self.target.repo_id
+        if self.overwrite and not self.create_pr:
+            operations = operations + [
+                CommitOperationDelete(path_in_repo=f)
+                for f in self.target.remote
+                if f not in local and f != ".gitattributes"
+            ]
+        self.ensure_repo()
+        # huggingface_hub skips files the Hub already has; when nothing changed it makes no commit and reports the
+        # current head, so comparing heads tells a no-op push.
+        exists = self.target.exists
+        head = hub.call(repo_id, lambda: api.model_info(repo_id, revision=self.revision).sha) if exists else None
+        info = hub.call(
+            repo_id,
+            lambda: api.create_commit(
+                repo_id, operations, commit_message=self.message, revision=self.revision, create_pr=self.new_pr
+            ),
+        )
+        endpoint = api.endpoint.rstrip("/")
+        pr_url = info.pr_url or (f"{endpoint}/{repo_id}/discussions/{self.open_pr.num}" if self.open_pr else None)
+        return PushResult(url=f"{endpoint}/{repo_id}", commit=info.oid, pr_url=pr_url, changed=info.oid != head)
+
+    def abandon(self) -> None:
+        """The job failed: remove the repo if this run created it (uploaded blobs without a commit are not
+        visible anywhere)."""
+        if self.created:
+            try:
+                self.api.delete_repo(self.target.repo_id)
+            except Exception:  # noqa: BLE001 - the job's error is the one to report
+                self.log(f"warning: could not delete the empty repo {self.target.repo_id}")
+            self.created = False
+
+
 def push_folder(
     folder: Path,
     repo_id: str,
@@ -56,72 +158,40 @@ def push_folder(
     """Upload every file of `folder` to `repo_id` in one commit (or one PR); `replace` gives other bytes for
     some of them (the public versions of files that name local paths)."""
     replace = replace or {}
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub import HfApi
 
     check_repo_id(repo_id)
     folder = Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise ConverterError(f"{folder}: nothing to push (not a folder, or empty)")
     api = HfApi(token=token)
-    me = hub.whoami(token)
-    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id))
-    remote: list[str] = []
-    if exists:
-        remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id))
-        if any(MODEL_FILES.search(f) for f in remote) and not (create_pr or overwrite):
-            if _same_files(api, repo_id, folder, replace):
-                head = hub.call(repo_id, lambda: api.model_info(repo_id).sha)
-                return PushResult(url=f"{api.endpoint.rstrip('/')}/{repo_id}", commit=head, pr_url=None, changed=False)
-            raise ConverterError(
-                f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it"
-            )
-    local = _local_files(folder)
-    operations = [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=replace.get(name, folder / name)) for name in local
-    ]
-    if overwrite and not create_pr:
-        operations += [
-            CommitOperationDelete(path_in_repo=f) for f in remote if f not in local and f != ".gitattributes"
-        ]
-
-    created = False
-    if not exists:
-        hub.call(repo_id, lambda: api.create_repo(repo_id, private=private, exist_ok=True))
-        created = True
-        log(f"created {'private ' if private else ''}repo {repo_id}")
-    revision, open_pr = None, None
-    if create_pr and exists:
-        open_pr = _our_open_pr(api, repo_id, me, message)
-        if open_pr is not None:
-            revision = open_pr.git_reference
-            log(f"updating our open pull request #{open_pr.num}")
-    # huggingface_hub skips files the Hub already has; when nothing changed it makes no commit and reports the
-    # current head, so comparing heads tells a no-op push.
-    head = hub.call(repo_id, lambda: api.model_info(repo_id, revision=revision).sha) if exists else None
-    try:
-        info = hub.call(
-            repo_id,
-            lambda: api.create_commit(
-                repo_id,
-                operations,
-                commit_message=message,
-                revision=revision,
-                create_pr=create_pr and open_pr is None and exists,
-            ),
+    target = inspect_target(api, repo_id, token)
+    if target.has_model and not (create_pr or overwrite):
+        if _same_files(api, repo_id, folder, replace):
+            head = hub.call(repo_id, lambda: api.model_info(repo_id).sha)
+            return PushResult(url=f"{api.endpoint.rstrip('/')}/{repo_id}", commit=head, pr_url=None, changed=False)
+        raise ConverterError(
+            f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it"
         )
+    publication = Publication(
+        api, target, private=private, create_pr=create_pr, overwrite=overwrite, message=message, log=log
+    )
+    local = local_files(folder)
+    try:
+        return publication.commit(additions(folder, local, replace), local)
     except BaseException:
-        if created:
-            try:
-                api.delete_repo(repo_id)
-            except Exception:  # noqa: BLE001 - the upload error is the one to report
-                log(f"warning: could not delete the empty repo {repo_id}")
+        publication.abandon()
         raise
-    endpoint = api.endpoint.rstrip("/")
-    pr_url = info.pr_url or (f"{endpoint}/{repo_id}/discussions/{open_pr.num}" if open_pr else None)
-    return PushResult(url=f"{endpoint}/{repo_id}", commit=info.oid, pr_url=pr_url, changed=info.oid != head)
 
 
-def _local_files(folder: Path) -> list[str]:
+def additions(folder: Path, names: list[str], replace: dict[str, bytes]) -> list:
+    """CommitOperationAdd for each of `names` (files of `folder`), with `replace`'s bytes where it has them."""
+    from huggingface_hub import CommitOperationAdd
+
+    return [CommitOperationAdd(path_in_repo=n, path_or_fileobj=replace.get(n, folder / n)) for n in names]
+
+
+def local_files(folder: Path) -> list[str]:
     return sorted(
         p.relative_to(folder).as_posix()
         for p in folder.rglob("*")
@@ -133,7 +203,7 @@ def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> b
     """Whether the repo's main already holds exactly these files (by sha256 for LFS files, git blob id else)."""
     info = hub.call(repo_id, lambda: api.model_info(repo_id, files_metadata=True))
     remote = {s.rfilename: s for s in info.siblings or [] if s.rfilename != ".gitattributes"}
-    local = _local_files(folder)
+    local = local_files(folder)
     if sorted(remote) != local:
         return False
     for name in local:

@@ -91,6 +91,8 @@ class Fetched:
     sha: str | None = None
     files: list[dict] = field(default_factory=list)  # {"name", "size", "sha256"} as the Hub reports them
     card: str | None = None  # the repo's README.md text, when it has one
+    # Weight files still arriving (converter.streaming): path -> the StreamedBase filling it (wait / release)
+    streams: dict = field(default_factory=dict)
 
     @property
     def pinned(self) -> str:
@@ -132,19 +134,42 @@ def parse_source(spec: str) -> Source:
     return Source(spec, repo_id=m["repo"], revision=m["rev"], path=m["path"])
 
 
-def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: int = 0) -> Fetched:  # noqa: C901
-    """Make a source local. `kind` is "model" or "adapter" and decides which files are fetched."""
-    source = parse_source(spec)
-    if source.local is not None:
-        card = (source.local if source.local.is_dir() else source.local.parent) / "README.md"
-        return Fetched(source, source.local, card=card.read_text(errors="replace") if card.is_file() else None)
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+@dataclass
+class Remote:
+    """A Hub source resolved to a commit: its files as the Hub lists them and the ones a job needs."""
+
+    source: Source
+    sha: str
+    siblings: dict  # every file of the repo at `sha` -> huggingface_hub's RepoSibling (size, LFS sha256)
+    wanted: list[str]
+
+    @property
+    def where(self) -> str:
+        return f"{self.source.repo_id}@{self.source.revision or 'main'}"
+
+    def records(self) -> list[dict]:
+        """{"name", "size", "sha256"} of the wanted files, as the Hub reports them (LFS ids: no hashing)."""
+        return [
+            {"name": n, "size": self.siblings[n].size, "sha256": getattr(self.siblings[n].lfs, "sha256", None)}
+            for n in self.wanted
+        ]
+
+    def cached(self, name: str, token: str | None = None) -> str | None:
+        """Where `name` already is in the HF cache (of this job), or None."""
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(self.source.repo_id, name, cache_dir=cache_dir(), revision=self.sha)
+        return found if isinstance(found, str) else None
+
+
+def resolve(source: Source, kind: str = "model", token: str | None = None) -> Remote:
+    """Pin a Hub source to its commit and decide which of its files a job of `kind` needs (nothing downloaded)."""
+    from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     repo, revision = source.repo_id, source.revision or "main"
     where = f"{repo}@{revision}"
     info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
-    sha = info.sha
     siblings = {s.rfilename: s for s in info.siblings or []}
     _check_names(where, repo, revision, siblings)
     if source.path is not None:
@@ -164,11 +189,22 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
         patterns = MODEL_FILES if kind == "model" else ADAPTER_FILES
         wanted = [name for name in siblings if "/" not in name and any(fnmatch.fnmatch(name, p) for p in patterns)]
         _check_repo_kind(where, kind, wanted, siblings)
-    from huggingface_hub import try_to_load_from_cache
+    return Remote(source, info.sha, siblings, wanted)
 
+
+def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: int = 0) -> Fetched:
+    """Make a source local. `kind` is "model" or "adapter" and decides which files are fetched."""
+    source = parse_source(spec)
+    if source.local is not None:
+        card = (source.local if source.local.is_dir() else source.local.parent) / "README.md"
+        return Fetched(source, source.local, card=card.read_text(errors="replace") if card.is_file() else None)
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    remote = resolve(source, kind, token)
+    repo, sha, where, wanted = source.repo_id, remote.sha, remote.where, remote.wanted
     cache = cache_dir()
-    missing = [n for n in wanted if not isinstance(try_to_load_from_cache(repo, n, cache_dir=cache, revision=sha), str)]
-    _check_disk(where, sum(siblings[n].size or 0 for n in missing) + need_bytes)
+    missing = [n for n in wanted if remote.cached(n) is None]
+    _check_disk(where, sum(remote.siblings[n].size or 0 for n in missing) + need_bytes)
     if source.path is not None:
         paths = [
             Path(
@@ -187,10 +223,9 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
                 lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache),
             )
         )
-    files = [{"name": n, "size": siblings[n].size, "sha256": getattr(siblings[n].lfs, "sha256", None)} for n in wanted]
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
-    return Fetched(source, local, sha, files, card)
+    return Fetched(source, local, sha, remote.records(), card)
 
 
 def _check_names(where: str, repo: str, revision: str, names) -> None:

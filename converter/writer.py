@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
 import json
 import math
 import os
@@ -21,6 +22,18 @@ from converter.background import Worker
 from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
 from converter.safetensors_header import encode_header, entry
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A finished output file, durable on disk: what an uploader needs without reading it again."""
+
+    path: Path
+    name: str  # its path inside the output folder (the repo path)
+    sha256: str
+    size: int
+    sample: bytes  # the first 512 bytes (the Hub's upload-mode check looks at them)
+    tensors: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -124,9 +137,12 @@ class ShardedWriter:
         stem: str = "model",
         single_file: str | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
+        on_shard: Callable[[Shard], None] | None = None,
     ):
         """`stem` names the shards (`diffusion_pytorch_model` in diffusers components); `single_file` writes one
-        file of exactly that name (a single-file checkpoint keeps its own); `metadata` goes into every header."""
+        file of exactly that name (a single-file checkpoint keeps its own); `metadata` goes into every header.
+        `on_shard` is called (on the writer thread, so it may block to hold the merge back) with each shard as
+        soon as it is durable, its sha256 taken from the bytes as they were written (no second read)."""
         self.folder = folder
         self.stem = stem
         self.metadata = metadata
@@ -136,6 +152,7 @@ class ShardedWriter:
         self._next = 0
         self._shard = -1
         self._f = None
+        self._on_shard = on_shard
         # File writes run on another core; callables queued in between open and close shards in order.
         self._io = Worker(lambda item: item() if callable(item) else self._put(item), name="converter-writer")
 
@@ -147,7 +164,7 @@ class ShardedWriter:
         if index != self._shard:
             self._io.put(self._close_shard)
             self._shard = index
-            self._io.put(lambda path=self.folder / self.names[index]: self._open_shard(path))
+            self._io.put(lambda path=self.folder / self.names[index], i=index: self._open_shard(path, i))
             self._io.put(_header(self.shards[index], self.metadata))
         written = 0
 
@@ -164,19 +181,29 @@ class ShardedWriter:
 
     def _put(self, chunk) -> None:
         self._f.write(chunk)
+        if self._sha is not None:
+            self._sha.update(chunk)
+            if len(self._sample) < 512:
+                self._sample += bytes(chunk[: 512 - len(self._sample)])
         self._written += len(chunk)
         self._writeback.wrote(self._written)
 
-    def _open_shard(self, path: Path) -> None:
+    def _open_shard(self, path: Path, index: int) -> None:
         self._f = open(path, "wb")  # noqa: SIM115 - closed in _close_shard
-        self._writeback, self._written = _Writeback(self._f), 0
+        self._writeback, self._written, self._index = _Writeback(self._f), 0, index
+        self._sha, self._sample = (hashlib.sha256(), b"") if self._on_shard else (None, b"")
 
     def _close_shard(self) -> None:
         if self._f is not None:
             _drop_cache(self._f)
+            path = Path(self._f.name)
             self._f.close()
             self._f = None
             scratch.stop_here("shard")
+            if self._on_shard is not None:
+                names = tuple(s.name for s in self.shards[self._index])
+                shard = Shard(path, path.name, self._sha.hexdigest(), self._written, self._sample, names)
+                self._on_shard(shard)
 
     def close(self) -> list[str]:
         """Finish the last shard and write the index (for more than one shard). Returns the file names."""

@@ -8,6 +8,7 @@ agrees with it but for rare one-ulp ties (tests/test_architectures.py holds both
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -17,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from converter import npmath, npmerge
+from converter import npkernel, npmath, npmerge
 from converter.checkpoint import TensorInfo
 from converter.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
 from converter.plan import OutputTensor, PlannedPatch
@@ -194,15 +195,65 @@ def _exact(o: OutputTensor, base: np.ndarray, tensors) -> np.ndarray:
     return np.array([[_round_exact(q, dtype) for q in row] for row in grid], dtype=BITS[dtype][0])
 
 
+@contextlib.contextmanager
+def _kernel(enabled: bool):
+    """The merge with the compiled fused step (converter.npkernel) or with numpy alone."""
+    if enabled and npkernel.get() is None:
+        pytest.skip("no C compiler here: the merge runs on numpy alone (tested by the other case)")
+    saved = npkernel.get
+    if not enabled:
+        npkernel.get = lambda: None
+    try:
+        yield
+    finally:
+        npkernel.get = saved
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused", "numpy"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_cases())
-def test_numpy_merge_is_the_float64_merge_rounded_once(case):
+def test_numpy_merge_is_the_float64_merge_rounded_once(case, kernel):
     o, base, tensors = case
     dtype = o.dtype
     view = base if dtype == "BF16" else base.view(npmath.NUMPY_FLOATS[dtype])
-    ours = np.concatenate([b.reshape(-1, *o.shape[1:]) for b in npmerge.merged_chunks(o, view)]).view(BITS[dtype][0])
+    with _kernel(kernel):
+        chunks = list(npmerge.merged_chunks(o, view))
+    ours = np.concatenate([b.reshape(-1, *o.shape[1:]) for b in chunks]).view(BITS[dtype][0])
     exact = _exact(o, base, tensors)
     assert np.array_equal(ours, exact), (ours, exact)
+
+
+def _hard_float64s(n: int, seed: int = 0) -> np.ndarray:
+    """Values where one rounding differs from two: float32s on a bfloat16 tie (and a hair either side of one),
+    exact ties, NaN, infinities, overflow past bfloat16's largest value, subnormals, zeros of both signs."""
+    rng = np.random.default_rng(seed)
+    f32 = (rng.standard_normal(n) * 10.0 ** rng.integers(-40, 39, n)).astype(np.float32)
+    u = f32.view(np.uint32)
+    u[: n // 2] = (u[: n // 2] & 0xFFFF0000) | 0x8000  # on a bfloat16 tie as float32
+    x = f32.astype(np.float64)
+    hair = rng.choice([-1.0, 0.0, 1.0], n) * np.abs(x) * 2.0**-40
+    x[: n // 2] += hair[: n // 2]  # the float64 just off the tie (or on it)
+    x[n // 2 : n // 2 + 8] = [np.nan, -np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 0.0, -0.0]
+    x[n // 2 + 8 : n // 2 + 16] = np.float64(np.finfo(np.float32).tiny) * rng.random(8)  # subnormal float32
+    return x
+
+
+def test_fused_step_is_numpys_rounding_bit_for_bit():
+    """The compiled add + round + finite check gives npmath's bytes for every input, the hard cases included."""
+    kernel = npkernel.get()
+    if kernel is None:
+        pytest.skip("no C compiler here: the merge runs on numpy alone")
+    x = _hard_float64s(1 << 16)
+    ours = np.empty(x.size, np.uint16)
+    assert not kernel.round_bf16(x, ours)  # NaN and infinities in the input: not finite
+    assert np.array_equal(ours, npmath.narrow(x, "BF16"))
+    finite = x[np.isfinite(x) & (np.abs(x) < 3e38)]
+    out = np.empty(finite.size, np.uint16)
+    assert kernel.round_bf16(finite, out) and np.array_equal(out, npmath.narrow(finite, "BF16"))
+    base = npmath.narrow(np.random.default_rng(1).standard_normal(finite.size), "BF16")
+    assert kernel.add_round_bf16(finite - npmath.widen(base, "BF16"), base, out)
+    acc = finite - npmath.widen(base, "BF16")
+    assert np.array_equal(out, npmath.narrow(acc + npmath.widen(base, "BF16"), "BF16"))
 
 
 def test_blocks_cover_every_row_with_several_patches():

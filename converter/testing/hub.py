@@ -4,7 +4,8 @@ Why: the converter downloads bases/adapters and publishes merged repos, PRs and 
 ``huggingface_hub`` functions would test our assumptions about the client, not the client; this server speaks the
 wire protocol the client really uses (docs/PEERS.md, "The huggingface_hub protocol"), keeps
 real commit history on disk, enforces auth/private/gated rules, and injects faults (5xx, 429, dropped connections,
-slowness) on demand so retry and resume paths can be tested offline.
+slowness) on demand so retry and resume paths can be tested offline. For benchmarks it can also hold transfers to
+a bandwidth (``down_rate`` / ``up_rate``: one shared link each way), streaming file bodies both ways.
 
 Usage::
 
@@ -55,6 +56,7 @@ __all__ = [
     "FileEntry",
     "HubError",
     "HubServer",
+    "Link",
     "Seen",
     "client_env",
     "git_blob_sha1",
@@ -87,6 +89,7 @@ _LFS_PATTERNS = (
 DEFAULT_GITATTRIBUTES = "".join(f"{p} filter=lfs diff=lfs merge=lfs -text\n" for p in _LFS_PATTERNS).encode()
 _FRONT_MATTER = re.compile(r"\A---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|\Z)", re.DOTALL)
 _DISCUSSIONS_PAGE = 50
+_STREAM_CHUNK = 256 * 1024  # file bodies move in chunks of this size (through the bandwidth links)
 _COMMITS_PAGE = 100
 
 
@@ -215,6 +218,8 @@ class Fault:
     drop_connection: bool = False
     delay: float = 0.0
     hits: int = 0
+    after: int = 0  # matching requests let through untouched before the fault starts
+    passed: int = 0
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -261,6 +266,39 @@ class _Response:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    file: tuple[Path, int, int] | None = None  # (path, start, length): a blob range streamed after the lock
+
+
+@dataclass(frozen=True)
+class _Upload:
+    """A request body streamed to a file (LFS uploads): never held in memory."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
+class Link:
+    """One network link shared by every transfer in one direction, at `rate` bytes/s (None: unlimited).
+
+    Each chunk reserves the next free slot on the link, so concurrent transfers share the rate like one wire."""
+
+    def __init__(self, rate: float | None = None):
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free = 0.0
+
+    def take(self, n: int) -> None:
+        """Block until `n` more bytes may pass."""
+        if not self.rate or n <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._free)
+            self._free = start + n / self.rate
+            until = self._free
+        if until > now:
+            time.sleep(until - now)
 
 
 def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> _Response:
@@ -278,6 +316,7 @@ class _Request:
     user: _User | None
     role: str | None
     params: dict[str, str]
+    upload: _Upload | None = None
 
     def q(self, name: str, default: str | None = None) -> str | None:
         values = self.query.get(name)
@@ -314,8 +353,17 @@ class HubServer:
     "the second run downloaded nothing"; ``seen`` has the same with status, Range and whether a token was sent.
     """
 
-    def __init__(self, root: Path | str, *, tree_page_size: int = 1000) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        tree_page_size: int = 1000,
+        down_rate: float | None = None,
+        up_rate: float | None = None,
+    ) -> None:
+        """`down_rate` / `up_rate`: bytes/s of the one link each way (server to client / client to server)."""
         self.root = Path(root)
+        self.down, self.up = Link(down_rate), Link(up_rate)
         self.root.mkdir(parents=True, exist_ok=True)
         self.tree_page_size = tree_page_size
         self.requests: list[tuple[str, str]] = []
@@ -398,9 +446,11 @@ class HubServer:
         retry_after: float | None = None,
         drop_connection: bool = False,
         delay: float = 0.0,
+        after: int = 0,
     ) -> Fault:
         """Make the next ``times`` matching requests fail: ``status`` (+ ``Retry-After``), a connection dropped
-        half-way through the response body (or before any byte when there is no body), and/or a ``delay``.
+        half-way through the response body (or before any byte when there is no body), and/or a ``delay``; the
+        first ``after`` matching requests pass untouched (e.g. a file's header reads before its download).
 
         ``path_regex`` is searched in the raw request path without query string (revision ``refs/pr/1`` appears as
         ``refs%2Fpr%2F1``). Note the 2.4 client only parses integer ``Retry-After`` values.
@@ -415,6 +465,7 @@ class HubServer:
             retry_after,
             drop_connection,
             delay,
+            after=after,
         )
         with self._lock:
             self._faults.append(fault)
@@ -434,6 +485,9 @@ class HubServer:
         with self._lock:
             for fault in self._faults:
                 if fault.matches(method, path):
+                    if fault.passed < fault.after:
+                        fault.passed += 1
+                        continue
                     fault.hits += 1
                     return fault
         return None
@@ -496,8 +550,11 @@ class HubServer:
             for path in delete:
                 tree.pop(_clean_path(path))
             for path, content in files.items():
-                data = content.read_bytes() if isinstance(content, Path) else bytes(content)
                 path = _clean_path(path)
+                if isinstance(content, Path):
+                    tree[path] = self._store_file(parent.files, path, content)
+                    continue
+                data = bytes(content)
                 tree[path] = self._store(data, lfs=self._is_lfs(parent.files, path, len(data), data[:512]))
             commit = self._commit(repo, parent.sha, tree, message, description, author or repo.namespace)
             self._move_ref(repo, ref, commit)
@@ -685,6 +742,26 @@ class HubServer:
         patterns = _lfs_patterns(self._read_blob(attrs.sha256)) if attrs else []
         return _match_any(path, patterns)
 
+    def _store_file(self, base: Mapping[str, FileEntry], path: str, source: Path) -> FileEntry:
+        """Like _store for a file on disk, copied into the blob store without reading it into memory."""
+        size = source.stat().st_size
+        with open(source, "rb") as f:
+            sample = f.read(512)
+        if not self._is_lfs(base, path, size, sample):
+            return self._store(source.read_bytes(), lfs=False)
+        h = hashlib.sha256()
+        with open(source, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        sha256 = h.hexdigest()
+        if not self._has_blob(sha256, size):
+            target = self._blob_path(sha256)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{threading.get_ident()}.tmp")
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        return FileEntry(sha256, size, True, git_blob_sha1(lfs_pointer(sha256, size)))
+
     def _store(self, data: bytes, *, lfs: bool) -> FileEntry:
         sha256 = self._put_blob(data)
         oid = git_blob_sha1(lfs_pointer(sha256, len(data)) if lfs else data)
@@ -843,7 +920,13 @@ class HubServer:
         return items + [_file_item(p, commit.files[p]) for p in sorted(files)]
 
     def _dispatch(
-        self, method: str, path: str, query: dict[str, list[str]], headers: Mapping[str, str], body: bytes
+        self,
+        method: str,
+        path: str,
+        query: dict[str, list[str]],
+        headers: Mapping[str, str],
+        body: bytes,
+        upload: _Upload | None = None,
     ) -> _Response:
         try:
             user, role = self._authenticate(headers.get("Authorization"))
@@ -856,7 +939,7 @@ class HubServer:
                     allowed += methods
                     continue
                 params = {k: unquote(v) for k, v in m.groupdict().items() if v is not None}
-                req = _Request(method, path, query, headers, body, user, role, params)
+                req = _Request(method, path, query, headers, body, user, role, params, upload)
                 with self._lock:
                     return handler(self, req)
             if allowed:
@@ -1335,15 +1418,21 @@ def _h_lfs_batch(hub: HubServer, req: _Request) -> _Response:
 
 
 def _h_lfs_put(hub: HubServer, req: _Request) -> _Response:
-    oid = req.params["oid"]
+    oid, upload = req.params["oid"], req.upload
+    received = upload.size if upload else len(req.body)
     size = hub._pending_lfs.get(oid)
-    if size is None and hub._has_blob(oid, len(req.body)):
-        size = len(req.body)  # one object under two paths of a commit: the client uploads it twice, like S3 allows
+    if size is None and hub._has_blob(oid, received):
+        size = received  # one object under two paths of a commit: the client uploads it twice, like S3 allows
     if size is None:
         raise HubError(403, "No upload was requested for this object")
-    if len(req.body) != size or hashlib.sha256(req.body).hexdigest() != oid:
+    digest = upload.sha256 if upload else hashlib.sha256(req.body).hexdigest()
+    if received != size or digest != oid:
         raise HubError(400, "Uploaded content does not match the announced oid/size")
-    hub._put_blob(req.body)
+    if upload is None:
+        hub._put_blob(req.body)
+    elif not hub._has_blob(oid, size):
+        hub._blob_path(oid).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(upload.path, hub._blob_path(oid))
     hub._pending_lfs.pop(oid, None)
     return _Response(200)
 
@@ -1380,8 +1469,9 @@ def _h_resolve(hub: HubServer, req: _Request) -> _Response:
     if span is not None:
         headers["Content-Range"] = f"bytes {start}-{end}/{entry.size}"
     headers["Content-Length"] = str(end - start + 1)
-    body = b"" if req.method == "HEAD" else hub._read_blob(entry.sha256, start, end - start + 1)
-    return _Response(status, body, headers)
+    if req.method == "HEAD":
+        return _Response(status, b"", headers)
+    return _Response(status, b"", headers, file=(hub._blob_path(entry.sha256), start, end - start + 1))
 
 
 _T = r"/api/(?P<type>models|datasets|spaces)/(?P<repo>[^/]+/[^/]+)"
@@ -1457,6 +1547,7 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("fake hub: %s", format % args)
 
     def _read_body(self) -> bytes:
+        up: Link = self.server.hub.up  # type: ignore[attr-defined]
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             chunks = []
             while True:
@@ -1465,27 +1556,59 @@ class _Handler(BaseHTTPRequestHandler):
                     while self.rfile.readline() not in (b"\r\n", b"\n", b""):
                         pass
                     return b"".join(chunks)
+                up.take(size)
                 chunks.append(self.rfile.read(size))
                 self.rfile.readline()
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        length = int(self.headers.get("Content-Length") or 0)
+        up.take(length)
+        return self.rfile.read(length)
+
+    def _receive_upload(self, hub: HubServer) -> _Upload:
+        """An LFS upload body, streamed to a file under the hub's root and hashed on the way (through the link)."""
+        length = int(self.headers.get("Content-Length") or 0)
+        folder = hub.root / "uploads"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{threading.get_ident()}-{time.monotonic_ns()}"
+        h, left = hashlib.sha256(), length
+        with open(path, "wb") as f:
+            while left:
+                n = min(left, _STREAM_CHUNK)
+                hub.up.take(n)
+                chunk = self.rfile.read(n)
+                if not chunk:
+                    break
+                h.update(chunk)
+                f.write(chunk)
+                left -= len(chunk)
+        return _Upload(path, h.hexdigest(), length - left)
 
     def _handle(self) -> None:
         hub: HubServer = self.server.hub  # type: ignore[attr-defined]
         split = urlsplit(self.path)
         method = self.command
-        body = self._read_body()
-        hub.requests.append((method, split.path))
-        fault = hub._take_fault(method, split.path)
-        if fault is not None and fault.delay:
-            time.sleep(fault.delay)
-        if fault is not None and fault.status is not None:
-            headers = {} if fault.retry_after is None else {"Retry-After": _retry_after(fault.retry_after)}
-            response = HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=headers).response(
-                head=method == "HEAD"
-            )
+        upload = None
+        if method == "PUT" and split.path.startswith("/_lfs/") and "chunked" not in self.headers.get(
+            "Transfer-Encoding", ""
+        ):
+            upload, body = self._receive_upload(hub), b""
         else:
-            query = parse_qs(split.query, keep_blank_values=True)
-            response = hub._dispatch(method, split.path, query, self.headers, body)
+            body = self._read_body()
+        try:
+            hub.requests.append((method, split.path))
+            fault = hub._take_fault(method, split.path)
+            if fault is not None and fault.delay:
+                time.sleep(fault.delay)
+            if fault is not None and fault.status is not None:
+                headers = {} if fault.retry_after is None else {"Retry-After": _retry_after(fault.retry_after)}
+                response = HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=headers).response(
+                    head=method == "HEAD"
+                )
+            else:
+                query = parse_qs(split.query, keep_blank_values=True)
+                response = hub._dispatch(method, split.path, query, self.headers, body, upload)
+        finally:
+            if upload is not None:
+                upload.path.unlink(missing_ok=True)
         response.headers["X-Request-Id"] = f"fake-{next(hub._request_ids)}"
         auth = "Authorization" in self.headers
         record = Seen(method, split.path, split.query, response.status, self.headers.get("Range"), auth, bool(fault))
@@ -1497,7 +1620,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _write(self, response: _Response, method: str, drop: bool = False) -> None:
         body = b"" if method == "HEAD" else response.body
-        if drop and not body:
+        size = response.file[2] if response.file and method != "HEAD" else len(body)
+        if drop and not size:
             self._hang_up()  # nothing to cut in half: drop before any byte
             return
         self.send_response(response.status)
@@ -1505,11 +1629,28 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in response.headers.items():
             self.send_header(name, value)
         self.end_headers()
-        if drop:
-            self.wfile.write(body[: max(1, len(body) // 2)])
-            self._hang_up()
+        limit = max(1, size // 2) if drop else size
+        if response.file and method != "HEAD":
+            self._send_file(*response.file, limit)
         else:
-            self.wfile.write(body)
+            self.server.hub.down.take(limit)  # type: ignore[attr-defined]
+            self.wfile.write(body[:limit])
+        if drop:
+            self._hang_up()
+
+    def _send_file(self, path: Path, start: int, length: int, limit: int) -> None:
+        """A blob range, in chunks through the down link (never read whole; the hub lock is not held)."""
+        down: Link = self.server.hub.down  # type: ignore[attr-defined]
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = min(length, limit)
+            while left:
+                chunk = f.read(min(left, _STREAM_CHUNK))
+                if not chunk:
+                    return
+                down.take(len(chunk))
+                self.wfile.write(chunk)
+                left -= len(chunk)
 
     def _hang_up(self) -> None:
         self.close_connection = True
@@ -1589,3 +1730,32 @@ def run_client(
         out = server.redact(f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         raise AssertionError(f"client exited with {proc.returncode}\n{out}")
     return proc
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m converter.testing.hub --root DIR [--user NAME:TOKEN] [--down MB/s] [--up MB/s]`: serve until
+    killed, printing the endpoint URL on the first line (benchmarks run it as a process of its own)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m converter.testing.hub", description=main.__doc__)
+    p.add_argument("--root", required=True, help="folder holding the repos (kept across restarts)")
+    p.add_argument("--user", action="append", default=[], help="NAME:TOKEN, a user with a write token")
+    p.add_argument("--down", type=float, help="server-to-client bandwidth, MB/s (10^6 bytes)")
+    p.add_argument("--up", type=float, help="client-to-server bandwidth, MB/s")
+    args = p.parse_args(argv)
+    rate = lambda mb: mb * 1e6 if mb else None  # noqa: E731
+    server = HubServer(args.root, down_rate=rate(args.down), up_rate=rate(args.up)).start()
+    for user in args.user:
+        name, token = user.split(":", 1)
+        server.add_user(name, token)
+    print(server.url, flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

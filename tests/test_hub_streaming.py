@@ -1,0 +1,215 @@
+"""The pipelined push: base shards stream in while the merge reads them, output shards go up as they are finished,
+one commit at the end; faults mid-download and mid-upload leave no repo; the scratch disk stays bounded and the
+user's HF cache is left as it was. The real huggingface_hub client against the local Hub server, in subprocesses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_adapter, make_base, read_tensors, run_cli
+
+from converter.testing.hub import HubServer, Link, client_env
+
+ALICE = "hf_fake_alice_0123456789"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("hub")
+    server = HubServer(root / "server").start()
+    server.add_user("alice", ALICE)
+    local = root / "local"
+    tiny = make_base(local / "tiny", "llama", dtype=torch.bfloat16)
+    base = local / "base"
+    AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).save_pretrained(base, max_shard_size="40KB")
+    shards = sorted(base.glob("*.safetensors"))
+    assert len(shards) >= 6, "the test needs a base in many shards"
+    lora = make_adapter(base, local / "lora", r=4, lora_alpha=8)
+    server.seed_folder("alice/sharded", base)
+    server.seed_folder("alice/lora", lora)
+    reference = local / "reference"
+    assert run_cli("merge", "--base", base, "--adapter", lora, "--out", reference, "--no-verify") == 0
+    server.local = {"base": base, "lora": lora, "reference": reference, "shards": shards}
+    yield server
+    server.stop()
+
+
+def push(hub: HubServer, tmp_path: Path, repo: str, *extra: str, home: Path | None = None, code: str | None = None):
+    """`converter push` of the sharded base + LoRA (or `code`, Python run against the hub) in a subprocess whose
+    temp folder is `tmp_path/tmp`; returns (exit code, stdout, stderr)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = client_env(hub, ALICE, home or tmp_path / "hf-home") | {
+        "CONVERTER_HUB_RETRIES": "3",
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    args = ["--repo", repo, "--base", "alice/sharded", "--adapter", "alice/lora", "--max-shard-size", "40KB", *extra]
+    command = ["-c", code] if code else ["-m", "converter", "push", *args]
+    proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def pushed_tensors(hub: HubServer, repo: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    out = {}
+    for name in hub.files(repo):
+        if name.endswith(".safetensors"):
+            out.update(load(hub.read_file(repo, name)))
+    return out
+
+
+def same_as_reference(hub: HubServer, repo: str) -> bool:
+    ours, ref = pushed_tensors(hub, repo), read_tensors(hub.local["reference"])
+    assert ours.keys() == ref.keys(), (sorted(ours), sorted(ref))
+    assert [k for k in ours if not torch.equal(ours[k], ref[k])] == []
+    return True
+
+
+def cached_weights(home: Path) -> list[Path]:
+    """The base's weight files in the HF cache under `home` (the adapter is cached as usual)."""
+    return sorted((home / "hub").glob("models--alice--sharded/snapshots/*/*.safetensors"))
+
+
+def test_streamed_push_one_commit_bounded_scratch_cache_untouched(hub, tmp_path):
+    home = tmp_path / "hf-home"
+    code, out, err = push(hub, tmp_path, "alice/streamed", "--no-verify", home=home)
+    assert code == 0, err
+    assert f"pushed: {hub.url}/alice/streamed/commit/" in out
+    assert len(hub.history("alice/streamed")) == 2  # the Hub's initial commit and ours
+    assert same_as_reference(hub, "alice/streamed")
+    files = hub.files("alice/streamed")
+    shards = [n for n in files if n.endswith(".safetensors")]
+    assert len(shards) >= 6 and "model.safetensors.index.json" in files
+    # Uploaded as the merge went: every shard through its own LFS batch (a shard whose bytes the Hub already has,
+    # here one holding only untouched tensors, needs no PUT), then the one commit.
+    batches = [i for i, s in enumerate(hub.seen) if s.path.endswith("/objects/batch")]
+    commits = [i for i, s in enumerate(hub.seen) if "/commit/" in s.path]
+    assert len(batches) == len(shards) and len(commits) == 1 and max(batches) < commits[0]
+    # Provenance: the base's sha256 are its LFS ids, the real files' hashes.
+    provenance = json.loads(hub.read_file("alice/streamed", "converter_provenance.json"))
+    recorded = {f["name"]: f["sha256"] for f in provenance["base"]["files"]}
+    assert recorded == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in hub.local["shards"]}
+    # Bounded scratch: never more than a few shards of each side on disk at once (measured on disk).
+    peak = float(re.search(r"scratch disk peak: ([\d.]+) MiB", out)[1]) * 2**20
+    base_shard = max(p.stat().st_size for p in hub.local["shards"])
+    out_shard = max(len(hub.read_file("alice/streamed", n)) for n in shards)
+    weights = sum(p.stat().st_size for p in hub.local["shards"])
+    assert 0 < peak <= 3 * base_shard + 4 * out_shard + 64 * 1024 < 2 * weights
+    # The job's temp folders are gone, and the base's shards were never written into the HF cache.
+    assert not any((tmp_path / "tmp").iterdir())
+    assert not cached_weights(home)
+
+
+def test_cached_base_is_read_from_the_cache_and_kept(hub, tmp_path):
+    home = tmp_path / "hf-home"
+    env = client_env(hub, ALICE, home)
+    subprocess.run(
+        [sys.executable, "-c", "from huggingface_hub import snapshot_download; snapshot_download('alice/sharded')"],
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    before = {p: p.stat().st_mtime_ns for p in cached_weights(home)}
+    assert len(before) == len(hub.local["shards"])
+    hub.reset_log()
+    code, out, err = push(hub, tmp_path, "alice/from-cache", "--no-verify", home=home)
+    assert code == 0, err
+    assert not [s for s in hub.seen if s.method == "GET" and "/resolve/" in s.path and "sharded" in s.path]
+    assert {p: p.stat().st_mtime_ns for p in cached_weights(home)} == before
+    assert same_as_reference(hub, "alice/from-cache")
+
+
+def test_dropped_connections_mid_transfer_are_resumed(hub, tmp_path):
+    second = hub.local["shards"][1].name
+    # after=2: its two header reads pass; the download itself is cut half-way, twice.
+    hub.inject("GET", rf"/alice/sharded/resolve/.*/{second}", drop_connection=True, times=2, after=2)
+    hub.inject("PUT", r"^/_lfs/", drop_connection=True)
+    hub.reset_log()
+    code, out, err = push(hub, tmp_path, "alice/resumed", "--no-verify")
+    hub.clear_faults()
+    assert code == 0, err
+    assert same_as_reference(hub, "alice/resumed") and len(hub.history("alice/resumed")) == 2
+    # The dropped download was resumed where it stopped (a Range from past the header), not restarted.
+    starts = [int(s.range.split("=")[1].split("-")[0]) for s in hub.seen if s.path.endswith(second)][2:]
+    faults = [s.fault for s in hub.seen if s.path.endswith(second)][2:]
+    assert faults == [True, True, False] and starts[0] < starts[1] < starts[2]
+
+
+@pytest.mark.parametrize(
+    "method, where, status",
+    [
+        ("GET", "resolve/[^/]+/model-00004", 500),
+        ("PUT", "^/_lfs/", 400),  # a 5xx here is retried by huggingface_hub itself for ~25 s per try
+        ("POST", "/preupload/", 500),
+        ("POST", "/commit/", 500),
+    ],
+)
+def test_faults_mid_job_leave_no_repo(hub, tmp_path, method, where, status):
+    # A download: the 4th shard's header reads pass, its data fails for good (after shards were uploaded).
+    hub.inject(method, where, status=status, times=100, after=2 if method == "GET" else 0)
+    hub.reset_log()
+    # A weight of its own: shards no earlier test uploaded (the Hub skips blobs it has, and so the faults)
+    weight = str(0.3 + 0.1 * len(method + where))
+    code, out, err = push(hub, tmp_path, "alice/doomed", "--no-verify", "--weight", weight)
+    hub.clear_faults()
+    assert code == 2 and f"Hub error {status}" in err and "Traceback" not in err, err
+    # The job was under way (the repo existed, shards were on their way up), and it was removed again.
+    paths = [s.path for s in hub.seen]
+    assert "/api/repos/create" in paths and "/api/repos/delete" in paths and not hub.exists("alice/doomed")
+    assert not any((tmp_path / "tmp").iterdir())
+
+
+def test_failed_shard_check_commits_nothing(hub, tmp_path):
+    """A per-shard check runs on every shard before its upload; one that fails stops the job, no repo is left."""
+    code = """
+from converter.errors import VerificationFailed
+from converter.pipeline import push
+from converter.recipe import AdapterSpec, Recipe
+
+SABOTAGE = True
+seen = []
+def check(shard):
+    seen.append(shard.name)
+    assert shard.path.is_file() and shard.size == shard.path.stat().st_size
+    if SABOTAGE and len(seen) == 3:
+        raise VerificationFailed(f"{shard.name}: sabotaged")
+recipe = Recipe(base="alice/sharded", adapters=[AdapterSpec(source="alice/lora")], max_shard_size="40KB")
+try:
+    push("alice/checked", recipe=recipe, check_shard=check)
+except VerificationFailed as e:
+    print("failed:", e, seen)
+"""
+    rc, out, err = push(hub, tmp_path, "", code=code)
+    assert rc == 0, err
+    assert "failed: model-00003-of-" in out and not hub.exists("alice/checked")
+    rc, out, err = push(hub, tmp_path, "", code=code.replace("SABOTAGE = True", "SABOTAGE = False"))
+    assert rc == 0, err
+    assert same_as_reference(hub, "alice/checked") and len(hub.history("alice/checked")) == 2
+
+
+def test_link_holds_transfers_to_its_rate():
+    """The bench Hub's bandwidth: n bytes through a link of r bytes/s take at least n/r seconds (a lower bound:
+    never a speed assertion), and concurrent transfers share the one link."""
+    import threading
+    import time
+
+    link = Link(4e6)
+    start = time.monotonic()
+    threads = [threading.Thread(target=lambda: [link.take(100_000) for _ in range(10)]) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - start >= 2 * 10 * 100_000 / 4e6 * 0.99
+    unlimited = Link(None)
+    unlimited.take(10**12)  # returns at once
