@@ -199,7 +199,10 @@ def keys_of(*allowed: str, item: Check) -> Check:
 
 
 _SHAPE_RULE = record({"module": regex, "when": text}, required=("module", "when"))
-_DIFFUSERS = record({"loader": text, "transformer": list_of(text), "single_file": text}, required=("loader",))
+# `also`: other families' loader mixins that read this family's files through its converters (SkyReels-V2's, Wan's)
+_DIFFUSERS = record(
+    {"loader": text, "also": list_of(text), "transformer": list_of(text), "single_file": text}, required=("loader",)
+)
 
 KEYMAP = record(
     {

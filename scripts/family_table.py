@@ -37,7 +37,8 @@ def table() -> str:
             rows.append(f"| {family} | {_code(km.diffusers.get('transformer', []))} | not reached: {km.unreached} |"
                         + " |" * (2 + len(TOOLS)))  # fmt: skip
             continue
-        classes = _code([*km.diffusers.get("transformer", []), *([km.diffusers["loader"]] if km.diffusers else [])])
+        loaders = [km.diffusers["loader"], *km.diffusers.get("also", [])] if km.diffusers else []
+        classes = _code([*km.diffusers.get("transformer", []), *loaders])
         folder = bool(km.pipelines or km.diffusers.get("transformer"))
         layouts = ", ".join(x for x, present in (("folder", folder), ("single file", km.detect)) if present)
         names = "one naming" if km.one_naming else "original ≠ diffusers"

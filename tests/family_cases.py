@@ -43,10 +43,18 @@ class Case:
     # spellings diffusers reads only at the family's own widths: their diffusers claim is not checked here (why)
     unchecked: dict = field(default_factory=dict)
     single_file: bool = True  # whether the family has a single-file layout here
+    # a model of the family under another diffusers class (SkyReels-V2 is Wan's): the case's own name, and the
+    # loader mixin diffusers reads its LoRAs with (None: the keymap's)
+    variant: str | None = None
+    loader: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.variant or self.family
 
 
 CASES = {
-    c.family: c
+    c.name: c
     for c in [
         Case(
             "flux",
@@ -101,6 +109,30 @@ CASES = {
             r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))",
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "kohya/diffusers", "bare/diffusers",
              "comfyui/diffusers", "lycoris/diffusers"),
+        ),
+        Case(  # Wan's blocks; diffusers reads its LoRAs with Wan's converters, its single file with Wan's
+            "wan",
+            "SkyReelsV2Transformer3DModel",
+            dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32, inject_sample_info=True),
+            "SkyReelsV2DiffusionForcingPipeline",
+            r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers"),
+            variant="skyreels_v2",
+            loader="SkyReelsV2LoraLoaderMixin",
+        ),
+        Case(  # Wan's blocks, diffusers folders only
+            "wan",
+            "HeliosTransformer3DModel",
+            dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_dim=(2, 2, 4)),
+            "HeliosPipeline",
+            r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0)|ffn\.net\.(0\.proj|2))",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers"),
+            no_single_file_check="diffusers reads no Helios single file",
+            single_file=False,
+            variant="helios",
+            loader="HeliosLoraLoaderMixin",
         ),
         Case(
             "hunyuan_video",
@@ -386,7 +418,7 @@ def diffusers_merge(case: Case, model: nn.Module, file: Path) -> dict[str, torch
     copy of the model, merged by PEFT."""
     from diffusers.loaders import lora_pipeline
 
-    mixin = getattr(lora_pipeline, keymap(case.family).diffusers["loader"])
+    mixin = getattr(lora_pipeline, case.loader or keymap(case.family).diffusers["loader"])
     sd, metadata = mixin.lora_state_dict(str(file.parent), weight_name=file.name, return_lora_metadata=True)
     if isinstance(sd, tuple):  # loaders that also return network alphas
         sd = sd[0]

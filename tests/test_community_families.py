@@ -39,7 +39,7 @@ def built(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             case = CASES[name]
-            root = tmp_path_factory.mktemp(case.family)
+            root = tmp_path_factory.mktemp(case.name)
             model = tiny(case)
             folder, single = make_bases(case, model, root)
             lora = make_lora(case, model)
