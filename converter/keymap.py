@@ -118,13 +118,14 @@ class Keymap:
     experts: list[ExpertRule] = field(default_factory=list)  # fused MoE expert tensors <-> per-expert weights
     # Diffusion families, the adapter side: a display name, diffusers' classes, how adapter module names look in
     # each naming (original checkpoint / diffusers), shape rules that tell apart families with the same names,
-    # which tools load which spelling as it is, the spelling each convert target writes, and (for a family diffusers
-    # lists that is not reached here) why not.
+    # which tools load which spelling as it is (a LoRA; a LoKr), the spelling each convert target writes, and (for
+    # a family diffusers lists that is not reached here) why not.
     title: str = ""
     diffusers: dict = field(default_factory=dict)
     names: dict[str, list[re.Pattern]] = field(default_factory=dict)
     shapes: list[tuple[re.Pattern, str]] = field(default_factory=list)
     loaders: dict[str, list[str]] = field(default_factory=dict)
+    lokr_loaders: dict[str, list[str]] = field(default_factory=dict)  # the same for LyCORIS LoKr files
     targets: dict[str, str] = field(default_factory=dict)
     unreached: str | None = None
 
@@ -181,6 +182,7 @@ class Keymap:
             names={k: [re.compile(p) for p in v] for k, v in (data.get("names") or {}).items()},
             shapes=[(re.compile(r["module"]), r["when"]) for r in data.get("shapes", [])],
             loaders={k: list(v) for k, v in (data.get("loaders") or {}).items()},
+            lokr_loaders={k: list(v) for k, v in (data.get("lokr_loaders") or {}).items()},
             targets=dict(data.get("targets") or {}),
             unreached=data.get("unreached"),
         )

@@ -212,6 +212,7 @@ KEYMAP = record(
         "names": keys_of(*NAMINGS, item=list_of(regex)),
         "shapes": list_of(_SHAPE_RULE),
         "loaders": keys_of(*TOOLS, item=list_of(spelling_id)),
+        "lokr_loaders": keys_of(*TOOLS, item=list_of(spelling_id)),
         "targets": keys_of("kohya", "comfyui", "diffusers", "peft", item=spelling_id),
         "unreached": text,
         "model_types": list_of(text),

@@ -43,6 +43,8 @@ def table() -> str:
         layouts = ", ".join(x for x, present in (("folder", folder), ("single file", km.detect)) if present)
         names = "one naming" if km.one_naming else "original ≠ diffusers"
         tools = [_code(km.loaders.get(tool, [])) for tool in TOOLS]
+        if km.lokr_loaders:  # where a LyCORIS LoKr file is read in other spellings than a LoRA
+            tools = [f"{cell}; LoKr: {_code(km.lokr_loaders.get(t, []))}" for cell, t in zip(tools, TOOLS, strict=True)]
         targets = "; ".join(f"{to}: `{spelling}`" for to, spelling in km.targets.items()) or "by the base's names"
         rows.append(f"| {family} | {classes} | {layouts} | {names} | {' | '.join(tools)} | {targets} |")
     return "\n".join(rows) + "\n"

@@ -233,3 +233,123 @@ def test_flux2_kohya_file_diffusers_cannot_read_whole_converts_to_one_it_reads(b
     code, _, err = cli("merge", "--base", folder, "--adapter", source, "--out", tmp_path / "m")
     assert code == 0, err
     _close(read_component(tmp_path / "m", "transformer"), expect, "merged")
+
+
+# LyCORIS LoKr files as their writers spell them, each module: (spelled name, how its delta lands on diffusers'
+# modules: the diffusers module, or the thirds of a fused BFL qkv)
+LOKR_FILES = {
+    "z_image ai-toolkit": ("z_image", "diffusion_model.", [
+        ("layers.0.attention.to_q", "layers.0.attention.to_q"),
+        ("layers.1.feed_forward.w1", "layers.1.feed_forward.w1"),
+        ("noise_refiner.0.attention.to_out.0", "noise_refiner.0.attention.to_out.0"),
+    ]),
+    "z_image LyCORIS": ("z_image", "lycoris_", [  # diffusers' Z-Image loader does not read these
+        ("noise_refiner.0.attention.to_v", "noise_refiner.0.attention.to_v"),
+    ]),
+    "z_image SimpleTuner": ("z_image", "", [
+        ("context_refiner.0.attention.to_k", "context_refiner.0.attention.to_k"),
+        ("layers.0.feed_forward.w2", "layers.0.feed_forward.w2"),
+    ]),
+    "flux2 LyCORIS": ("flux2", "lycoris_", [
+        ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_q"),
+        ("transformer_blocks.1.ff.linear_in", "transformer_blocks.1.ff.linear_in"),
+        ("single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_qkv_mlp_proj"),
+    ]),
+    "flux2 ai-toolkit BFL": ("flux2", "diffusion_model.", [
+        ("double_blocks.0.img_attn.qkv", ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
+                                          "transformer_blocks.0.attn.to_v")),
+        ("double_blocks.1.txt_mlp.0", "transformer_blocks.1.ff_context.linear_in"),  # SwiGLU: FLUX.2, not FLUX.1
+        ("single_blocks.1.linear2", "single_transformer_blocks.1.attn.to_out"),
+    ]),
+    "flux2 PEFT BFL": ("flux2", "base_model.model.", [
+        ("double_blocks.1.img_attn.proj", "transformer_blocks.1.attn.to_out.0"),
+        ("double_blocks.0.img_mlp.0", "transformer_blocks.0.ff.linear_in"),
+    ]),
+    "flux2 SimpleTuner": ("flux2", "", [
+        ("transformer_blocks.1.attn.add_k_proj", "transformer_blocks.1.attn.add_k_proj"),
+        ("single_transformer_blocks.1.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_qkv_mlp_proj"),
+    ]),
+}  # fmt: skip
+
+
+def _lokr_file(model, prefix: str, modules: list, tmp_path):
+    """A LoKr file on `modules` (factors shaped as PEFT factors them, so diffusers can rebuild its config): the
+    first module's w2 rank-decomposed (rank 1, alpha 0.5: scale 0.5), the others full (scale 1, alpha ignored);
+    and its delta on each diffusers weight by the published formula."""
+    from peft.tuners.lokr.layer import factorization
+
+    sizes = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(13)
+    sd, deltas = {}, {}
+    for i, (name, lands) in enumerate(modules):
+        parts = (lands,) if isinstance(lands, str) else lands
+        out, inp = sum(sizes[p][0] for p in parts), sizes[parts[0]][1]
+        (a, b), (c, d) = factorization(out, -1), factorization(inp, -1)
+        stem = prefix + (name.replace(".", "_") if prefix == "lycoris_" else name)
+        w1 = torch.randn(a, c, generator=g) * 0.3
+        sd[f"{stem}.lokr_w1"] = w1
+        if i == 0:
+            w2a, w2b = torch.randn(b, 1, generator=g) * 0.3, torch.randn(1, d, generator=g) * 0.3
+            sd |= {f"{stem}.lokr_w2_a": w2a, f"{stem}.lokr_w2_b": w2b}
+            delta = torch.kron(w1.double(), (w2a @ w2b).double()) * 0.5
+        else:
+            w2 = torch.randn(b, d, generator=g) * 0.3
+            sd[f"{stem}.lokr_w2"] = w2
+            delta = torch.kron(w1.double(), w2.double())
+        sd[f"{stem}.alpha"] = torch.tensor(0.5)
+        row = 0
+        for p in parts:
+            deltas[f"{p}.weight"] = delta[row : row + sizes[p][0]]
+            row += sizes[p][0]
+    return save(sd, tmp_path / "lokr.safetensors"), deltas
+
+
+def _diffusers_lokr_merge(case, model, file):
+    """diffusers' own reading of a LoKr file (its converter, LoKrConfig and PEFT's merge), as diffusers' weights:
+    a fused qkv it made to take a BFL file's delta is split back into q, k, v."""
+    from diffusers.loaders import lora_pipeline
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    mixin = getattr(lora_pipeline, keymap(case.family).diffusers["loader"])
+    sd = mixin.lora_state_dict(str(file.parent), weight_name=file.name)
+    target = __import__("copy").deepcopy(model)
+    mixin.load_lora_into_transformer(sd, transformer=target)
+    for module in target.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+    out = {k.replace(".base_layer.", "."): v for k, v in target.state_dict().items() if ".lokr_" not in k}
+    for key in [k for k in out if ".to_qkv." in k or ".to_added_qkv." in k]:
+        fused = out.pop(key)
+        names = ("to_q", "to_k", "to_v") if ".to_qkv." in key else ("add_q_proj", "add_k_proj", "add_v_proj")
+        for j, part in enumerate(fused.chunk(3)):
+            out[key.replace(key.split(".")[-2], names[j])] = part
+    return out
+
+
+@pytest.mark.parametrize("which", sorted(LOKR_FILES))
+def test_lokr_files_merge_as_diffusers_reads_them(built, which, cli, tmp_path):
+    """LyCORIS LoKr files as ai-toolkit (ComfyUI names), LyCORIS, PEFT and SimpleTuner write them for Z-Image and
+    FLUX.2: our merge into both base layouts and the published formula agree, and so does diffusers' own loader
+    (its LoKr converters, fusing FLUX.2's qkv for a BFL file) exactly for the spellings the keymap's
+    `lokr_loaders` list; inspect names the family and those loaders (kohya reads no LoKr)."""
+    family, prefix, modules = LOKR_FILES[which]
+    case, model, folder, single, _, base, _, _ = built(family)
+    adapter, deltas = _lokr_file(model, prefix, modules, tmp_path)
+    want = dict(base) | {k: (base[k].double() + d).to(base[k].dtype) for k, d in deltas.items()}
+    code, out, err = cli("inspect", adapter, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["family"] == family and "kohya" not in info["loads_in"], info
+    try:
+        theirs = _diffusers_lokr_merge(case, model, adapter)
+        agrees = all(torch.allclose(theirs[k], v, atol=ATOL, rtol=1e-5) for k, v in want.items())
+    except Exception:  # noqa: BLE001 - a loader that refuses the file does not read it
+        agrees = False
+    assert agrees == ("diffusers" in info["loads_in"]), f"{which}: diffusers reads it: {agrees}; {info}"
+    code, log, err = cli("merge", "--base", folder, "--adapter", adapter, "--out", tmp_path / "f")
+    assert code == 0, err + log
+    _close(read_component(tmp_path / "f", "transformer"), want, f"{which} into the folder")
+    code, _, err = cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "s")
+    assert code == 0, err
+    in_file = {case.prefix + k: v for k, v in original_layout(want, keymap(family)).items()}
+    _close(load_file(tmp_path / "s" / single.name), in_file, f"{which} into the file")

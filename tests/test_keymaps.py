@@ -79,6 +79,10 @@ MISTAKES = {
                                          r"keymaps/flux2\.yaml: shapes\[0\]: missing required key 'when'"),
     "target spelling": ("z_image", lambda d: d["targets"].update(comfyui="comfy"),
                         r"keymaps/z_image\.yaml: targets\.comfyui: expected a spelling"),
+    "unknown spelling in lokr_loaders": ("z_image", lambda d: d["lokr_loaders"]["diffusers"].append("lyco"),
+                                         r"keymaps/z_image\.yaml: lokr_loaders\.diffusers\[\d+\]: expected a spelling"),
+    "diffusers' other loaders as a string": ("wan", lambda d: d["diffusers"].update(also="HeliosLoraLoaderMixin"),
+                                             r"keymaps/wan\.yaml: diffusers\.also: expected a list"),
 }  # fmt: skip
 
 

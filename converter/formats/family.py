@@ -17,6 +17,7 @@ from functools import cache
 
 from converter.formats.base import Adapter, AdapterPatch
 from converter.keymap import Keymap, all_keymaps, eval_expr
+from converter.patches import LoKr
 
 # The prefix a file writes before a denoiser module's name, and what kind of writer that is (docs/FORMATS.md §12).
 PREFIX_KINDS = {
@@ -40,16 +41,18 @@ class Identity:
     candidates: list[str]  # every family whose names and shapes the file fits (several: the names do not tell)
     prefix: str  # kohya, onetrainer, lycoris, comfyui, diffusers, peft, bare
     naming: str | None  # original / diffusers; None for a family that names its modules alike in both
+    lokr: bool = False  # a LyCORIS LoKr file: tools read it by the keymap's `lokr_loaders` (none listed: no tool)
 
     @property
     def spelling(self) -> str:
         return f"{self.prefix}/{self.naming}" if self.naming else self.prefix
 
     def loads_in(self) -> list[str]:
-        """Tools that load the file as it is, by the family keymap's `loaders`."""
+        """Tools that load the file as it is, by the family keymap's `loaders` (`lokr_loaders` for a LoKr file)."""
         if self.family is None:
             return []
-        return [tool for tool, spellings in self.family.loaders.items() if self._listed(spellings)]
+        table = self.family.lokr_loaders if self.lokr else self.family.loaders
+        return [tool for tool, spellings in table.items() if self._listed(spellings)]
 
     def _listed(self, spellings: list[str]) -> bool:
         for s in spellings:
@@ -117,6 +120,7 @@ def identify(adapter: Adapter) -> Identity | None:
     if not modules:
         return None
     kinds = {prefix_kind(ap, adapter.format) for ap in modules}
+    lokr = all(isinstance(ap.patch, LoKr) for ap in modules)
     prefix = kinds.pop() if len(kinds) == 1 else "mixed"
     fitting: list[tuple[Keymap, str | None]] = []
     for km in all_keymaps():
@@ -127,10 +131,10 @@ def identify(adapter: Adapter) -> Identity | None:
             fitting.append((km, naming))
     if len(fitting) == 1:
         km, naming = fitting[0]
-        return Identity(km, [km.name], prefix, naming)
+        return Identity(km, [km.name], prefix, naming, lokr)
     namings = {naming for _, naming in fitting}
     naming = namings.pop() if len(namings) == 1 else None
-    return Identity(None, [km.name for km, _ in fitting], prefix, naming)
+    return Identity(None, [km.name for km, _ in fitting], prefix, naming, lokr)
 
 
 def convert_hint(identity: Identity, path: str) -> dict[str, str]:
@@ -143,7 +147,7 @@ def convert_hint(identity: Identity, path: str) -> dict[str, str]:
     flat = identity.prefix in ("kohya", "onetrainer", "lycoris")
     hints = {}
     for tool, target in TOOL_TARGET.items():
-        if tool in loads or tool not in km.loaders:
+        if tool in loads or tool not in km.loaders:  # (a LoKr file converts to a LoRA: the LoRA's loaders)
             continue
         _, wanted = km.target(target)
         needs_base = flat or (identity.naming is not None and wanted is not None and wanted != identity.naming)
