@@ -51,7 +51,17 @@ def built(tmp_path_factory):
 
 
 FAMILIES = sorted(CASES)
-SPELLINGS = [(f, s) for f in FAMILIES for s in CASES[f].spellings]
+
+
+def _wrapper_spellings(name: str) -> list[str]:
+    """OneTrainer (`lora_transformer_`) and SimpleTuner's LyCORIS wrapper (`lycoris_`) name the diffusers model they
+    wrap, flattened, whatever the family: every family gets both, besides its writers' own spellings."""
+    case = CASES[name]
+    naming = "" if keymap(case.family).one_naming else "/diffusers"
+    return [s for s in (f"onetrainer{naming}", f"lycoris{naming}") if s not in case.spellings]
+
+
+SPELLINGS = [(f, s) for f in FAMILIES for s in (*CASES[f].spellings, *_wrapper_spellings(f))]
 
 
 def _close(ours: dict, reference: dict, what: str) -> None:
