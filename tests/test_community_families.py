@@ -16,6 +16,7 @@ import pytest
 import torch
 from diffusion_helpers import read_component, save
 from family_cases import (
+    RANK,
     CASES,
     diffusers_merge,
     expected,
@@ -363,3 +364,36 @@ def test_lokr_files_merge_as_diffusers_reads_them(built, which, cli, tmp_path):
     assert code == 0, err
     in_file = {case.prefix + k: v for k, v in original_layout(want, keymap(family)).items()}
     _close(load_file(tmp_path / "s" / single.name), in_file, f"{which} into the file")
+
+
+@pytest.mark.parametrize("family, module, lands", [
+    ("z_image", "layers.0.attention.to_k", ("layers.0.attention.to_k",)),
+    ("flux2", "double_blocks.0.img_attn.qkv", ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
+                                               "transformer_blocks.0.attn.to_v")),
+])  # fmt: skip
+def test_ai_toolkit_dora_magnitude_merges_by_peft_formula(built, family, module, lands, cli, tmp_path):
+    """ai-toolkit's DoRA (`diffusion_model.` + lora_A/lora_B + `.magnitude`, one per output row as PEFT's): merged
+    by PEFT's DoRA formula, W' = m ⊙ (W + ΔW) / ‖W + ΔW‖ per row, into both layouts; on FLUX.2's fused qkv the
+    magnitude and the delta split by rows onto diffusers' q, k, v (the norm is per row, so the split is exact)."""
+    case, model, folder, single, _, base, _, _ = built(family)
+    ws = [base[f"{k}.weight"].double() for k in lands]
+    w = torch.cat(ws)
+    g = torch.Generator().manual_seed(17)
+    down, up = torch.randn(RANK, w.shape[1], generator=g) * 0.3, torch.randn(w.shape[0], RANK, generator=g) * 0.3
+    magnitude = torch.rand(w.shape[0], generator=g) + 0.5
+    stem = f"diffusion_model.{module}"
+    adapter = save({f"{stem}.lora_A.weight": down, f"{stem}.lora_B.weight": up, f"{stem}.magnitude": magnitude},
+                   tmp_path / "dora.safetensors")  # fmt: skip
+    merged = w + up.double() @ down.double()
+    merged = magnitude.double()[:, None] * merged / merged.norm(dim=1, keepdim=True)
+    want, row = dict(base), 0
+    for k, part in zip(lands, ws, strict=True):
+        want[f"{k}.weight"] = merged[row : row + part.shape[0]].to(base[f"{k}.weight"].dtype)
+        row += part.shape[0]
+    code, log, err = cli("merge", "--base", folder, "--adapter", adapter, "--out", tmp_path / "f")
+    assert code == 0, err + log
+    _close(read_component(tmp_path / "f", "transformer"), want, "DoRA into the folder")
+    code, _, err = cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / "s")
+    assert code == 0, err
+    in_file = {case.prefix + k: v for k, v in original_layout(want, keymap(family)).items()}
+    _close(load_file(tmp_path / "s" / single.name), in_file, "DoRA into the file")

@@ -55,6 +55,7 @@ SUFFIXES = {
     ".lora_B.bias": "up_bias",
     ".lora_magnitude_vector.weight": "magnitude",
     ".lora_magnitude_vector": "magnitude",
+    ".magnitude": "magnitude",  # ai-toolkit's DoRA (PEFT's magnitude, one per output row)
     # older diffusers layouts (§4): `.lora.down`, attn-processor `to_q_lora.down`, `lora_linear_layer.down`
     ".lora.down.weight": "down",
     ".lora.up.weight": "up",
