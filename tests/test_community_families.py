@@ -16,8 +16,8 @@ import pytest
 import torch
 from diffusion_helpers import read_component, save
 from family_cases import (
-    RANK,
     CASES,
+    RANK,
     diffusers_merge,
     expected,
     keymap,
