@@ -39,6 +39,9 @@ FULL = {
                                               text_embed_dim=2048, adaln_lora_dim=256, concat_padding_mask=True,
                                               extra_pos_embed_type=None, rope_scale=(1.0, 4.0, 4.0))),
     # LTX-2.5: gated attention and the prompt-modulated cross attention
+    "minimax_h3": ("MiniMaxH3Transformer3DModel", {}),
+    "z_image": ("ZImageTransformer2DModel", {}),
+    "flux2": ("Flux2Transformer2DModel", {}),
     "ltx2": ("LTX2VideoTransformer3DModel", dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True,
                                                 audio_cross_attn_mod=True, use_prompt_embeddings=False, num_layers=2)),
 }  # fmt: skip
@@ -94,7 +97,10 @@ def _tiny(keys: dict[str, list[int]], real: bool) -> dict[str, torch.Tensor]:
 CASES = [(name, None) for name, e in SETS.items() if "keys" in e] + [
     (name, tag) for name, e in SETS.items() for tag in e.get("files", {})
 ]
-_LORA_KEY = re.compile(r"\.(lora_(down|up|A|B)\.weight|(down|up)\.weight|alpha|lokr_w[12](_[ab])?|dora_scale)$")
+_LORA_KEY = re.compile(
+    r"\.(lora_(down|up|A|B)\.weight|(down|up)\.weight|alpha|lokr_w[12](_[ab])?|dora_scale|magnitude"
+    r"|lora_magnitude_vector\.weight)$"
+)
 
 
 @pytest.mark.parametrize("name, tag", CASES, ids=[f"{n}-{t}" if t else n for n, t in CASES])
@@ -102,7 +108,7 @@ def test_real_key_set_resolves_on_both_layouts(name, tag, tmp_path):
     entry = SETS[name]
     keys = entry["files"][tag]["keys"] if tag else entry["keys"]
     spelling = entry["files"][tag]["spelling"] if tag else entry["spelling"]
-    family = entry["family"]
+    family = entry["files"][tag].get("family", entry["family"]) if tag else entry["family"]
     # BFL's control LoRA also sets norm scales and widens img_in: not a LoRA; its LoRA modules are checked here
     lora_keys = {k: v for k, v in keys.items() if _LORA_KEY.search(k)}
     file = save(_tiny(lora_keys, entry["shapes"] == "real"), tmp_path / f"{name}.safetensors")

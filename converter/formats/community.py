@@ -94,6 +94,7 @@ DOTTED_PREFIXES = {
     "transformer.": "denoiser",
     "diffusion_model.": "denoiser",  # ComfyUI / ai-toolkit / musubi converted
     "base_model.model.": "denoiser",
+    "base_model.model.transformer.": "denoiser",  # PEFT over a wrapper that holds the model as `transformer`
     "text_encoder.": "text_encoder",
     "text_encoder_2.": "text_encoder_2",
     "text_encoder_3.": "text_encoder_3",
