@@ -351,6 +351,7 @@ def test_lokr_files_merge_as_diffusers_reads_them(built, which, cli, tmp_path):
     assert code == 0, err
     info = json.loads(out)
     assert info["family"] == family and "kohya" not in info["loads_in"], info
+    assert info["convert_for"] and all("--rank RANK" in c for c in info["convert_for"].values()), info
     try:
         theirs = _diffusers_lokr_merge(case, model, adapter)
         agrees = all(torch.allclose(theirs[k], v, atol=ATOL, rtol=1e-5) for k, v in want.items())

@@ -140,7 +140,7 @@ def identify(adapter: Adapter) -> Identity | None:
 def convert_hint(identity: Identity, path: str) -> dict[str, str]:
     """For each tool that does not load the file as it is, the `converter convert` command that makes a file it
     loads. `--base` is in the command where names must be looked up (kohya's flattened names, or the other
-    naming of a family that has two)."""
+    naming of a family that has two), and `--rank` for a LoKr file (converted to a LoRA by an SVD)."""
     if identity.family is None:
         return {}
     km, loads = identity.family, set(identity.loads_in())
@@ -153,7 +153,8 @@ def convert_hint(identity: Identity, path: str) -> dict[str, str]:
         needs_base = flat or (identity.naming is not None and wanted is not None and wanted != identity.naming)
         out = f"{_stem(path)}_{target}" + (".safetensors" if target in ("kohya", "comfyui") else "")
         base = " --base BASE" if needs_base else ""
-        hints[tool] = f"converter convert --adapter {path} --to {target} --out {out}{base}"
+        rank = " --rank RANK" if identity.lokr else ""  # a LoKr has no exact LoRA form: an SVD of a chosen rank
+        hints[tool] = f"converter convert --adapter {path} --to {target} --out {out}{base}{rank}"
     return hints
 
 
