@@ -146,6 +146,16 @@ CASES = {
             ("kohya/original", "comfyui/original", "diffusers/diffusers", "diffusers/original", "bare/original"),
             no_single_file_check="diffusers' single-file converter splits linear1 at HunyuanVideo's own width (3072)",
         ),
+        Case(  # HunyuanVideo's blocks under diffusers' names, in both layouts (one naming)
+            "framepack",
+            "HunyuanVideoFramepackTransformer3DModel",
+            dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                 num_single_layers=2, num_refiner_layers=1, patch_size=1, text_embed_dim=12,
+                 pooled_projection_dim=8, rope_axes_dim=(2, 2, 4), has_clean_x_embedder=True),
+            "HunyuanVideoFramepackPipeline",
+            r"transformer_blocks\.\d+\.(attn\..*|ff(_context)?\..*)|single_transformer_blocks\.\d+\.(attn\..*|proj_mlp)",
+            ("kohya", "diffusers", "comfyui", "bare"),
+        ),
         Case(
             "ltx2",
             "LTX2VideoTransformer3DModel",
