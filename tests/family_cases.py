@@ -121,6 +121,17 @@ CASES = {
             variant="skyreels_v2",
             loader="SkyReelsV2LoraLoaderMixin",
         ),
+        Case(  # Wan's I2V blocks (image cross-attention add_k/add_v); diffusers reads it with Wan's own loader
+            "wan",
+            "ChronoEditTransformer3DModel",
+            dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                 text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32, image_dim=12,
+                 added_kv_proj_dim=16),
+            "ChronoEditPipeline",
+            r"blocks\.\d+\.(attn[12]\.(to_[qkv]|to_out\.0|add_[kv]_proj)|ffn\.net\.(0\.proj|2))",
+            ("kohya/original", "comfyui/original", "diffusers/diffusers"),
+            variant="chronoedit",
+        ),
         Case(  # Wan's blocks, diffusers folders only
             "wan",
             "HeliosTransformer3DModel",
