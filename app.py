@@ -23,7 +23,13 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import gradio as gr  # noqa: E402
+from converter.errors import MissingExtraError  # noqa: E402
+from converter.optional import require  # noqa: E402
+
+try:
+    gr = require("gradio", "the converter app")
+except MissingExtraError as e:  # run as a script: the one line, no traceback
+    raise SystemExit(f"error: {e}") from None
 
 from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
 from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402

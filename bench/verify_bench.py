@@ -5,15 +5,20 @@ Why: the default command must not be slower or hungrier than the tool it replace
 alternately in whole subprocesses on the synthetic Llama of merge_bench.py (same inputs, cached), so a noisy,
 shared machine affects all of them alike; the 1-minute load average is reported with every run.
 `--baseline SRC` adds the default `converter merge` of another source tree (e.g. the code before a change).
+The tensor proof is also measured alone (`converter verify --proof tensors` on the default merge's output, in its
+own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported.
 
 `--big` instead builds a Llama-3-8B-shaped synthetic model (8.03 B parameters, bf16, 16 GB) and a rank-16
-all-linear LoRA straight to safetensors, tensor by tensor, runs the default `converter merge` on it once, checks
-that verification ran in memory (no disk offloading) and passed, and removes the ~32 GB of files afterwards
-(`--keep` leaves them). It needs ~40 GB of free disk and ~12 GiB of available memory; on a shared machine run it
-under a lock file the machine's users share: `flock BENCH.lock python bench/verify_bench.py --big`.
+all-linear LoRA straight to safetensors from its shapes alone (no model object: the base's bytes are one block of
+random bf16 values repeated, as merge_bench.py's larger-than-RAM model), runs the default `converter merge` on it
+once, then the tensor proof alone, checks that verification ran in memory (no disk offloading) and passed, and
+removes the ~32 GB of files afterwards (`--keep` leaves them). It needs ~40 GB of free disk and ~12 GiB of
+available memory; on a shared machine run it under a lock file the machine's users share:
+`flock BENCH.lock python bench/verify_bench.py --big`. `--big --shape tiny` runs the same steps on a model of a
+few megabytes: a smoke run of the script, not a measurement.
 
-    python bench/verify_bench.py [--workdir DIR] [--small | --big [--keep]] [--rounds N] [--baseline SRC]
-                                 [--no-full] [--no-record]
+    python bench/verify_bench.py [--workdir DIR] [--small | --big [--shape 8b|tiny] [--keep]] [--rounds N]
+                                 [--baseline SRC] [--no-full] [--no-record]
 
 Results are appended to bench/RESULTS.md (not for --small).
 """
@@ -47,6 +52,7 @@ from merge_bench import (  # noqa: E402
 
 # Llama-3-8B's shapes (untied head): 8.03 B parameters, 16 GB in bf16.
 BIG = Shape(hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32, kv_heads=8)
+BIG_SHAPES = {"8b": BIG, "tiny": Shape(hidden=128, layers=2, intermediate=344, vocab=1024, heads=4, kv_heads=2)}
 BIG_MIN_AVAILABLE = 12 * 2**30  # verification's working set is ~6 GiB (two blocks + the head in float32, ...)
 BIG_MIN_DISK = 40 * 10**9  # base 16 GB + merged 16 GB + slack
 SHARD_BYTES = 4 * 10**9
@@ -59,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--small", action="store_true", help="a much smaller model: a quick smoke run")
     size.add_argument("--big", action="store_true", help="a Llama-3-8B-shaped model: default merge once, in memory?")
+    parser.add_argument("--shape", choices=sorted(BIG_SHAPES), default="8b", help="--big: the model (tiny: smoke run)")
     parser.add_argument("--keep", action="store_true", help="--big: keep the 8B model's files (~32 GB) afterwards")
     parser.add_argument("--build-only", type=Path, help=argparse.SUPPRESS)  # internal: --big's builder process
     parser.add_argument("--build-shape", default=json.dumps(BIG.__dict__), help=argparse.SUPPRESS)
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         build_safetensors_llama(Shape(**json.loads(args.build_shape)), args.build_only)
         return 0
     if args.big:
-        return run_big(args, BIG)
+        return run_big(args, BIG_SHAPES[args.shape])
     shape = SMALL if args.small else FULL
     work = args.workdir.resolve() / ("small" if args.small else "full")
     logs = work / "logs"
@@ -101,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", PEFT_SCRIPT, str(base), str(adapter), str(work / "out-peft")],
         ),
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
+        "proof": ("the tensor proof alone (`converter verify --proof tensors`)",
+                  [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report",
+                   str(work / "proof.json")]),  # fmt: skip
         "full": ("`converter merge --verify full`", merge(work / "out-full", "--verify", "full")),
     }
     if args.no_full:
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         tools["baseline"] = (f"`converter merge` of {args.baseline.name} (before)", merge(work / "out-baseline"))
     cold = drop_caches()
     runs: dict[str, list] = {name: [] for name in tools}
+    reports: dict[str, dict] = {}
     for i in range(args.rounds):
         for name, (_label, cmd) in tools.items():
             env_path = str(args.baseline.resolve()) if name == "baseline" else str(Path(__file__).resolve().parents[1])
@@ -118,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} failed: see {r.log}", file=sys.stderr)
                 return 1
             runs[name].append(r)
-    reports = {n: json.loads((work / f"out-{n}" / "verification.json").read_text()) for n in tools if n != "peft"}
+            written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
+            if name != "peft":  # read now: the proof-only run rewrites out-quick's report
+                reports[name] = json.loads(written.read_text())
     best = {n: min(rs, key=lambda r: r.wall_s) for n, rs in runs.items()}
     peft = best["peft"]
     rows = []
@@ -132,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{b.wall_s / peft.wall_s:.2f}x / {b.peak_rss_mib / peft.peak_rss_mib:.2f}x | {loads} |"
         )
     phases = reports["quick"]["phase_seconds"]
+    proof = reports["quick"].get("tensors") or {}
     text = "\n".join(
         [
             f"\n## Default merge + verification vs PEFT's plain merge: {info['date']} ({_param_count(base)}, "
@@ -147,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "Quick verification phases (s): " + ", ".join(f"{k} {v}" for k, v in phases.items()) + ".",
             "",
+            _proof_line(proof),
+            "",
+            _proof_alone_line(reports["proof"].get("tensors") or {}, best["proof"]),
+            "",
         ]
     )
     print(text)
@@ -154,6 +172,30 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.results, "a") as f:
             f.write(text)
     return 0
+
+
+def _proof_line(proof: dict) -> str:
+    """What the tensor proof checked, from a report's "tensors" section."""
+    if not proof:
+        return "The tensor proof did not run."
+    worst = (proof.get("worst") or {}).get("ratio", 0)
+    return (
+        f"Tensor proof (referee {proof['referee']['name']}): {proof['changed']} changed tensors "
+        f"({proof['elements']:,} elements, {proof['inexact']:,} not exactly the rounded expectation, worst "
+        f"{float(worst):.3g}x the rounding bound) and {proof['untouched']} untouched ones, in {proof['seconds']} s "
+        "of checking after the referee was built."
+    )
+
+
+def _proof_alone_line(proof: dict, run) -> str:
+    """The tensor proof run by itself: the whole process (imports, referee, every tensor) and the checking."""
+    if not proof:
+        return "The tensor proof alone did not run."
+    return (
+        f"The tensor proof alone: {run.wall_s:.1f} s and {run.peak_rss_mib:.0f} MiB peak for the whole process "
+        f"(imports, the referee built without weights, every tensor read and checked), of which {proof['seconds']} s "
+        f"checking {proof['tensors']} tensors."
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ --big
@@ -179,9 +221,10 @@ def llama_tensors(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
     return [*out, ("model.norm.weight", (shape.hidden,)), ("lm_head.weight", (shape.vocab, shape.hidden))]
 
 
-def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fill) -> None:
+def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fill=None, block=None) -> None:
     """One safetensors file written front to back: header first (all shapes are known), then each tensor as
-    `fill(name, shape, out_tensor)` produces it, in pieces; nothing larger than one piece is held."""
+    `fill(name, out_tensor)` produces it, in pieces, or as the bytes of `block(name)` repeated (no arithmetic:
+    16 GB of base in the time it takes to write them); nothing larger than one piece is held."""
     import math
 
     import torch
@@ -197,6 +240,9 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fil
     with open(path, "wb") as f:
         f.write(encode_header(entries, {"format": "pt"}))
         for name, shape, dtype in tensors:
+            if block is not None:
+                _repeat(f, block(name), math.prod(shape) * ITEMSIZE[dtype])
+                continue
             rows = max(1, (1 << 25) // max(1, math.prod(shape[1:])))  # ~32 M elements a piece
             for start in range(0, shape[0], rows):
                 piece = torch.empty((min(rows, shape[0] - start), *shape[1:]), dtype=torch.float32)
@@ -205,6 +251,22 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fil
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # 16 GB of page cache helps nobody
+
+
+def _repeat(f, block: memoryview, nbytes: int) -> None:
+    while nbytes:
+        n = min(nbytes, len(block))
+        f.write(block[:n])
+        nbytes -= n
+
+
+def _random_bf16_block(norms: bool = False) -> memoryview:
+    """32 M random finite bf16 values (64 MiB), as bytes: N(0, 0.02), or N(1, 0.1) for norm weights."""
+    import numpy as np
+
+    rng = np.random.default_rng(1 if norms else 0)
+    values = rng.standard_normal(32 * 2**20, dtype=np.float32) * (0.1 if norms else 0.02) + (1.0 if norms else 0.0)
+    return memoryview((values.view(np.uint32) >> 16).astype(np.uint16)).cast("B")
 
 
 def build_safetensors_llama(shape: Shape, folder: Path) -> None:
@@ -217,11 +279,7 @@ def build_safetensors_llama(shape: Shape, folder: Path) -> None:
     base.mkdir(parents=True)
     adapter.mkdir()
 
-    def weights(name: str, piece) -> None:
-        if name.endswith("norm.weight"):
-            piece.normal_(1.0, 0.1)
-        else:
-            piece.normal_(0.0, 0.02)
+    weights, norm_block = _random_bf16_block(), _random_bf16_block(norms=True)
 
     shards, current, size = [], [], 0
     for name, dims in llama_tensors(shape):
@@ -235,7 +293,7 @@ def build_safetensors_llama(shape: Shape, folder: Path) -> None:
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_file(base / file, shard, weights)
+        _write_file(base / file, shard, block=lambda n: norm_block if n.endswith("norm.weight") else weights)
         weight_map.update({name: file for name, _, _ in shard})
         print(f"  {file} written", flush=True)
     (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -303,13 +361,16 @@ def build_safetensors_llama(shape: Shape, folder: Path) -> None:
 
 
 def run_big(args, shape: Shape) -> int:
-    """The default `converter merge` of an 8B-shaped model, once: does verification stay in memory (no offload)?"""
+    """The default `converter merge` of an 8B-shaped model, once, and the tensor proof alone: does verification stay
+    in memory (no offload), and what does the proof cost by itself? (`--shape tiny`: the same steps, a smoke run.)"""
     sys.path.insert(0, str(BENCH_DIR.parent))
     from converter.verify.loading import available_memory
 
     work = args.workdir.resolve() / "big"
-    available, disk = available_memory(), shutil.disk_usage(args.workdir.resolve().parent).free
-    if available < BIG_MIN_AVAILABLE or disk < BIG_MIN_DISK:
+    smoke = shape != BIG
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    available, disk = available_memory(), shutil.disk_usage(args.workdir.resolve()).free
+    if not smoke and (available < BIG_MIN_AVAILABLE or disk < BIG_MIN_DISK):
         print(
             f"--big needs {BIG_MIN_AVAILABLE / 2**30:.0f} GiB of available memory and {BIG_MIN_DISK / 1e9:.0f} GB of "
             f"free disk; this machine has {available / 2**30:.1f} GiB and {disk / 1e9:.0f} GB now",
@@ -321,7 +382,7 @@ def run_big(args, shape: Shape) -> int:
     logs = work / "logs"
     try:
         t0 = time.perf_counter()
-        print(f"building an 8B-shaped model in {work / 'inputs'} ...", flush=True)
+        print(f"building a {'tiny' if smoke else '8B'}-shaped model in {work / 'inputs'} ...", flush=True)
         env = {**os.environ, "PYTHONPATH": str(BENCH_DIR.parent)}
         build = [
             sys.executable,
@@ -342,25 +403,39 @@ def run_big(args, shape: Shape) -> int:
             print((logs / "big.log").read_text()[-3000:], file=sys.stderr)
             return 1
         rep = json.loads((out / "verification.json").read_text())
+        proof_cmd = [sys.executable, "-P", "-m", "converter", "verify", str(out), "--proof", "tensors", "--report",
+                     str(work / "proof.json")]  # fmt: skip
+        p = measure("big-proof", proof_cmd, logs / "big-proof.log", drop_caches())
+        if not p.ok:
+            print((logs / "big-proof.log").read_text()[-3000:], file=sys.stderr)
+            return 1
         text = "\n".join(
             [
-                f"\n## Default merge + verification of an 8B-shaped model: {info['date']} (verify_bench.py --big)",
+                f"\n## Default merge + verification of {'a tiny' if smoke else 'an 8B'}-shaped model: {info['date']} "
+                f"(verify_bench.py --big{' --shape tiny: a smoke run, not a measurement' if smoke else ''})",
                 "",
                 f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Synthetic "
-                f"Llama-3-8B shapes ({_param_count(base)}), rank-{LORA_RANK} all-linear LoRA; built on disk in "
+                f"Llama{'' if smoke else '-3-8B'} shapes ({_param_count(base)}), rank-{LORA_RANK} all-linear LoRA; "
+                "built on disk in "
                 f"{built_s:.0f} s and removed afterwards. Load average at the start: {r.load1:.1f}.",
                 "",
                 "| run | wall | CPU | peak RSS | verdict | offloaded | verification |",
                 "|---|---|---|---|---|---|---|",
                 f"| `converter merge` (default: merge + quick verification) | {r.wall_s:.1f} s | {r.cpu_s:.1f} s | "
                 f"{r.peak_rss_mib:.0f} MiB | {rep['verdict']} | {rep['offloaded']} | {rep['seconds']:.1f} s |",
+                f"| the tensor proof alone (`converter verify --proof tensors`) | {p.wall_s:.1f} s | {p.cpu_s:.1f} s | "
+                f"{p.peak_rss_mib:.0f} MiB | | | |",
                 "",
                 "Verification phases (s): " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items()) + ".",
+                "",
+                _proof_line(rep.get("tensors") or {}),
+                "",
+                _proof_alone_line(json.loads((work / "proof.json").read_text()).get("tensors") or {}, p),
                 "",
             ]
         )
         print(text)
-        if not args.no_record:
+        if not args.no_record and not smoke:
             with open(args.results, "a") as f:
                 f.write(text)
         return 0 if rep["verdict"] == "pass" and not rep["offloaded"] else 1

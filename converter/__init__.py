@@ -1,23 +1,22 @@
 """converter: fold LoRA adapters into base models exactly, stream the result, and prove it.
 
-The public Python API is re-exported here; heavy libraries (transformers, peft) are never imported by it.
+The recipe types and the errors are re-exported here; the verbs live in their modules (`converter.merge.merge`,
+`converter.pipeline.push` / `verify_folder`, `converter.convert.convert` ...; docs/python-api.md). `merge` is not
+re-exported: the submodule `converter.merge` has that name, and importing it would replace the function here.
+Heavy libraries (torch, transformers, peft) are never imported by `import converter`.
 """
 
 from converter.errors import ConverterError, VerificationFailed
 
 __version__ = "0.1.0"
 
-__all__ = ["ConverterError", "VerificationFailed", "__version__", "merge", "Recipe", "AdapterSpec"]
+__all__ = ["AdapterSpec", "ConverterError", "Recipe", "VerificationFailed", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `import converter` stays cheap (torch is imported only when a merge runs).
-    if name == "merge":
-        from converter.merge import merge
-
-        return merge
+    # Lazy so that `import converter` stays cheap.
     if name in ("Recipe", "AdapterSpec"):
         from converter import recipe
 
         return getattr(recipe, name)
-    raise AttributeError(name)
+    raise AttributeError(f"module 'converter' has no attribute {name!r}")

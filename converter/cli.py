@@ -10,6 +10,7 @@ import os
 import sys
 import traceback
 
+from converter import quiet
 from converter.errors import BadInputError, ConverterError, UsageError
 
 
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--adapter", action="append", default=[], help="adapter (repeatable; default: from the recipe)")
     v.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter")
     v.add_argument("--report", help="also write the JSON report here")
+    v.add_argument("--proof", choices=["both", "tensors", "behaviour"], default="both",
+                   help="both (default), or one alone: every tensor against its referee, or the behaviour")  # fmt: skip
     v.add_argument("--config", help=CONFIG_HELP)
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
@@ -83,7 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--source", help="checkout holding app.py, spaces/ and converter/ (default: this package's)")
     sd.add_argument("--private", action="store_true", help="create the Space private")
     sd.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+    _add_verbose(p)
     return p
+
+
+def _add_verbose(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """`-v` before or after the command, on every command (a subcommand's default must not reset the top's)."""
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
+        help="also show what the libraries underneath print (their warnings, log lines and progress bars)",
+    )  # fmt: skip
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_verbose(sub, top=False)
 
 
 def _convert_parser(sub) -> None:
@@ -203,7 +219,9 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-alpha", action="append", type=_alpha, default=[], help=LORA_ALPHA_HELP + " (one per --adapter)"
     )
-    p.add_argument("--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB)")
+    p.add_argument(
+        "--max-shard-size", help="largest output shard, e.g. 5GB (default 5GB; a push: 1/16 of the weights, 256MB-2GB)"
+    )
     p.add_argument(
         "--allow-unmatched", action="store_true", help="warn (not fail) on adapter tensors that land nowhere"
     )
@@ -313,8 +331,46 @@ def _training_base(base: str) -> bool:
     return is_training_base(base)
 
 
+_console: quiet.Console | None = None  # the running command's (converter.quiet.session)
+
+
+def _check_extras(recipe, token: str | None) -> None:
+    """Before anything is merged or written: verifying a diffusion merge needs diffusers (converter[diffusion])."""
+    import importlib.util
+
+    if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
+        from converter.optional import require
+
+        require("diffusers", "verifying a diffusion merge")
+
+
+def _diffusion_base(spec: str, token: str | None) -> bool:
+    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
+    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
+    from converter.sources import parse_source
+
+    source = parse_source(spec)
+    if source.local is not None:
+        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
+    if source.path is not None:
+        return source.path.endswith(".safetensors")
+    from huggingface_hub import file_exists
+
+    from converter import hub
+
+    try:
+        return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
+                                                  token=token))  # fmt: skip
+    except ConverterError:
+        return False
+
+
 def _log(msg: str) -> None:
-    print(msg, flush=True)
+    """converter's own lines: to stdout even while the libraries' output is held back."""
+    if _console is not None:
+        _console.line(msg)
+    else:
+        print(msg, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -322,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         from converter.describe import inspect_path, render
 
         info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
-        print(render(info, as_json=args.json))
+        _log(render(info, as_json=args.json))
         return 0
     if args.command in ("merge", "push"):
         # Before numpy loads: the merge's BLAS products are small; BLAS threads would spin next to ours.
@@ -334,10 +390,8 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        if settings is not None and recipe.method not in (None, "sum"):
-            _log(f"note: not verified: the check compares with PEFT's unmerged sum of the adapters, which a "
-                 f"--method {recipe.method} merge is not meant to equal")  # fmt: skip
-            settings = None
+        if settings is not None:
+            _check_extras(recipe, args.token)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
             from converter.verify.warmup import start
 
@@ -362,32 +416,31 @@ def run(args: argparse.Namespace) -> int:
             recipe = recorded_recipe(args.folder)
             if args.base:
                 recipe.base = args.base
-            if recipe.method not in (None, "sum"):
-                raise ConverterError(
-                    f"{args.folder}: merged with --method {recipe.method}; verification compares with PEFT's "
-                    "unmerged sum of the adapters, which that merge is not meant to equal"
-                )
         if args.config:
             recipe.base_config = args.config
-        verify_folder(
-            args.folder, recipe, token=args.token, log=_log, report_path=args.report, **_verify_settings(args)
-        )
+        proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
+        verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
+                      **_verify_settings(args))  # fmt: skip
         return 0
     if args.command == "push":
         from converter.pipeline import push
 
+        recipe = None if args.from_folder else _recipe_from_args(args)
+        settings = None if args.no_verify else _verify_settings(args)
+        if recipe is not None and settings is not None:
+            _check_extras(recipe, args.token)
         result = push(
             args.repo,
-            recipe=None if args.from_folder else _recipe_from_args(args),
+            recipe=recipe,
             folder=args.from_folder,
             token=args.token,
             private=args.private,
             create_pr=args.create_pr,
             overwrite=args.overwrite,
-            verify=None if args.no_verify or args.method not in (None, "sum") else _verify_settings(args),
+            verify=settings,
             log=_log,
         )
-        print(result.summary())
+        _log(result.summary())
         return 0
     if args.command == "convert":
         from converter.convert import run_cli
@@ -415,19 +468,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _console
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ConverterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except Exception:  # noqa: BLE001 - a bug: show everything so it can be reported
-        traceback.print_exc()
-        print(
-            "error: unexpected failure (a bug in converter; please report it with the trace above)",
-            file=sys.stderr,
-        )
-        return 1
+    with quiet.session(verbose=args.verbose) as console:
+        _console = console
+        try:
+            return run(args)
+        except ConverterError as e:
+            console.error(f"error: {e}")
+            return e.exit_code
+        except KeyboardInterrupt:
+            console.error("interrupted; nothing was written")
+            return 130
+        except Exception:  # noqa: BLE001 - a bug: show everything so it can be reported
+            held = console.held_back().strip()
+            if held:
+                console.error(f"what the libraries printed before the failure (all of it with -v):\n{held}")
+            console.error(traceback.format_exc().rstrip())
+            console.error("error: unexpected failure (a bug in converter; please report it with the trace above)")
+            return 1
+        finally:
+            _console = None

@@ -43,7 +43,7 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
 
 def inspect_diffusion(path: Path) -> dict:
     """A diffusers pipeline folder or a single-file diffusion checkpoint: family, components, sizes."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     ckpt = open_base(path)
     dtypes: Counter = Counter()

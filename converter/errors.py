@@ -48,3 +48,12 @@ class VerificationFailed(ConverterError):
     """The merged model does not behave like base + adapters."""
 
     exit_code = 3
+
+
+class MissingExtraError(UsageError):
+    """An optional dependency is not installed: `package`, which `pip install 'converter[extra]'` brings."""
+
+    def __init__(self, message: str, *, package: str, extra: str):
+        super().__init__(message)
+        self.package = package
+        self.extra = extra

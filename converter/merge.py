@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter import __version__, dtypes, npmath, npmerge
+from converter.bases import open_base
 from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
 from converter.card import INHERITED, card_metadata, write_card
-from converter.checkpoint import Checkpoint, SequentialReader, file_sha256, open_base
+from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
 from converter.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
@@ -25,6 +26,7 @@ from converter.keymap import keymap_for
 from converter.lazy import torch
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, plan_merge
+from converter.progress import Progress
 from converter.recipe import Recipe
 from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
 from converter.scratch import temp_folder
@@ -46,6 +48,7 @@ SKIP_SUFFIXES = (
     ".index.json",
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
+DEFAULT_MAX_SHARD = "5GB"  # as transformers' save_pretrained
 
 
 @dataclass
@@ -75,7 +78,7 @@ def merge(
     quant = parse_output(recipe.dtype)
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
-    max_shard = parse_size(recipe.max_shard_size)
+    max_shard = parse_size(recipe.max_shard_size or DEFAULT_MAX_SHARD)
     from converter.methods.taskmerge import TaskMerge
 
     task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched
@@ -304,15 +307,20 @@ def _stream(
     # The math runs on one thread per core while this one reads and the writer and hasher threads do I/O.
     if use_numpy:
         npmerge.one_blas_thread()
+    total = plan.bytes_to_write  # progress only for models where a merge takes a while
+    progress = Progress(total, "merging", log) if total >= 256 * 2**20 else None
     with ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="converter-math") as pool:
-        _stream_into(checkpoint, plan, writers, readers, log, use_numpy, pool)
+        try:
+            _stream_into(checkpoint, plan, writers, readers, use_numpy, pool, progress)
+        finally:
+            if progress is not None:
+                progress.close()
 
 
 def _stream_into(
-    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, log: Callable, use_numpy: bool, pool
-) -> None:
-    total, done, next_report = plan.bytes_to_write, 0, 0.1
-    quiet = total < 256 * 2**20  # progress lines only for models where a merge takes a while
+    checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, use_numpy: bool, pool,
+    progress: Progress | None,
+) -> None:  # fmt: skip
     last_use = {checkpoint.where[o.source.name].path: o.name for o in plan.outputs}
     for o in plan.outputs:
         part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
@@ -343,10 +351,8 @@ def _stream_into(
         if last_use.get(source_file.path) == o.name and getattr(source_file, "release", None) is not None:
             readers[source_file.path].finish()  # nothing more is read from it: a file fetched for this job can go
             source_file.release(o.name)
-        done += o.spec.nbytes
-        if not quiet and done / total >= next_report:
-            log(f"  {done / total:4.0%} {human_bytes(done)} / {human_bytes(total)}")
-            next_report += 0.1
+        if progress is not None:
+            progress.update(o.spec.nbytes)
 
 
 def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:

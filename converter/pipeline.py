@@ -9,7 +9,6 @@ was given (then the result may be identical, a no-op, or must be refused before 
 from __future__ import annotations
 
 import copy
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -35,13 +34,15 @@ from converter.units import parse_size
 from converter.verify import require_pass, verify
 from converter.writer import Shard
 
-DEFAULT_SHARD = Recipe.max_shard_size  # "5GB": what a push that was not given --max-shard-size replaces
+
+def pipelined_shard_size(given: str | None, weights: int) -> str:
+    """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
+    of the weights, 256 MiB to 2 GiB, so that the first upload starts early and the last one (which nothing
+    overlaps) is short."""
+    return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
 
 
-def stream_shard_bytes(weights: int) -> int:
-    """Output shard size of a pipelined push: a sixteenth of the weights, 256 MiB to 2 GiB, so the first upload
-    starts early and the last one (which nothing overlaps) is short."""
-    return min(2 * 2**30, max(256 * 2**20, weights // 16))
+__all__ = ["push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
 
 
 def push(
@@ -111,9 +112,12 @@ def verify_folder(
     token: str | None = None,
     report_path: str | Path | None = None,
     log: Callable[[str], None] = print,
+    shard_proof=None,
     **settings,
-) -> dict:
-    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail."""
+):
+    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail.
+    Returns the VerificationReport. `shard_proof`: the tensor proof already run shard by shard (a pipelined
+    push; see verify.shards)."""
     folder = Path(folder)
     from converter.training import is_training_checkpoint
     from converter.verify.warmup import wait
@@ -121,16 +125,16 @@ def verify_folder(
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
     if recipe.base and is_training_checkpoint(Path(recipe.base)):
-        from converter.training.verify import verify_training
+        from converter.verify.training import verify_training
 
         report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
     else:
-        report = verify(folder, recipe, token=token, log=log, **settings)
+        report = verify(folder, recipe, token=token, log=log, shard_proof=shard_proof, **settings)
     if report_path:
-        Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
+        Path(report_path).write_text(report.to_json())
     if (folder / PROVENANCE_FILE).is_file():
         write_card(folder, load_name=f"./{folder.name}")
-    log(report["markdown"])
+    log(report.markdown)
     require_pass(report)
     return report
 
@@ -144,13 +148,14 @@ def _push_streamed(
     check_shard: Callable[[Shard], None] | None,
     log: Callable[[str], None],
 ) -> PushResult:
-    """Download, merge and upload at once; one commit at the end, after verification when it is on."""
+    """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
+    is then proven tensor by tensor before its upload: verify.shards)."""
     from converter.streaming import ScratchMeter, ShardUploader, StreamedBase
 
     repo_id = publication.target.repo_id
     tmp = make_temp("push", workdir, log)
     meter = ScratchMeter([tmp])
-    base_stream = uploader = None
+    base_stream = uploader = shard_proof = None
     try:
         recipe = copy.deepcopy(recipe)
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
@@ -162,8 +167,12 @@ def _push_streamed(
         else:  # verification loads the base again: it goes to (or stays in) the HF cache
             base = fetch(recipe.base, "model", token)
             weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
-        if recipe.max_shard_size == DEFAULT_SHARD:
-            recipe.max_shard_size = str(stream_shard_bytes(weights))
+        recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
+        if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
+            from converter.verify.shards import ShardProof
+
+            shard_proof = ShardProof(recipe, token=token, log=log)
+            check_shard = _checks(shard_proof.check, check_shard)
         uploader = ShardUploader(
             publication.api,
             repo_id,
@@ -184,7 +193,7 @@ def _push_streamed(
         if base_stream is not None:
             base_stream.close()
         if verify is not None:
-            verify_folder(folder, recipe, token=token, log=log, **verify)
+            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, **verify)
         write_card(folder, load_name=repo_id)
         sent = {op.path_in_repo for op in uploaded}
         names = local_files(folder)
@@ -203,4 +212,17 @@ def _push_streamed(
     finally:
         if base_stream is not None:
             base_stream.close()
+        if shard_proof is not None:
+            shard_proof.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checks(*checks: Callable[[Shard], None] | None) -> Callable[[Shard], None]:
+    """One per-shard check that runs each of `checks` in turn."""
+
+    def check(shard: Shard) -> None:
+        for c in checks:
+            if c is not None:
+                c(shard)
+
+    return check

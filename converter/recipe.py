@@ -53,7 +53,7 @@ class Recipe:
     adapters: list[AdapterSpec]
     dtype: str | None = None  # None keeps each tensor's dtype
     out: str | None = None
-    max_shard_size: str = "5GB"
+    max_shard_size: str | None = None  # None: 5GB (a pipelined push picks its own size)
     allow_unmatched: bool = False
     allow_pickle: bool = False
     # QLoRA adapters: "original" merges into the full-precision base; "dequantized" first rounds each targeted
@@ -187,7 +187,7 @@ def _check_types(entry: dict, cls: type, what: str, where: str) -> None:
             bad = not all(isinstance(p, str) for p in value)
         if key == "weight" and isinstance(value, dict) and not bad:
             bad = not all(_is_number(w) for w in value.values())
-        if value is None and key in ("dtype", "out", "lora_alpha", "base_lora_alpha", "base_config"):
+        if value is None and key in ("dtype", "out", "max_shard_size", "lora_alpha", "base_lora_alpha", "base_config"):
             bad = False
         if bad:
             want = " or ".join(

@@ -12,6 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# OpenMP threads (torch's) that wait by sleeping, not spinning: the suite runs servers, apps and CLI processes beside
+# its own torch work on two cores, where spinning waiters took 4x the CPU (measured on SmolLM2 generation).
+# Set before torch loads its OpenMP runtime; subprocesses inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pathlib import Path  # noqa: E402
 
@@ -164,3 +168,57 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return _run
+
+
+# Session-wide set-ups that several modules share: built once per run.
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """converter's wheel, built once from this checkout."""
+    from venvs import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def torch_venv(tmp_path_factory):
+    """A fresh venv with torch==2.13.0 alone, installed first as everywhere here; others start as copies of it."""
+    from venvs import TORCH, Venv, record
+
+    venv = Venv.create(tmp_path_factory.mktemp("torch-venv") / "venv")
+    record("torch", venv, lambda: venv.install(TORCH))
+    warm = venv.run("python", "-c", "import torch", env=dict(os.environ), cwd=venv.path)  # its bytecode, for all
+    assert warm.returncode == 0, warm.stderr
+    yield venv
+    venv.remove()
+
+
+@pytest.fixture(scope="session")
+def demo_hub(tmp_path_factory):
+    """The local Hub seeded like `make run --tiny`: a tiny Llama with LoRAs, a tiny SD pipeline with kohya LoRAs."""
+    from converter.app.local import seed_demo
+    from converter.testing.hub import HubServer
+
+    root = tmp_path_factory.mktemp("demo-hub")
+    hub = HubServer(root / "hub").start()
+    seed_demo(hub, root / "seed", fast=True)
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture(scope="session")
+def training_checkpoints(tmp_path_factory):
+    """Every verl-style training checkpoint of converter.testing.training_checkpoints (two gloo processes,
+    ~30 s on 2 cores), built once per session for the modules that need them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed.fsdp")
+    root = tmp_path_factory.mktemp("training")
+    proc = subprocess.run(
+        [sys.executable, "-m", "converter.testing.training_checkpoints", str(root), "--world", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root

@@ -11,7 +11,7 @@ import torch
 
 def deltas(adapter: Path, base: Path) -> dict[str, torch.Tensor]:
     """{base key: ΔW} for every tensor the adapter changes, each patch applied to zeros in float32."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.formats import load_adapter
     from converter.keymap import keymap_for
     from converter.plan import build_plan

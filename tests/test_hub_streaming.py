@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import make_adapter, make_base, read_tensors, run_cli
 
+from converter.pipeline import pipelined_shard_size
+from converter.recipe import AdapterSpec, Recipe
 from converter.testing.hub import HubServer, Link, client_env
 
 ALICE = "hf_fake_alice_0123456789"
@@ -197,6 +199,56 @@ except VerificationFailed as e:
     assert same_as_reference(hub, "alice/checked") and len(hub.history("alice/checked")) == 2
 
 
+def test_a_wrong_module_stops_the_push_before_its_shard_leaves(hub, tmp_path):
+    """`converter push` (verification on, the default) proves each shard tensor by tensor before its upload: a
+    merge that leaves one module unmerged stops at the shard holding it, in one line naming the tensor, its
+    module and how far off it is; that shard is never uploaded, nothing is committed and the repo is deleted."""
+    code = """
+import sys
+from converter import merge
+from converter.cli import main
+
+real = merge.plan_merge
+def one_module_left_unmerged(*args, **kwargs):
+    plan, warnings, quantized = real(*args, **kwargs)
+    next(o for o in plan.outputs if o.name == "model.layers.1.self_attn.v_proj.weight").patches.clear()
+    return plan, warnings, quantized
+merge.plan_merge = one_module_left_unmerged
+sys.exit(main(["push", "--repo", "alice/one-wrong", "--base", "alice/sharded", "--adapter", "alice/lora",
+               "--max-shard-size", "40KB", "--weight", "0.9"]))
+"""
+    hub.reset_log()
+    rc, out, err = push(hub, tmp_path, "", code=code)
+    assert rc == 3, out + err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: verification failed: tensor proof of model-0000"), err
+    module = "base_model.model.model.layers.1.self_attn.v_proj"
+    assert f"model.layers.1.self_attn.v_proj.weight (LoRA, module {module})" in line
+    assert "x its rounding bound (as if the change were not merged)" in line and "Traceback" not in err
+    wrong = int(line.split("tensor proof of model-")[1][:5])
+    uploads = [s for s in hub.seen if "one-wrong" in s.path and s.path.endswith("/preupload/main")]
+    assert 0 < len(uploads) < wrong  # the shards before it went up as the merge went; it did not
+    assert not [s for s in hub.seen if "one-wrong" in s.path and "/commit/" in s.path]
+    assert "/api/repos/delete" in [s.path for s in hub.seen] and not hub.exists("alice/one-wrong")
+    assert not any((tmp_path / "tmp").iterdir())
+
+
+def test_a_verified_push_proves_each_shard_as_it_goes(hub, tmp_path):
+    """The same push, right: every shard proven before its upload, the verdict reused by verification (the
+    files are not read again), the card says both proofs, one commit."""
+    code, out, err = push(hub, tmp_path, "alice/verified", "--weight", "0.9")
+    assert code == 0, err
+    assert "tensor proof: each output shard against the base and the PEFT referee, before it is uploaded" in out
+    assert "proven shard by shard as they were written" in out
+    assert len(hub.history("alice/verified")) == 2
+    card = hub.read_file("alice/verified", "README.md").decode()
+    assert "every tensor within rounding of base + ΔW (referee: PEFT)" in card
+    assert "| mean KL(reference‖model) |" in card and "two proofs" in card  # and the behaviour table
+    report = json.loads(hub.read_file("alice/verified", "verification.json"))
+    assert report["verdict"] == "pass" and report["tensors"]["failed"] == 0 and not report["tensors"]["missing"]
+    assert report["tensors"]["tensors"] == len(read_tensors(hub.local["reference"]))
+
+
 def test_link_holds_transfers_to_its_rate():
     """The bench Hub's bandwidth: n bytes through a link of r bytes/s take at least n/r seconds (a lower bound:
     never a speed assertion), and concurrent transfers share the one link."""
@@ -213,3 +265,12 @@ def test_link_holds_transfers_to_its_rate():
     assert time.monotonic() - start >= 2 * 10 * 100_000 / 4e6 * 0.99
     unlimited = Link(None)
     unlimited.take(10**12)  # returns at once
+
+
+def test_pipelined_shard_size_keeps_what_the_user_gave():
+    """--max-shard-size 5GB is the user's choice, not "no choice": only a size not given is picked for the pipeline."""
+    assert pipelined_shard_size("5GB", 16 * 2**30) == "5GB"
+    assert pipelined_shard_size(None, 16 * 2**30) == str(2**30)
+    assert pipelined_shard_size(None, 2**20) == str(256 * 2**20) and pipelined_shard_size(None, 2**40) == str(2**31)
+    recipe = Recipe(base="b", adapters=[AdapterSpec(source="a")])
+    assert recipe.max_shard_size is None and "max_shard_size" not in recipe.to_dict()

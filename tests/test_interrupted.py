@@ -157,9 +157,10 @@ def test_kill_during_push_staging_creates_no_repo(models, tmp_path, tmpdir_env):
         proc = start(args, tmpdir_env, "staged", env)
         stopped(proc)
         (staging,) = [p for p in owned(tmpdir_env) if p.name.startswith("converter-push.")]
-        assert any(staging.rglob("*.safetensors"))  # the merge is staged, the upload not begun
+        assert any(staging.rglob("*.safetensors"))  # the merge is staged, the commit not made
         kill(proc)
-        assert not server.exists("alice/merged")
+        # shards may have gone up already (a pipelined push creates the repo for them): no commit holds them
+        assert not server.exists("alice/merged") or "model.safetensors" not in server.files("alice/merged")
 
         done = subprocess.run(
             [sys.executable, "-m", "converter", *map(str, args)],

@@ -209,10 +209,10 @@ def test_expert_rules_are_checked_as_data():
         load_keymap("keymaps/x.yaml", yaml.safe_dump({**good, "spellings": [["(", "x"]]}))
 
 
-def test_qwen2_moe_shared_experts_the_peft_reference_cannot_apply_is_not_verified(tmp_path, cli):
+def test_qwen2_moe_shared_experts_the_peft_reference_cannot_apply_is_proven_by_its_tensors(tmp_path, cli):
     """Qwen2-MoE's shared expert has the experts' leaf names (`shared_expert.gate_proj`): PEFT 0.21 wraps it and
-    drops the per-expert LoRAs, so its reference is not the adapter. Verification says so (Not verified) instead of
-    failing a right merge; the merge onto either layout gives the same model."""
+    drops the per-expert LoRAs, so its reference is not the adapter. The tensors are proven by the published formula
+    and the behaviour is not compared (said, never a failed right merge); either layout gives the same model."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     config = Qwen2MoeConfig(
@@ -243,15 +243,17 @@ def test_qwen2_moe_shared_experts_the_peft_reference_cannot_apply_is_not_verifie
                              tmp_path / f"m-{layout}", verify=layout == "fused")  # fmt: skip
         assert code == 0, err
         outs.append(logits(load_merged(tmp_path / f"m-{layout}"), IDS))
-    assert "**Not verified**" in out and "PEFT does not apply lora as trained: it ignores" in out
+    # tensors proven by the published formula (expert slices placed by the keymap); PEFT's forward is no reference
+    assert "**Passed** (one proof)" in out and "PEFT does not apply lora as trained: it ignores" in out
+    assert "referee: published formula" in out
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(outs[0], logits(load_merged(tmp_path / "per_expert"), IDS), atol=1e-3)
 
 
-def test_rslora_per_expert_lora_that_peft_rescales_is_not_verified(moe, cli, tmp_path):
+def test_rslora_per_expert_lora_that_peft_rescales_is_proven_by_its_tensors(moe, cli, tmp_path):
     """With use_rslora, PEFT's fusion of per-expert gate/up LoRAs (rank and alpha doubled) scales them by sqrt(2),
-    so its forward is no reference: Not verified, not a failed right merge. A target_parameters LoRA with rsLoRA,
-    which PEFT takes as saved, is still verified."""
+    so its forward is no reference: the tensors alone prove the merge, never a failed right merge. A
+    target_parameters LoRA with rsLoRA, which PEFT takes as saved, is verified both ways."""
     import shutil
 
     outs = []
@@ -264,7 +266,7 @@ def test_rslora_per_expert_lora_that_peft_rescales_is_not_verified(moe, cli, tmp
                              "--out", tmp_path / f"m-{layout}", verify=layout == "fused")  # fmt: skip
         assert code == 0, err
         outs.append(logits(load_merged(tmp_path / f"m-{layout}"), IDS))
-    assert "**Not verified**" in out and "under use_rslora scales them by sqrt(2)" in out
+    assert "**Passed** (one proof)" in out and "under use_rslora scales them by sqrt(2)" in out
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     code, out, err = cli("merge", "--base", moe / "mixtral/fused", "--adapter", tmp_path / "rs_parameters",
                          "--out", tmp_path / "m-parameters", verify=True)  # fmt: skip

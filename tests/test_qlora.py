@@ -285,6 +285,8 @@ def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, 
             tensors["model.layers.1.mlp.up_proj.weight"] += 0.2
             save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
         code, out, err = cli("verify", folder, "--max-new-tokens", "2")
+        assert code == 3 and "4-bit round trip" not in err, out + err  # the tensor proof fails it first ...
+        code, out, err = cli("verify", folder, "--max-new-tokens", "2", "--proof", "behaviour")  # ... and so does this
         assert code == 3, out + err
         wrong[kind] = json.loads((folder / "verification.json").read_text())["merged_vs_reference"]["mean_kl"]
     print(f"QLoRA margins: right {right:.3g}, threshold {tol['mean_kl']:.3g} (noise {noise:.3g}), wrong {wrong}")

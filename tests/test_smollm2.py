@@ -52,6 +52,19 @@ def trained_lora(smollm2, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def unmerged(smollm2, trained_lora):
+    """PEFT's unmerged model and the bare base answering the prompts: the same for every dtype, made once."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    bare = answers(base, tok)
+    reference = answers(PeftModel.from_pretrained(base, trained_lora).eval(), tok)
+    return reference, bare
+
+
 def answers(model, tok):
     """Greedy continuations and last-prompt logits for each chat prompt."""
     out = []
@@ -77,8 +90,7 @@ def mean_kl(ref: torch.Tensor, other: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_merged_smollm2_generates_like_unmerged(dtype, smollm2, trained_lora, tmp_path):
-    from peft import PeftModel
+def test_merged_smollm2_generates_like_unmerged(dtype, smollm2, trained_lora, unmerged, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "merged"
@@ -89,14 +101,8 @@ def test_merged_smollm2_generates_like_unmerged(dtype, smollm2, trained_lora, tm
         assert report["verdict"] == "pass" and report["inputs"]["chat_template"], report["problems"]
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template, "the chat template must travel with the merged model"
-    reference = answers(
-        PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32), trained_lora
-        ).eval(),
-        tok,
-    )
+    reference, bare = unmerged
     merged = answers(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), tok)
-    bare = answers(AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval(), tok)
     for (ref_ids, ref_logits), (ids, logits), (_, bare_logits) in zip(reference, merged, bare, strict=True):
         assert ids == ref_ids, f"merged generated {tok.decode(ids)!r}, PEFT {tok.decode(ref_ids)!r}"
         effect = mean_kl(ref_logits, bare_logits)

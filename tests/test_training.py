@@ -20,15 +20,9 @@ pytest.importorskip("torch.distributed.fsdp")
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    """One build of every checkpoint (two processes, ~30 s on 2 cores), shared by the module."""
-    root = tmp_path_factory.mktemp("training")
-    proc = subprocess.run(
-        [sys.executable, "-m", "converter.testing.training_checkpoints", str(root), "--world", "2"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+def ckpts(training_checkpoints):
+    """One build of every checkpoint, shared with the other modules that use them (conftest)."""
+    return training_checkpoints
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -88,7 +82,7 @@ def test_lora_inside_is_fused_like_peft(ckpts, tmp_path, cli):
 
 
 def test_missing_lora_alpha_is_an_error_and_explicit_alpha_works(ckpts, tmp_path, cli):
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     actor = tmp_path / "actor"
     shutil.copytree(ckpts / "lora/actor", actor)

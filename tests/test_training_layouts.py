@@ -260,7 +260,7 @@ def _rotary(x: torch.Tensor, theta: float = 10000.0) -> tuple[torch.Tensor, torc
 def test_torchtitan_rope_rows_are_reordered_the_way_attention_needs(built):
     """Independent of the name mapping: torchtitan's wq/wk with its pairwise RoPE give the same attention scores
     as the transformers q_proj/k_proj we write with transformers' half-split RoPE; unreordered rows do not."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     ckpt = open_base(built / "titan/step-20", config=built / LLAMA)
     raw = {k: ckpt.source.inner.read(k) for k in ("layers.0.attention.qkv_linear.wq.weight",
@@ -304,7 +304,8 @@ def test_expert_lora_on_experts_stored_in_out_matches_peft(built, tmp_path, cli)
 
 def test_square_experts_in_the_wrong_orientation_fail_the_oracle(built, tmp_path, cli, monkeypatch):
     """down_proj is square (I = H): only the model type tells (E, in, out) from (E, out, in). Undoing the transpose
-    for square deltas (the shape-only guess) is caught by PEFT's forward."""
+    for square deltas (the shape-only guess) is caught by PEFT's forward, and by the tensor proof (PEFT's own
+    merge of the target_parameters LoRA) naming the expert tensor."""
     from converter import patches
 
     real = patches.expert_delta
@@ -316,6 +317,9 @@ def test_square_experts_in_the_wrong_orientation_fail_the_oracle(built, tmp_path
     monkeypatch.setattr(patches, "expert_delta", square_untransposed)
     merged, peft, _, _ = _gptoss_merged(built, tmp_path, cli)
     assert not torch.allclose(merged, peft, atol=1e-4, rtol=1e-4)
+    code, out, err = cli("verify", tmp_path / "m", "--proof", "tensors")
+    assert code == 3 and "mlp.experts.down_proj" in out + err, out + err
+    assert "mlp.experts.gate_up_proj" not in err  # not square: its orientation was never guessed
 
 
 # --- legacy Megatron (mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt): written here with torch.save, as Megatron-LM does

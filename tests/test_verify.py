@@ -1,4 +1,7 @@
-"""Verification catches broken merges: each sabotage must fail, with the report pointing at what disagrees."""
+"""Verification of LLM merges: the tensor proof and the behavioural comparison (PEFT's unmerged forward). Each
+sabotage must fail, with the report pointing at what is wrong; the behavioural comparison is also tested by itself
+(proofs=("behaviour",)), since it must catch what tensors cannot show. The tensor proof's own sabotage suite is
+tests/test_verify_tensors.py."""
 
 from __future__ import annotations
 
@@ -58,6 +61,11 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     card = (out / "README.md").read_text()
     assert "**Passed**" in card and "Not verified" not in card and "| mean KL(reference‖model) |" in card
     assert "full check" in card and "| greedy continuations identical |" in card
+    # Both proofs, plainly: the tensors against PEFT, and the behaviour table
+    tensors = report["tensors"]
+    assert tensors["referee"]["name"] == "PEFT" and tensors["changed"] == 6 and tensors["untouched"] == 15
+    assert tensors["failed"] == 0 and not tensors["missing"] and 0 <= tensors["worst"]["ratio"] <= 1
+    assert "every tensor within rounding of base + ΔW (referee: PEFT)" in card and "two proofs" in card
 
 
 def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
@@ -226,8 +234,11 @@ def test_quick_check_of_each_peft_feature_equals_the_full_check(feature, tmp_pat
 
     edit(out, negated)
     code, stdout, err = cli("verify", out)
-    assert code == 3, report_of(out)["merged_vs_reference"]
-    assert report_of(out)["verdict"] == "fail" and report_of(out)["mode"] == "quick"
+    assert code == 3 and report_of(out)["verdict"] == "fail"  # the tensor proof names every negated tensor
+    tensors = report_of(out)["tensors"]
+    assert tensors["failed"] == len(changed) and {f["name"] for f in tensors["failures"]} <= set(changed)
+    behaviour = verdict_of(out, prompts=None, proofs=("behaviour",))  # and the behaviour, by itself, fails too
+    assert behaviour.verdict == "fail" and behaviour.behaviour.mode == "quick", behaviour.problems
 
 
 def test_two_adapters_run_the_bare_base_in_its_own_forward_and_a_sabotage_still_fails(llama, tmp_path, cli):
@@ -255,8 +266,12 @@ def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
     assert code == 3, stdout + err
     assert "verification failed" in err and "model.layers.1.mlp.up_proj" in err
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["verdict"] == "fail" and report["first_disagreeing_module"]["module"] == "model.layers.1.mlp.up_proj"
+    assert report["verdict"] == "fail"
+    assert report["tensors"]["failures"][0]["name"] == "model.layers.1.mlp.up_proj.weight"
+    assert report["behaviour_skipped"] == "the tensor proof already failed"
     assert "FAILED" in (out / "README.md").read_text()
+    behaviour = verdict_of(out, prompts=None, proofs=("behaviour",))  # by itself, the probe locates the module
+    assert behaviour.behaviour.first_disagreeing_module["module"] == "model.layers.1.mlp.up_proj"
 
 
 def test_wrong_scale_fails(llama, tmp_path, cli):
@@ -296,7 +311,9 @@ def test_no_op_merge_fails(llama, tmp_path, cli):
     shutil.copyfile(base / "model.safetensors", out / "model.safetensors")
     code, stdout, err = cli("verify", out)
     assert code == 3, stdout + err
-    assert "as far from the reference as the bare base" in err
+    assert "as if the change were not merged" in err
+    behaviour = verdict_of(out, prompts=None, proofs=("behaviour",))
+    assert any("as far from the reference as the bare base" in p for p in behaviour.problems)
 
 
 def test_custom_prompts_with_a_real_tokenizer_and_chat_template(tmp_path, cli):
@@ -333,16 +350,21 @@ def test_custom_prompts_with_a_real_tokenizer_and_chat_template(tmp_path, cli):
     assert (tmp_path / "m" / "chat_template.jinja").is_file()
 
 
-def test_adapter_peft_cannot_load_is_skipped_not_failed(tmp_path, cli):
-    """Split q/k/v adapter into Phi-3's fused projections: merged by keymap, but PEFT has no unmerged reference."""
+def test_adapter_peft_cannot_load_is_proven_by_the_formula_and_its_behaviour_skipped(tmp_path, cli):
+    """Split q/k/v adapter into Phi-3's fused projections: merged by keymap; PEFT cannot apply it (its own
+    refusal, not any error), so the published formula proves the tensors and the behaviour is not compared."""
     phi = make_base(tmp_path / "phi", "phi3")
     llama = make_base(tmp_path / "llama", "llama")
     lora = make_adapter(llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"])
     code, out, err = cli("merge", "--base", phi, "--adapter", lora, "--out", tmp_path / "m", verify=True)
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "skipped" and "PEFT cannot apply" in report["notes"][0]
-    assert "Not verified" in (tmp_path / "m" / "README.md").read_text()
+    assert report["verdict"] == "pass" and report["tensors"]["referee"]["name"] == "published formula"
+    assert "not found in the base model" in report["tensors"]["referee"]["detail"]
+    assert report["tensors"]["changed"] == 2 and "PEFT cannot apply" in report["behaviour_skipped"]
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "referee: published formula; module placement from converter's keymap" in card
+    assert "**Behaviour**: not compared (PEFT cannot apply" in card
 
 
 def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli, monkeypatch):
@@ -359,18 +381,19 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     assert report["offloaded"] and report["compute_dtype"] == "float32" and report["verdict"] == "pass"
     assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
     assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
-    # The same sabotage as above is still caught when offloaded.
+    # The same sabotage as above is still caught by the behaviour when offloaded.
     edit(tmp_path / "m", lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
-    code, out, err = cli("verify", tmp_path / "m", "--verify-memory", "200KB")
-    assert code == 3 and "model.layers.1.mlp.up_proj" in out + err
+    behaviour = verdict_of(tmp_path / "m", memory=200_000, prompts=None, proofs=("behaviour",))
+    assert behaviour.verdict == "fail" and behaviour.behaviour.offloaded
+    assert behaviour.behaviour.first_disagreeing_module["module"] == "model.layers.1.mlp.up_proj"
     # PEFT's offload rewrite copies base shards: never into the working directory, never over the base itself.
     assert list((tmp_path / "cwd").iterdir()) == []
     assert hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() == before
 
 
-# Self-test of the verification metrics: a right merge passes and each sabotage fails, naming the module, on the
-# in-memory and the offloaded path alike. Every family in memory with one sabotage each; on llama the whole
-# sabotage x path x dtype matrix. Merges are made once per (family, dtype) and sabotaged as copies.
+# Self-test of the behavioural comparison by itself: a right merge passes and each sabotage fails, naming the
+# module, on the in-memory and the offloaded path alike. Every family in memory with one sabotage each; on llama
+# the whole sabotage x path x dtype matrix. Merges are made once per (family, dtype) and sabotaged as copies.
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"]
 SABOTAGES = ["perturbed", "scale_dropped", "nothing_merged"]
 OFFLOAD = 200_000  # bytes: below any tiny model's size, so accelerate offloads weights to disk
@@ -426,16 +449,19 @@ def sabotaged(tmp_path_factory):
     return get
 
 
-def verdict_of(folder, memory=None):
+def verdict_of(folder, memory=None, prompts=("a", "b"), proofs=("behaviour",)):
+    """The behavioural comparison by itself (the tensor proof would stop every sabotage first)."""
     from converter.merge import recorded_recipe
     from converter.verify import verify
 
     # Greedy continuations are reported, not judged: two short ones keep the matrix affordable (offloaded
     # generation reads every weight from disk per token).
-    return verify(folder, recorded_recipe(folder), prompts=["a", "b"], max_new_tokens=2, memory=memory, log=print)
+    return verify(folder, recorded_recipe(folder), prompts=list(prompts) if prompts else None, max_new_tokens=2,
+                  memory=memory, log=print, proofs=proofs)  # fmt: skip
 
 
 def check_verdict(report, folders, kind):
+    report = report.to_dict()
     if kind == "right":
         assert report["verdict"] == "pass", report["problems"]
         return
@@ -465,10 +491,11 @@ def test_offloaded_verdict_equals_in_memory_verdict(sabotaged, kind, dtype):
     folders = sabotaged("llama", dtype)
     in_memory = verdict_of(folders[kind][0])
     offloaded = verdict_of(folders[kind][0], memory=OFFLOAD)
-    assert not in_memory["offloaded"] and offloaded["offloaded"]
+    assert not in_memory.behaviour.offloaded and offloaded.behaviour.offloaded
     check_verdict(in_memory, folders, kind)
     check_verdict(offloaded, folders, kind)
     same = ("verdict", "first_disagreeing_module")
+    in_memory, offloaded = in_memory.to_dict(), offloaded.to_dict()
     assert [in_memory[k] and _module(in_memory[k]) for k in same] == [
         offloaded[k] and _module(offloaded[k]) for k in same
     ]
@@ -488,8 +515,8 @@ def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, mo
     monkeypatch.setattr(loading, "_free_disk", lambda _folder: params * 2 * 3 + 1)  # bf16 fits, float32 does not
     for kind in ("right", "perturbed"):
         report = verdict_of(folders[kind][0], memory=OFFLOAD)
-        assert report["offloaded"] and report["compute_dtype"] == "bfloat16"
-        assert report["tolerance"]["mean_kl"] == tolerance_of("F32", "BF16")
+        assert report.behaviour.offloaded and report.behaviour.compute_dtype == "bfloat16"
+        assert report.behaviour.tolerance["mean_kl"] == tolerance_of("F32", "BF16")
         check_verdict(report, folders, kind)
 
 

@@ -1,6 +1,7 @@
-"""Diffusion merges are proven by diffusers' own unmerged loader: a right merge passes, each sabotage fails and
-names what disagrees; a file diffusers would misread goes to the published-formula referee (never a false
-alarm)."""
+"""Diffusion merges are proven by diffusers' own loader, twice: each tensor against the ΔW diffusers' loader puts in
+(its PEFT layers merged on the base's rows), and the merged pipeline's outputs against the unmerged one. A right
+merge passes, each sabotage fails and names what is wrong (the tensor; the module, when the behaviour is compared
+by itself); a file diffusers would misread goes to the published-formula referee (never a false alarm)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def merge(cli, root, out, adapter=None, *extra, verify=False):
     return code, stdout + err
 
 
-def verify(cli, root, folder, adapter=None):
-    code, out, err = cli("verify", folder, "--base", root / "base", "--adapter", adapter or root / "lora.safetensors")
+def verify(cli, root, folder, *extra, adapter=None):
+    code, out, err = cli("verify", folder, "--base", root / "base", "--adapter", adapter or root / "lora.safetensors",
+                         *extra)  # fmt: skip
     return code, out + err, json.loads((folder / "verification.json").read_text())
 
 
@@ -122,6 +124,14 @@ def test_each_sabotage_fails_and_names_the_module(sd15, merged_f32, tmp_path, cl
     root, _ = sd15
     sabotage(kind, merged_f32, root / "base", tmp_path / "s")
     code, log, report = verify(cli, root, tmp_path / "s")
+    assert code == 3 and report["verdict"] == "fail" and report["tensors"]["referee"]["name"] == "diffusers", log
+    names = [f["name"] for f in report["tensors"]["failures"]]
+    assert names and all(n.startswith(("unet/", "text_encoder/")) for n in names)
+    assert report["tensors"]["groups"][component]["failed"]
+    if kind in ("one perturbed tensor", "wrong block mapping"):
+        assert sorted(names) == sorted({f"unet/{Q.format(1)}"} | ({f"unet/{Q.format(0)}"} if "mapping" in kind else
+                                                                set()))  # fmt: skip
+    code, log, report = verify(cli, root, tmp_path / "s", "--proof", "behaviour")  # the behaviour, by itself
     assert code == 3 and report["verdict"] == "fail", log
     culprit = report["first_disagreeing_module"]["module"]
     assert culprit.startswith(f"{component}."), culprit
@@ -141,6 +151,8 @@ def test_scale_dropped_fails(sd15, tmp_path, cli):
     assert merge(cli, root, tmp_path / "m", tmp_path / "unscaled.safetensors")[0] == 0
     code, log, report = verify(cli, root, tmp_path / "m")
     assert code == 3 and report["verdict"] == "fail", log
+    assert {c for c, g in report["tensors"]["groups"].items() if g["failed"]} == {"text_encoder", "unet"}
+    code, log, report = verify(cli, root, tmp_path / "m", "--proof", "behaviour")
     assert {p.split(":")[0] for p in report["problems"] if "relative error" in p} >= {"text_encoder", "unet"}
 
 
@@ -151,6 +163,7 @@ def test_sdxl_merge_with_both_text_encoders_passes(tmp_path, cli):
     assert code == 0, log
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
     assert report["verdict"] == "pass" and set(report["components"]) == {"unet", "text_encoder", "text_encoder_2"}
+    assert report["tensors"]["referee"]["name"] == "diffusers" and report["tensors"]["worst"]["ratio"] <= 1
 
 
 def test_per_module_alphas_diffusers_would_ignore_go_to_the_published_formula(sd15, tmp_path, cli):
@@ -162,8 +175,10 @@ def test_per_module_alphas_diffusers_would_ignore_go_to_the_published_formula(sd
     code, log = merge(cli, root, tmp_path / "m", tmp_path / "alphas.safetensors", verify=True)
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
     assert code == 0 and report["verdict"] == "pass", log
-    assert report["reference"] == "published formula, float64" and "per-module alphas" in report["reference_reason"]
-    assert "reference: published formula, float64" in (tmp_path / "m" / "README.md").read_text()
+    assert report["tensors"]["referee"]["name"] == "published formula"
+    assert "per-module alphas" in report["tensors"]["referee"]["detail"] and "per-module alphas" in report[
+        "behaviour_skipped"]  # fmt: skip
+    assert "referee: published formula; module placement" in (tmp_path / "m" / "README.md").read_text()
 
 
 def dit_pipeline(root, family: str):
@@ -195,5 +210,8 @@ def test_flux_and_wan_merges_pass_and_a_doubled_delta_is_located(tmp_path, cli, 
     save_file(t, f, metadata={"format": "pt"})
     code, out, err = cli("verify", tmp_path / "m")
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
-    assert code == 3 and report["verdict"] == "fail", out + err
-    assert report["first_disagreeing_module"]["module"].startswith("transformer."), report["problems"]
+    assert code == 3 and [f["name"] for f in report["tensors"]["failures"]] == [f"transformer/{name}"], out + err
+    assert "as if the change were applied twice" in report["problems"][0]
+    code, out, err = cli("verify", tmp_path / "m", "--proof", "behaviour")
+    report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert code == 3 and report["first_disagreeing_module"]["module"].startswith("transformer."), out + err

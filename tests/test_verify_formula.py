@@ -1,6 +1,7 @@
-"""Where diffusers cannot referee a diffusion merge (per-module alphas it misreads, LyCORIS files it refuses,
-include/exclude, single-file bases), the published formula in float64 does: a right merge passes (float32 and
-bfloat16 outputs), each sabotage fails and names the tensor, and the card says which reference was used."""
+"""Where diffusers cannot referee a diffusion merge's tensors (per-module alphas it misreads, LyCORIS files it
+refuses or DoRA it drops, include/exclude, single-file bases), the published formula in float64 does: a right merge
+passes (float32, float16 and bfloat16 outputs), each sabotage fails and names the tensor, and the card says which
+referee it was (and that it shares the keymap's placement with the merge)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from test_community_sd import sd15_lora, to_ldm
 
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"
-LABEL = "reference: published formula, float64"
+LABEL = "referee: published formula; module placement from converter's keymap"
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +52,30 @@ def verify(cli, base, adapter, folder, *extra):
     return code, out + err, report_of(folder)
 
 
+def referee(report) -> str:
+    return report["tensors"]["referee"]["name"]
+
+
+def failed(report) -> list[str]:
+    return [f["name"] for f in report["tensors"]["failures"]]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_right_merge_passes_by_the_published_formula_and_says_so(sd15, tmp_path, cli, dtype):
     root, _ = sd15
     code, log = merge(cli, root / "base", root / "lora.safetensors", tmp_path / "m", "--dtype", dtype)
     assert code == 0, log
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and report["reference"] == "published formula, float64", report["problems"]
-    assert "per-module alphas" in report["reference_reason"]
+    assert report["verdict"] == "pass" and referee(report) == "published formula", report["problems"]
+    assert "per-module alphas" in report["tensors"]["referee"]["detail"]
+    assert "per-module alphas" in report["behaviour_skipped"]  # diffusers' forward is no reference either
     modules = sum(k.endswith(".lora_down.weight") for k in load_file(root / "lora.safetensors"))
-    assert set(report["components"]) == {"unet", "text_encoder"} and report["tensors_checked"] == modules
-    for c in report["components"].values():
-        assert c["max_error_over_bound"] <= 1 < c["base_vs_reference_max"], c
-    assert report["untouched_identical"] > 0
+    groups = report["tensors"]["groups"]
+    assert {g for g, c in groups.items() if c["changed"]} == {"unet", "text_encoder"}
+    assert report["tensors"]["changed"] == modules and report["tensors"]["untouched"] > 0
+    assert all(c["worst_ratio"] <= 1 for c in groups.values())
     card = (tmp_path / "m" / "README.md").read_text()
-    assert f"**Passed** ({LABEL})" in card and "diffusers' load_lora_weights" not in card
+    assert "**Passed**" in card and LABEL in card and "diffusers' load_lora_weights" not in card
     # the base pipeline holding the formula's weights made the reference images
     (image,) = report["images"]
     assert image["psnr"] > 40 and "](verification/reference-0.png)" in card
@@ -93,21 +103,20 @@ def edit(merged, base, folder, kind):
     elif kind == "an untouched tensor changed":
         key = "conv_in.weight"
         t[key] = t[key] * 1.01
-        return save_file(t, f, metadata={"format": "pt"}), "unet.conv_in"
+        return save_file(t, f, metadata={"format": "pt"}), "unet/conv_in.weight"
     save_file(t, f, metadata={"format": "pt"})
-    return None, "unet." + Q.removesuffix(".weight")
+    return None, "unet/" + Q
 
 
 @pytest.mark.parametrize("kind", ["one perturbed tensor", "nothing merged", "an untouched tensor changed"])
 def test_each_sabotage_fails_and_names_the_tensor(sd15, merged, tmp_path, cli, kind):
     root, _ = sd15
-    _, module = edit(merged, root / "base", tmp_path / "s", kind)
+    _, name = edit(merged, root / "base", tmp_path / "s", kind)
     code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "s")
     assert code == 3 and report["verdict"] == "fail", log
-    assert report["first_disagreeing_module"]["module"] == module, report["problems"]
-    assert "first module that disagrees" in log
+    assert failed(report) == [name] and name in log, report["problems"]
     if kind == "nothing merged":
-        assert any("was anything merged" in p for p in report["problems"]), report["problems"]
+        assert "as if the change were not merged" in report["problems"][0], report["problems"]
 
 
 def test_a_tensor_missing_from_the_merge_fails(sd15, merged, tmp_path, cli):
@@ -118,7 +127,7 @@ def test_a_tensor_missing_from_the_merge_fails(sd15, merged, tmp_path, cli):
     del t["conv_out.bias"]
     save_file(t, f, metadata={"format": "pt"})
     code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "s")
-    assert code == 3 and "1 missing (e.g. unet/conv_out.bias)" in report["problems"][0], log
+    assert code == 3 and "1 tensor(s) of the base missing from the output: unet/conv_out.bias" in log
 
 
 def test_scale_dropped_fails(sd15, tmp_path, cli):
@@ -129,8 +138,8 @@ def test_scale_dropped_fails(sd15, tmp_path, cli):
     assert merge(cli, root / "base", tmp_path / "noalpha.safetensors", tmp_path / "m", verify=False)[0] == 0
     code, log, report = verify(cli, root / "base", root / "lora.safetensors", tmp_path / "m")
     assert code == 3 and report["verdict"] == "fail", log
-    assert report["reference"] == "published formula, float64"
-    assert {c for c, v in report["components"].items() if v["failed"]} == {"unet", "text_encoder"}
+    assert referee(report) == "published formula"
+    assert {c for c, v in report["tensors"]["groups"].items() if v["failed"]} == {"unet", "text_encoder"}
 
 
 def test_include_exclude_is_refereed_on_what_was_admitted(sd15, tmp_path, cli):
@@ -142,8 +151,9 @@ def test_include_exclude_is_refereed_on_what_was_admitted(sd15, tmp_path, cli):
     code, out, err = cli("merge", "--recipe", recipe, "--out", tmp_path / "m", verify=True)
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and set(report["components"]) == {"unet"}, report
-    assert "include/exclude" in report["reference_reason"]
+    groups = report["tensors"]["groups"]
+    assert report["verdict"] == "pass" and {g for g, c in groups.items() if c["changed"]} == {"unet"}, report
+    assert "include/exclude" in report["tensors"]["referee"]["detail"]
 
 
 @pytest.mark.parametrize("name", ["loha_linear_and_conv", "lokr_decomposed_and_conv", "full_diff_and_bias",
@@ -155,20 +165,28 @@ def test_lycoris_files_diffusers_refuses_are_refereed_by_the_formula(sd15, tmp_p
     code, log = merge(cli, root / "base", tmp_path / "lyco.safetensors", tmp_path / "m", "--dtype", "bfloat16")
     assert code == 0, log
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and report["reference"] == "published formula, float64", report
+    assert report["verdict"] == "pass" and referee(report) == "published formula", report
     # the merge at weight 1 is not the file at weight 0.5 (the weight, like alpha, is in the reference)
     code, log, report = verify(cli, root / "base", tmp_path / "lyco.safetensors", tmp_path / "m", "--weight", "0.5")
     assert code == 3 and report["verdict"] == "fail", log
 
 
-def test_dora_has_no_formula_here_and_is_skipped_with_both_reasons(sd15, tmp_path, cli):
+@pytest.mark.parametrize("case", ["dora_output_axis", "dora_input_axis_old_files"])
+def test_lycoris_dora_is_refereed_by_the_formula_and_a_sabotage_fails(sd15, tmp_path, cli, case):
+    """LyCORIS DoRA (dora_scale, which diffusers drops): W' = (W + ΔW) · m / ‖W + ΔW‖ along the axis the scale's
+    shape says, by the formula; the same merge with the magnitudes ignored (plain LoRA) fails."""
     root, _ = sd15
-    tensors, _ = CASES["dora_output_axis"]()
+    tensors, _ = CASES[case]()
     save(tensors, tmp_path / "dora.safetensors", {"ss_network_module": "lycoris.kohya"})
     code, log = merge(cli, root / "base", tmp_path / "dora.safetensors", tmp_path / "m")
     report = report_of(tmp_path / "m")
-    assert code == 0 and report["verdict"] == "skipped", log
-    assert "published-formula reference cannot recompute it (DoRA" in report["notes"][0]
+    assert code == 0 and report["verdict"] == "pass" and referee(report) == "published formula", log
+    assert "dora_scale" in report["tensors"]["referee"]["detail"] and report["tensors"]["worst"]["kind"] == "DoRA"
+    plain = {k: v for k, v in tensors.items() if not k.endswith(".dora_scale")}
+    save(plain, tmp_path / "plain.safetensors", {"ss_network_module": "lycoris.kohya"})
+    assert merge(cli, root / "base", tmp_path / "plain.safetensors", tmp_path / "p", verify=False)[0] == 0
+    code, log, report = verify(cli, root / "base", tmp_path / "dora.safetensors", tmp_path / "p")
+    assert code == 3 and report["tensors"]["failed"] == report["tensors"]["changed"], log
 
 
 def test_single_file_base_is_refereed_and_a_sabotage_fails(sd15, tmp_path, cli):
@@ -177,15 +195,16 @@ def test_single_file_base_is_refereed_and_a_sabotage_fails(sd15, tmp_path, cli):
     code, log = merge(cli, single, root / "lora.safetensors", tmp_path / "m")
     assert code == 0, log
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and report["tensors_checked"] > 100, report
-    assert "from_single_file cannot load the base here" in report["reference_reason"]  # offline, no config
+    assert report["verdict"] == "pass" and report["tensors"]["changed"] > 100, report
+    assert "single-file base's tensors are not named as diffusers' modules" in report["tensors"]["referee"]["detail"]
+    assert "from_single_file cannot load the base here" in report["behaviour_skipped"]  # offline, no config
     f = tmp_path / "m" / "sd15.safetensors"
     t = load_file(f)
     key = next(k for k in sorted(t) if "input_blocks.1.1" in k and k.endswith("attn1.to_q.weight"))
     t[key] = t[key] * 1.001
     save_file(t, f)
     code, log, report = verify(cli, single, root / "lora.safetensors", tmp_path / "m")
-    assert code == 3 and report["first_disagreeing_module"]["module"] == key.removesuffix(".weight"), log
+    assert code == 3 and failed(report) == [key], log
 
 
 def test_unet_only_lora_with_one_alpha_still_goes_to_diffusers(sd15, tmp_path, cli):
@@ -196,7 +215,7 @@ def test_unet_only_lora_with_one_alpha_still_goes_to_diffusers(sd15, tmp_path, c
     code, log = merge(cli, root / "base", tmp_path / "plain.safetensors", tmp_path / "m")
     report = report_of(tmp_path / "m")
     assert code == 0 and report["verdict"] == "pass" and "diffusers" in report["reference"], log
-    assert report["images"] and read_component(tmp_path / "m", "unet")
+    assert referee(report) == "diffusers" and report["images"] and read_component(tmp_path / "m", "unet")
 
 
 def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sabotage_fails(sd15, tmp_path, cli):
@@ -219,13 +238,23 @@ def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sab
     t[key] = t[key] + 0.05 * t[key].std() * torch.randn_like(t[key])
     save_file(t, f)
     code, log, report = verify(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
-    assert code == 3 and report["verdict"] == "fail", log
-    assert report["first_disagreeing_module"]["module"].startswith("unet.down_blocks.0.attentions.0"), report
+    assert code == 3 and report["verdict"] == "fail" and failed(report) == [key], log
+    behaviour = verify_behaviour(tmp_path / "m", single, tmp_path / "plain.safetensors", root / "base")
+    assert behaviour.behaviour.first_disagreeing_module["module"].startswith("unet.down_blocks.0.attentions.0")
 
 
-def test_a_denoiser_without_fixed_inputs_is_refereed_by_the_formula_with_the_metadata_scale(tmp_path, cli):
-    """SD3: diffusers loads the LoRA (its own save, lora_alpha in lora_adapter_metadata) but the generation check
-    has no fixed inputs for its transformer: the formula referees, with alpha / r from that metadata."""
+def verify_behaviour(folder, base, adapter, config):
+    """The behavioural comparison by itself (diffusers' from_single_file and loader)."""
+    from converter.recipe import AdapterSpec, Recipe
+    from converter.verify import verify
+
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))])
+    return verify(folder, recipe, single_file_config=str(config), log=lambda _line: None, proofs=("behaviour",))
+
+
+def test_a_denoiser_without_fixed_inputs_is_proven_by_diffusers_tensor_by_tensor(tmp_path, cli):
+    """SD3: diffusers loads the LoRA (its own save, lora_alpha in lora_adapter_metadata), so it referees the
+    tensors; the behaviour has no fixed inputs for its transformer and is not compared."""
     import copy
 
     from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
@@ -249,7 +278,7 @@ def test_a_denoiser_without_fixed_inputs_is_refereed_by_the_formula_with_the_met
     code, log = merge(cli, tmp_path / "pipe", adapter, tmp_path / "m")
     assert code == 0, log
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and "no fixed inputs for a SD3Transformer2DModel" in report["reference_reason"]
-    assert report["components"]["transformer"]["tensors"] > 0
+    assert report["verdict"] == "pass" and "no fixed inputs for a SD3Transformer2DModel" in report["behaviour_skipped"]
+    assert referee(report) == "diffusers" and report["tensors"]["groups"]["transformer"]["changed"] > 0
     code, log, report = verify(cli, tmp_path / "pipe", adapter, tmp_path / "m", "--weight", "0.5")
-    assert code == 3 and report["reference"] == "published formula, float64", log
+    assert code == 3 and referee(report) == "diffusers", log

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.checkpoint import Checkpoint, open_base
+from converter.bases import open_base
+from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.hub_headers import hub_base_headers
 from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses

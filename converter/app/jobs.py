@@ -234,7 +234,8 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         if request.verify:
             stage("verify")
             # The page shows the greedy continuations side by side: the full check (same verdict as quick)
-            report = verify_folder(out, recipe, token=token, log=say, prompts=request.prompt_list(), mode="full")
+            prompts = request.prompt_list()
+            report = verify_folder(out, recipe, token=token, log=say, prompts=prompts, mode="full").to_dict()
         stage("upload")
         result = push(repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say)
         card = (out / "README.md").read_text()

@@ -231,6 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=7860, help="port of the app on 127.0.0.1 (default 7860)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
+    from converter.errors import MissingExtraError
+    from converter.optional import check
+
+    try:  # the app, and the demo's diffusion pipelines (not imported yet: the Hub's address is set below first)
+        check("gradio", "the local app")
+        check("diffusers", "the local app's diffusion demo")
+    except MissingExtraError as e:
+        raise SystemExit(f"error: {e}") from None
     root = Path(args.dir).resolve()
     server = HubServer(root / "hub").start()
     # Before huggingface_hub / gradio are imported: they read these at import time.

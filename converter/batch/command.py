@@ -14,7 +14,7 @@ SOME_FAILED = 4
 
 def add_parser(sub) -> None:
     b = sub.add_parser("batch", help="run many convert / merge / verify jobs on Ray (resumable, with a report)")
-    b.add_argument("jobs", nargs="?", help="job list YAML (see README: Converting many LoRAs)")
+    b.add_argument("jobs", nargs="?", help="job list YAML (see docs/batch.md: the job list)")
     b.add_argument("--from-hub-search", metavar="TEXT",
                    help="build the job list from a Hub search instead: repos whose id contains TEXT")  # fmt: skip
     b.add_argument("--filter", action="append", default=[], metavar="TAG",
@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
 
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from converter.batch import jobs as joblist
+    from converter.optional import require
+
+    require("ray", "converter batch")  # before a job list, a state file or a report is written
 
     searching = args.from_hub_search is not None
     if bool(args.jobs) == searching:

@@ -268,8 +268,10 @@ def run_batch(
 def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout, token_in_runtime_env, log):
     import logging
 
-    import ray
-    from tqdm import tqdm
+    from converter.optional import require
+    from converter.progress import Progress
+
+    ray = require("ray", "converter batch")
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
@@ -305,7 +307,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
             refs[ref] = job
             state.start(job.id)
         counts = {"done": 0, "failed": 0}
-        with tqdm(total=len(todo), desc="converter batch", unit="job", file=sys.stderr, disable=None) as bar:
+        with Progress(len(todo), "converter batch", log, unit="job", every=0) as bar:
             pending = list(refs)
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
@@ -313,8 +315,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
                 outcome = _collect(ray, ready[0], retries)
                 state.finish(job.id, outcome)
                 counts[outcome["status"]] += 1
-                bar.set_postfix(counts)
-                bar.update()
+                bar.update(1, **counts)
                 if outcome["status"] == "failed":
                     bar.write(f"failed: {job.id}: {outcome.get('error')}")
         return time.monotonic() - started

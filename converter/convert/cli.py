@@ -27,5 +27,5 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
     result = push_pr(args.adapter, args.to, **options)
     if result is None:
         return 0
-    print(f"pull request: {result}")
+    log(f"pull request: {result}")
     return 0

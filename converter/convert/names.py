@@ -34,7 +34,7 @@ class BaseNames:
     """The base model's names: a resolver over its real keys, and which component each key belongs to."""
 
     def __init__(self, path: Path):
-        from converter.checkpoint import open_base
+        from converter.bases import open_base
         from converter.keymap import keymap_for
 
         self.denoiser_as: str | None = None  # the component name the denoiser's modules are written under

@@ -80,7 +80,7 @@ def extract(
     log: Callable[[str], None] = print,
 ) -> ExtractResult:
     """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.convert.core import TARGETS, _check_out
     from converter.sources import fetch
 

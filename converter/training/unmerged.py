@@ -92,7 +92,7 @@ def keep_adapter(
 ) -> tuple[Path, Path]:  # fmt: skip
     """`converter merge --keep-adapter`: the training checkpoint's base weights as stored in `out/base` (a model
     folder) and its LoRA as a PEFT folder in `out/adapter`, both appearing at once (one rename) or not at all."""
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
 
     ckpt = open_base(Path(base), lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
     if not isinstance(ckpt, TrainingCheckpoint):

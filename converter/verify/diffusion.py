@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from converter.recipe import Recipe
-from converter.records import REPORT_FILE
-from converter.verify.report import Clock, skipped_report
+from converter.verify.report import Clock, DiffusionBehaviour
 
 IMAGE_DIR = "verification"
 UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
@@ -55,158 +53,182 @@ def tolerance(output_dtype: str) -> dict:
     }
 
 
-def verify_diffusion(
-    merged: Path,
-    recipe: Recipe,
-    *,
-    token: str | None = None,
-    log: Callable[[str], None] = print,
-    single_file_config: str | None = None,
-) -> dict:
-    """Compare the merged diffusers folder (or single file) with base + adapters through diffusers; writes and
-    returns the report. A single-file base and its merge load with diffusers' `from_single_file`
-    (`single_file_config`: the diffusers config folder or repo it needs, default diffusers' own guess, which it
-    fetches from the Hub); where that fails, the published formula referees."""
+class Skip(Exception):
+    """The behavioural comparison cannot run with diffusers here (the reason is reported)."""
 
-    from converter.sources import fetch
 
-    started = time.time()
-    merged = Path(merged)
-    base = fetch(recipe.base, "model", token).local
+class DiffusionCheck:
+    """One diffusion merge's behaviour against diffusers' unmerged loader, and the images shown beside it."""
 
-    def fallback(reason: str) -> dict:
-        return formula_or_skip(merged, recipe, base, reason, token=token, log=log)
+    def __init__(self, merged: Path, recipe: Recipe, base: Path, adapters: list[Path], single_file_config: str | None,
+                 log: Callable[[str], None], clock: Clock):  # fmt: skip
+        self.merged, self.recipe, self.base, self.adapters = Path(merged), recipe, Path(base), adapters
+        self.config, self.log, self.clock = single_file_config, log, clock
+        self.single = not is_diffusion(self.base)
+        self.made: tuple[list, list, list] | None = None  # reference, merged, bare images
 
-    if any(spec.include or spec.exclude for spec in recipe.adapters):
-        return fallback("diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)")
-    single = not is_diffusion(base)
-    if single and not Path(base).is_file():
-        return fallback("the base is neither a diffusers folder nor a single file")
+    def load(self, which: Path):
+        return _load_single(which, self.config) if self.single else _load(which)
 
-    def load(which: Path):
-        return _load_single(which, single_file_config) if single else _load(which)
+    def merged_path(self) -> Path:
+        return self.merged / self.base.name if self.single else self.merged
 
-    sources = [fetch(spec.source, "adapter", token).local for spec in recipe.adapters]
-    if dora := _lycoris_dora(sources):
-        return fallback(
-            f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
-        )
-    log(f"verifying {merged.name}: reference = base + {len(sources)} adapter(s) through diffusers' LoRA loader")
-    clock = Clock()
-    try:
-        pipe = load(base)
-    except Exception as e:  # noqa: BLE001 - diffusers cannot read the single file here (offline, no config)
-        return fallback(f"diffusers' from_single_file cannot load the base here ({_first_line(e)})")
-    try:
-        ignored = _apply_adapters(pipe, recipe, sources)
-    except Exception as e:  # noqa: BLE001 - diffusers refusing the adapter: the published formula referees
+    def run(self) -> tuple[DiffusionBehaviour, tuple[list[str], list[str]]]:
+        from converter.verify.diffusers_referee import diffusers_declines
+
+        if why := diffusers_declines(self.recipe, self.base, self.adapters):
+            raise Skip(why)
+        self.log(f"comparing behaviour: reference = base + {len(self.adapters)} adapter(s) through diffusers' "
+                 "LoRA loader")  # fmt: skip
+        pipe = self._reference_pipeline()
+        touched = sorted(pipe.get_list_adapters())
+        inputs = _inputs(pipe, touched)
+        images_here = _can_make_images(pipe)
+        ref, ref_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
+        pipe.disable_lora()
+        bare, bare_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
+        self.clock.lap("run reference and bare base")
         del pipe
-        return fallback(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})")
-    if ignored:
+        gc.collect()
+        pipe = self.load(self.merged_path())
+        out, out_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
         del pipe
-        return fallback(
-            f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its alpha_pattern "
-            "names never match), so it would be a wrong referee"
-        )
-    clock.lap("load reference")
-    touched = sorted(pipe.get_list_adapters())
-    denoiser = _denoiser_name(pipe)
-    if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
-        kind = type(getattr(pipe, denoiser or "unet", None)).__name__
-        del pipe
-        return fallback(f"the generation check has no fixed inputs for a {kind} yet")
-    inputs = _inputs(pipe, touched)
-    ref = _run(pipe, inputs, touched, hooks=False)
-    clock.lap("run reference")
-    images_here = _can_make_images(pipe)
-    ref_images = _images(pipe) if images_here else []
-    clock.lap("images reference")
-    pipe.disable_lora()
-    bare = _run(pipe, inputs, touched, hooks=False)
-    bare_images = _images(pipe) if images_here else []
-    clock.lap("run bare base + images")
-    del pipe
-    gc.collect()
-    pipe = load(merged / Path(base).name if single else merged)
-    clock.lap("load merged")
-    out = _run(pipe, inputs, touched, hooks=False)
-    out_images = _images(pipe) if images_here else []
-    clock.lap("run merged + images")
-    del pipe
-    gc.collect()
+        gc.collect()
+        self.clock.lap("run merged")
+        self.made = (ref_images, out_images, bare_images)
+        return self._judged(touched, inputs, ref, out, bare)
 
-    output_dtype = _single_file_dtype(merged / Path(base).name) if single else _stored_dtype(merged / denoiser)
-    tol = tolerance(output_dtype)
-    problems, notes, components, culprit = [], [], {}, None
-    failing: list[str] = []
-    for name in touched:
-        m, b = (
-            _compare(ref[name]["outputs"], out[name]["outputs"]),
-            _compare(ref[name]["outputs"], bare[name]["outputs"]),
+    def _reference_pipeline(self):
+        """The base pipeline with the adapters applied unmerged by diffusers; Skip where it cannot be."""
+        try:
+            pipe = self.load(self.base)
+        except (OSError, ValueError) as e:  # diffusers cannot read the single file here (offline, no config)
+            how = "from_single_file" if self.single else "from_pretrained"
+            raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
+        try:
+            ignored = _apply_adapters(pipe, self.recipe, self.adapters)
+        except ValueError as e:  # diffusers' loader refusing the file (its refusals are ValueErrors)
+            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})") from None
+        if ignored:
+            raise Skip(f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its "
+                       "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+        self.clock.lap("load reference")
+        denoiser = _denoiser_name(pipe)
+        if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
+            kind = type(getattr(pipe, denoiser or "unet", None)).__name__
+            raise Skip(f"the generation check has no fixed inputs for a {kind} yet")
+        return pipe
+
+    def _judged(self, touched, inputs, ref, out, bare):
+        from converter.verify.judge import failing_components, judge_diffusion
+
+        dtype = _single_file_dtype(self.merged_path()) if self.single else _stored_dtype(
+            self.merged / _denoiser_folder(self.merged))  # fmt: skip
+        tol = tolerance(dtype)
+        components = {name: {"merged_vs_reference": _compare(ref[name]["outputs"], out[name]["outputs"]),
+                             "base_vs_reference": _compare(ref[name]["outputs"], bare[name]["outputs"])}
+                      for name in touched}  # fmt: skip
+        failing = failing_components(components, tol)
+        culprits = self._probe(failing, inputs, tol) if failing else []
+        behaviour = DiffusionBehaviour(
+            reference="the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters"
+            + (" (base and merge loaded by from_single_file)" if self.single else ""),
+            compute_dtype="float32",
+            output_dtype=dtype,
+            tolerance=tol,
+            inputs={"timesteps": inputs["timesteps"], "components": touched, "image_steps": IMAGE_STEPS},
+            components=components,
+            first_disagreeing_module=culprits[0] if culprits else None,
         )
-        components[name] = {"merged_vs_reference": m, "base_vs_reference": b}
-        bad = []
-        if m["rel_err"] > tol["output_rel_err"]:
-            bad.append(f"{name}: relative error {m['rel_err']:.3g} > {tol['output_rel_err']:.3g}")
-        if b["rel_err"] <= tol["output_rel_err"]:
-            notes.append(
-                f"{name}: the adapters barely change it here; a merge that did nothing could not be told apart"
-            )
-        elif m["rel_err"] >= EFFECT_SHARE * b["rel_err"]:
-            bad.append(
-                f"{name} is as far from the reference as the bare base is ({m['rel_err']:.3g} vs "
-                f"{b['rel_err']:.3g}): was anything merged?"
-            )
-        if bad:
-            failing.append(name)
-        problems += bad
-    if failing:  # only now the module probe: hooks on every Linear/Conv cost ~3x a forward, on the first input
-        log(f"locating the first disagreeing module of {', '.join(failing)} (both models once more, with hooks)")
+        return behaviour, judge_diffusion(components, tol, culprits)
+
+    def _probe(self, failing: list[str], inputs: dict, tol: dict) -> list[dict]:
+        """Only on a failure: hooks on every Linear/Conv (~3x a forward), both models once more, first input."""
+        self.log(f"locating the first disagreeing module of {', '.join(failing)} (both models again, with hooks)")
         probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
-        pipe = load(base)
-        _apply_adapters(pipe, recipe, sources)
+        pipe = self.load(self.base)
+        _apply_adapters(pipe, self.recipe, self.adapters)
         ref_probe = _run(pipe, probe_inputs, failing, hooks=True)
         del pipe
         gc.collect()
-        pipe = load(merged / Path(base).name if single else merged)
+        pipe = self.load(self.merged_path())
         out_probe = _run(pipe, probe_inputs, failing, hooks=True)
         del pipe
         gc.collect()
-        clock.lap("module probe")
+        self.clock.lap("module probe")
+        culprits = []
         for name in failing:
             first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
             if first:
-                first["module"] = f"{name}.{first['module']}"
-                culprit = culprit or first
-                problems.append(
-                    f"first module that disagrees: {first['module']} (relative error {first['relative_error']:.3g})"
-                )
-    images = _save_images(merged, ref_images, out_images, bare_images)
-    report = {
-        "kind": "diffusion",
-        "verdict": "fail" if problems else "pass",
-        "problems": problems,
-        "notes": notes,
-        "reference": "the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters"
-        + (" (base and merge loaded by from_single_file)" if single else ""),
-        "compute_dtype": "float32",
-        "output_dtype": output_dtype,
-        "tolerance": tol,
-        "inputs": {
-            "timesteps": inputs["timesteps"],
-            "components": touched,
-            "images": len(images),
-            "image_steps": IMAGE_STEPS,
-        },
-        "components": components,
-        "first_disagreeing_module": culprit,
-        "images": images,
-        "seconds": round(time.time() - started, 1),
-        "phase_seconds": clock.phases,
-    }
-    report["markdown"] = markdown(report)
-    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+                culprits.append({**first, "module": f"{name}.{first['module']}"})
+        return culprits
+
+    def images(self, referee=None) -> list[dict]:
+        """The base / reference / merged images (saved next to the report): those the behaviour made, else, for a
+        complete pipeline folder, the reference as the base pipeline holding the referee's tensors."""
+        if self.made is None and referee is not None and is_diffusion(self.base) and _complete(self.base):
+            self.made = self._referee_images(referee)
+        if not self.made or not self.made[0]:
+            return []
+        return _save_images(self.merged, *self.made)
+
+    def _referee_images(self, referee) -> tuple[list, list, list] | None:
+        """Base images, then the same pipeline holding each changed tensor as the referee computes it (the
+        reference's images), then the merged pipeline's: one pipeline in memory at a time."""
+        import torch
+
+        from converter.verify.tensors import locations
+
+        pipe = _load(self.base)
+        bare = _images(pipe)
+        params = _pipeline_params(pipe)
+        base = locations(open_base_checkpoint(self.base))
+        for name, rule in referee.expectations().items():
+            param, where = params.get(name), base.get(rule.base_name or name)
+            if param is None or where is None:
+                return None
+            value = rule.rows(_read_float64(where), 0, where.shape[0] if where.shape else 1).value
+            if value.shape != param.shape:
+                return None
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
+        ref = _images(pipe)
+        del pipe
+        gc.collect()
+        out = _images(_load(self.merged))
+        self.clock.lap("images (referee's reference)")
+        return ref, out, bare
+
+
+def _pipeline_params(pipe) -> dict:
+    """"component/key" of the checkpoint -> the pipeline's parameter."""
+    params: dict = {}
+    for component in MODEL_PARTS:
+        model = getattr(pipe, component, None)
+        for key, param in model.named_parameters() if model is not None else ():
+            params[f"{component}/{key}"] = param
+    return params
+
+
+def open_base_checkpoint(base: Path):
+    from converter.bases import open_base
+
+    return open_base(base)
+
+
+def _read_float64(where):
+    import torch
+
+    from converter.dtypes import ST_TO_TORCH
+
+    with open(where.path, "rb") as f:
+        f.seek(where.start)
+        data = bytearray(f.read(where.end - where.start))
+    return torch.frombuffer(data, dtype=ST_TO_TORCH[where.dtype]).reshape(where.shape).to(torch.float64)
+
+
+def _denoiser_folder(merged: Path) -> str:
+    return next((n for n in ("unet", "transformer") if (merged / n).is_dir()), "unet")
 
 
 def _first_line(e: Exception) -> str:
@@ -224,7 +246,7 @@ def _load_single(file: Path, config: str | None):
     import torch
     from diffusers.utils import logging as dlog
 
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.keymap import keymap_for
 
     checkpoint = open_base(file)
@@ -255,70 +277,6 @@ def _single_file_dtype(file: Path) -> str:
     tensors = SafetensorsFile(file).tensors
     first = next(iter(tensors.values())).dtype
     return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
-
-
-def _lycoris_dora(sources: list[Path]) -> str | None:
-    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
-    from converter.checkpoint import SafetensorsFile
-
-    for path in sources:
-        is_file = path.is_file() and path.suffix == ".safetensors"
-        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
-            return path.name
-    return None
-
-
-def formula_or_skip(
-    merged: Path, recipe: Recipe, base: Path, reason: str, *, token: str | None, log: Callable[[str], None]
-) -> dict:
-    """The published-formula reference (verify/formula.py) where diffusers cannot referee; a skip, said with
-    both reasons, where that has no formula for some patch either (DoRA ...). When the base pipeline can make
-    images, the base's images are made first, then the same pipeline takes each reference tensor as the
-    formula computes it (the reference's images), then the merged pipeline's: one pipeline in memory at a time."""
-    from converter.verify.formula import Unsupported, markdown, verify_formula
-
-    gc.collect()
-    pipe, bare = None, []
-    if is_diffusion(base) and _complete(Path(base)):
-        pipe = _load(Path(base))
-        bare = _images(pipe)
-    params: dict = {}  # "component/key" of the checkpoint -> the base pipeline's parameter
-    for component in MODEL_PARTS if pipe is not None else ():
-        model = getattr(pipe, component, None)
-        for key, param in model.named_parameters() if model is not None else ():
-            params[f"{component}/{key}"] = param
-            params.setdefault(f"{component}/{key.removeprefix('text_model.')}", param)
-    missing = []
-
-    def put(name: str, ref) -> None:
-        import torch
-
-        param = params.get(name)
-        if param is None or param.shape != ref.shape:
-            missing.append(name)
-            return
-        with torch.no_grad():
-            param.copy_(ref.to(param.dtype))
-
-    try:
-        report = verify_formula(
-            merged, recipe, Path(base), reason, token=token, log=log, on_reference=put if pipe else None
-        )
-    except Unsupported as e:
-        return skipped_report(merged, f"{reason}, and the published-formula reference cannot recompute it ({e})")
-    if pipe is None or missing:
-        return report
-    ref_images = _images(pipe)
-    del pipe
-    gc.collect()
-    pipe = _load(merged)
-    out_images = _images(pipe)
-    del pipe
-    gc.collect()
-    report["images"] = _save_images(merged, ref_images, out_images, bare)
-    report["markdown"] = markdown(report)
-    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
 
 
 def _load(folder: Path):
@@ -352,29 +310,46 @@ OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "featur
 MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
-def _partial(folder: Path, index: dict):
+def _partial(folder: Path, index: dict, empty: bool = False):
+    """The pipeline class built from the model components the folder holds (None for the rest): enough for
+    diffusers' loader. `empty`: each model's module tree without weights (peft_referee.hollow)."""
     import inspect
 
+    import diffusers
+
+    cls = getattr(diffusers, index["_class_name"])
+    parts = {name: component_model(folder, name, index, empty) for name in MODEL_PARTS
+             if (folder / name / "config.json").is_file()}  # fmt: skip
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return cls(**{p: parts.get(p) for p in params})
+
+
+def component_model(folder: Path, name: str, index: dict, empty: bool = False):
+    """One model component of a pipeline folder, loaded in float32, or (`empty`) its module tree only."""
     import diffusers
     import torch
     import transformers
 
-    cls = getattr(diffusers, index["_class_name"])
-    parts = {}
-    for name in MODEL_PARTS:
-        config = folder / name / "config.json"
-        if not config.is_file():
-            continue
-        cfg = json.loads(config.read_text())
-        library, class_name = (index.get(name) or [None, None])[:2]
-        if not class_name:
-            library, class_name = (
-                ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
-            )
-        module = diffusers if library == "diffusers" else transformers
-        parts[name] = getattr(module, class_name).from_pretrained(folder / name, torch_dtype=torch.float32).eval()
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    return cls(**{p: parts.get(p) for p in params})
+    cfg = json.loads((folder / name / "config.json").read_text())
+    library, class_name = (index.get(name) or [None, None])[:2]
+    if not class_name:
+        library, class_name = (
+            ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
+        )
+    cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    if not empty:
+        return cls.from_pretrained(folder / name, torch_dtype=torch.float32).eval()
+    from accelerate import init_empty_weights
+
+    from converter.verify.peft_referee import hollow
+
+    with init_empty_weights():
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(folder / name))
+        else:
+            model = cls._from_config(transformers.AutoConfig.from_pretrained(folder / name), dtype=torch.float32)
+    hollow(model)
+    return model.eval()
 
 
 def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> int:
@@ -651,30 +626,3 @@ def _stored_dtype(component: Path) -> str:
             for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
                 return fh.get_slice(key).get_dtype()
     return "F32"
-
-
-def markdown(report: dict) -> str:
-    verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
-    tol = report["tolerance"]
-    lines = [
-        f"{verdict}: the merged pipeline was compared with {report['reference']} (components "
-        f"{', '.join(report['inputs']['components'])} on fixed seeded inputs, denoiser at timesteps "
-        f"{', '.join(map(str, report['inputs']['timesteps']))}; float32 compute, weights in {report['output_dtype']}).",
-        "",
-        "| component | relative error merged vs reference | base vs reference | max abs diff | pass if |",
-        "|---|---|---|---|---|",
-    ]
-    for name, c in report["components"].items():
-        m, b = c["merged_vs_reference"], c["base_vs_reference"]
-        lines.append(
-            f"| {name} | {m['rel_err']:.3g} | {b['rel_err']:.3g} | {m['max_abs']:.3g} | "
-            f"≤ {tol['output_rel_err']:.3g} and < {EFFECT_SHARE:g}× base |"
-        )
-    if report["images"]:
-        psnr = ", ".join(f"{i['psnr']:.1f} dB (max {i['max_abs']})" for i in report["images"])
-        lines.append(f"\nImages ({IMAGE_STEPS} steps, fixed seed), merged vs reference PSNR: {psnr}.")
-    for p in report["problems"]:
-        lines.append(f"\n- problem: {p}")
-    for n in report["notes"]:
-        lines.append(f"\n- note: {n}")
-    return "\n".join(lines)

@@ -1,35 +1,25 @@
-"""The referee of last resort for a diffusion merge: where diffusers cannot apply an adapter unmerged (its loader
-refuses the file, the family has no loader, it would misread per-module alphas, include/exclude), every touched
-tensor is recomputed in float64 from the base tensor and the adapter file's own factors by the format's published
-formula (kohya / LyCORIS / PEFT, docs/FORMATS.md §1, §3, §7), and the merged tensor must equal it to within the
-rounding of its dtype. Nothing of our patch math (`converter.patches`) is used: the factors are grouped from the
-file's key names here, their alpha read here, the product computed here. Where each module lands is the merge
-plan's name lookup (the keymap), the one thing shared with the merge; it is said in the report.
+"""The referee of last resort: where neither PEFT nor diffusers can apply an adapter unmerged (community files
+on an LLM, diffusers refusing or misreading a file, include/exclude, a single-file base, MoE expert slices),
+every changed tensor is recomputed in float64 from the base tensor and the adapter file's own factors by the
+format's published formula (kohya / LyCORIS / PEFT / DoRA, docs/FORMATS.md §1, §3, §7). Nothing of our patch
+math (`converter.patches`) is used: the factors are grouped from the file's key names here, their alpha read
+here, the product computed here. Where each module lands is the merge plan's name lookup (the keymap), the one
+thing shared with the merge: the report says so.
 
-Bounds, per element, from standard floating-point error analysis: the merge computes W + Σ w·s·f(factors) in
-float32 (each sum of n products off by at most n·u32 of the sum of absolute products, γ_n) and rounds once to
-the output dtype (u_out of the value). Untouched tensors must be the base's, cast to the output dtype.
+Allowance, per element: the merge computes W + Σ w·s·f(factors) in float32, each sum of n products off by at
+most γ_n of the sum of absolute products (and the sum with W by a few roundings of |W|); the tensor proof adds
+the rounding to the output dtype (tensors.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from converter.records import REPORT_FILE
+from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
-REFERENCE = "published formula, float64"
-UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
-# Half the spacing of the smallest (subnormal) numbers: rounding near zero is off by this much, not by u·|x|
-# (fp16's subnormals start at 6.1e-5, where many small weights live).
-SUBNORMAL_HALF_SPACING = {"F64": 2.0**-1075, "F32": 2.0**-150, "F16": 2.0**-25, "BF16": 2.0**-134}
-U32 = 2.0**-24
-GAMMA_SLACK = 8  # γ_n with n = the longest inner product + this many additions (weights, alpha, adapters)
-MAX_PROBLEMS = 10  # tensors named one by one in the report; the rest are counted
-EFFECT_SHARE = 0.25  # the merged tensor must sit this much closer to the reference than the base does
+REFERENCE = "published formula"
 
 # The writers' own key suffixes (kohya sd-scripts, LyCORIS, PEFT / diffusers): role of each factor.
 SUFFIXES = {
@@ -42,7 +32,8 @@ SUFFIXES = {
     ".lora_B.default.weight": "up",
     ".alpha": "alpha",
     ".dora_scale": "dora",
-    ".lora_magnitude_vector": "dora",
+    ".lora_magnitude_vector": "magnitude",
+    ".lora_magnitude_vector.weight": "magnitude",
     ".diff_b": "diff_b",
     ".diff": "diff",
     **{f".{k}": k for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")},
@@ -50,8 +41,8 @@ SUFFIXES = {
 }
 
 
-class Unsupported(Exception):
-    """A patch this referee has no published formula for (DoRA, OFT, patterned PEFT alphas ...)."""
+class Unsupported(RefereeUnavailable):
+    """A patch this referee has no published formula for (OFT, patterned PEFT alphas ...)."""
 
 
 def split(key: str) -> tuple[str, str] | None:
@@ -133,23 +124,30 @@ def _peft_config(path: Path) -> dict | None:
     return json.loads(config.read_text()) if config.is_file() else None
 
 
-def delta(f: AdapterFactors, roles: dict[str, str], bias: bool, magnitude: bool = False):
-    """(ΔW or Δb in float64, inner length n) by the published formula; `magnitude`: the same formula over the
-    factors' absolute values (the sum of absolute products that bounds float32's error)."""
+def delta(f: AdapterFactors, roles: dict[str, str], bias: bool, magnitude: bool = False, experts: int = 0):
+    """(ΔW or Δb in float64, inner length n) by the published formula (a DoRA module's ΔW before its norm);
+    `magnitude`: the same formula over the factors' absolute values (the sum of absolute products that bounds
+    float32's error); `experts`: a PEFT LoRA on fused experts, ΔW (E, out, in) (PEFT's layout: A's rows expert
+    after expert, B's columns interleaved)."""
     import torch
 
     def t(role):
         x = f.read(roles[role])
         return x.abs() if magnitude else x
 
-    if "dora" in roles:
-        raise Unsupported("DoRA (the norm of the merged weight) is not recomputed here")
     if bias:
         if "diff_b" not in roles:
             raise Unsupported("a bias delta other than LyCORIS diff_b")
         return t("diff_b"), 1
     if "diff" in roles:  # LyCORIS full: ΔW = diff
         return t("diff"), 1
+    if "down" in roles and experts:  # PEFT target_parameters: ΔW[e] = scale · B_e @ A_e
+        down, up = t("down"), t("up")
+        r = down.shape[0] // experts
+        scale = f.alpha_scale(roles, r)
+        a_e = down.reshape(experts, r, down.shape[1])
+        b_e = up.reshape(up.shape[0], r, experts).permute(2, 0, 1)
+        return (abs(scale) if magnitude else scale) * torch.bmm(b_e, a_e), r
     if "down" in roles:  # LoRA / LoCon: ΔW = alpha/r · up @ down (Tucker: mid between)
         down, up = t("down"), t("up")
         rank = down.shape[0]
@@ -190,201 +188,125 @@ def delta(f: AdapterFactors, roles: dict[str, str], bias: bool, magnitude: bool 
     raise Unsupported(f"no published formula for a module with {', '.join(sorted(roles))}")
 
 
-def verify_formula(
-    merged: Path,
-    recipe,
-    base: Path,
-    reason: str,
-    *,
-    token: str | None = None,
-    log: Callable[[str], None] = print,
-    on_reference: Callable[[str, object], None] | None = None,
-) -> dict:
-    """Check every tensor of the merged output against base + published formula; writes and returns the report.
-    `on_reference(name, tensor)` receives each touched tensor's reference (float64) as it is computed: the caller
-    can build a reference pipeline from them for images. Raises Unsupported when some patch has no published
-    formula here (the caller then reports a skip)."""
-    import torch
 
-    from converter.checkpoint import open_base
-    from converter.formats import load_adapter
-    from converter.plan import plan_merge
-    from converter.sources import fetch
 
-    started = time.time()
-    specs = recipe.adapters
-    adapters = [
-        (
-            load_adapter(
-                fetch(s.source, "adapter", token).local, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha
-            ),
-            s,
+class FormulaReferee:
+    """Every planned tensor with patches, recomputed from the adapter files by the published formulas."""
+
+    def __init__(self, recipe, base: Path, adapters: list[Path], reason: str):
+        from converter.bases import open_base
+        from converter.formats import load_adapter
+        from converter.plan import plan_merge
+
+        specs = recipe.adapters
+        loaded = [(load_adapter(path, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)
+                  for path, s in zip(adapters, specs, strict=True)]  # fmt: skip
+        checkpoint = open_base(base, allow_pickle=recipe.allow_pickle)
+        self.plan, _, _ = plan_merge(recipe, checkpoint, loaded, [None] * len(loaded))
+        if self.plan.task_merge is not None or getattr(recipe, "method", None) not in (None, "sum"):
+            raise Unsupported(f"--method {recipe.method} has no published formula here")
+        self.factors = [AdapterFactors(a, s.lora_alpha) for a, s in loaded]
+        # each patch's adapter entry (a target_parameters LoRA offers candidates: the plan keeps one of them)
+        self.owner = {id(p): ap for a, _ in loaded for ap in a.patches for p in (ap.patch, *(c for _, c in ap.either))}
+        self.specs = specs
+        self.info = RefereeInfo(
+            REFERENCE,
+            f"each changed tensor recomputed in float64 from the base and the adapter files' own factors by the "
+            f"format's published formula, since {reason}",
+            independent=False,
         )
-        for s in specs
-    ]
-    checkpoint = open_base(base, allow_pickle=recipe.allow_pickle)
-    plan, _, _ = plan_merge(recipe, checkpoint, adapters, [None] * len(adapters))
-    out = open_base(merged / base.name if base.is_file() else merged)
-    factors = [AdapterFactors(a, s.lora_alpha) for a, s in adapters]
-    owner = {id(ap.patch): ap for a, _ in adapters for ap in a.patches}
-    log(f"verifying {merged.name}: reference = base + adapters by the {REFERENCE} ({reason})")
 
-    problems, notes, tensors, culprit = [], [], {}, None
-    per_component: dict[str, dict] = {}
-    untouched = failed = 0
-    names = set(out.names())
-    missing = [o.name for o in plan.outputs if o.name not in names]
-    extra = sorted(names - {o.name for o in plan.outputs})
-    if missing or extra:
-        problems.append(
-            f"the merge's tensors are not the base's: {len(missing)} missing (e.g. {(missing or ['-'])[0]}), "
-            f"{len(extra)} not in the base (e.g. {(extra or ['-'])[0]})"
-        )
-    try:
-        for o in (o for o in plan.outputs if o.name in names):
-            stored = out.info(o.name).dtype
-            if not o.patches:  # compared as stored: the base's tensor cast to the output dtype, bit for bit
-                untouched += 1
-                m, w = out.read(o.name), checkpoint.read(o.source.name)
-                if not torch.equal(m, w.to(_torch_dtype(stored))):
-                    problems.append(f"{o.name} was not to be touched but differs from the base")
-                    culprit = culprit or {"module": _module(o.name), "relative_error": _rel(m.double(), w.double())}
-                continue
-            m = out.read(o.name).to(torch.float64)
-            w = checkpoint.read(o.source.name).to(torch.float64)
-            ref, mag, inner = w.clone(), w.abs(), 0
+    def expectations(self) -> dict[str, Expectation]:
+        out = {}
+        for o in self.plan.outputs:
+            if o.patches:
+                kinds = sorted({self._check(p) for p in o.patches})
+                base_name = o.source.name if o.source.name != o.name else None
+                out[o.name] = Expectation(_module(o.name), ", ".join(kinds), self._rows(o), False, base_name,
+                                          tuple(o.shape))  # fmt: skip
+        return out
+
+    def _check(self, p) -> str:
+        """The patch's kind, or Unsupported now (before any tensor is read) when there is no formula for it."""
+        inner = getattr(p.patch, "inner", p.patch)
+        if type(inner).__name__ == "Replace":
+            return "replacement"
+        roles = self.factors[p.adapter].group(inner.sources[0])
+        known = {"down", "diff", "diff_b", "hada_w1_a"} | {r for r in roles if r.startswith("lokr_")}
+        if not known & set(roles):
+            raise Unsupported(f"no published formula for a module with {', '.join(sorted(roles))}")
+        return "DoRA" if {"dora", "magnitude"} & set(roles) else "delta"
+
+    def _rows(self, o):
+        def rows(w, start: int, end: int) -> Expected:
+            ref, allowance = w.clone(), gamma(0) * w.abs()
             for p in o.patches:
-                inner_patch = getattr(p.patch, "inner", p.patch)
-                ap = owner[id(inner_patch)]
-                spec = specs[p.adapter]
-                weight = spec.weight_for(o.name.split("/", 1)[0] if "/" in o.name else ap.component)
-                f = factors[p.adapter]
-                roles = f.group(inner_patch.sources[0])
-                d, n = delta(f, roles, ap.param == "bias")
-                a, _ = delta(f, roles, ap.param == "bias", magnitude=True)
-                if p.patch is not inner_patch:  # rows of a fused module landing on a separate tensor
-                    d, a = d[p.patch.start : p.patch.end], a[p.patch.start : p.patch.end]
-                if p.transposed:
-                    d, a = d.T, a.T
-                rows = slice(None) if p.rows is None else slice(*p.rows)
-                shape = ref[rows].shape
-                if d.numel() != math.prod(shape):
-                    raise Unsupported(f"{inner_patch.sources[0]}: shape {list(d.shape)} onto {list(shape)}")
-                ref[rows] += weight * d.reshape(shape)
-                mag[rows] += abs(weight) * a.reshape(shape)
-                inner = max(inner, n)
-            if on_reference is not None:
-                on_reference(o.name, ref)
-            u = UNIT_ROUNDOFF.get(stored, 2.0**-8)  # |fl(y) - R| <= u|y| + |y - R|, |y - R| <= γ·mag
-            bound = u * ref.abs() + (1 + u) * (inner + GAMMA_SLACK) * U32 * mag
-            bound = bound + SUBNORMAL_HALF_SPACING.get(stored, 0.0) + 2.0**-150  # float32's own subnormals too
-            ratio = ((m - ref).abs() / bound).max().item()
-            effect = ((w - ref).abs() / bound).max().item()
-            row = {
-                "dtype": stored,
-                "max_error_over_bound": round(ratio, 4),
-                "base_error_over_bound": round(effect, 4),
-                "rel_err": _rel(m, ref),
-                "base_rel_err": _rel(w, ref),
-                "max_abs": (m - ref).abs().max().item(),
-            }
-            tensors[o.name] = row
-            component = o.name.split("/", 1)[0] if "/" in o.name else (owner_component(o, owner) or "model")
-            c = per_component.setdefault(component, {"tensors": 0, "failed": 0, "max_error_over_bound": 0.0,
-                                                     "base_vs_reference_max": 0.0})  # fmt: skip
-            c["tensors"] += 1
-            c["max_error_over_bound"] = max(c["max_error_over_bound"], row["max_error_over_bound"])
-            c["base_vs_reference_max"] = max(c["base_vs_reference_max"], row["base_error_over_bound"])
-            if effect <= 1:
-                notes.append(f"{o.name}: the adapters change it by less than its rounding")
-            if ratio > 1:
-                c["failed"] += 1
-                failed += 1
-                if failed > MAX_PROBLEMS:
-                    culprit = culprit or {"module": _module(o.name), "relative_error": row["rel_err"]}
-                    continue
-                what = "as far from the reference as the base (was anything merged?)" if (
-                    row["rel_err"] >= EFFECT_SHARE * row["base_rel_err"]) else "off"  # fmt: skip
-                problems.append(
-                    f"{o.name}: {what}: error {ratio:.3g}x its rounding bound (relative error {row['rel_err']:.3g}, "
-                    f"the adapters' own effect {row['base_rel_err']:.3g})"
-                )
-                culprit = culprit or {"module": _module(o.name), "relative_error": row["rel_err"]}
-    except Unsupported as e:
-        log(f"no {REFERENCE} reference either: {e}")
-        raise
-    if failed > MAX_PROBLEMS:
-        problems.append(f"... and {failed - MAX_PROBLEMS} more tensors off")
-    if culprit:
-        problems.append(f"first module that disagrees: {culprit['module']}")
-    report = {
-        "kind": "diffusion",
-        "verdict": "fail" if problems else "pass",
-        "problems": problems,
-        "notes": notes[:20] + ([f"... and {len(notes) - 20} more such tensors"] if len(notes) > 20 else []),
-        "reference": REFERENCE,
-        "reference_reason": reason,
-        "compute_dtype": "float64",
-        "output_dtype": ", ".join(sorted({r["dtype"] for r in tensors.values()})) or "?",
-        "components": per_component,
-        "tensors_checked": len(tensors),
-        "untouched_identical": untouched if not any("not to be touched" in p for p in problems) else None,
-        "worst_tensors": dict(sorted(tensors.items(), key=lambda kv: -kv[1]["max_error_over_bound"])[:5]),
-        "first_disagreeing_module": culprit,
-        "images": [],
-        "seconds": round(time.time() - started, 1),
-    }
-    report["markdown"] = markdown(report)
-    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+                ref, allowance = self._apply(o, p, w, ref, allowance)
+            return Expected(ref, allowance)
+
+        return rows
+
+    def _apply(self, o, p, w, ref, allowance):
+        """One patch onto the running reference (and its float32 allowance)."""
+        inner = getattr(p.patch, "inner", p.patch)
+        f = self.factors[p.adapter]
+        if type(inner).__name__ == "Replace":
+            value = f.read(inner.sources[0])
+            return value.reshape(ref.shape).clone(), 0 * ref
+        ap = self.owner[id(inner)]
+        weight = self.specs[p.adapter].weight_for(o.name.split("/", 1)[0] if "/" in o.name else ap.component)
+        roles = f.group(inner.sources[0])
+        experts = getattr(inner, "experts", 0)
+        lycoris = "dora" in roles
+        w_delta = 1.0 if lycoris else weight  # LyCORIS DoRA: the weight interpolates the factor instead
+        d, n = delta(f, roles, ap.param == "bias", experts=experts)
+        a, _ = delta(f, roles, ap.param == "bias", magnitude=True, experts=experts)
+        d, a = _placed(p, d), _placed(p, a)
+        index = _index(p)
+        shape = ref[index].shape
+        if d.numel() != math.prod(shape):
+            raise Unsupported(f"{inner.sources[0]}: shape {list(d.shape)} onto {list(shape)}")
+        d, a = w_delta * d.reshape(shape), abs(w_delta) * a.reshape(shape)
+        if {"dora", "magnitude"} & set(roles):
+            return _dora(f, roles, p, w[index], ref, allowance, index, (d, a, n), weight if lycoris else 1.0)
+        ref[index] += d
+        allowance[index] += gamma(n) * a
+        return ref, allowance
 
 
-def owner_component(o, owner: dict) -> str | None:
-    p = o.patches[0].patch
-    ap = owner.get(id(getattr(p, "inner", p)))
-    return ap.component if ap else None
+def _placed(p, d):
+    """The part of a module's ΔW that lands on this tensor: an expert's slice, rows of a fused module, as stored."""
+    inner = getattr(p.patch, "inner", p.patch)
+    if p.patch is not inner:  # rows of a fused module (or of one expert of fused experts) on a separate tensor
+        d = d[p.patch.expert] if getattr(p.patch, "expert", None) is not None else d
+        d = d[p.patch.start : p.patch.end]
+    return d.T if p.transposed else d
+
+
+def _index(p) -> tuple:
+    return (() if p.expert is None else (p.expert,)) + (() if p.rows is None else (slice(*p.rows),))
+
+
+def _dora(f, roles, p, w0, ref, allowance, index, terms, interpolate: float):
+    """DoRA: W' = (W + ΔW) · m / ‖W₀ + ΔW‖ along the magnitude's axis (LyCORIS dora_scale: the axis its shape
+    says, the merge weight interpolating the factor, m·(f - 1) + 1; PEFT's magnitude: per output row)."""
+    d, a, n = terms
+    magnitude = f.read(roles.get("dora") or roles["magnitude"])
+    shape = w0.shape
+    per_input = "dora" in roles and magnitude.dim() >= 2 and magnitude.shape[0] == 1 and shape[0] != 1
+    axis = 1 if per_input else 0
+    if p.transposed and w0.dim() == 2:
+        axis = 1 - axis
+    reduce = [i for i in range(w0.dim()) if i != axis]
+    norm = (w0 + d).norm(dim=reduce, keepdim=True)
+    factor = magnitude.reshape(norm.shape) / norm
+    if "dora" in roles and interpolate != 1.0:
+        factor = interpolate * (factor - 1) + 1
+    ref[index] = (ref[index] + d) * factor
+    allowance[index] = (allowance[index] + gamma(n) * a) * factor.abs() + gamma(math.prod(shape) // max(
+        shape[axis], 1) // 2) * ref[index].abs()  # fmt: skip
+    return ref, allowance
 
 
 def _module(name: str) -> str:
     return name.replace("/", ".").removesuffix(".weight").removesuffix(".bias")
-
-
-def _rel(x, ref) -> float:
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _torch_dtype(st: str):
-    from converter.dtypes import ST_TO_TORCH
-
-    return ST_TO_TORCH[st]
-
-
-def markdown(report: dict) -> str:
-    verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
-    lines = [
-        f"{verdict} (reference: {REFERENCE}): diffusers could not referee this merge ({report['reference_reason']}). "
-        "Every touched tensor was recomputed in float64 from the base and the adapter file's own factors by the "
-        "format's published formula and compared element by element with the merged one, against a bound from "
-        "float32 compute and one rounding to the output dtype (module placement: the keymap's name lookup, as in "
-        "the merge).",
-        "",
-        "| component | tensors | worst error / rounding bound | base vs reference (worst, / bound) | pass if |",
-        "|---|---|---|---|---|",
-    ]
-    for name, c in report["components"].items():
-        lines.append(
-            f"| {name} | {c['tensors']} | {c['max_error_over_bound']:.3g} | {c['base_vs_reference_max']:.3g} | ≤ 1 |"
-        )
-    if report.get("untouched_identical") is not None:
-        lines.append(f"\n{report['untouched_identical']} untouched tensors are the base's (cast to the output dtype).")
-    if report["images"]:
-        psnr = ", ".join(f"{i['psnr']:.1f} dB (max {i['max_abs']})" for i in report["images"])
-        lines.append(
-            f"\nImages (fixed seed, a few steps) of the base, the reference (the base pipeline holding the "
-            f"formula's weights) and the merge; merged vs reference PSNR: {psnr}."
-        )
-    for p in report["problems"]:
-        lines.append(f"\n- problem: {p}")
-    for n in report["notes"]:
-        lines.append(f"\n- note: {n}")
-    return "\n".join(lines)

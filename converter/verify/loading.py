@@ -16,6 +16,7 @@ from pathlib import Path
 
 from converter.errors import ConverterError
 from converter.recipe import Recipe
+from converter.verify.referee import RefereeUnavailable
 
 PROMPTS = [
     "What is the capital of France?",
@@ -27,6 +28,26 @@ PERPLEXITY_TEXT = (
     "The quick brown fox jumps over the lazy dog. Rivers flow to the sea, and the sea gives back the rain. "
     "Every merge should be checked before it is published."
 )
+
+
+# PEFT's own words when an adapter targets modules this base does not have (e.g. split q/k/v onto fused qkv)
+PEFT_REFUSALS = ("not found in the base model",)
+
+
+class PeftRefused(RefereeUnavailable):
+    """PEFT cannot apply these adapters to this base unmerged, or not as they were trained."""
+
+
+@contextmanager
+def peft_refusals():
+    """PEFT's specific refusal (a ValueError in its words) as PeftRefused; any other error stays what it is."""
+    try:
+        yield
+    except ValueError as e:
+        if any(words in str(e) for words in PEFT_REFUSALS):
+            first = str(e).splitlines()[0][:200]
+            raise PeftRefused(f"PEFT cannot apply the adapters to this base unmerged ({first})") from e
+        raise
 
 
 @dataclass
@@ -212,7 +233,7 @@ def build_inputs(tok, prompts: list[str], vocab: int):
 
 
 @contextmanager
-def _load_results():
+def load_results():
     """The load results of PeftModel.load_adapter, which PeftModel.from_pretrained computes and drops."""
     from peft import PeftModel
 
@@ -231,7 +252,7 @@ def _load_results():
         PeftModel.load_adapter = original
 
 
-def _require_all_loaded(results: list, adapters: list[Path]) -> None:
+def require_all_loaded(results: list, adapters: list[Path]) -> None:
     """A reference in which PEFT left LoRA weights out (file tensors it placed nowhere, or LoRA layers it made but
     found no weights for) is not the adapter as trained: comparing with it would fail a right merge. PEFT 0.21 does
     this to per-expert LoRAs on models whose shared experts share the experts' names (Qwen2-MoE's
@@ -241,13 +262,13 @@ def _require_all_loaded(results: list, adapters: list[Path]) -> None:
         unloaded = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
         if unplaced or unloaded:
             example = (unplaced or unloaded)[0]
-            raise ValueError(
+            raise PeftRefused(
                 f"PEFT does not apply {path.name} as trained: it {'ignores' if unplaced else 'finds no weights for'} "
                 f"{len(unplaced or unloaded)} LoRA tensors, e.g. {example}"
             )
 
 
-def _require_trained_scales(model, names: list[str], adapters: list[Path]) -> None:
+def require_trained_scales(model, names: list[str], adapters: list[Path]) -> None:
     """PEFT 0.21 loads per-expert LoRAs onto fused experts by stacking gate and up: it doubles their rank and alpha
     in its config (rank_pattern / alpha_pattern entries the file does not have). alpha/r stays, alpha/sqrt(r)
     (use_rslora) grows by sqrt(2): its forward is then not the adapter as trained, and could only fail a right
@@ -262,7 +283,7 @@ def _require_trained_scales(model, names: list[str], adapters: list[Path]) -> No
             continue
         added = sorted(set(config.rank_pattern or {}) - set(saved.get("rank_pattern") or {}))
         if added:
-            raise ValueError(
+            raise PeftRefused(
                 f"PEFT does not apply {path.name} as trained: it fuses per-expert LoRAs into {', '.join(added)} "
                 "with doubled rank and alpha, which under use_rslora scales them by sqrt(2)"
             )
@@ -295,12 +316,12 @@ def load_reference(
         # Offloaded: torch warns that copying the adapter weights into meta parameters is a no-op, but PEFT then
         # writes them to the offload folder; the offloaded reference equals the in-memory one (tested).
         warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* is a no-op")
-        with _load_results() as results:
+        with load_results() as results, peft_refusals():
             model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
             for name, path in zip(names[1:], adapters[1:], strict=True):
                 model.load_adapter(path, adapter_name=name, **placed)
-    _require_all_loaded(results, adapters)
-    _require_trained_scales(model, names, adapters)
+    require_all_loaded(results, adapters)
+    require_trained_scales(model, names, adapters)
     if sources is not None:
         _exact_adapter_tensors(model, adapters, names, sources)
     if len(names) > 1:
@@ -332,3 +353,20 @@ def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], source
         return
     for name, path in zip(names, adapters, strict=True):
         set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)
+
+
+def side_by_side(tok, prompts: list[str], bare, ref, out, count: int = 3) -> list[dict]:
+    """The first `count` prompts' greedy continuations of the bare base, the reference and the merge."""
+
+    def text(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+
+    return [
+        {
+            "prompt": prompts[i] if tok is not None else f"(random token ids #{i})",
+            "base": text(bare.generations[i]),
+            "reference": text(ref.generations[i]),
+            "merged": text(out.generations[i]),
+        }
+        for i in range(min(count, len(ref.generations)))
+    ]

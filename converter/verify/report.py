@@ -1,17 +1,21 @@
-"""The verification report: markdown for the card and the log, the skipped report, the phase clock."""
+"""The verification report, typed: the tensor proof's result, the behavioural comparison's measurements, the
+verdict, and how it is written (verification.json next to the model, which the card reads back)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.records import REPORT_FILE
-from converter.verify.metrics import NOISE_MARGIN, Run
+from converter.verify.tensors import TensorProofResult
 
 
 class Clock:
-    """Seconds per phase: the verification benchmark compares the loads and the forward passes with one load."""
+    """Seconds per phase: the verification benchmark compares the phases of one run."""
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
@@ -23,103 +27,88 @@ class Clock:
         self._last = now
 
 
-def skipped_report(merged: Path, reason: str) -> dict:
-    report = {
-        "verdict": "skipped",
-        "problems": [],
-        "notes": [reason],
-        "markdown": f"**Not verified**: verification was skipped because {reason}.",
-    }
-    (merged / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
+@dataclass
+class LLMBehaviour:
+    """The merged model against PEFT's unmerged reference and the bare base, on the same prompts."""
+
+    mode: str  # "quick" (logits) or "full" (+ greedy continuations)
+    reference: str  # in words: what the merged model was compared with
+    compute_dtype: str
+    weights_in_memory: str
+    offloaded: bool
+    execution: str
+    offload_memory_bytes: int | None
+    output_dtype: str
+    tolerance: dict
+    inputs: dict
+    merged_vs_reference: dict
+    base_vs_reference: dict
+    first_disagreeing_module: dict | None = None
+    generations: list = field(default_factory=list)
+    qlora: dict | None = None
 
 
-def side_by_side(tok, prompts: list[str], bare: Run, ref: Run, out: Run, count: int = 3) -> list[dict]:
-    def text(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+@dataclass
+class DiffusionBehaviour:
+    """Each touched component of the merged pipeline against diffusers' unmerged reference, on fixed inputs."""
 
-    return [
-        {
-            "prompt": prompts[i] if tok is not None else f"(random token ids #{i})",
-            "base": text(bare.generations[i]),
-            "reference": text(ref.generations[i]),
-            "merged": text(out.generations[i]),
-        }
-        for i in range(min(count, len(ref.generations)))
-    ]
+    reference: str
+    compute_dtype: str
+    output_dtype: str
+    tolerance: dict
+    inputs: dict
+    components: dict
+    first_disagreeing_module: dict | None = None
 
 
-def markdown(report: dict) -> str:
-    m, b, tol = report["merged_vs_reference"], report["base_vs_reference"], report["tolerance"]
-    verdict = {"pass": "**Passed**", "fail": "**FAILED**"}[report["verdict"]]
-    check = {"quick": "quick check: logits", "full": "full check: logits and greedy continuations"}
-    lines = [
-        f"{verdict}: the merged model was compared with {report.get('reference', 'the base + adapters')} "
-        f"({check[report.get('mode', 'full')]} on {report['inputs']['count']} prompts, {report['compute_dtype']} "
-        f"compute, weights in {report['output_dtype']}).",
-        "",
-        "| metric | merged vs reference | base vs reference | pass if |",
-        "|---|---|---|---|",
-        f"| mean KL(reference‖model) | {m['mean_kl']:.3g} | {b['mean_kl']:.3g} | ≤ {tol['mean_kl']:.3g} |",
-        f"| top-1 agreement, confident positions ({m['confident_positions']}) | "
-        f"{_share(m)} | {_share(b)} | "
-        f"≥ {tol['confident_top1_agreement']:.0%} |",
-        f"| top-1 agreement, all positions | {m['top1_agreement']:.2%} | {b['top1_agreement']:.2%} | |",
-        f"| max / mean abs logit diff | {m['max_abs_logit_diff']:.3g} / {m['mean_abs_logit_diff']:.3g} | "
-        f"{b['max_abs_logit_diff']:.3g} / {b['mean_abs_logit_diff']:.3g} | |",
-        f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | {b['perplexity']:.3g} | |",
-    ]
-    if m["greedy_total"]:  # --verify full
-        lines.insert(
-            -1,
-            f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "
-            f"{b['greedy_identical']}/{b['greedy_total']} | |",
-        )
-    if "kernel_noise_mean_kl" in tol:
-        lines.append(
-            f"\nThe reference runs bitsandbytes' 4-bit kernels, measured {tol['kernel_noise_mean_kl']:.3g} mean KL "
-            f"from exact math on their own weights: the KL threshold is rounding + {NOISE_MARGIN:g}x that noise."
-        )
-    if report.get("qlora"):
-        lines += ["", *_qlora_markdown(report["qlora"])]
-    for p in report["problems"]:
-        lines.append(f"\n- problem: {p}")
-    for n in report["notes"]:
-        lines.append(f"\n- note: {n}")
-    if report.get("execution"):
-        lines.append(f"\n- ran as: {report['execution']}")
-    if report.get("offloaded"):
-        lines.append("\n- note: the models did not fit in memory and ran with weights offloaded to disk (accelerate)")
-    return "\n".join(lines)
+@dataclass
+class VerificationReport:
+    """Both proofs of one merge and the verdict. `tensors_skipped` / `behaviour_skipped` say why a proof did
+    not run; `images`: a diffusion merge's base / reference / merged pictures (shown, never judged)."""
+
+    kind: str  # "llm" or "diffusion"
+    verdict: str = "skipped"  # "pass", "fail" or "skipped" (neither proof could run)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    tensors: TensorProofResult | None = None
+    tensors_skipped: str | None = None
+    behaviour: LLMBehaviour | DiffusionBehaviour | None = None
+    behaviour_skipped: str | None = None
+    images: list = field(default_factory=list)
+    seconds: float = 0.0
+    phase_seconds: dict = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+    markdown: str = ""
+
+    @property
+    def reference(self) -> str:
+        """Who refereed, in words (the app and the card's image grid name it)."""
+        if self.behaviour is not None:
+            return self.behaviour.reference
+        return f"the {self.tensors.referee.name} referee" if self.tensors else ""
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the behaviour's measurements at the top level (as consumers of verification.json read
+        them), the tensor proof under "tensors"."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "behaviour"}
+        if self.behaviour is not None:
+            out.update(dataclasses.asdict(self.behaviour))
+        out["reference"] = self.reference
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(_plain(self.to_dict()), indent=2) + "\n"
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / REPORT_FILE).write_text(self.to_json())
 
 
-def _qlora_markdown(q: dict) -> list[str]:
-    modes = q["modes"]
-    lines = [
-        f"**QLoRA**: the adapters were trained on a 4-bit base. Both merge bases against the training setting "
-        f"({q['reference']}):",
-        "",
-        "| merge base | mean KL vs 4-bit reference | top-1 agreement | mean KL vs full-precision reference | "
-        "perplexity |",
-        "|---|---|---|---|---|",
-    ]
-    for mode in ("original", "dequantized"):
-        m = modes[mode]
-        name = f"{mode} (this merge)" if m["this_merge"] else mode
-        lines.append(
-            f"| {name} | {m['vs_qlora_reference']['mean_kl']:.3g} | {m['vs_qlora_reference']['top1_agreement']:.2%} "
-            f"| {m['vs_full_precision_reference']['mean_kl']:.3g} | {m['perplexity']:.4g} |"
-        )
-    lines += [
-        "",
-        f"Closer to the 4-bit reference: **{q['closer']}** (mean KL {q['kl_ratio']:.3g}x lower). Perplexity of the "
-        f"4-bit reference {q['perplexity_qlora_reference']:.4g}, of the full-precision reference "
-        f"{q['perplexity_full_precision_reference']:.4g}; the dequantized merge's is "
-        f"{q['dequantized_perplexity_change']:+.1%} relative to the original merge's.",
-    ]
-    return lines
-
-
-def _share(metrics: dict) -> str:
-    """Confident top-1 agreement, or n/a when the reference was never confident (tiny random models)."""
-    return f"{metrics['confident_top1_agreement']:.2%}" if metrics["confident_positions"] else "n/a"
+def _plain(value):
+    """Strict JSON: infinite or NaN numbers (a tensor off beyond any bound) as strings, paths as text."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value if isinstance(value, str | int | float | bool | type(None)) else str(value)

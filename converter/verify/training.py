@@ -1,10 +1,10 @@
-"""Verification of a merge whose base is a training checkpoint: PEFT's forward is still the oracle.
+"""Verification of a merge whose base is a training checkpoint: PEFT is still the referee.
 
 The checkpoint is written unmerged into a temp folder (base weights as stored + the LoRA inside as a PEFT
-folder), and the usual verification compares the merged model with PEFT applying that LoRA (and any other
-adapters) unmerged. A checkpoint with neither a LoRA nor adapters has nothing to prove beyond the reassembly,
-which is exact by construction (each shard's bytes copied): that case is reported, not pretended; so is a LoRA on
-fused MoE experts, which the adapter loader that verification uses cannot read yet.
+folder), and the usual verification proves the merged model against it: every tensor against PEFT's merge of
+that LoRA (and any other adapters), and the behaviour against PEFT applying them unmerged. A checkpoint with
+neither a LoRA nor adapters is proven tensor by tensor against its reassembly (each tensor must be the
+checkpoint's own); there is no behaviour to compare.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from pathlib import Path
 
 from converter.recipe import AdapterSpec, Recipe
 from converter.scratch import temp_folder
+from converter.verify.render import markdown
+
+NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"
 
 
 def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Callable[[str], None] = print, **kw):
-    from converter.checkpoint import open_base
+    from converter.bases import open_base
     from converter.training.unmerged import write_unmerged
+    from converter.training.view import TrainingCheckpoint
 
     ckpt = open_base(
         Path(recipe.base),
@@ -27,28 +31,18 @@ def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Call
         allow_pickle=recipe.allow_pickle,
         config=recipe.base_config,
     )
-    from converter.training.view import TrainingCheckpoint
-
     if not isinstance(ckpt, TrainingCheckpoint):  # the run's weights are a Hugging Face folder inside it
         plain = copy.deepcopy(recipe)
         plain.base, plain.base_config = str(ckpt.folder), None
         return verify(folder, plain, log=log, **kw)
-    if not ckpt.lora and not ckpt.expert_lora and not recipe.adapters:
-        return _skipped(
-            "there is nothing to compare with (no LoRA in the checkpoint, no adapters): the base was reassembled "
-            "from its shards byte for byte",
-            log,
-        )
     with temp_folder("verify-training", log=log) as scratch:
         base, adapter = write_unmerged(ckpt, Path(scratch))
         unmerged = copy.deepcopy(recipe)
-        unmerged.base = str(base)
+        unmerged.base, unmerged.base_config = str(base), None
         unmerged.adapters = ([AdapterSpec(str(adapter), 1.0)] if adapter else []) + list(recipe.adapters)
         log(f"verification: the training checkpoint written unmerged ({'base + its LoRA' if adapter else 'base'})")
-        return verify(folder, unmerged, log=log, **kw)
-
-
-def _skipped(reason: str, log: Callable[[str], None]) -> dict:
-    log(f"verification skipped: {reason}")
-    return {"verdict": "skipped", "problems": [], "notes": [reason],
-            "markdown": f"**Not verified**: verification was skipped because {reason}."}  # fmt: skip
+        report = verify(folder, unmerged, log=log, **kw)
+    report.notes.append(NOTE)
+    report.markdown = markdown(report)
+    report.save(folder)
+    return report

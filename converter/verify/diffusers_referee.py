@@ -1,0 +1,135 @@
+"""diffusers as the referee of a diffusion merge's tensors, and PEFT itself for multi-component PEFT folders.
+
+diffusers' own loader (`load_lora_weights`: its key conversion of kohya / LyCORIS / ai-toolkit files, its alphas,
+`set_adapters` for per-component strengths) injects PEFT layers into a pipeline whose models are module trees
+without weights (peft_referee.hollow); each layer's merge is then replayed on the base's rows like PEFT's
+(peft_referee.PeftLayers), the tensor named by the component and the model's own module path. Where diffusers
+reads a file wrong or not at all (include/exclude, LyCORIS DoRA, per-module alphas it ignores, a single-file base
+whose tensor names are not diffusers' module names), it declines and the published formula referees.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from converter.recipe import Recipe
+from converter.verify.peft_referee import PeftLayers, hollow
+from converter.verify.referee import Expectation, RefereeInfo, RefereeUnavailable
+
+
+def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str | None:
+    """Why diffusers' loader cannot stand for these adapters (None: it can). Asked, not caught."""
+    if any(spec.include or spec.exclude for spec in recipe.adapters):
+        return "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)"
+    if not base.is_file() and not (base / "model_index.json").is_file():
+        return "the base is neither a diffusers folder nor a single file"
+    from converter.formats.components import component_folders
+
+    if folders := [a.name for a in adapters if component_folders(a)]:
+        return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
+    if dora := lycoris_dora(adapters):
+        return f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
+    return None
+
+
+def lycoris_dora(sources: list[Path]) -> str | None:
+    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
+    from converter.checkpoint import SafetensorsFile
+
+    for path in sources:
+        is_file = path.is_file() and path.suffix == ".safetensors"
+        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
+            return path.name
+    return None
+
+
+class DiffusersReferee:
+    """diffusers' loader applying the adapters to a weightless copy of the base pipeline; PEFT's merge per layer."""
+
+    def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
+        from converter.verify.diffusion import MODEL_PARTS, _apply_adapters, _partial
+
+        if base.is_file():
+            raise RefereeUnavailable("a single-file base's tensors are not named as diffusers' modules")
+        pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
+        try:
+            ignored = _apply_adapters(pipe, recipe, adapters)
+        except ValueError as e:  # diffusers' loader refusing the file (its refusals are ValueErrors)
+            raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
+        if ignored:
+            raise RefereeUnavailable(f"diffusers' loader ignores the per-module alphas of {ignored} modules of this "
+                                     "file (its alpha_pattern names never match)")  # fmt: skip
+        names = _base_names(base)
+        adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
+        self.parts = [PeftLayers(getattr(pipe, c), "", f"{c}/", adapter_names, recipe.adapters, names)
+                      for c in MODEL_PARTS if getattr(pipe, c, None) is not None]  # fmt: skip
+        self.info = RefereeInfo(
+            "diffusers",
+            "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
+            "PEFT's merge of each layer it injected, in float64",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        return {k: v for part in self.parts for k, v in part.expectations().items()}
+
+
+class PeftComponentsReferee:
+    """Multi-component PEFT folders (`unet/`, `text_encoder/` ... each with its adapter_config.json): PEFT itself
+    injects each component's adapter into that component's weightless model and loads its weights."""
+
+    def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
+        from converter.formats.components import component_folders
+
+        if base.is_file() or not (base / "model_index.json").is_file():
+            raise RefereeUnavailable("a multi-component PEFT folder needs a diffusers pipeline folder as its base")
+        index = json.loads((base / "model_index.json").read_text())
+        names = _base_names(base)
+        adapter_names = [f"adapter{i}" for i in range(len(adapters))]
+        models: dict[str, object] = {}
+        for name, spec, folder in zip(adapter_names, recipe.adapters, adapters, strict=True):
+            for sub in component_folders(folder):
+                model = models.get(sub.name) or _component(base, sub.name, index)
+                models[sub.name] = model
+                _inject(model, sub, name, spec.weight_for(sub.name))
+        self.parts = [PeftLayers(m, "", f"{c}/", adapter_names, recipe.adapters, names) for c, m in models.items()]
+        self.info = RefereeInfo(
+            "PEFT",
+            "PEFT's own adapter per component (inject_adapter_in_model, its weights loaded by PEFT), PEFT's merge "
+            "of each layer, in float64",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        return {k: v for part in self.parts for k, v in part.expectations().items()}
+
+
+def _component(base: Path, name: str, index: dict):
+    from converter.verify.diffusion import component_model
+
+    if not (base / name / "config.json").is_file():
+        raise RefereeUnavailable(f"the base has no {name} for the adapter's {name}/ folder")
+    return component_model(base, name, index, empty=True)
+
+
+def _inject(model, folder: Path, name: str, weight: float) -> None:
+    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale)."""
+    from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
+
+    from converter.verify.loading import peft_refusals
+
+    with peft_refusals():
+        inject_adapter_in_model(LoraConfig.from_pretrained(folder), model, adapter_name=name)
+        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=name)
+    unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unplaced:
+        raise RefereeUnavailable(f"PEFT places {len(unplaced)} tensors of {folder} nowhere, e.g. {unplaced[0]}")
+    hollow(model)
+    for module in model.modules():
+        if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+            module.set_scale(name, weight)
+
+
+def _base_names(base: Path) -> set[str]:
+    from converter.bases import open_base
+
+    return set(open_base(base).names())

@@ -1,0 +1,175 @@
+"""Run the tensor proof over a merged folder: choose the referee, read every output file, return the result.
+
+The referee is chosen by asking, in order: are all adapters PEFT folders on a transformers base (PEFT itself;
+TIES/DARE/magnitude pruning through PEFT's merge utilities)? a diffusion base with files diffusers' loader reads
+right (diffusers)? multi-component PEFT folders (PEFT per component)? Else the published formula, with the
+reasons the others declined in its label. A 4-bit output is not proven tensor by tensor (said in the report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from converter.recipe import Recipe
+from converter.verify.referee import Referee, RefereeInfo, RefereeUnavailable
+from converter.verify.tensors import TensorProof, TensorProofResult, locations
+
+
+def prove_tensors(
+    merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
+) -> tuple[TensorProofResult | None, str | None, Referee | None]:
+    """(the result, None, the referee), or (None, why the proof could not run, None)."""
+    from converter.bases import open_base
+    from converter.scratch import temp_folder
+
+    with temp_folder("proof", log=log) as scratch:
+        try:
+            proof, base = open_proof(merged, recipe, base, adapters, Path(scratch))
+        except RefereeUnavailable as e:
+            return None, str(e), None
+        log(f"tensor proof: every tensor of {merged.name} against the base and the {proof.referee.info.name} referee")
+        output = open_base(merged / base.name if base.is_file() else merged)
+        with one_torch_thread():
+            for f in output.files:
+                proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
+        return proof.result(), None, proof.referee
+
+
+def open_proof(
+    merged: Path, recipe: Recipe, base: Path, adapters: list[Path], scratch: Path
+) -> tuple[TensorProof, Path]:
+    """A TensorProof of the output `merged` (which may not exist yet: a pipelined push proves its shards as they
+    are written) and the base it reads (a 4-bit base dequantized into `scratch`); RefereeUnavailable: none can."""
+    from converter.bases import open_base
+    from converter.dtypes import parse_user_dtype
+
+    base, note = _plain_base(base, scratch, recipe)
+    referee = choose_referee(merged, recipe, base, adapters)
+    if note:
+        referee.info.notes.append(note)
+    where = locations(open_base(base, allow_pickle=recipe.allow_pickle))
+    return TensorProof(where, referee, parse_user_dtype(recipe.dtype)), base
+
+
+def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | None]:
+    """A bitsandbytes 4-bit base as the merge reads it: each weight dequantized by bitsandbytes (from its stored
+    quant state, as transformers' `dequantize()` does), into `scratch`; any other base as it is."""
+    if base.is_file() or not (base / "config.json").is_file():
+        return base, None
+    import json
+
+    from converter.bnb4 import dequantize_folder, prequantized
+
+    if not prequantized(json.loads((base / "config.json").read_text())):
+        return base, None
+    from converter.bases import open_base
+
+    dequantize_folder(open_base(base), scratch)
+    return scratch, "the base is bitsandbytes 4-bit: each weight dequantized by bitsandbytes first, as the merge does"
+
+
+@contextmanager
+def one_torch_thread():
+    """torch's own threads for elementwise work: one. The proof is memory-bound row blocks; a second intra-op
+    thread spinning beside other work made it 6x slower in CPU time on a busy 2-core machine (measured)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path]) -> Referee:
+    """The most independent referee that can judge this merge (RefereeUnavailable: none can)."""
+    from converter.verify.fourbit import four_bit_config
+
+    if (merged / "config.json").is_file() and four_bit_config(merged):
+        raise RefereeUnavailable("a 4-bit output is judged by its behaviour against PEFT's own quantized merge; "
+                                 "its packed weights are not compared tensor by tensor")  # fmt: skip
+    if not adapters:
+        return NoAdapters()
+    diffusion = base.is_file() or (base / "model_index.json").is_file()
+    reasons = []
+    for ask in (_peft, _peft_components, _diffusers) if diffusion else (_peft,):
+        try:
+            referee = ask(recipe, base, adapters, merged)
+            if referee is not None:
+                referee.expectations()  # every module it would judge is asked now: it declines here, or never
+                return referee
+        except RefereeUnavailable as e:
+            reasons.append(str(e))
+    from converter.verify.formula import FormulaReferee
+
+    reason = "; ".join(reasons) or "no other referee reads these adapters"
+    try:
+        referee = FormulaReferee(recipe, base, adapters, reason)
+        referee.expectations()
+        return referee
+    except RefereeUnavailable as e:
+        raise RefereeUnavailable(f"{reason}, and the published formula cannot recompute it either ({e})") from None
+
+
+class NoAdapters:
+    """Nothing merged (a training checkpoint without a LoRA, reassembled): every tensor must be the base's."""
+
+    info = RefereeInfo("none needed", "no adapters: every tensor must be the base's own")
+
+    def expectations(self) -> dict:
+        return {}
+
+
+def is_peft_folder(path: Path) -> bool:
+    """A PEFT adapter folder (or its adapter_model.safetensors) with its adapter_config.json."""
+    folder = path if path.is_dir() else path.parent
+    named = path.is_dir() or path.name.startswith("adapter_model.")
+    return named and (folder / "adapter_config.json").is_file()
+
+
+def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:
+    if not adapters or not all(is_peft_folder(a) for a in adapters):
+        if adapters and any(is_peft_folder(a) for a in adapters):
+            raise RefereeUnavailable("PEFT reads only some of the adapters (the others are not PEFT folders)")
+        return None
+    if not (base / "config.json").is_file():
+        return None
+    from converter.bases import open_base
+    from converter.verify.peft_referee import PeftReferee
+
+    names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())
+    folders = [a if a.is_dir() else a.parent for a in adapters]
+    if recipe.method not in (None, "sum"):
+        from converter.verify.combination import CombinationReferee
+
+        return CombinationReferee(base, folders, recipe, names, _vocab(merged))
+    return PeftReferee(base, folders, recipe, names, _vocab(merged))
+
+
+def _vocab(merged: Path) -> int | None:
+    """The output's vocabulary (the adapters may have been trained on a resized one)."""
+    from converter.verify.loading import vocab_size
+
+    return vocab_size(merged) if (merged / "config.json").is_file() else None
+
+
+def _peft_components(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:
+    from converter.formats.components import component_folders
+
+    if not adapters or not all(component_folders(a) for a in adapters):
+        return None
+    from converter.verify.diffusers_referee import PeftComponentsReferee
+
+    return PeftComponentsReferee(recipe, base, adapters)
+
+
+def _diffusers(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:
+    from converter.verify.diffusers_referee import DiffusersReferee, diffusers_declines
+
+    why = diffusers_declines(recipe, base, adapters)
+    if why:
+        raise RefereeUnavailable(why)
+    return DiffusersReferee(recipe, base, adapters)

@@ -1,0 +1,103 @@
+"""The tensor proof of a pipelined push, shard by shard: each output shard is proven the moment the merge has
+written it, before its upload starts, so a wrong tensor stops the job before its shard leaves the machine (and
+the push commits nothing; the repo it created is deleted). When every shard has come, the proof's verdict is the
+verification's tensor proof: the output is not read a second time.
+
+The referee is built on the upload thread at the first shard (transformers and PEFT imported beside the merge,
+not before it). Where a per-shard proof cannot run (a training checkpoint as the base, whose referees need it
+written unmerged first; a 4-bit output; a referee that needs the finished output, such as the vocabulary size of
+a resized embedding), `check` does nothing and verification proves the finished folder as it always does, still
+before the one commit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+from converter.errors import VerificationFailed
+from converter.recipe import Recipe
+from converter.verify.referee import Referee, RefereeUnavailable
+from converter.verify.tensors import TensorProof, TensorProofResult
+from converter.writer import Shard
+
+
+class ShardProof:
+    """`check(shard)` for `push(check_shard=...)`; `finish()` the verdict once the merge is done."""
+
+    def __init__(self, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print):
+        self.recipe, self.token, self.log = recipe, token, log
+        self.proof: TensorProof | None = None
+        self.declined: str | None = _declined(recipe)
+        self._resources = ExitStack()
+        self._lock = threading.Lock()
+
+    def check(self, shard: Shard) -> None:
+        """Prove every tensor of this shard; VerificationFailed (naming the tensor, its module and how far off
+        in units of its rounding bound) when one is wrong."""
+        with self._lock:
+            proof = self._open()
+            if proof is None:
+                return
+            checks = proof.check_file(shard.path, _prefix(shard.name))
+            if all(c.ok for c in checks):
+                return
+            from converter.verify.judge import judge_tensors
+
+            problems = judge_tensors(proof.result())[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            self.declined = "a shard failed"
+            raise VerificationFailed(f"verification failed: tensor proof of {shard.name}: {problems[0]}{more}")
+
+    def finish(self) -> tuple[TensorProofResult, Referee] | None:
+        """The tensor proof over every shard that came (tensors that never came are missing), or None when the
+        per-shard proof did not run (verification then proves the finished folder)."""
+        with self._lock:
+            if self.proof is None:
+                return None
+            proof, self.proof = self.proof, None
+            return proof.result(), proof.referee
+
+    def close(self) -> None:
+        self._resources.close()
+
+    def _open(self) -> TensorProof | None:
+        if self.proof is not None or self.declined is not None:
+            return self.proof
+        from converter.scratch import temp_folder
+        from converter.verify import sources
+        from converter.verify.prove import open_proof
+        from converter.verify.warmup import wait
+
+        wait()
+        base, adapters = sources(self.recipe, self.token)
+        scratch = Path(self._resources.enter_context(temp_folder("proof", log=self.log)))
+        try:
+            self.proof, _ = open_proof(Path(self.recipe.out), self.recipe, base, adapters, scratch)
+        except RefereeUnavailable as e:
+            self.declined = str(e)
+            self.log(f"tensor proof: after the merge ({e})")
+            return None
+        self.log(f"tensor proof: each output shard against the base and the {self.proof.referee.info.name} "
+                 "referee, before it is uploaded")  # fmt: skip
+        return self.proof
+
+
+def _declined(recipe: Recipe) -> str | None:
+    """Why shards cannot be proven as they come (None: they can)."""
+    from converter.bnb4 import parse_output
+    from converter.training import is_training_checkpoint
+
+    if parse_output(recipe.dtype) is not None:
+        return "a 4-bit output is judged by its behaviour"
+    if recipe.base and is_training_checkpoint(Path(recipe.base)):
+        return "the base is a training checkpoint, proven once written unmerged"
+    return None
+
+
+def _prefix(name: str) -> str:
+    """The namespace of a shard's tensors: a diffusers component's folder ("unet/"), else none."""
+    folder, _, _ = name.rpartition("/")
+    return f"{folder}/" if folder else ""
