@@ -1,5 +1,5 @@
 """The converter Space: merge LoRA adapters into their base model (LLMs and diffusion pipelines), verify the
-result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT) to another format.
+result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT, ComfyUI) to another format.
 
 A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
 `converter.app.jobs` runs it, `converter.app.convert` runs a conversion). Run it with `python app.py` (on a
@@ -62,7 +62,9 @@ adapters applied unmerged by PEFT or diffusers), and publish a clean safetensors
 your account, in one commit; or **convert a LoRA** to another format, as a pull request on its repo. Nothing is
 created on the Hub until the upload, so a failed job leaves no empty repo."""
 CONVERT_INTRO = """Convert a LoRA file to another format **without merging** (each module keeps its rank and alpha):
-kohya ↔ diffusers ↔ PEFT. With a base, module names are looked up in it (its headers only are read). Open a pull
+kohya ↔ diffusers ↔ PEFT ↔ ComfyUI, for SD/SDXL, FLUX.1/2/3, Qwen-Image, Z-Image, Wan, HunyuanVideo, LTX, HiDream,
+Lumina, Krea 2, Anima, MiniMax-H3 and more. With a base, module names are looked up in it (its headers only are
+read): give one to move a file between a family's original names (kohya, ComfyUI) and diffusers' names. Open a pull
 request on the adapter's own repo (like the safetensors conversion bot: re-runs update our open PR), or push the
 converted adapter to your account."""
 MODES = {"Open a pull request on the adapter's repo": "pr", "Push to my account": "push"}

@@ -45,10 +45,12 @@ def open_base(
         )
     if path.is_dir() and (path / "model_index.json").is_file():
         try:
-            pipeline = json.loads((path / "model_index.json").read_text()).get("_class_name")
+            index = json.loads((path / "model_index.json").read_text())
         except json.JSONDecodeError as e:
             raise ConverterError(f"{path / 'model_index.json'}: invalid JSON ({e.msg})") from None
-        family = diffusion_family(pipeline, [])
+        pipeline = index.get("_class_name")
+        denoiser = next((v[1] for k, v in index.items() if k in ("transformer", "unet") and isinstance(v, list)), None)
+        family = diffusion_family(pipeline, []) or diffusion_family(None, [], denoiser)
         if family is None:
             raise ConverterError(
                 f"{path}: diffusers pipeline {pipeline} has no keymap yet (supported: "

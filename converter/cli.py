@@ -103,10 +103,12 @@ def _add_verbose(parser: argparse.ArgumentParser, top: bool = True) -> None:
 
 
 def _convert_parser(sub) -> None:
-    c = sub.add_parser("convert", help="convert an adapter between formats (kohya, PEFT, diffusers) without merging")
+    c = sub.add_parser(
+        "convert", help="convert an adapter between formats (kohya, PEFT, diffusers, ComfyUI) without merging"
+    )
     c.add_argument("--adapter", required=True, help="adapter file/folder, or Hub org/name[@rev][/file]")
-    c.add_argument("--to", required=True, choices=["peft", "diffusers", "kohya"], help="output format")
-    c.add_argument("--out", help="output: a folder (peft, diffusers) or a .safetensors file (kohya)")
+    c.add_argument("--to", required=True, choices=["peft", "diffusers", "kohya", "comfyui"], help="output format")
+    c.add_argument("--out", help="output: a folder (peft, diffusers) or a .safetensors file (kohya, comfyui)")
     c.add_argument("--base", help="the model the adapter is for (needed to look up kohya's flattened names)")
     c.add_argument("--rank", type=int, help="approximate LoHa/LoKr/full modules by an SVD of this rank")
     c.add_argument("--component", help="which model part a PEFT adapter is for (unet, transformer, text_encoder...)")

@@ -79,7 +79,7 @@ def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
     names = {s.rfilename for s in info.siblings or []}
     if source.path or "adapter_config.json" in names:
         fetched = fetch(source.spec, "adapter", token)
-        return {**inspect_adapter(fetched.local, allow_pickle), "path": fetched.pinned}
+        return {**inspect_adapter(fetched.local, allow_pickle, shown=source.spec), "path": fetched.pinned}
     if "config.json" not in names and "model_index.json" not in names:
         raise ConverterError(f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)")
     with temp_folder("headers", log=lambda line: print(line, file=sys.stderr)) as scratch:
@@ -136,7 +136,8 @@ def _model_summary(where: str, cfg: dict, dtypes: Counter, tensors: int, shards:
     }
 
 
-def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
+def inspect_adapter(path: Path, allow_pickle: bool, shown: str | None = None) -> dict:
+    """`shown`: how the user named the adapter (a Hub id), for the commands printed; default its path."""
     adapter = load_adapter(path, allow_pickle=allow_pickle, require_scale=False)
     names = adapter.tensors.names()
     params = sum(_numel(adapter.tensors.shape(n)) for n in names)
@@ -146,6 +147,7 @@ def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
         "kind": "adapter",
         "path": str(path),
         "format": adapter.format,
+        **_family(adapter, shown or str(path)),
         **adapter.summary,
         "base_model": adapter.base_model,
         "patches": dict(kinds),
@@ -156,6 +158,25 @@ def inspect_adapter(path: Path, allow_pickle: bool) -> dict:
         "size": sum(p.stat().st_size for p in adapter.files),
         "tensor_dtypes": dict(Counter(adapter.tensors.dtype(n) for n in names)),
         "has_tokenizer": adapter.tokenizer_dir is not None,
+    }
+
+
+def _family(adapter, path: str) -> dict:
+    """A diffusion LoRA's family and spelling, the tools that load it as it is, and the command for the others."""
+    from converter.formats.family import convert_hint, identify
+
+    identity = identify(adapter)
+    if identity is None or (identity.family is None and not identity.candidates):
+        return {}
+    if identity.family is None:
+        # the names fit several families (FLUX.1's and HunyuanVideo's diffusers blocks are alike)
+        return {"family": None, "family_candidates": identity.candidates, "spelling": identity.spelling}
+    return {
+        "family": identity.family.name,
+        "family_title": identity.family.title,
+        "spelling": identity.spelling,
+        "loads_in": identity.loads_in(),
+        "convert_for": convert_hint(identity, path),
     }
 
 

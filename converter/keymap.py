@@ -116,6 +116,18 @@ class Keymap:
     # Other spellings of a module path: (regex, replacement); transformers 5 calls Mixtral's `block_sparse_moe` `mlp`.
     spellings: list[tuple[re.Pattern, str]] = field(default_factory=list)
     experts: list[ExpertRule] = field(default_factory=list)  # fused MoE expert tensors <-> per-expert weights
+    # Diffusion families, the adapter side: a display name, diffusers' classes, how adapter module names look in
+    # each naming (original checkpoint / diffusers), shape rules that tell apart families with the same names,
+    # which tools load which spelling as it is (a LoRA; a LoKr), the spelling each convert target writes, and (for
+    # a family diffusers lists that is not reached here) why not.
+    title: str = ""
+    diffusers: dict = field(default_factory=dict)
+    names: dict[str, list[re.Pattern]] = field(default_factory=dict)
+    shapes: list[tuple[re.Pattern, str]] = field(default_factory=list)
+    loaders: dict[str, list[str]] = field(default_factory=dict)
+    lokr_loaders: dict[str, list[str]] = field(default_factory=dict)  # the same for LyCORIS LoKr files
+    targets: dict[str, str] = field(default_factory=dict)
+    unreached: str | None = None
 
     @classmethod
     def from_yaml(cls, data: dict) -> Keymap:
@@ -165,11 +177,29 @@ class Keymap:
             ],
             spellings=[(re.compile(a), b) for a, b in data.get("spellings", [])],
             experts=[ExpertRule(e["fused"], list(e["split"])) for e in data.get("experts", [])],
+            title=data.get("title") or data["name"],
+            diffusers=data.get("diffusers") or {},
+            names={k: [re.compile(p) for p in v] for k, v in (data.get("names") or {}).items()},
+            shapes=[(re.compile(r["module"]), r["when"]) for r in data.get("shapes", [])],
+            loaders={k: list(v) for k, v in (data.get("loaders") or {}).items()},
+            lokr_loaders={k: list(v) for k, v in (data.get("lokr_loaders") or {}).items()},
+            targets=dict(data.get("targets") or {}),
+            unreached=data.get("unreached"),
         )
 
     @property
     def is_diffusion(self) -> bool:
-        return bool(self.pipelines or self.detect)
+        return bool(self.pipelines or self.detect or self.unreached)
+
+    def target(self, to: str) -> tuple[str | None, str | None]:
+        """(prefix kind, naming) a `convert --to` target writes for this family (both None: not said)."""
+        kind, _, naming = self.targets.get(to, "").partition("/")
+        return kind or None, naming or None
+
+    @property
+    def one_naming(self) -> bool:
+        """Whether the original checkpoint and diffusers name this family's modules alike (no aliases between)."""
+        return not any(self.aliases.get(c) for c in ("transformer", "unet"))
 
     def keeps_precision(self, key: str) -> bool:
         """Whether a 4-bit output stores `key` unquantized, as transformers' load_in_4bit leaves it."""
@@ -233,13 +263,16 @@ def keymap_for(config: dict) -> Keymap:
     return by_name["generic"]
 
 
-def diffusion_family(pipeline: str | None, keys: list[str]) -> Keymap | None:
-    """The diffusion keymap for a diffusers pipeline class name, or for a single file's keys (its `detect`
-    patterns, first family whose every pattern matches some key)."""
+def diffusion_family(pipeline: str | None, keys: list[str], denoiser: str | None = None) -> Keymap | None:
+    """The diffusion keymap for a diffusers pipeline class name (else its denoiser's class, from model_index.json),
+    or for a single file's keys (its `detect` patterns, first family whose every pattern matches some key)."""
     for km in all_keymaps():
         if pipeline and pipeline in km.pipelines:
             return km
-    if pipeline:
+    for km in all_keymaps():
+        if denoiser and denoiser in km.diffusers.get("transformer", ()):
+            return km
+    if pipeline or denoiser:
         return None
     for km in all_keymaps():
         if km.detect and all(any(p.match(k) for k in keys) for p in km.detect):

@@ -170,9 +170,51 @@ _EXPERTS = record(
     {"fused": template("layer"), "split": list_of(template("layer", "expert"))}, required=("fused", "split")
 )
 
+# Diffusion families' adapter side. How a file spells the denoiser's module names: a prefix kind, and for a family
+# whose original checkpoint and diffusers name modules differently, which of the two names it uses
+# ("kohya/original", "comfyui/diffusers"; docs/FORMATS.md §12).
+PREFIX_KINDS = ("kohya", "onetrainer", "lycoris", "comfyui", "diffusers", "peft", "bare")
+NAMINGS = ("original", "diffusers")
+TOOLS = ("diffusers", "comfyui", "kohya")
+
+
+def spelling_id(value: object, where: str) -> None:
+    text(value, where)
+    kind, _, naming = str(value).partition("/")
+    if kind not in PREFIX_KINDS or (naming and naming not in NAMINGS):
+        raise _fail(where, f"expected a spelling like 'kohya' or 'comfyui/original' (prefix kinds: "
+                    f"{', '.join(PREFIX_KINDS)}; namings: {', '.join(NAMINGS)}), got {value!r}")  # fmt: skip
+
+
+def keys_of(*allowed: str, item: Check) -> Check:
+    """A mapping whose keys come from a fixed set (tools, namings) and whose values `item` checks."""
+
+    def check(value: object, where: str) -> None:
+        map_of(item)(value, where)
+        for k in value:  # type: ignore[union-attr]
+            if k not in allowed:
+                raise _fail(f"{where}.{k}", f"unknown key (allowed: {', '.join(allowed)})")
+
+    return check
+
+
+_SHAPE_RULE = record({"module": regex, "when": text}, required=("module", "when"))
+# `also`: other families' loader mixins that read this family's files through its converters (SkyReels-V2's, Wan's)
+_DIFFUSERS = record(
+    {"loader": text, "also": list_of(text), "transformer": list_of(text), "single_file": text}, required=("loader",)
+)
+
 KEYMAP = record(
     {
         "name": text,
+        "title": text,
+        "diffusers": _DIFFUSERS,
+        "names": keys_of(*NAMINGS, item=list_of(regex)),
+        "shapes": list_of(_SHAPE_RULE),
+        "loaders": keys_of(*TOOLS, item=list_of(spelling_id)),
+        "lokr_loaders": keys_of(*TOOLS, item=list_of(spelling_id)),
+        "targets": keys_of("kohya", "comfyui", "diffusers", "peft", item=spelling_id),
+        "unreached": text,
         "model_types": list_of(text),
         "prefixes": list_of(pair(text)),
         "tied": map_of(text),

@@ -378,22 +378,70 @@ class DoRA(Patch):
             return 1 - out_axis if len(w_shape) == 2 else 1  # the input axis (old LyCORIS/OneTrainer files)
         return out_axis
 
+    def per_output_row(self) -> bool:
+        """Whether the magnitude runs along the output rows (PEFT's; LyCORIS' (out, 1, ..)): then each row of the
+        result depends on that row alone, and a fused module's rows can land on separate tensors (`DoRARows`)."""
+        m = self.magnitude.shape
+        return self.style == "peft" or not (len(m) >= 2 and m[0] == 1)
+
     def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        return self.apply_rows(w, transposed, base, None)
+
+    def apply_rows(
+        self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None, rows: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """`apply`, or with `rows`, rows [start, end) of the fused result (output-row magnitudes only)."""
         base = w if base is None else base
         weight = self.lora.weight
         if self.style == "lycoris":
             self.lora.weight = 1.0
         try:
-            delta = self.lora.delta(transposed).reshape(w.shape)
+            delta = self.lora.delta(transposed if rows is None else False)
         finally:
             self.lora.weight = weight
-        axis = self.axis(transposed, tuple(w.shape))
+        magnitude = self.magnitude.load()
+        if rows is not None:
+            delta, magnitude = delta[rows[0] : rows[1]], magnitude.reshape(-1)[rows[0] : rows[1]]
+        delta = delta.reshape(w.shape)
+        axis = 0 if rows is not None else self.axis(transposed, tuple(w.shape))
         reduce = [d for d in range(w.dim()) if d != axis]
         norm = torch.linalg.vector_norm(base + delta, dim=reduce, keepdim=True)
-        factor = self.magnitude.load().reshape(norm.shape) / norm
+        factor = magnitude.reshape(norm.shape) / norm
         if self.style == "lycoris" and weight != 1.0:
             factor = weight * (factor - 1) + 1
         return w.add_(delta).mul_(factor)
+
+
+@dataclass
+class DoRARows(Patch):
+    """Rows [start, end) of a DoRA on a fused module (ai-toolkit's DoRA on BFL's `img_attn.qkv`) landing on a
+    separate base tensor (diffusers' to_q / to_k / to_v). With the magnitude along the output rows, the norm is
+    taken per row, so the rows of the fused result are exactly these rows' own: W'[r] = m[r] · (W + ΔW)[r] / ‖·‖."""
+
+    inner: DoRA
+    start: int
+    end: int
+    reads_base = True
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return ()  # accounted for once, by the adapter patch itself
+
+    def set_weight(self, weight: float) -> None:
+        self.inner.set_weight(weight)
+
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        return (self.end - self.start, *tuple(self.inner.target_shape(False))[1:])
+
+    def apply(self, w: torch.Tensor, transposed: bool, base: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.apply_rows(w, False, base, (self.start, self.end))
+
+
+def rows_of(patch: Patch, start: int, end: int, expert: int | None = None) -> Patch:
+    """Rows [start, end) of a fused module's patch, for a base that keeps those rows as their own tensor."""
+    if isinstance(patch, DoRA) and expert is None:
+        return DoRARows(patch, start, end)
+    return RowsOf(patch, start, end, expert)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -19,7 +19,7 @@ from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.formats.base import AdapterPatch
 from converter.keymap import Keymap, Resolver, keymap_for
-from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, RowsOf
+from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
 from converter.recipe import AdapterSpec, Recipe
 from converter.sources import same_hub_model
 from converter.units import human_bytes
@@ -145,7 +145,7 @@ def build_plan(
             for place in places:
                 layout = keymap.is_stored_transposed(place.key)
                 transposed = bool(ap.stored_transposed) if layout is None else layout
-                patch = ap.patch if place.src is None else RowsOf(ap.patch, *place.src, place.src_expert)
+                patch = ap.patch if place.src is None else rows_of(ap.patch, *place.src, place.src_expert)
                 planned = PlannedPatch(i, patch, place.rows, transposed, place.expert)
                 by_key.setdefault(place.key, []).append(planned)
                 if ap.follows_tie:
@@ -246,7 +246,7 @@ def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpe
 def _fits(checkpoint: Checkpoint, patch, place) -> bool:
     shape = checkpoint.info(place.key).shape
     if place.src is not None:
-        patch = RowsOf(patch, *place.src, place.src_expert)
+        patch = rows_of(patch, *place.src, place.src_expert)
         if place.src_expert is not None and place.src_expert >= patch.inner.natural_shape()[0]:
             return False
     if place.expert is not None:
@@ -281,12 +281,13 @@ def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
             )
         return places
     if any(p.src is not None for p in places):
-        if not isinstance(ap.patch, DeltaPatch):
+        if not isinstance(ap.patch, DeltaPatch) and not (isinstance(ap.patch, DoRA) and ap.patch.per_output_row()):
             raise ConverterError(
                 f"{spec.source}: {ap.patch.sources[0]} ({type(ap.patch).__name__}) is on a fused module that this "
-                "base keeps as separate tensors; only plain deltas can be split by rows"
+                "base keeps as separate tensors; only plain deltas and DoRA with one magnitude per output row "
+                "can be split by rows"
             )
-        rows = ap.patch.natural_shape()[0]
+        rows = getattr(ap.patch, "lora", ap.patch).natural_shape()[0]  # a DoRA's: its delta's
         if places[-1].src[1] != rows:
             raise ConverterError(
                 f"{spec.source}: {ap.patch.sources[0]} has {rows} output rows but the base's "

@@ -523,3 +523,12 @@ def test_convert_job_opens_a_pr_pushes_and_refuses_a_broken_file(hub, tmp_path):
     for out in (first, again, pushed, bad, other):
         assert out["left"] == [] and not [x for x in out["log"] if "/tmp" in x or "converter-convert" in x], out
         assert all(MOCK_TOKEN not in line for line in out["log"])
+
+
+def test_convert_job_to_comfyui_pushes_one_file_named_for_comfyui(hub, tmp_path):
+    """The Space's ComfyUI target: one .safetensors of diffusion_model.<LDM key> modules, pushed as a repo."""
+    pushed = _convert(hub, tmp_path, adapter=SD_LORA, to="comfyui", base=SD_BASE, mode="push", repo_id="demo/sd-comfy")
+    assert pushed.get("url") == f"{hub.url}/demo/sd-comfy" and pushed["modules"] == 52, pushed
+    files = [f for f in hub.files("demo/sd-comfy") if f.endswith(".safetensors")]
+    assert len(files) == 1 and files[0].endswith("_comfyui.safetensors"), files
+    assert pushed["left"] == [] and all(MOCK_TOKEN not in line for line in pushed["log"])

@@ -461,3 +461,28 @@ def test_kohya_into_sd2_single_file_with_openclip_text_encoder(sd15, tmp_path, c
         assert_matches(
             ours[component], {k: folder[k] for k in ours[component]}, read_component(base, component), atol=0
         )
+
+
+def test_comfyui_output_names_the_ldm_keys_and_merges_like_the_kohya_file(sd15, tmp_path, cli):
+    """`convert --to comfyui` from a diffusers folder: the UNet's modules under the LDM keys ComfyUI's model holds
+    (diffusion_model.input_blocks...), the text encoder's under kohya's names, the scale folded into lora_B; merged
+    into the LDM single file it gives what the kohya file gives."""
+    from safetensors.torch import load_file
+
+    base, models = sd15
+    lora = save(sd15_lora(models), tmp_path / "lora.safetensors")
+    out = tmp_path / "comfy.safetensors"
+    code, log, err = cli("convert", "--adapter", lora, "--to", "comfyui", "--out", out, "--base", base)
+    assert code == 0, err
+    assert "ΔW identical" in log or "within float32 rounding" in log, log
+    keys = load_file(out)
+    unet = {k for k in keys if k.startswith("diffusion_model.")}
+    assert unet and all(k.startswith(("diffusion_model.input_blocks.", "diffusion_model.middle_block.",
+                                      "diffusion_model.output_blocks.")) for k in unet), sorted(unet)[:3]  # fmt: skip
+    assert not any(k.endswith(".alpha") for k in unet) and any(k.startswith("lora_te_") for k in keys)
+    single = save(to_ldm(models, "sd"), tmp_path / "sd15.safetensors")
+    for adapter, name in ((lora, "k"), (out, "c")):
+        assert cli("merge", "--base", single, "--adapter", adapter, "--out", tmp_path / name)[0] == 0
+    ours, theirs = load_file(tmp_path / "c" / "sd15.safetensors"), load_file(tmp_path / "k" / "sd15.safetensors")
+    for k, v in theirs.items():
+        torch.testing.assert_close(ours[k], v, atol=1e-6, rtol=1e-6)

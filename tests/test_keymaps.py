@@ -69,6 +69,20 @@ MISTAKES = {
                                       r"keymaps/sdxl\.yaml: aliases\.unet\[0\]: missing required key 'to'"),
     "name differs from the file": ("generic", lambda d: d.update(name="generik"),
                                    r"keymaps/generic\.yaml: name 'generik' differs from the file name"),
+    "unknown spelling in loaders": ("flux2", lambda d: d["loaders"]["diffusers"].append("kohya/orginal"),
+                                    r"keymaps/flux2\.yaml: loaders\.diffusers\[\d+\]: expected a spelling"),
+    "unknown tool in loaders": ("flux2", lambda d: d["loaders"].update(a1111=["kohya"]),
+                                r"keymaps/flux2\.yaml: loaders\.a1111: unknown key \(allowed: diffusers, comfyui"),
+    "unknown naming in names": ("wan", lambda d: d["names"].update(comfy=["x"]),
+                                r"keymaps/wan\.yaml: names\.comfy: unknown key \(allowed: original, diffusers"),
+    "shape rule without its condition": ("flux2", lambda d: d["shapes"][0].pop("when"),
+                                         r"keymaps/flux2\.yaml: shapes\[0\]: missing required key 'when'"),
+    "target spelling": ("z_image", lambda d: d["targets"].update(comfyui="comfy"),
+                        r"keymaps/z_image\.yaml: targets\.comfyui: expected a spelling"),
+    "unknown spelling in lokr_loaders": ("z_image", lambda d: d["lokr_loaders"]["diffusers"].append("lyco"),
+                                         r"keymaps/z_image\.yaml: lokr_loaders\.diffusers\[\d+\]: expected a spelling"),
+    "diffusers' other loaders as a string": ("wan", lambda d: d["diffusers"].update(also="HeliosLoraLoaderMixin"),
+                                             r"keymaps/wan\.yaml: diffusers\.also: expected a list"),
 }  # fmt: skip
 
 

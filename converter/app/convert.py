@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.app.jobs import check_namespace, public_paths, redactor
-from converter.convert.core import TARGETS
+from converter.convert.core import FILE_TARGETS, TARGETS
 from converter.errors import ConverterError, UsageError
 from converter.scratch import make_temp
 
@@ -115,7 +115,7 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
         folder = tmp / "out"
         folder.mkdir()
         stem = Path(adapter.split("@")[0]).stem
-        out = folder / f"{stem}_kohya.safetensors" if request.to == "kohya" else folder / "adapter"
+        out = folder / f"{stem}_{request.to}.safetensors" if request.to in FILE_TARGETS else folder / "adapter"
         result = convert(adapter, request.to, out, base=base, token=token, log=say)
         if out.is_dir():  # the folder's files at the top of the new repo
             for p in out.iterdir():

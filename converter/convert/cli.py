@@ -21,7 +21,7 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
         raise ConverterError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
     if not args.push_pr:
         if not args.out:
-            raise ConverterError("give --out (a folder, or a .safetensors file for --to kohya), or --push-pr")
+            raise ConverterError("give --out (a folder, or a .safetensors file for --to kohya/comfyui), or --push-pr")
         convert(args.adapter, args.to, args.out, force=args.force, **options)
         return 0
     result = push_pr(args.adapter, args.to, **options)

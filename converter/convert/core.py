@@ -13,7 +13,9 @@ from converter.formats import Adapter, load_adapter
 from converter.scratch import temp_folder
 from converter.writer import check_output_target
 
-TARGETS = ("peft", "diffusers", "kohya")
+TARGETS = ("peft", "diffusers", "kohya", "comfyui")
+# targets written as one .safetensors file (the others are folders)
+FILE_TARGETS = ("kohya", "comfyui")
 
 
 @dataclass
@@ -51,8 +53,11 @@ def convert(
     _check_out(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
     adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
+    if not base:
+        _check_naming(adapter, to)
     with temp_folder("base-headers", log=log) as scratch:
-        base_view = BaseNames(base_names(base, token, Path(scratch))) if base else None
+        names = BaseNames(base_names(base, token, Path(scratch))) if base else None  # headers read here, kept
+        base_view = names.naming_for(to) if names else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
     notes = list(adapter.warnings)
     if svd:
@@ -64,23 +69,53 @@ def convert(
         )
     source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
     files = write(modules, to, out, force=force, source=source, base_model=_public_base(base, adapter), svd=svd,
-                  components=base_view.components() if base_view else set())  # fmt: skip
+                  components=base_view.components() if base_view else set(),
+                  denoiser_prefix=_denoiser_prefix(adapter, names, to))  # fmt: skip
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
     if verify:
-        _prove(adapter, out, svd, log)
+        _prove(adapter, out, svd, log, names)
     return ConvertResult(out, files, len(modules), notes, svd)
 
 
-def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None]) -> None:
+def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
+    """What a ComfyUI file puts before the denoiser's names: the family keymap's target spelling (the base's
+    family, else the adapter's), ComfyUI's own `diffusion_model.` by default."""
+    from converter.convert.writers import DOTTED_PREFIX
+    from converter.formats.family import identify
+
+    keymap = names.keymap if names is not None else getattr(identify(adapter), "family", None)
+    kind, _ = keymap.target(to) if keymap is not None else (None, None)
+    return DOTTED_PREFIX.get(kind or "comfyui", "diffusion_model.")
+
+
+def _check_naming(adapter: Adapter, to: str) -> None:
+    """Without a base, names are kept as they are: refuse when the target reads the family's other naming."""
+    from converter.formats.family import identify
+
+    identity = identify(adapter)
+    if identity is None or identity.family is None or identity.naming is None:
+        return
+    _, wanted = identity.family.target(to)
+    if wanted is not None and wanted != identity.naming:
+        raise ConverterError(
+            f"{adapter.path}: its modules have {identity.family.title}'s {identity.naming} names and a {to} file "
+            f"names them as the {wanted} checkpoint does; give --base (the model: a diffusers folder or a single "
+            "file) so each module is looked up there"
+        )
+
+
+def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None], base=None) -> None:
+    """Read `out` back and compare its ΔW with the source's: on the base's tensors when there is a base (any names,
+    fused or split), else module by module."""
     import shutil
 
-    from converter.convert.proof import prove
+    from converter.convert.proof import prove, prove_on_base
     from converter.errors import VerificationFailed
 
     try:
-        log(prove(adapter, out, svd).summary())
+        log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
     except VerificationFailed as e:
         shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
         raise VerificationFailed(f"{e} (removed {out})") from None
@@ -97,8 +132,8 @@ def _public_base(base: str | None, adapter: Adapter) -> str | None:
 
 
 def _check_out(out: Path, to: str, force: bool) -> None:
-    if to == "kohya" and out.suffix != ".safetensors":
-        raise ConverterError(f"--out {out}: a kohya LoRA is one file; give a path ending in .safetensors")
-    if to != "kohya" and out.suffix == ".safetensors":
+    if to in FILE_TARGETS and out.suffix != ".safetensors":
+        raise ConverterError(f"--out {out}: a {to} LoRA is one file; give a path ending in .safetensors")
+    if to not in FILE_TARGETS and out.suffix == ".safetensors":
         raise ConverterError(f"--out {out}: {to} output is a folder; give a folder path")
     check_output_target(out, force)

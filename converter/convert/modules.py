@@ -162,6 +162,13 @@ def _is_block_diagonal(up: torch.Tensor, rows: list[int]) -> bool:
 def split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[LoraModule]:
     """A fused module (BFL qkv, linear1) onto separate base tensors, ΔW unchanged: down split with the up when
     the up matrix is block-diagonal (kohya split_qkv), else shared by every part (docs/FORMATS.md §4, §8)."""
+    if len({p.key for p in places}) == 1:  # halves swapped on one tensor (BFL [shift, scale] <-> [scale, shift])
+        comp, name = base.split_key(places[0].key, ap.param)
+        moved = torch.empty_like(up)
+        for place in places:
+            moved[slice(*place.rows)] = up[slice(*place.src)]
+        comp = comp or output_component(ap, None)
+        return [LoraModule(comp, name, down.clone(), moved, alpha, native)]
     spans = [p.src for p in places]
     rows = [b - a for a, b in spans]
     block = _is_block_diagonal(up, rows)

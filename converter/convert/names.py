@@ -4,6 +4,7 @@ or kept as they are without one (dotted names only: kohya's flattened names cann
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
@@ -36,6 +37,7 @@ class BaseNames:
         from converter.bases import open_base
         from converter.keymap import keymap_for
 
+        self.denoiser_as: str | None = None  # the component name the denoiser's modules are written under
         self.checkpoint = open_base(path)
         self.keymap = keymap_for(self.checkpoint.config)
         self.resolver = self.checkpoint.make_resolver(self.keymap)
@@ -48,6 +50,25 @@ class BaseNames:
                 if used is not None:
                     self.prefixes.append((used, comp))
             self.prefixes.sort(key=lambda p: -len(p[0]))
+
+    @property
+    def naming(self) -> str | None:
+        """The naming of a diffusion base's denoiser: a diffusers folder has diffusers', a single file the original
+        checkpoint's."""
+        layout = getattr(self.checkpoint, "diffusion", None)
+        return {"diffusers": "diffusers", "single_file": "original"}.get(layout)
+
+    def naming_for(self, to: str) -> BaseNames | RelaidNames:
+        """The view whose names target `to` writes: this base, or its denoiser relaid in the family's other naming
+        (the keymap's `targets`: kohya and ComfyUI files name FLUX.2's BFL modules, diffusers' its own)."""
+        kind, wanted = self.keymap.target(to)
+        if kind is None or self.naming is None:
+            return self
+        view = self if wanted in (None, self.naming) or self.keymap.one_naming else RelaidNames(self, wanted)
+        if to == "kohya":  # kohya/musubi files name the denoiser lora_unet_ (not OneTrainer's lora_transformer_)
+            view = copy.copy(view)
+            view.denoiser_as = "denoiser"
+        return view
 
     def components(self) -> set[str]:
         if self.checkpoint.diffusion == "single_file":
@@ -65,7 +86,7 @@ class BaseNames:
         module = key[: -len(param) - 1] if key.endswith("." + param) else key
         if "/" in module:  # diffusers folder: <component>/<key>
             comp, module = module.split("/", 1)
-            return comp, module
+            return (self.denoiser_as if comp in ("unet", "transformer") and self.denoiser_as else comp), module
         for prefix, comp in self.prefixes:  # a single file keeps the original names: the denoiser is "denoiser"
             if module.startswith(prefix):
                 return (comp if comp.startswith("text_encoder") else "denoiser"), module[len(prefix) :]
@@ -75,9 +96,82 @@ class BaseNames:
         return self.checkpoint.info(key).shape[0]
 
 
+def _one_name_each(shapes: dict[str, tuple[int, ...]], dotted: dict[str, set]) -> dict[str, tuple[int, ...]]:
+    """Where an alias rule offers alternatives for one tensor (an LDM upsampler sits at index 1 or 2 of its block,
+    after an attention or not), the first one (in name order) whose slot no other module occupies: the slot is the
+    name up to the part in which the alternatives differ."""
+    by_key: dict[str, list[str]] = {}
+    for name in shapes:
+        places = dotted.get(name, set())
+        if len(places) == 1 and (place := next(iter(places))).rows is None and place.src is None:
+            by_key.setdefault(place.key, []).append(name)
+    drop = set()
+    groups = [sorted(n) for n in by_key.values() if len(n) > 1]
+    alternatives = {name for names in groups for name in names}
+    settled = [name for name in shapes if name not in alternatives]
+    for names in groups:
+        parts = [name.split(".") for name in names]
+        differ = next((i for i in range(min(map(len, parts))) if len({p[i] for p in parts}) > 1), 0)
+        slots = {name: ".".join(p[: differ + 1]) + "." for name, p in zip(names, parts, strict=True)}
+        free = [n for n in names if not any(o.startswith(slots[n]) for o in settled)]
+        drop.update(n for n in names if not free or n != free[0])
+    return {k: v for k, v in shapes.items() if k not in drop}
+
+
+class RelaidNames:
+    """A diffusion base's denoiser as the family's other naming would store it, built from the keymap's aliases of
+    its real keys: a fused original module (BFL qkv) is the tensors it covers stacked by rows, a diffusers module the
+    rows of the fused original it takes. Only names and shapes: nothing is read. Other components are the base's."""
+
+    def __init__(self, base: BaseNames, naming: str):
+        from converter.keymap import DiffusionResolver
+
+        self.base, self.naming, self.keymap = base, naming, base.keymap
+        self.denoiser_as = "denoiser" if naming == "original" else None
+        resolver = base.resolver
+        self.component = next(c for c in ("transformer", "unet") if c in resolver.dotted)
+        patterns = self.keymap.names.get(naming, [])
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, places in resolver.dotted[self.component].items():
+            module = name.rsplit(".", 1)[0]
+            if not any(p.fullmatch(module) for p in patterns):
+                continue
+            first = base.checkpoint.info(next(iter(places)).key).shape
+            if all(p.src is None and p.rows is None for p in places):
+                shapes[name] = first
+            elif all(p.src is not None for p in places):
+                shapes[name] = (max(p.src[1] for p in places), *first[1:])
+            else:  # one row slice of a fused tensor
+                place = next(iter(places))
+                shapes[name] = (place.rows[1] - place.rows[0], *first[1:])
+        shapes = _one_name_each(shapes, resolver.dotted[self.component])
+        config = dict(base.checkpoint.component_configs.get(self.component, {})) if hasattr(
+            base.checkpoint, "component_configs") else {}  # fmt: skip
+        self.resolver = DiffusionResolver(self.keymap, {self.component: ("", {**self.keymap.defaults, **config})},
+                                          shapes)  # fmt: skip
+        self.shapes = shapes
+
+    def components(self) -> set[str]:
+        return self.base.components()
+
+    def places(self, ap: AdapterPatch) -> list:
+        if ap.component not in (None, "denoiser", self.component):
+            return self.base.places(ap)
+        return self.resolver.resolve_all(ap.module, ap.param, ap.component, ap.flat)
+
+    def split_key(self, key: str, param: str) -> tuple[str | None, str]:
+        if key not in self.shapes:
+            return self.base.split_key(key, param)
+        module = key[: -len(param) - 1] if key.endswith("." + param) else key
+        return self.denoiser_as or self.component, module
+
+    def rows(self, key: str) -> int:
+        return self.shapes[key][0] if key in self.shapes else self.base.rows(key)
+
+
 def collect(
     adapter: Adapter,
-    base: BaseNames | None,
+    base: BaseNames | RelaidNames | None,
     to: str,
     *,
     rank: int | None = None,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.convert.core import ConvertResult, convert
+from converter.convert.core import FILE_TARGETS, ConvertResult, convert
 from converter.errors import ConverterError
 from converter.scratch import temp_folder
 
 PR_TITLE = "Add a {fmt} version of this adapter (converter)"
-TARGET_NAMES = {"peft": "PEFT", "diffusers": "diffusers", "kohya": "kohya"}
+TARGET_NAMES = {"peft": "PEFT", "diffusers": "diffusers", "kohya": "kohya", "comfyui": "ComfyUI"}
 
 
 def push_pr(
@@ -50,7 +50,7 @@ def push_pr(
     title = PR_TITLE.format(fmt=TARGET_NAMES[to])
     with temp_folder("convert", log=log) as scratch:
         stem = Path(source.path).stem if source.path else "adapter"
-        out = Path(scratch) / (f"{stem}_kohya.safetensors" if to == "kohya" else "out")
+        out = Path(scratch) / (f"{stem}_{to}.safetensors" if to in FILE_TARGETS else "out")
         result = convert(adapter_spec, to, out, base=base, rank=rank, component=component, token=token,
                          allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha, verify=verify)  # fmt: skip
         paths = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
@@ -80,7 +80,10 @@ def push_pr(
 
 
 def _pr_description(spec: str, to: str, sha: str, result: ConvertResult, base: str | None) -> str:
-    alphas = "a real `.alpha` per module" if to == "kohya" else "`rank_pattern` / `alpha_pattern` (nothing folded)"
+    alphas = {
+        "kohya": "a real `.alpha` per module",
+        "comfyui": "its scale alpha / rank folded into `lora_B` (the form ComfyUI and diffusers read)",
+    }.get(to, "`rank_pattern` / `alpha_pattern` (nothing folded)")
     lines = [
         f"This PR adds a {TARGET_NAMES[to]} version of `{spec}` (commit {sha[:10]}), converted by converter "
         "without merging.",
@@ -108,6 +111,8 @@ def _has_format(api, repo: str, sha: str, names: list[str], to: str) -> str | No
         if to == "kohya" and any(
             k.startswith(("lora_unet_", "lora_te")) and k.endswith(".lora_down.weight") for k in keys
         ):
+            return name
+        if to == "comfyui" and any(k.startswith("diffusion_model.") and k.endswith(".lora_A.weight") for k in keys):
             return name
         if to == "diffusers" and any(
             k.startswith(("unet.", "transformer.", "text_encoder")) and k.endswith(".lora_A.weight") for k in keys

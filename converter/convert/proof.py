@@ -28,6 +28,7 @@ class Proof:
     approximated: int  # SVD-approximated modules, checked against their reported reconstruction error
     not_compared: int
     worst: tuple[str, float] | None
+    on_base: int = 0  # base tensors compared (both files looked up on the base); 0: compared per module name
 
     @property
     def compared(self) -> int:
@@ -46,7 +47,10 @@ class Proof:
             parts.append(f"{self.approximated} SVD-approximated within their reported error")
         if self.not_compared:
             parts.append(f"{self.not_compared} fused/split modules without a one-to-one counterpart not compared")
-        return "; ".join(parts) + " (read back with converter's readers)"
+        how = "read back with converter's readers" + (
+            f", both looked up on the base: {self.on_base} base tensors compared" if self.on_base else ""
+        )
+        return "; ".join(parts) + f" ({how})"
 
 
 def key(component: str | None, module: str) -> tuple[str, str]:
@@ -104,6 +108,77 @@ def prove(source: Adapter, out: Path, svd: dict[str, float] | None = None) -> Pr
             )
     proof = Proof(identical, within, approximated, len(original) - identical - within - approximated, worst)
     return proof
+
+
+def prove_on_base(source: Adapter, out: Path, base, svd: dict[str, float] | None = None) -> Proof:
+    """With the base at hand: both adapters' ΔW summed onto each base tensor they change (the merge's own name
+    lookup, rows of fused tensors included) must agree tensor by tensor, whatever the names or the fused/split
+    layout on each side. VerificationFailed on a mismatch; DoRA (its ΔW needs the base weight) is compared by name."""
+    import torch
+
+    written = load_adapter(out)
+    if any(not _plain(ap.patch) for a in (source, written) for ap in a.patches):
+        return prove(source, out, svd)
+    ours, theirs = _on_base(source, base), _on_base(written, base)
+    if set(ours) != set(theirs):
+        gone, new = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        raise VerificationFailed(
+            f"{out}: the converted file changes other base tensors than the source ({(gone or new)[0]} "
+            f"{'lost' if gone else 'added'}); the conversion is wrong (please report it)"
+        )
+    identical = within = approximated = 0
+    worst: tuple[str, float] | None = None
+    for key, parts in ours.items():
+        shape = tuple(base.checkpoint.info(key).shape)
+        a, b = _summed(parts, shape), _summed(theirs[key], shape)
+        modules = len({ap.native or ap.module for _, ap in parts})
+        if torch.equal(a, b):
+            identical += modules
+            continue
+        err = ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+        worst = max(worst or (key, err), (key, err), key=lambda t: t[1])
+        allowed = max((svd or {}).get(ap.native or "", (svd or {}).get(ap.module, -1.0)) for _, ap in parts)
+        if allowed >= 0 and err <= allowed + FLOAT32_ROUNDING * 4:
+            approximated += modules
+        elif allowed < 0 and err <= FLOAT32_ROUNDING:
+            within += modules
+        else:
+            limit = FLOAT32_ROUNDING if allowed < 0 else allowed
+            raise VerificationFailed(
+                f"{out}: base tensor {key}'s ΔW differs from the source's (relative error "
+                f"{err:.3g} > {limit:.3g}); the conversion is wrong (please report it)"
+            )
+    return Proof(identical, within, approximated, 0, worst, on_base=len(ours))
+
+
+def _plain(patch) -> bool:
+    from converter.patches import DeltaPatch
+
+    return isinstance(patch, DeltaPatch) and not getattr(patch, "flip", False)
+
+
+def _on_base(adapter: Adapter, base) -> dict[str, list]:
+    """Base tensor -> [(placement, patch)] of every weight delta the adapter puts on it."""
+    out: dict[str, list] = {}
+    for ap in adapter.patches:
+        if ap.param != "weight":
+            continue
+        for place in base.places(ap):
+            out.setdefault(place.key, []).append((place, ap))
+    return out
+
+
+def _summed(parts: list, shape: tuple[int, ...]):
+    import torch
+
+    total = torch.zeros(shape, dtype=torch.float64)
+    for place, ap in parts:
+        d = ap.patch.delta(transposed=False).double()
+        if place.src is not None:
+            d = d[place.src[0] : place.src[1]]
+        view = total if place.rows is None else total[place.rows[0] : place.rows[1]]
+        view += d.reshape(view.shape)
+    return total
 
 
 def _tensor(patch):

@@ -5,6 +5,7 @@ diffusers (`pytorch_lora_weights.safetensors` with its LoraConfig in the metadat
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -39,16 +40,21 @@ def write(
     base_model: str | None = None,
     svd: dict[str, float] | None = None,
     components: set[str] | None = None,
+    denoiser_prefix: str = "diffusion_model.",
 ) -> list[str]:
-    """Write `modules` in format `to` at `out` (a file for kohya, a folder otherwise), atomically. `components`:
-    the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is adapted."""
+    """Write `modules` in format `to` at `out` (a file for kohya/ComfyUI, a folder otherwise), atomically.
+    `components`: the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is
+    adapted; `denoiser_prefix`: what a ComfyUI file puts before the denoiser's names (the family keymap's target)."""
     if not modules:
         raise ConverterError("the adapter has no LoRA modules to convert")
     info = {**(source or {}), "tool": "converter"}
     if svd:
         info["svd_relative_errors"] = {k: round(v, 8) for k, v in sorted(svd.items())}
-    if to == "kohya":
-        tensors, meta = kohya_tensors(modules, info, components or set())
+    if to in ("kohya", "comfyui"):
+        if to == "kohya":
+            tensors, meta = kohya_tensors(modules, info, components or set())
+        else:
+            tensors, meta = comfyui_tensors(modules, info, components or set(), denoiser_prefix)
         _atomic_file(out, tensors, meta, force)
         return [out.name]
     with atomic_folder(out, force) as tmp:
@@ -116,6 +122,60 @@ def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[st
         "converter_alphas": "per module, in each .alpha tensor (scale = alpha / rank)",
         "converter": json.dumps(info, sort_keys=True),
     }
+    return out, meta
+
+
+DENOISERS = ("denoiser", "unet", "transformer")
+
+
+def folded_up(m: LoraModule) -> torch.Tensor:
+    """lora_B with the module's scale alpha / rank folded in, for files that carry no alpha (ComfyUI and diffusers
+    then use scale 1, ai-toolkit's form). A power of two scales exactly in the stored dtype; any other scale is
+    applied in float32 (one rounding of each product, which the read-back proof allows)."""
+    scale = m.alpha / m.rank
+    if scale == 1.0:
+        return m.up
+    mantissa, _ = math.frexp(scale)
+    if mantissa == 0.5:
+        scaled = m.up * scale
+        if torch.isfinite(scaled).all() and torch.equal(scaled / scale, m.up):
+            return scaled
+    return m.up.float() * scale
+
+
+# The prefix a file of each spelling kind puts before a dotted denoiser name (docs/FORMATS.md §12).
+DOTTED_PREFIX = {"comfyui": "diffusion_model.", "peft": "base_model.model.", "diffusers": "transformer.", "bare": ""}
+
+
+def comfyui_tensors(
+    modules: list[LoraModule], info: dict, base_components: set[str] = frozenset(), prefix: str = "diffusion_model."
+) -> tuple[dict, dict]:
+    """`<prefix><module>.lora_A.weight / .lora_B.weight` for the denoiser (`diffusion_model.` + the key of ComfyUI's
+    own model, which every ComfyUI version looks up, docs/FORMATS.md §5; a family's keymap may name another prefix
+    ComfyUI reads for it), kohya's names for text encoders; no alpha tensors, the scale folded into lora_B:
+    diffusers' converters for the newer families refuse leftover alphas (§12)."""
+    out: dict[str, torch.Tensor] = {}
+    rest = []
+    for m in modules:
+        if m.component not in DENOISERS:
+            rest.append(m)
+            continue
+        if m.flat:
+            raise ConverterError(
+                f"{m.source}: a kohya-flattened name cannot be written with dots without the model; give --base"
+            )
+        if m.magnitude is not None:
+            raise ConverterError(f"{m.source}: DoRA has no ComfyUI diffusion_model. form here; convert to kohya")
+        stem = f"{prefix}{m.name}"
+        if f"{stem}.lora_A.weight" in out:
+            raise ConverterError(f"two modules are written as {stem}")
+        out[f"{stem}.lora_A.weight"] = m.down
+        out[f"{stem}.lora_B.weight"] = folded_up(m)
+    meta = {"converter_alphas": "folded into lora_B (no .alpha tensors; scale 1 when loaded)",
+            "converter": json.dumps(info, sort_keys=True)}  # fmt: skip
+    if rest:
+        te, _ = kohya_tensors(rest, info, base_components | {m.component for m in modules})
+        out.update(te)
     return out, meta
 
 

@@ -55,6 +55,7 @@ SUFFIXES = {
     ".lora_B.bias": "up_bias",
     ".lora_magnitude_vector.weight": "magnitude",
     ".lora_magnitude_vector": "magnitude",
+    ".magnitude": "magnitude",  # ai-toolkit's DoRA (PEFT's magnitude, one per output row)
     # older diffusers layouts (§4): `.lora.down`, attn-processor `to_q_lora.down`, `lora_linear_layer.down`
     ".lora.down.weight": "down",
     ".lora.up.weight": "up",
@@ -93,6 +94,7 @@ DOTTED_PREFIXES = {
     "transformer.": "denoiser",
     "diffusion_model.": "denoiser",  # ComfyUI / ai-toolkit / musubi converted
     "base_model.model.": "denoiser",
+    "base_model.model.transformer.": "denoiser",  # PEFT over a wrapper that holds the model as `transformer`
     "text_encoder.": "text_encoder",
     "text_encoder_2.": "text_encoder_2",
     "text_encoder_3.": "text_encoder_3",
@@ -130,8 +132,9 @@ def detect(path: Path) -> bool:
     return bool(names) and known * 2 > len(names)
 
 
-def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
-    """(component, module name, flat) of a module stem."""
+def _name(stem: str, where: Path, processor: bool = False) -> tuple[str | None, str, bool]:
+    """(component, module name, flat) of a module stem; `processor`: its tensors are old diffusers attention-processor
+    ones (`to_out_lora.down`), whose `to_out` is the module `to_out.0`."""
     if stem.startswith("lora_unet__"):  # Wan-Fun files (ComfyUI lora_convert)
         stem = "lora_unet_" + stem[len("lora_unet__") :]
     for prefixes, flat in ((FLAT_PREFIXES, True), (DOTTED_PREFIXES, False)):
@@ -144,8 +147,8 @@ def _name(stem: str, where: Path) -> tuple[str | None, str, bool]:
                         "the file was converted twice; strip one prefix and retry",
                         file=where,
                     )
-                return component, _normalise(rest, component), flat
-    return "denoiser", _normalise(stem, "denoiser"), False  # bare diffusers/xlabs/DiffSynth names
+                return component, _normalise(rest, component, processor), flat
+    return "denoiser", _normalise(stem, "denoiser", processor), False  # bare diffusers/xlabs/DiffSynth names
 
 
 # Older diffusers layouts and xlabs processors, as module-path rewrites (§4 UNET_TO_DIFFUSERS, §10 xlabs).
@@ -163,7 +166,7 @@ _REWRITES = [
 _TE_REWRITES = [(".to_q", ".q_proj"), (".to_k", ".k_proj"), (".to_v", ".v_proj"), (".to_out", ".out_proj")]
 
 
-def _normalise(module: str, component: str) -> str:
+def _normalise(module: str, component: str, processor: bool = False) -> str:
     for old, new in _REWRITES:
         if module.endswith(old):
             module = module[: -len(old)] + new
@@ -171,7 +174,7 @@ def _normalise(module: str, component: str) -> str:
         for old, new in _TE_REWRITES:
             if module.endswith(old):
                 module = module[: -len(old)] + new
-    if module.endswith(".to_out") and component == "denoiser":
+    if module.endswith(".to_out") and component == "denoiser" and processor:
         module += ".0"
     return module
 
@@ -307,8 +310,18 @@ def parse(
         raise AdapterFormatError(f"{path}: not a single .safetensors adapter file", file=path)
     tensors = open_tensor_file(weights, allow_pickle)
     meta = _diffusers_alphas(tensors.metadata, weights)
+    # our own ComfyUI-style files carry their scale in lora_B (convert --to comfyui): scale 1 is the file's word
+    folded = tensors.metadata.get("converter_alphas", "").startswith("folded into lora_B")
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
+        if key.endswith(("query_norm.scale", "key_norm.scale")):  # BFL's control LoRAs (docs/FORMATS.md §12)
+            raise AdapterFormatError(
+                f"{weights}: {key} is a norm scale: this is a FLUX control LoRA (BFL's Canny/Depth), which replaces "
+                "norm weights and widens img_in to take the control image, making a FLUX.1-Canny/Depth-dev model; "
+                "merging it is not supported (load it with diffusers' FluxControlPipeline)",
+                file=weights,
+                tensor=key,
+            )
         for suffix, algo in UNSUPPORTED.items():
             if key.endswith(suffix):
                 raise AdapterFormatError(
@@ -342,7 +355,8 @@ def parse(
     components: set[str] = set()
     for stem, roles in groups.items():
         _check_factor_shapes(tensors, roles, weights)
-        component, module, flat = _name(stem, weights)
+        processor = any(k.endswith(("_lora.down.weight", "_lora.up.weight")) for k in roles.values())
+        component, module, flat = _name(stem, weights, processor)
         components.add(component or "?")
         flavours.add(_flavour(stem, roles))
         delta: DeltaPatch | None = None
@@ -363,7 +377,7 @@ def parse(
             if alpha is None and meta:
                 prefix = stem.split(".", 1)[0] if not flat else None
                 scale = _config_scale(meta, prefix, module, rank, weights) or scale
-            elif alpha is None and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
+            elif alpha is None and not folded and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
                 if lora_alpha is None:
                     no_alpha += 1
                 else:  # the user's word: lora_alpha over the factors' own rank (PEFT's rule without rsLoRA)

@@ -28,8 +28,30 @@ def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str 
 
     if folders := [a.name for a in adapters if component_folders(a)]:
         return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
+    if folders := [a.name for a in adapters if (a / "adapter_config.json").is_file()]:
+        return (f"diffusers' loader takes a LoRA's scale from the file's own metadata, not from a PEFT folder's "
+                f"adapter_config.json ({', '.join(folders)})")  # fmt: skip
     if dora := lycoris_dora(adapters):
         return f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
+    return unread_spelling(adapters)
+
+
+def unread_spelling(sources: list[Path]) -> str | None:
+    """The first adapter file whose family's keymap says diffusers' loader does not read its spelling, as a reason
+    (its loaders table is what the family tests check against diffusers itself); None when none is such."""
+    from converter.formats import load_adapter
+    from converter.formats.family import identify
+
+    for path in sources:
+        if not (path.is_file() and path.suffix == ".safetensors"):
+            continue
+        identity = identify(load_adapter(path, require_scale=False))
+        if identity is None or identity.family is None:
+            continue
+        table = identity.family.lokr_loaders if identity.lokr else identity.family.loaders
+        if "diffusers" in table and "diffusers" not in identity.loads_in():
+            return (f"diffusers' loader does not read {path.name} as it is spelt ({identity.spelling} names of "
+                    f"{identity.family.title}, by the keymap's loaders)")  # fmt: skip
     return None
 
 
@@ -48,18 +70,20 @@ class DiffusersReferee:
     """diffusers' loader applying the adapters to a weightless copy of the base pipeline; PEFT's merge per layer."""
 
     def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
-        from converter.verify.diffusion import MODEL_PARTS, _apply_adapters, _partial
+        from converter.verify.diffusion import MODEL_PARTS, LoaderRefused, Unbuildable, _apply_adapters, _partial
 
         if base.is_file():
             raise RefereeUnavailable("a single-file base's tensors are not named as diffusers' modules")
-        pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
         try:
-            ignored = _apply_adapters(pipe, recipe, adapters)
-        except ValueError as e:  # diffusers' loader refusing the file (its refusals are ValueErrors)
+            pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
+        except Unbuildable as e:
+            raise RefereeUnavailable(str(e)) from None
+        try:
+            wrong = _apply_adapters(pipe, recipe, adapters)
+        except LoaderRefused as e:
             raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
-        if ignored:
-            raise RefereeUnavailable(f"diffusers' loader ignores the per-module alphas of {ignored} modules of this "
-                                     "file (its alpha_pattern names never match)")  # fmt: skip
+        if wrong:
+            raise RefereeUnavailable(wrong)
         names = _base_names(base)
         adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
         self.parts = [PeftLayers(getattr(pipe, c), "", f"{c}/", adapter_names, recipe.adapters, names)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +52,15 @@ def tolerance(output_dtype: str) -> dict:
         "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
         "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
     }
+
+
+class LoaderRefused(Exception):
+    """diffusers' LoRA loader cannot read an adapter: its refusals are ValueErrors, but its converters from other
+    spellings also fail with KeyError or shape errors on files that lack modules or widths they expect."""
+
+
+class Unbuildable(Exception):
+    """A pipeline class that cannot be built from a folder's model components here."""
 
 
 class Skip(Exception):
@@ -102,16 +112,15 @@ class DiffusionCheck:
         """The base pipeline with the adapters applied unmerged by diffusers; Skip where it cannot be."""
         try:
             pipe = self.load(self.base)
-        except (OSError, ValueError) as e:  # diffusers cannot read the single file here (offline, no config)
+        except (OSError, ValueError, Unbuildable) as e:  # offline, no config, a pipeline it cannot build
             how = "from_single_file" if self.single else "from_pretrained"
             raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
         try:
-            ignored = _apply_adapters(pipe, self.recipe, self.adapters)
-        except ValueError as e:  # diffusers' loader refusing the file (its refusals are ValueErrors)
+            wrong = _apply_adapters(pipe, self.recipe, self.adapters)
+        except LoaderRefused as e:
             raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})") from None
-        if ignored:
-            raise Skip(f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its "
-                       "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+        if wrong:
+            raise Skip(wrong)
         self.clock.lap("load reference")
         denoiser = _denoiser_name(pipe)
         if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
@@ -321,7 +330,12 @@ def _partial(folder: Path, index: dict, empty: bool = False):
     parts = {name: component_model(folder, name, index, empty) for name in MODEL_PARTS
              if (folder / name / "config.json").is_file()}  # fmt: skip
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    return cls(**{p: parts.get(p) for p in params})
+    if missing := [p for p in parts if p not in params]:
+        raise Unbuildable(f"diffusers' {cls.__name__} takes no {', '.join(missing)} when built (a modular pipeline)")
+    try:
+        return cls(**{p: parts.get(p) for p in params})
+    except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
+        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({_first_line(e)})") from None
 
 
 def component_model(folder: Path, name: str, index: dict, empty: bool = False):
@@ -352,28 +366,62 @@ def component_model(folder: Path, name: str, index: dict, empty: bool = False):
     return model.eval()
 
 
-def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> int:
-    """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns how many
-    per-module alphas diffusers said it ignored."""
-    ignored = 0
-    names = []
-    for i, local in enumerate(sources):
-        name = f"adapter_{i}"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if local.is_dir():
-                pipe.load_lora_weights(str(local), adapter_name=name)
-            else:
-                pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
-        for w in caught:
-            text = str(w.message)
-            if "alpha_pattern keys did not match" in text:
-                ignored += text.count("', '") + 1
-        names.append(name)
+def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
+    """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns why the
+    pipeline's forward is not the adapters as trained (None: it is), from what diffusers said while loading."""
+    ignored, left_out, names = 0, [], []
+    said, library = _Said(), logging.getLogger("diffusers")
+    level = library.level
+    library.addHandler(said)
+    library.setLevel(min(level or logging.WARNING, logging.WARNING))  # its warnings reach the handler
+    try:
+        for i, local in enumerate(sources):
+            name = f"adapter_{i}"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:  # only diffusers' own code runs in here
+                    if local.is_dir():
+                        pipe.load_lora_weights(str(local), adapter_name=name)
+                    else:
+                        pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
+                except Exception as e:  # noqa: BLE001 - see LoaderRefused
+                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {_first_line(e)}") from None
+            for w in caught:
+                text = str(w.message)
+                if "alpha_pattern keys did not match" in text:
+                    ignored += text.count("', '") + 1
+            names.append(name)
+    finally:
+        library.removeHandler(said)
+        library.setLevel(level)
+    for text in said.lines:
+        for marker in ("led to unexpected keys found in the model:", "led to missing keys in the model:"):
+            if marker in text:
+                left_out += [k.strip() for k in text.split(marker, 1)[1].split(". ")[0].split(",")]
+    if ignored:
+        return (f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its "
+                "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+    if left_out:
+        return (f"diffusers' loader leaves {len(left_out)} LoRA tensor(s) of the file out ({', '.join(left_out[:2])}"
+                f"{', ...' if len(left_out) > 2 else ''}), so its forward is not the adapter as trained")  # fmt: skip
     per_component = pipe.get_list_adapters()
+    present = {n for adapters in per_component.values() for n in adapters}
+    if nothing := [local.name for local, n in zip(sources, names, strict=True) if n not in present]:
+        return f"diffusers' loader applies nothing of {', '.join(nothing)} to this pipeline"
     weights = [{c: spec.weight_for(c) for c in per_component} for spec in recipe.adapters]
     pipe.set_adapters(names, adapter_weights=weights)
-    return ignored
+    return None
+
+
+class _Said(logging.Handler):
+    """What diffusers' logger says while attached (its loader reports the keys it left out there)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def _denoiser_name(pipe) -> str | None:
