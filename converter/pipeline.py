@@ -159,19 +159,20 @@ def _push_streamed(
     try:
         recipe = copy.deepcopy(recipe)
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
-        if parse_source(recipe.base).repo_id and verify is None:
-            # Nothing reads the base after the merge: shards not already cached are fetched for this job only.
-            base_stream = StreamedBase.open(recipe.base, token, tmp / "base", meter)
+        if parse_source(recipe.base).repo_id:
+            # Shards not already cached stream in while the merge reads them: for this job only, or, when
+            # verification reads the base again after the merge, into the HF cache as a download would.
+            base_stream = StreamedBase.open(recipe.base, token, tmp / "base", meter, keep=verify is not None)
             base = base_stream.fetched
             weights = sum(f["size"] or 0 for f in base.files if f["name"].endswith(".safetensors"))
-        else:  # verification loads the base again: it goes to (or stays in) the HF cache
+        else:
             base = fetch(recipe.base, "model", token)
             weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
             from converter.verify.shards import ShardProof
 
-            shard_proof = ShardProof(recipe, token=token, log=log)
+            shard_proof = ShardProof(recipe, token=token, log=log, base=Path(base.local))
             check_shard = _checks(shard_proof.check, check_shard)
         uploader = ShardUploader(
             publication.api,

@@ -204,7 +204,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     repo, sha, where, wanted = source.repo_id, remote.sha, remote.where, remote.wanted
     cache = cache_dir()
     missing = [n for n in wanted if remote.cached(n) is None]
-    _check_disk(where, sum(remote.siblings[n].size or 0 for n in missing) + need_bytes)
+    check_disk(where, sum(remote.siblings[n].size or 0 for n in missing) + need_bytes)
     if source.path is not None:
         paths = [
             Path(
@@ -285,7 +285,8 @@ def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -
         )
 
 
-def _check_disk(where: str, need: int) -> None:
+def check_disk(where: str, need: int, what: str = "download + output") -> None:
+    """A clear error now, not a full disk midway: `need` bytes must fit in the HF cache's file system."""
     from huggingface_hub import constants
 
     cache = Path(cache_dir() or constants.HF_HUB_CACHE)
@@ -293,6 +294,6 @@ def _check_disk(where: str, need: int) -> None:
     free = shutil.disk_usage(probe).free
     if need > free:
         raise ConverterError(
-            f"{where}: not enough disk space: needs {human_bytes(need)} (download + output), {human_bytes(free)} free "
+            f"{where}: not enough disk space: needs {human_bytes(need)} ({what}), {human_bytes(free)} free "
             f"in {probe} ({human_bytes(need - free)} missing)"
         )

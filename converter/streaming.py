@@ -9,7 +9,8 @@ an upload thread that runs the per-shard check (when one is given), then `preupl
 the writer took as it wrote (no second read). Files fetched only for this job are deleted once merged (after the
 output shard holding their last tensor is finished), output shards once uploaded unless verification still
 needs them, so the scratch disk holds a few shards, whatever the model's size. Files already in the user's HF
-cache are read from there and left alone.
+cache are read from there and left alone. A verified push reads the base again, so there its files fill in the HF
+cache instead and enter it when complete (`StreamedBase(keep=True)`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from converter import hub
 from converter.errors import ConverterError, HubError
 from converter.safetensors_header import HeaderError, decode_header
-from converter.sources import Fetched, Remote, cache_dir, parse_source, resolve
+from converter.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
 from converter.writer import Shard
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
@@ -56,21 +57,32 @@ class ScratchMeter:
 
 
 class _Download:
-    """One job-owned base file, filled front to back; `have` bytes from the start are on disk."""
+    """One base file, filled front to back; `have` bytes from the start are on disk. `blob`: where it goes in the
+    HF cache when the job keeps the base (the file then fills beside it and `path` links to it)."""
 
-    def __init__(self, index: int, name: str, path: Path, size: int):
-        self.index, self.name, self.path, self.size = index, name, path, size
+    def __init__(self, index: int, name: str, path: Path, size: int, blob: Path | None = None):
+        self.index, self.name, self.path, self.size, self.blob = index, name, path, size, blob
         self.have = 0
         self.started = self.deleted = False
         self.after: str | None = None  # released after this output tensor's shard is finished
 
+    @property
+    def partial(self) -> Path:
+        return self.blob.with_name(f"{self.blob.name}.converter-{os.getpid()}.incomplete")
+
 
 class StreamedBase:
     """A Hub base for one job: side files from the HF cache, weights from the cache where they already are,
-    the rest downloaded by one thread into job-owned files that the merge reads as they arrive."""
+    the rest downloaded by one thread into files that the merge reads as they arrive.
 
-    def __init__(self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None):
-        self.remote, self.folder, self.token, self.meter = remote, folder, token, meter
+    Those files are the job's own, deleted once merged, unless `keep`: a verified push reads the base again after
+    the merge, so each file fills in the HF cache's blob folder and enters the cache when complete, as
+    `hf_hub_download` would have put it there (verification then finds it cached; nothing is downloaded twice)."""
+
+    def __init__(
+        self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None, keep: bool = False
+    ):
+        self.remote, self.folder, self.token, self.meter, self.keep = remote, folder, token, meter, keep
         self.downloads: list[_Download] = []
         self._cond = threading.Condition()
         self._demand = -1
@@ -80,21 +92,33 @@ class StreamedBase:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def open(cls, spec: str, token: str | None, folder: Path, meter: ScratchMeter | None = None) -> StreamedBase:
-        """Resolve the base, link its side files and cached weights into `folder`, stand-ins for the rest."""
+    def open(
+        cls, spec: str, token: str | None, folder: Path, meter: ScratchMeter | None = None, *, keep: bool = False
+    ) -> StreamedBase:
+        """Resolve the base, link its side files and cached weights into `folder`, stand-ins for the rest (in the
+        HF cache's blob folder with `keep`)."""
         from huggingface_hub import hf_hub_download
 
         source = parse_source(spec)
         remote = resolve(source, "model", token)
-        self = cls(remote, folder, token, meter)
+        self = cls(remote, folder, token, meter, keep)
         weights = sorted(n for n in remote.wanted if n.endswith(".safetensors"))
+        blobs = _blob_folder(source.repo_id) if keep else None
+        if keep:
+            missing = sum(remote.siblings[n].size or 0 for n in weights if not remote.cached(n))
+            check_disk(remote.where, missing, "the base's download")
         for name in remote.wanted:
             target = folder / name
             target.parent.mkdir(parents=True, exist_ok=True)
             cached = remote.cached(name)
-            if name in weights and cached is None:
+            sha256 = getattr(remote.siblings[name].lfs, "sha256", None)
+            if name in weights and cached is None and (sha256 or not keep):
                 size = remote.siblings[name].size or 0
-                self.downloads.append(_Download(len(self.downloads), name, target, size))
+                d = _Download(len(self.downloads), name, target, size, blobs / sha256 if keep else None)
+                if keep:
+                    blobs.mkdir(parents=True, exist_ok=True)
+                    os.symlink(d.partial, target)
+                self.downloads.append(d)
                 continue
             if cached is None:  # a side file (config, tokenizer, card): small, into the HF cache as usual
                 cached = hub.call(
@@ -169,12 +193,14 @@ class StreamedBase:
         try:
             for d in self.downloads:
                 with self._cond:
-                    while not self._stop and self._present() >= LOOKAHEAD and self._demand < d.index:
+                    while not self.keep and not self._stop and self._present() >= LOOKAHEAD and self._demand < d.index:
                         self._cond.wait()
                     if self._stop:
                         return
                     d.started = True
                 self._fill(d)
+                if self.keep:
+                    self._into_cache(d)
         except BaseException as e:  # noqa: BLE001 - handed to the readers
             with self._cond:
                 self._error = e
@@ -201,6 +227,22 @@ class StreamedBase:
                 hub.call(where, lambda: self._get(d.name, d.have, d.size, sink))
         if self.meter is not None:
             self.meter.sample()
+
+    def _into_cache(self, d: _Download) -> None:
+        """A complete file enters the HF cache as `hf_hub_download` lays it out: the blob named by its sha256, the
+        snapshot's link to it. The job's link moves to the blob before the partial name goes (no moment without
+        a path for a reader); an open file stays the same file."""
+        remote = self.remote
+        with contextlib.suppress(FileExistsError):  # another process cached the same content meanwhile
+            os.link(d.partial, d.blob)
+        snapshot = d.blob.parent.parent / "snapshots" / remote.sha / d.name
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.symlink(os.path.relpath(d.blob, snapshot.parent), snapshot)
+        relink = d.path.with_name(d.path.name + ".relink")
+        os.symlink(d.blob, relink)
+        os.replace(relink, d.path)
+        d.partial.unlink()
 
     # -- the merge's side ----------------------------------------------------------------------------------------------
 
@@ -235,7 +277,8 @@ class StreamedBase:
                     self._delete(d)
 
     def _delete(self, d: _Download) -> None:
-        d.path.unlink(missing_ok=True)
+        if not self.keep:
+            d.path.unlink(missing_ok=True)
         d.deleted = True
         self._cond.notify_all()
 
@@ -251,7 +294,17 @@ class StreamedBase:
             self._thread.join(timeout=120)
         for d in self.downloads:
             d.path.unlink(missing_ok=True)
+            if d.blob is not None:  # what did not complete leaves the HF cache; what did stays, as a download would
+                d.partial.unlink(missing_ok=True)
             d.deleted = True
+
+
+def _blob_folder(repo_id: str) -> Path:
+    """The HF cache's blob folder of a model repo."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(cache_dir() or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
 
 
 class _RangeReader:

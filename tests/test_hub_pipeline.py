@@ -420,13 +420,13 @@ def test_disk_space_is_checked_before_downloading(monkeypatch):
     from collections import namedtuple
 
     from converter.errors import ConverterError
-    from converter.sources import _check_disk
+    from converter.sources import check_disk
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage(10**12, 10**12 - 5 * 10**8, 5 * 10**8))
-    _check_disk("org/model@main", 4 * 10**8)
+    check_disk("org/model@main", 4 * 10**8)
     with pytest.raises(ConverterError, match=r"needs 2.00 GB .* 500.00 MB free .*1.50 GB missing"):
-        _check_disk("org/model@main", 2 * 10**9)
+        check_disk("org/model@main", 2 * 10**9)
 
 
 def test_failed_verification_uploads_nothing(hub, tmp_path):

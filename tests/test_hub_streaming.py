@@ -249,6 +249,44 @@ def test_a_verified_push_proves_each_shard_as_it_goes(hub, tmp_path):
     assert report["tensors"]["tensors"] == len(read_tensors(hub.local["reference"]))
 
 
+def fetched_bytes(hub: HubServer, name: str) -> int:
+    """How many bytes of the base's file `name` the server sent, from the Range of each GET (all are ranged)."""
+    total = 0
+    for s in hub.seen:
+        if s.method == "GET" and "/alice/sharded/resolve/" in s.path and s.path.endswith("/" + name):
+            assert s.range, f"{name} downloaded whole, not streamed"
+            start, end = s.range.split("=")[1].split("-")
+            total += int(end) - int(start) + 1
+    return total
+
+
+def test_a_verified_push_streams_the_base_into_the_hf_cache_once(hub, tmp_path):
+    """With verification on, the base still streams in while the merge reads it, but into the HF cache, where the
+    proof and the behavioural comparison read it again: each weight file fetched exactly once, by Range reads, and
+    cached complete as a download would have cached it; a file that failed midway is not left in the cache."""
+    home = tmp_path / "hf-home"
+    hub.reset_log()
+    code, out, err = push(hub, tmp_path, "alice/verified-once", home=home)
+    assert code == 0, err
+    assert same_as_reference(hub, "alice/verified-once") and len(hub.history("alice/verified-once")) == 2
+    shards = hub.local["shards"]
+    assert {p.name: fetched_bytes(hub, p.name) for p in shards} == {p.name: p.stat().st_size for p in shards}
+    cached = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cached_weights(home)}
+    assert cached == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards}
+    blobs = home / "hub" / "models--alice--sharded" / "blobs"
+    assert not list(blobs.glob("*.incomplete")) and not any((tmp_path / "tmp").iterdir())
+    # A download that fails for good midway: no repo, and of the base only the files that completed are cached.
+    fourth = shards[3].name
+    hub.inject("GET", rf"resolve/[^/]+/{fourth}", status=500, times=100, after=2)
+    home = tmp_path / "hf-home-2"
+    code, out, err = push(hub, tmp_path, "alice/verified-doomed", "--weight", "0.7", home=home)
+    hub.clear_faults()
+    assert code == 2 and "Hub error 500" in err and "Traceback" not in err, err
+    assert not hub.exists("alice/verified-doomed")
+    assert [p.name for p in cached_weights(home)] == [p.name for p in shards[:3]]
+    assert not list((home / "hub" / "models--alice--sharded" / "blobs").glob("*.incomplete"))
+
+
 def test_link_holds_transfers_to_its_rate():
     """The bench Hub's bandwidth: n bytes through a link of r bytes/s take at least n/r seconds (a lower bound:
     never a speed assertion), and concurrent transfers share the one link."""

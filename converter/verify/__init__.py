@@ -119,10 +119,11 @@ class Job:
         return (self.merged / "model_index.json").is_file() or not (self.merged / "config.json").is_file()
 
 
-def sources(recipe: Recipe, token: str | None) -> tuple[Path, list[Path]]:
+def sources(recipe: Recipe, token: str | None, base: Path | None = None) -> tuple[Path, list[Path]]:
+    """The base (fetched unless given) and the adapters of `recipe`, as local paths."""
     from converter.sources import fetch
 
-    base = fetch(recipe.base, "model", token).local
+    base = base or fetch(recipe.base, "model", token).local
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]
 
 

@@ -27,8 +27,17 @@ from converter.writer import Shard
 class ShardProof:
     """`check(shard)` for `push(check_shard=...)`; `finish()` the verdict once the merge is done."""
 
-    def __init__(self, recipe: Recipe, *, token: str | None = None, log: Callable[[str], None] = print):
-        self.recipe, self.token, self.log = recipe, token, log
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        token: str | None = None,
+        log: Callable[[str], None] = print,
+        base: Path | None = None,
+    ):
+        """`base`: the base as the merge reads it, when the job already has it (a streamed download, whose
+        tensors are on disk by the time the merge has written a shard of them); else it is fetched."""
+        self.recipe, self.token, self.log, self.base = recipe, token, log, base
         self.proof: TensorProof | None = None
         self.declined: str | None = _declined(recipe)
         self._resources = ExitStack()
@@ -72,7 +81,7 @@ class ShardProof:
         from converter.verify.warmup import wait
 
         wait()
-        base, adapters = sources(self.recipe, self.token)
+        base, adapters = sources(self.recipe, self.token, base=self.base)
         scratch = Path(self._resources.enter_context(temp_folder("proof", log=self.log)))
         try:
             self.proof, _ = open_proof(Path(self.recipe.out), self.recipe, base, adapters, scratch)
