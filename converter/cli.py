@@ -334,37 +334,6 @@ def _training_base(base: str) -> bool:
 _console: quiet.Console | None = None  # the running command's (converter.quiet.session)
 
 
-def _check_extras(recipe, token: str | None) -> None:
-    """Before anything is merged or written: verifying a diffusion merge needs diffusers (converter[diffusion])."""
-    import importlib.util
-
-    if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
-        from converter.optional import require
-
-        require("diffusers", "verifying a diffusion merge")
-
-
-def _diffusion_base(spec: str, token: str | None) -> bool:
-    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
-    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
-    from converter.sources import parse_source
-
-    source = parse_source(spec)
-    if source.local is not None:
-        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
-    if source.path is not None:
-        return source.path.endswith(".safetensors")
-    from huggingface_hub import file_exists
-
-    from converter import hub
-
-    try:
-        return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
-                                                  token=token))  # fmt: skip
-    except ConverterError:
-        return False
-
-
 def _log(msg: str) -> None:
     """converter's own lines: to stdout even while the libraries' output is held back."""
     if _console is not None:
@@ -390,11 +359,11 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        if settings is not None:
-            _check_extras(recipe, args.token)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
+            from converter.pipeline import check_extras
             from converter.verify.warmup import start
 
+            check_extras(recipe, args.token)
             start()
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
         if settings is not None:
@@ -427,8 +396,6 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = None if args.from_folder else _recipe_from_args(args)
         settings = None if args.no_verify else _verify_settings(args)
-        if recipe is not None and settings is not None:
-            _check_extras(recipe, args.token)
         result = push(
             args.repo,
             recipe=recipe,

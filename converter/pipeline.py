@@ -42,7 +42,9 @@ def pipelined_shard_size(given: str | None, weights: int) -> str:
     return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
 
 
-__all__ = ["push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
+STAGES = ("download, merge, upload", "verify", "commit")  # what `push(stage=...)` reports, in order
+
+__all__ = ["STAGES", "push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
 
 
 def push(
@@ -58,17 +60,23 @@ def push(
     verify: dict | None = None,
     log: Callable[[str], None] = print,
     check_shard: Callable[[Shard], None] | None = None,
+    stage: Callable[[str], None] = lambda name: None,
+    finished: Callable[[Path], None] | None = None,
 ) -> PushResult:
     """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
 
     With `verify` (settings for `verify_folder`, {} for the defaults) the folder is verified first (against the
     recipe it was merged from) and nothing is committed when it fails. `check_shard` runs on every output shard
-    before its upload starts (a per-shard proof); raising stops the job, and nothing is committed.
+    before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
+    each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
+    report written) just before the commit, while it still exists (a merging push's folder is temporary).
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
     hub.whoami(token)  # a missing or refused token fails now, not after the merge
+    if recipe is not None and verify is not None:
+        check_extras(recipe, token)
     if recipe is not None:
         from huggingface_hub import HfApi
 
@@ -76,20 +84,25 @@ def push(
         target = inspect_target(api, repo_id, token)
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
-            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, log)
+            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log)
     tmp = None
     try:
         if recipe is not None:
             tmp = make_temp("push", workdir, log)
             recipe.out = str(tmp / repo_id.split("/")[1])
+            stage(STAGES[0])
             folder = merge(recipe, token=token, log=log).out
         folder = Path(folder)
         if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
+            stage("verify")
             verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, **verify)
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
             write_card(folder, load_name=repo_id)
             replace = public_records(folder)
+        if finished is not None:
+            finished(folder)
+        stage("commit")
         return push_folder(
             folder,
             repo_id,
@@ -146,6 +159,8 @@ def _push_streamed(
     workdir: str | Path | None,
     verify: dict | None,
     check_shard: Callable[[Shard], None] | None,
+    stage: Callable[[str], None],
+    finished: Callable[[Path], None] | None,
     log: Callable[[str], None],
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
@@ -187,6 +202,7 @@ def _push_streamed(
             meter=meter,
             log=log,
         )
+        stage(STAGES[0])
         if base_stream is not None:
             base_stream.start()
         folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
@@ -194,6 +210,7 @@ def _push_streamed(
         if base_stream is not None:
             base_stream.close()
         if verify is not None:
+            stage("verify")
             verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, **verify)
         write_card(folder, load_name=repo_id)
         sent = {op.path_in_repo for op in uploaded}
@@ -204,6 +221,9 @@ def _push_streamed(
             f"scratch disk peak: {meter.peak / 2**20:.1f} MiB (weights {weights / 2**20:.1f} MiB, output shards of "
             f"{parse_size(recipe.max_shard_size) / 2**20:.1f} MiB)"
         )
+        if finished is not None:
+            finished(folder)
+        stage("commit")
         return publication.commit(operations, sorted(sent | set(names)))
     except BaseException:
         if uploader is not None:
@@ -216,6 +236,33 @@ def _push_streamed(
         if shard_proof is not None:
             shard_proof.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_extras(recipe: Recipe, token: str | None) -> None:
+    """Before anything is merged or written: verifying a diffusion merge needs diffusers (converter[diffusion])."""
+    import importlib.util
+
+    if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
+        from converter.optional import require
+
+        require("diffusers", "verifying a diffusion merge")
+
+
+def _diffusion_base(spec: str, token: str | None) -> bool:
+    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
+    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
+    source = parse_source(spec)
+    if source.local is not None:
+        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
+    if source.path is not None:
+        return source.path.endswith(".safetensors")
+    from huggingface_hub import file_exists
+
+    try:
+        return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
+                                                  token=token))  # fmt: skip
+    except ConverterError:
+        return False
 
 
 def _checks(*checks: Callable[[Shard], None] | None) -> Callable[[Shard], None]:

@@ -255,8 +255,13 @@ def test_run_job_failure_leaves_nothing(hub, tmp_path):
 
 
 def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
+    hub.reset_log()
     first = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=LORA, repo_id="demo/jobs-pr", verify=False)
-    assert first["stages"] == ["check", "download", "merge", "upload"] and first["changed"], first
+    assert first["stages"] == ["check", "download, merge, upload", "commit"] and first["changed"], first
+    # The pipelined push: the base's weights streamed by Range reads while the merge read them, one commit.
+    weights = [s for s in hub.seen if s.method == "GET" and f"/{BASE}/resolve/" in s.path and ".safetensors" in s.path]
+    assert weights and all(s.range for s in weights), weights
+    assert len([s for s in hub.seen if "/commit/" in s.path]) == 1
     assert first["left"] == [] and first["report"] is None and "demo/jobs-pr" in first["card"]
     second = _run_job(
         hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=f"{LORA} 0.5", repo_id="demo/jobs-pr", verify=False,
@@ -267,7 +272,7 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     # The demo adapters name BASE as their base: the same repo as the pinned base, so no warning (it
     # used to compare the name with the cache folder '<sha>'); and the log names repos, never server paths.
     assert not [line for line in first["log"] if "trained on" in line], first["log"]
-    leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-job-" in x or "/tmp" in x]
+    leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-" in x or "/tmp" in x]
     assert not leaks and any(line.startswith("wrote jobs-pr ") for line in first["log"]), first["log"]
 
 
@@ -282,6 +287,9 @@ def test_public_paths_show_repo_names_only(tmp_path):
         "warning: org/my-lora@0123456: something; wrote merged (3 MB); base/config.json"
     ).replace("org/my-lora@0123456", "org/my-lora@0123456/adapter_model.safetensors")
     assert public_paths(f"left {tmp_path}/jobs/other-job", job, tmp_path / "jobs") == "left other-job"
+    # The pipelined push's own temp folder inside the job's: its name (owner, host) is not shown either.
+    line = f"wrote {job}/converter-push.4242-1-0f@host/out/merged (3 MB)"
+    assert public_paths(line, job, tmp_path / "jobs") == "wrote merged (3 MB)"
 
 
 def test_same_base_is_decided_by_pinned_ids():

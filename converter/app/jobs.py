@@ -1,4 +1,5 @@
-"""One Space job, start to end: check → download → merge → verify → upload, in its own temp folder and HF cache.
+"""One Space job, start to end: check, then the pipelined push (download, merge and upload at once → verify →
+one commit), in its own temp folder and HF cache.
 
 Why a module of its own: a web server runs many jobs in one long-lived process, so each job must clean up after
 itself (the temp folder, cache included, is removed in `finally`, also on failure), must refuse jobs too large for
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.errors import ConverterError, HubError, UsageError
+from converter.pipeline import STAGES as PUSH_STAGES
 from converter.recipe import AdapterSpec, Recipe
 from converter.scratch import make_temp
 
-STAGES = ("check", "download", "merge", "verify", "upload")
+STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
 
 
@@ -150,7 +152,9 @@ def public_paths(text: str, *roots: Path | str) -> str:
     server's layout is none of their business (and can say who else is running jobs)."""
     text = _CACHED.sub(lambda m: f"{m[1]}/{m[2]}@{m[3]}{m[4] or ''}", text)
     for root in sorted({str(Path(r)) for r in roots if r}, key=len, reverse=True):
-        text = re.sub(re.escape(root) + r"/(?:(?:out|check|standin)/)?", "", text).replace(root, "<job>")
+        # converter-push.<owner>/: the push's own temp folder inside the job's (its owner names the host)
+        inner = r"/(?:converter-[a-z]+\.[^/\s]+/)?(?:(?:out|check|standin|base)/)?"
+        text = re.sub(re.escape(root) + inner, "", text).replace(root, "<job>")
     return text
 
 
@@ -209,10 +213,11 @@ def run_job(
 
 
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
+    """Check, then the pipelined push (download, merge and upload at once; verification; one commit)."""
     from converter.app.check import check
-    from converter.merge import merge
-    from converter.pipeline import push, verify_folder
-    from converter.sources import fetch, job_sources
+    from converter.pipeline import push
+    from converter.records import read_report
+    from converter.sources import job_sources
 
     repo_id = request.repo_id.strip()
     with job_sources(tmp / "hf-cache"):
@@ -222,23 +227,30 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         shutil.rmtree(tmp / "check", ignore_errors=True)
         for w in plan.warnings:
             say(f"warning: {w}")
-        stage("download")
         say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
-        fetch(recipe.base, "model", token, need_bytes=plan.bytes_to_write)
-        for spec in recipe.adapters:
-            fetch(spec.source, "adapter", token)
-        stage("merge")
-        recipe.out = str(tmp / "out" / repo_id.split("/")[1])
-        out = merge(recipe, token=token, log=say).out
-        report = None
-        if request.verify:
-            stage("verify")
-            # The page shows the greedy continuations side by side: the full check (same verdict as quick)
-            prompts = request.prompt_list()
-            report = verify_folder(out, recipe, token=token, log=say, prompts=prompts, mode="full").to_dict()
-        stage("upload")
-        result = push(repo_id, folder=out, token=token, private=request.private, create_pr=request.create_pr, log=say)
-        card = (out / "README.md").read_text()
-        images = report_images(out, report)
+        # The page shows the greedy continuations side by side: the full check (same verdict as quick)
+        verify = {"prompts": request.prompt_list(), "mode": "full"} if request.verify else None
+        published: dict = {}
+
+        def finished(folder: Path) -> None:  # the job folder goes with the push: read what the page shows now
+            published["report"] = read_report(folder) if request.verify else None
+            published["card"] = (folder / "README.md").read_text()
+            published["images"] = report_images(folder, published["report"])
+
+        result = push(
+            repo_id,
+            recipe=recipe,
+            token=token,
+            private=request.private,
+            create_pr=request.create_pr,
+            workdir=tmp,
+            verify=verify,
+            stage=stage,
+            finished=finished,
+            log=say,
+        )
     say(result.summary())
-    return JobResult(repo_id, result.url, result.pr_url, result.commit, result.changed, report, card, lines, images)
+    return JobResult(
+        repo_id, result.url, result.pr_url, result.commit, result.changed, published.get("report"),
+        published.get("card", ""), lines, published.get("images", []),
+    )  # fmt: skip
