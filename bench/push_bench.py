@@ -10,7 +10,9 @@ each in its own process with an empty HF cache:
   (c) `converter push --no-verify` of this tree (pipelined: download, merge and upload at once, one commit);
   (d) today's sequential push: the same command from another source tree (`--baseline REF`, a git ref);
   (e) PEFT's way: download, `from_pretrained` + `PeftModel` + `merge_and_unload` + `save_pretrained`,
-      `upload_folder`.
+      `upload_folder`;
+  (f) `converter push` as it runs by default: verified (each shard's tensor proof before its upload, then the
+      logits check against PEFT's unmerged forward), compared with (c) and with the verification's own time.
 
 It reports each time and the ratios to the larger of (a) and (b) (the target: (c) within 1.25x), checks that
 (c)'s repo holds exactly the tensors of a local merge (bit for bit) in one commit, and appends a section to
@@ -91,6 +93,7 @@ class Run:
     cpu_s: float
     load1: float
     log: Path
+    report: dict | None = None  # (f): the verification's own seconds, from its report in the repo
 
 
 class Server:
@@ -205,6 +208,17 @@ def same_tensors(root: Path, repo: str, reference: Path) -> tuple[bool, int]:
     return True, len(hub.history(f"alice/{repo}"))
 
 
+def verification_times(root: Path, repo: str) -> dict:
+    """The tensor proof's seconds, from the pushed repo's verification report (the published report keeps no
+    other timings: a re-push of the same merge must be byte-identical)."""
+    from converter.records import REPORT_FILE
+    from converter.testing.hub import HubServer
+
+    hub = HubServer(root)
+    report = json.loads(hub._blob_path(hub.files(f"alice/{repo}")[REPORT_FILE].sha256).read_text())
+    return {"tensor_proof_s": (report.get("tensors") or {}).get("seconds")}
+
+
 def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Path, work: Path) -> dict:
     tag = f"{down:g}-{up:g}"
     root, logs = work / f"hub-{tag}", work / f"logs-{tag}"
@@ -230,6 +244,9 @@ def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Pa
                 plan.append(("sequential", f"(d) sequential push ({args.baseline})", cmd, baseline))
             if not args.no_peft:
                 plan.append(("peft", "(e) PEFT's way", [py, "-c", PEFT, f"alice/peft-{stamp}-{rnd}"], None))
+            if not args.no_verified:
+                cmd = [*push[:-1], "--repo", f"alice/verified-{stamp}-{rnd}"]
+                plan.append(("verified", "(f) `converter push` (verified)", cmd, None))
             for name, label, cmd, pythonpath in plan:
                 forget_uploads(root, keep)
                 home = work / "hf-home"
@@ -241,6 +258,9 @@ def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Pa
                     ok, commits = same_tensors(root, f"pushed-{stamp}-{rnd}", merged)
                     run.label += "" if ok and commits == 2 else " (WRONG OUTPUT)"
                     print(f"    same tensors as a local merge: {ok}; commits: {commits}", flush=True)
+                if name == "verified" and run.rc == 0:
+                    run.report = verification_times(root, f"verified-{stamp}-{rnd}")
+                    print(f"    verification: {run.report}", flush=True)
     finally:
         server.stop()
     return {"down": down, "up": up, "runs": runs}
@@ -274,7 +294,7 @@ def render(results: list[dict], info: dict, command: str, shape_tag: str, weight
         for r in runs:
             ratio = f"{r.wall_s / larger:.2f}x" if larger and r.rc == 0 else "-"
             lines.append(f"| {r.label} | {r.rc} | {r.wall_s:.1f} | {r.cpu_s:.1f} | {ratio} | {r.load1:.2f} |")
-        c, d, e = best(runs, "converter"), best(runs, "sequential"), best(runs, "peft")
+        c, d, e, f = (best(runs, n) for n in ("converter", "sequential", "peft", "verified"))
         lines.append("")
         if c and larger:
             verdict = "met" if c.wall_s <= TARGET * larger else "**missed**"
@@ -283,6 +303,13 @@ def render(results: list[dict], info: dict, command: str, shape_tag: str, weight
             lines.append(f"- sequential push / pipelined push: **{d.wall_s / c.wall_s:.2f}x**")
         if c and e:
             lines.append(f"- PEFT's way / pipelined push: **{e.wall_s / c.wall_s:.2f}x**")
+        if c and f:
+            times = f.report or {}
+            lines.append(
+                f"- verified push (f) - unverified (c): **{f.wall_s - c.wall_s:.1f} s** wall, "
+                f"{f.cpu_s - c.cpu_s:.1f} s CPU, of which the tensor proof {times.get('tensor_proof_s')} s (shard "
+                "by shard, before each upload) and the rest the behaviour check (PEFT's unmerged forward vs the merge)"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -298,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of all runs per link (fastest of each counts)")
     p.add_argument("--small", action="store_true", help="merge_bench's small model: a smoke run, nothing recorded")
     p.add_argument("--no-peft", action="store_true", help="skip (e), PEFT's way")
+    p.add_argument("--no-verified", action="store_true", help="skip (f), the verified push")
     p.add_argument("--workdir", type=Path, default=BENCH_DIR / "work")
     p.add_argument("--no-record", action="store_true")
     p.add_argument("--results", type=Path, default=BENCH_DIR / "RESULTS.md")

@@ -13,6 +13,10 @@ from collections.abc import Callable
 _DONE = object()
 
 
+class _Aborted(Exception):
+    """Set as the worker's error by `abort`: the items still queued are skipped."""
+
+
 class Worker:
     def __init__(self, fn: Callable[[object], None], maxsize: int = 2, name: str = "converter-worker"):
         self._fn = fn
@@ -44,6 +48,8 @@ class Worker:
         self._raise()
 
     def abort(self) -> None:
-        """Stop after what is queued, ignoring errors (the job failed already)."""
+        """Stop after the item in hand, skipping what is queued and ignoring errors (the job failed already)."""
+        if self._error is None:
+            self._error = _Aborted()
         self._queue.put(_DONE)
         self._thread.join()

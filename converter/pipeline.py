@@ -206,12 +206,13 @@ def _push_streamed(
         if base_stream is not None:
             base_stream.start()
         folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
-        uploaded = uploader.close()
+        uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
         if base_stream is not None:
             base_stream.close()
         if verify is not None:
             stage("verify")
             verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, **verify)
+        uploaded = uploader.close()
         write_card(folder, load_name=repo_id)
         sent = {op.path_in_repo for op in uploaded}
         names = local_files(folder)

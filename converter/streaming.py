@@ -327,7 +327,9 @@ class _Stopped(Exception):
 class ShardUploader:
     """Uploads each finished output shard (`preupload_lfs_files`) on its own thread while the merge goes on;
     `operations` are what the one commit at the end names. At most one shard waits while one uploads: a slower
-    upload holds the merge back instead of filling the disk."""
+    upload holds the merge back instead of filling the disk. A shard's `check` (the tensor proof) runs on a thread
+    of its own, before that shard's upload and during the previous one's, so a CPU-bound proof and a
+    network-bound upload overlap instead of taking turns."""
 
     def __init__(
         self,
@@ -354,6 +356,7 @@ class ShardUploader:
         self.uploaded = 0
         self._worker_items = 0
         self._worker = Worker(self._upload, maxsize=1, name="converter-upload")
+        self._checker = Worker(self._check, maxsize=1, name="converter-check") if check is not None else None
 
     def submit(self, shard: Shard) -> None:
         """Called by the writer thread with each durable shard; blocks while the uploader is a shard behind.
@@ -365,14 +368,16 @@ class ShardUploader:
         os.link(shard.path, link)
         if not self.keep:
             shard.path.unlink()
-        self._worker.put(dataclasses.replace(shard, path=link))
+        (self._checker or self._worker).put(dataclasses.replace(shard, path=link))
+
+    def _check(self, shard: Shard) -> None:
+        self.check(shard)
+        self._worker.put(shard)
 
     def _upload(self, shard: Shard) -> None:
         from huggingface_hub import CommitOperationAdd
         from huggingface_hub.lfs import UploadInfo
 
-        if self.check is not None:
-            self.check(shard)
         if self.finished is not None:
             self.finished(shard.tensors)
         if self.meter is not None:
@@ -393,10 +398,21 @@ class ShardUploader:
         shard.path.unlink()
         self.log(f"  uploaded {name} ({shard.size / 1e9:.2f} GB, {time.monotonic() - started:.1f} s)")
 
+    def checked(self) -> None:
+        """Wait until every submitted shard has passed its check (uploads may still be running); re-raise a
+        failed check."""
+        if self._checker is not None:
+            self._checker.close()
+            self._checker = None
+
     def close(self) -> list:
         """Wait for the last upload; the operations, in upload order."""
+        self.checked()
         self._worker.close()
         return self.operations
 
     def abort(self) -> None:
+        """Stop: the upload in flight ends, nothing queued starts (checks first: they feed the uploads)."""
+        if self._checker is not None:
+            self._checker.abort()
         self._worker.abort()

@@ -312,3 +312,82 @@ def test_pipelined_shard_size_keeps_what_the_user_gave():
     assert pipelined_shard_size(None, 2**20) == str(256 * 2**20) and pipelined_shard_size(None, 2**40) == str(2**31)
     recipe = Recipe(base="b", adapters=[AdapterSpec(source="a")])
     assert recipe.max_shard_size is None and "max_shard_size" not in recipe.to_dict()
+
+
+class _SlowHub:
+    """An `HfApi` stand-in for ShardUploader: each upload waits for `release(name)` (or fails the test)."""
+
+    def __init__(self):
+        import threading
+
+        self.gates: dict[str, threading.Event] = {}
+        self.uploaded: list[str] = []
+
+    def gate(self, name: str):
+        import threading
+
+        return self.gates.setdefault(name, threading.Event())
+
+    def preupload_lfs_files(self, repo_id, operations, **kwargs):
+        (op,) = operations
+        assert self.gate(op.path_in_repo).wait(10), f"{op.path_in_repo}: its upload was never released"
+        self.uploaded.append(op.path_in_repo)
+
+
+def _shards(tmp_path: Path, n: int) -> list:
+    from converter.writer import Shard
+
+    out = []
+    for i in range(n):
+        path = tmp_path / f"model-{i}.safetensors"
+        path.write_bytes(b"x" * 1000)
+        out.append(Shard(path, path.name, hashlib.sha256(path.read_bytes()).hexdigest(), 1000, b"x" * 512, ()))
+    return out
+
+
+def test_each_shard_is_proven_while_the_one_before_uploads(tmp_path):
+    """The per-shard check (a CPU-bound tensor proof) and the uploads (network-bound) overlap: shard 2's check runs
+    while shard 1 is still uploading; shard 1's upload only ends once shard 2's check has started, so taking turns
+    would never finish (the fake upload fails after 10 s). Every shard is checked before its own upload."""
+    from converter.streaming import ShardUploader
+
+    api, shards, checked = _SlowHub(), _shards(tmp_path, 3), []
+
+    def check(shard):
+        assert shard.name not in api.uploaded
+        checked.append(shard.name)
+        if len(checked) > 1:
+            api.gate(shards[len(checked) - 2].name).set()  # this check is running: the previous upload may end
+        if len(checked) == len(shards):
+            api.gate(shard.name).set()
+
+    uploader = ShardUploader(api, "alice/x", tmp_path / "spool", ensure_repo=lambda: None, check=check,
+                             log=lambda line: None)  # fmt: skip
+    for shard in shards:
+        uploader.submit(shard)
+    uploader.checked()
+    assert checked == [s.name for s in shards]
+    assert [op.path_in_repo for op in uploader.close()] == [s.name for s in shards] == api.uploaded
+
+
+def test_a_failed_check_stops_the_uploads_and_nothing_queued_starts(tmp_path):
+    """A check that fails is raised by `checked()`; its shard never uploads. `abort()` lets the upload in flight
+    end and starts none of those queued behind it."""
+    from converter.errors import VerificationFailed
+    from converter.streaming import ShardUploader
+
+    api, shards = _SlowHub(), _shards(tmp_path, 3)
+
+    def check(shard):
+        if shard.name == shards[1].name:
+            api.gate(shards[0].name).set()
+            raise VerificationFailed(f"{shard.name}: sabotaged")
+
+    uploader = ShardUploader(api, "alice/x", tmp_path / "spool", ensure_repo=lambda: None, check=check,
+                             log=lambda line: None)  # fmt: skip
+    for shard in shards[:2]:
+        uploader.submit(shard)
+    with pytest.raises(VerificationFailed, match="model-1.safetensors: sabotaged"):
+        uploader.checked()
+    uploader.abort()
+    assert api.uploaded == [shards[0].name]
