@@ -326,10 +326,12 @@ class _Stopped(Exception):
 
 class ShardUploader:
     """Uploads each finished output shard (`preupload_lfs_files`) on its own thread while the merge goes on;
-    `operations` are what the one commit at the end names. At most one shard waits while one uploads: a slower
-    upload holds the merge back instead of filling the disk. A shard's `check` (the tensor proof) runs on a thread
-    of its own, before that shard's upload and during the previous one's, so a CPU-bound proof and a
-    network-bound upload overlap instead of taking turns."""
+    `operations` are what the one commit at the end names. A shard's `check` (the tensor proof) runs on a thread
+    of its own, before that shard's upload and during the previous one's, so a CPU-bound proof and a network-bound
+    upload overlap instead of taking turns. Without `keep`, at most one shard waits at each step: a slower upload
+    holds the merge back instead of filling the disk. With `keep` (a verified push) every shard stays on disk for
+    the verification anyway, so nothing holds the merge back: it runs ahead of a slow upload, and the behaviour
+    check after it runs while the uploads finish."""
 
     def __init__(
         self,
@@ -355,11 +357,13 @@ class ShardUploader:
         self.operations: list = []
         self.uploaded = 0
         self._worker_items = 0
-        self._worker = Worker(self._upload, maxsize=1, name="converter-upload")
-        self._checker = Worker(self._check, maxsize=1, name="converter-check") if check is not None else None
+        waiting = 0 if keep else 1  # 0: no limit
+        self._worker = Worker(self._upload, maxsize=waiting, name="converter-upload")
+        self._checker = Worker(self._check, maxsize=waiting, name="converter-check") if check is not None else None
 
     def submit(self, shard: Shard) -> None:
-        """Called by the writer thread with each durable shard; blocks while the uploader is a shard behind.
+        """Called by the writer thread with each durable shard; without `keep`, blocks while the uploader is a
+        shard behind.
 
         The shard is hard-linked into the spool folder first: the merge's output folder is renamed into place
         when the merge ends, and without `keep` the shard leaves it at once (the spool's link is uploaded)."""
