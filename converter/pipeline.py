@@ -205,6 +205,10 @@ def _push_streamed(
         stage(STAGES[0])
         if base_stream is not None:
             base_stream.start()
+        if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
+            from converter.verify.warmup import start
+
+            start()
         folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
         uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
         if base_stream is not None:
