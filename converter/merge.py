@@ -27,6 +27,7 @@ from converter.lazy import torch
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, plan_merge
 from converter.progress import Progress
+from converter.readahead import Job, ReadAhead
 from converter.recipe import Recipe
 from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
 from converter.scratch import temp_folder
@@ -49,6 +50,7 @@ SKIP_SUFFIXES = (
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
 DEFAULT_MAX_SHARD = "5GB"  # as transformers' save_pretrained
+READ_AHEAD = 64 * 2**20  # base bytes read ahead of the math (converter.readahead)
 
 
 @dataclass
@@ -322,26 +324,39 @@ def _stream_into(
     progress: Progress | None,
 ) -> None:  # fmt: skip
     last_use = {checkpoint.where[o.source.name].path: o.name for o in plan.outputs}
-    for o in plan.outputs:
+    ways = [_way(checkpoint, o, use_numpy) for o in plan.outputs]
+    jobs = [_read_job(checkpoint, o, way, readers, last_use) for o, way in zip(plan.outputs, ways, strict=True)]
+    ahead = ReadAhead(jobs, READ_AHEAD)
+    try:
+        _consume(checkpoint, plan, writers, ways, ahead, pool, last_use, progress)
+    except BaseException:
+        ahead.close(wait=False)  # its thread may be waiting for a download; it stops at its next piece
+        raise
+    ahead.close()
+
+
+def _consume(
+    checkpoint: Checkpoint, plan: MergePlan, writers: list, ways: list[str], ahead: ReadAhead, pool,
+    last_use: dict, progress: Progress | None,
+) -> None:  # fmt: skip
+    """Merge and write each output from the pieces `ahead` reads for it, in the plan's order."""
+    for o, way in zip(plan.outputs, ways, strict=True):
         part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
         name = o.name[len(part.prefix) :]
-        in_order = checkpoint.where.get(o.name) is not None
-        reader = readers[checkpoint.where[o.source.name].path]
-        if o.byte_copy and in_order:
-            writer.write(name, lambda sink, o=o, r=reader: r.copy(o.source, sink))
-        elif use_numpy and npmerge.supports(o):
-            raw = reader.read_bytes(o.source) if in_order else checkpoint.read_bytes(o.source.name)
-            base = npmath.view(raw, o.source.dtype, o.source.shape)
+        if way == "copy":
+            writer.write(name, lambda sink: _drain(ahead.pieces(), sink))
+        elif way == "numpy":
+            base = npmath.view(ahead.next(), o.source.dtype, o.source.shape)
             writer.write(name, lambda sink, o=o, base=base: _numpy_merged(o, base, sink, pool))
-            del raw, base
+            del base
         else:
-            t = reader.read(o.source) if in_order else checkpoint.read(o.source.name)
+            t = ahead.next()
             merged = plan.task_merge or _patched
             result = (merged(o, t) if o.patches else t).to(dtypes.ST_TO_TORCH[o.dtype])
             if o.patches and not all_finite(result):
                 raise ConverterError(
-                    f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows this "
-                    "base; check its alpha/scale, or merge into a wider --dtype)"
+                    f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows "
+                    "this base; check its alpha/scale, or merge into a wider --dtype)"
                 )
             data = _as_bytes(result)
             del t, result
@@ -349,10 +364,41 @@ def _stream_into(
             del data
         source_file = checkpoint.where[o.source.name]
         if last_use.get(source_file.path) == o.name and getattr(source_file, "release", None) is not None:
-            readers[source_file.path].finish()  # nothing more is read from it: a file fetched for this job can go
-            source_file.release(o.name)
+            source_file.release(o.name)  # nothing more is read from it: a file fetched for this job can go
         if progress is not None:
             progress.update(o.spec.nbytes)
+
+
+def _drain(pieces, sink) -> None:
+    for piece in pieces:
+        sink(piece)
+
+
+def _way(checkpoint: Checkpoint, o: OutputTensor, use_numpy: bool) -> str:
+    """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.npmerge) or "torch"."""
+    if o.byte_copy and checkpoint.where.get(o.name) is not None:
+        return "copy"
+    return "numpy" if use_numpy and npmerge.supports(o) else "torch"
+
+
+def _read_job(checkpoint: Checkpoint, o: OutputTensor, way: str, readers: dict, last_use: dict) -> Job:
+    """What the read-ahead thread does for output `o`: its base tensor's bytes (a tensor, for torch), or a byte
+    copy's chunks; after a file's last tensor, the rest of the file is hashed and the file closed."""
+    source_file = checkpoint.where[o.source.name]
+    reader = readers[source_file.path]
+    in_order = checkpoint.where.get(o.name) is not None
+
+    def job(put) -> None:
+        if way == "copy":
+            reader.copy(o.source, put)
+        elif way == "numpy":
+            put(reader.read_bytes(o.source) if in_order else checkpoint.read_bytes(o.source.name))
+        else:
+            put(reader.read(o.source) if in_order else checkpoint.read(o.source.name))
+        if last_use.get(source_file.path) == o.name:
+            reader.finish()
+
+    return job
 
 
 def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
