@@ -23,6 +23,8 @@ class _Stopped(Exception):
 
 
 class ReadAhead:
+    """Runs `jobs` in order on one thread; the consumer takes each job's pieces with `pieces()` or `next()`."""
+
     def __init__(self, jobs: list[Job], budget: int, name: str = "converter-reader"):
         self._jobs = jobs
         self._budget = budget
