@@ -93,7 +93,7 @@ class Run:
     cpu_s: float
     load1: float
     log: Path
-    report: dict | None = None  # (f): the verification's own seconds, from its report in the repo
+    proof_s: float | None = None  # (f): the tensor proof's seconds, from the verification report in the repo
 
 
 class Server:
@@ -125,10 +125,6 @@ def seed(root: Path, base: Path, adapter: Path) -> set[str]:
     # Only the seeded repos' blobs: the server's disk also keeps what earlier invocations pushed, and a blob kept
     # would let the next push of the same bytes skip its upload.
     return {entry.sha256 for repo in ("alice/base", "alice/lora") for entry in hub.files(repo).values()}
-
-
-def blobs(root: Path) -> set[str]:
-    return {p.name for p in (root / "blobs").glob("*/*")}
 
 
 def forget_uploads(root: Path, keep: set[str]) -> None:
@@ -210,15 +206,14 @@ def same_tensors(root: Path, repo: str, reference: Path) -> tuple[bool, int]:
     return True, len(hub.history(f"alice/{repo}"))
 
 
-def verification_times(root: Path, repo: str) -> dict:
+def tensor_proof_seconds(root: Path, repo: str) -> float | None:
     """The tensor proof's seconds, from the pushed repo's verification report (the published report keeps no
     other timings: a re-push of the same merge must be byte-identical)."""
     from converter.records import REPORT_FILE
     from converter.testing.hub import HubServer
 
-    hub = HubServer(root)
-    report = json.loads(hub._blob_path(hub.files(f"alice/{repo}")[REPORT_FILE].sha256).read_text())
-    return {"tensor_proof_s": (report.get("tensors") or {}).get("seconds")}
+    report = json.loads(HubServer(root).read_file(f"alice/{repo}", REPORT_FILE))
+    return (report.get("tensors") or {}).get("seconds")
 
 
 def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Path, work: Path) -> dict:
@@ -234,7 +229,8 @@ def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Pa
     try:
         for rnd in range(args.rounds):
             print(f"link {down:g} MB/s down / {up:g} MB/s up, round {rnd + 1}", flush=True)
-            push = [py, "-m", "converter", "push", "--base", "alice/base", "--adapter", "alice/lora", "--no-verify"]
+            verified = [py, "-m", "converter", "push", "--base", "alice/base", "--adapter", "alice/lora"]
+            push = [*verified, "--no-verify"]
             plan = [
                 ("download", "(a) download alone", [py, "-c", DOWNLOAD], None),
                 ("upload", "(b) upload alone", [py, "-c", UPLOAD, str(merged), f"alice/upload-{stamp}-{rnd}"], None),
@@ -247,7 +243,7 @@ def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Pa
             if not args.no_peft:
                 plan.append(("peft", "(e) PEFT's way", [py, "-c", PEFT, f"alice/peft-{stamp}-{rnd}"], None))
             if not args.no_verified:
-                cmd = [*push[:-1], "--repo", f"alice/verified-{stamp}-{rnd}"]
+                cmd = [*verified, "--repo", f"alice/verified-{stamp}-{rnd}"]
                 plan.append(("verified", "(f) `converter push` (verified)", cmd, None))
             for name, label, cmd, pythonpath in plan:
                 forget_uploads(root, keep)
@@ -261,8 +257,8 @@ def run_link(down: float, up: float, args, base: Path, adapter: Path, merged: Pa
                     run.label += "" if ok and commits == 2 else " (WRONG OUTPUT)"
                     print(f"    same tensors as a local merge: {ok}; commits: {commits}", flush=True)
                 if name == "verified" and run.rc == 0:
-                    run.report = verification_times(root, f"verified-{stamp}-{rnd}")
-                    print(f"    verification: {run.report}", flush=True)
+                    run.proof_s = tensor_proof_seconds(root, f"verified-{stamp}-{rnd}")
+                    print(f"    tensor proof: {run.proof_s} s", flush=True)
     finally:
         server.stop()
     return {"down": down, "up": up, "runs": runs}
@@ -306,10 +302,9 @@ def render(results: list[dict], info: dict, command: str, shape_tag: str, weight
         if c and e:
             lines.append(f"- PEFT's way / pipelined push: **{e.wall_s / c.wall_s:.2f}x**")
         if c and f:
-            times = f.report or {}
             lines.append(
                 f"- verified push (f) - unverified (c): **{f.wall_s - c.wall_s:.1f} s** wall, "
-                f"{f.cpu_s - c.cpu_s:.1f} s CPU, of which the tensor proof {times.get('tensor_proof_s')} s (shard "
+                f"{f.cpu_s - c.cpu_s:.1f} s CPU, of which the tensor proof {f.proof_s} s (shard "
                 "by shard, before each upload) and the rest the behaviour check (PEFT's unmerged forward vs the merge)"
             )
         lines.append("")

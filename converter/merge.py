@@ -374,9 +374,15 @@ def _drain(pieces, sink) -> None:
         sink(piece)
 
 
+def _in_order(checkpoint: Checkpoint, o: OutputTensor) -> bool:
+    """Whether `o` is a base tensor of its own name, its bytes met in file order (an untied head, made from the
+    embedding, is read apart)."""
+    return checkpoint.where.get(o.name) is not None
+
+
 def _way(checkpoint: Checkpoint, o: OutputTensor, use_numpy: bool) -> str:
     """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.npmerge) or "torch"."""
-    if o.byte_copy and checkpoint.where.get(o.name) is not None:
+    if o.byte_copy and _in_order(checkpoint, o):
         return "copy"
     return "numpy" if use_numpy and npmerge.supports(o) else "torch"
 
@@ -386,7 +392,7 @@ def _read_job(checkpoint: Checkpoint, o: OutputTensor, way: str, readers: dict, 
     copy's chunks; after a file's last tensor, the rest of the file is hashed and the file closed."""
     source_file = checkpoint.where[o.source.name]
     reader = readers[source_file.path]
-    in_order = checkpoint.where.get(o.name) is not None
+    in_order = _in_order(checkpoint, o)
 
     def job(put) -> None:
         if way == "copy":

@@ -42,7 +42,7 @@ def pipelined_shard_size(given: str | None, weights: int) -> str:
     return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
 
 
-STAGES = ("download, merge, upload", "verify", "commit")  # what `push(stage=...)` reports, in order
+TRANSFER, VERIFY, COMMIT = STAGES = ("download, merge, upload", "verify", "commit")  # `push(stage=...)`, in order
 
 __all__ = ["STAGES", "push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
 
@@ -90,11 +90,11 @@ def push(
         if recipe is not None:
             tmp = make_temp("push", workdir, log)
             recipe.out = str(tmp / repo_id.split("/")[1])
-            stage(STAGES[0])
+            stage(TRANSFER)
             folder = merge(recipe, token=token, log=log).out
         folder = Path(folder)
         if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
-            stage("verify")
+            stage(VERIFY)
             verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, **verify)
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
@@ -102,7 +102,7 @@ def push(
             replace = public_records(folder)
         if finished is not None:
             finished(folder)
-        stage("commit")
+        stage(COMMIT)
         return push_folder(
             folder,
             repo_id,
@@ -202,7 +202,7 @@ def _push_streamed(
             meter=meter,
             log=log,
         )
-        stage(STAGES[0])
+        stage(TRANSFER)
         if base_stream is not None:
             base_stream.start()
         if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
@@ -214,7 +214,7 @@ def _push_streamed(
         if base_stream is not None:
             base_stream.close()
         if verify is not None:
-            stage("verify")
+            stage(VERIFY)
             verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, **verify)
         uploaded = uploader.close()
         write_card(folder, load_name=repo_id)
@@ -228,7 +228,7 @@ def _push_streamed(
         )
         if finished is not None:
             finished(folder)
-        stage("commit")
+        stage(COMMIT)
         return publication.commit(operations, sorted(sent | set(names)))
     except BaseException:
         if uploader is not None:
