@@ -6,11 +6,11 @@ re-exported: the submodule `converter.merge` has that name, and importing it wou
 Heavy libraries (torch, transformers, peft) are never imported by `import converter`.
 """
 
-from converter.errors import ConverterError, VerificationFailed
+from converter.errors import ConverterError, NotVerified, VerificationFailed
 
 __version__ = "0.1.0"
 
-__all__ = ["AdapterSpec", "ConverterError", "Recipe", "VerificationFailed", "__version__"]
+__all__ = ["AdapterSpec", "ConverterError", "NotVerified", "Recipe", "VerificationFailed", "__version__"]
 
 
 def __getattr__(name: str):

@@ -45,9 +45,25 @@ class HubError(ConverterError):
 
 
 class VerificationFailed(ConverterError):
-    """The merged model does not behave like base + adapters."""
+    """The merged model is not base + adapters: `report` is the VerificationReport that says where (None for a
+    check that has no report, such as a converted adapter read back)."""
 
     exit_code = 3
+
+    def __init__(self, message: str, *, report: object = None):
+        super().__init__(message)
+        self.report = report
+
+
+class NotVerified(ConverterError):
+    """No proof could judge the merge (`report.notes` say why): the output is kept, marked not verified, and not
+    pushed; `--no-verify` says the user takes it unproven."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, report: object = None):
+        super().__init__(message)
+        self.report = report
 
 
 class MissingExtraError(UsageError):

@@ -95,7 +95,7 @@ def push(
         folder = Path(folder)
         if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
             stage(VERIFY)
-            verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, **verify)
+            verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, publishing=True, **verify)
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
             write_card(folder, load_name=repo_id)
@@ -126,9 +126,11 @@ def verify_folder(
     report_path: str | Path | None = None,
     log: Callable[[str], None] = print,
     shard_proof=None,
+    publishing: bool = False,
     **settings,
 ):
-    """Verify, record the report next to the model, refresh the card, and raise VerificationFailed on a fail.
+    """Verify, record the report next to the model, refresh the card; VerificationFailed on a fail, NotVerified
+    when no proof could judge it (the folder is kept, its card says so; `publishing`: nothing is pushed).
     Returns the VerificationReport. `shard_proof`: the tensor proof already run shard by shard (a pipelined
     push; see verify.shards)."""
     folder = Path(folder)
@@ -148,7 +150,9 @@ def verify_folder(
     if (folder / PROVENANCE_FILE).is_file():
         write_card(folder, load_name=f"./{folder.name}")
     log(report.markdown)
-    require_pass(report)
+    then = ("; nothing was pushed (--no-verify pushes it unproven)" if publishing else
+            f"; {folder} is kept, its card says not verified (--no-verify skips verification)")  # fmt: skip
+    require_pass(report, then)
     return report
 
 
@@ -215,7 +219,8 @@ def _push_streamed(
             base_stream.close()
         if verify is not None:
             stage(VERIFY)
-            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, **verify)
+            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True,
+                          **verify)
         uploaded = uploader.close()
         write_card(folder, load_name=repo_id)
         sent = {op.path_in_repo for op in uploaded}

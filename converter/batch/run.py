@@ -160,6 +160,8 @@ def _read_outcome(job: Job, code: int | None, out: str, err: str, timeout: float
                 "error": f"timed out after {timeout:g} s (raise the job's timeout:, or --job-timeout)"}  # fmt: skip
     if code == 3:
         return {"status": "failed", "result": "verification failed", "verdict": "failed", "error": last_error}
+    if code == 5:  # NotVerified: no proof could judge it (a merge's output is kept, a push pushed nothing)
+        return {"status": "failed", "result": "not verified", "verdict": "not verified", "error": last_error}
     if code != 0:
         if code < 0:
             error = f"the converter process was killed by signal {-code} (out of memory?)"

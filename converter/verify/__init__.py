@@ -21,12 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.errors import ConverterError
 from converter.recipe import Recipe
 from converter.records import REPORT_FILE
 from converter.scratch import temp_folder
 from converter.verify.judge import judge
 from converter.verify.loading import PROMPTS, Offload, PeftRefused
 from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
+from converter.verify.referee import could_not
 from converter.verify.render import markdown
 from converter.verify.report import Clock, VerificationReport
 
@@ -94,7 +96,8 @@ def verify(
     findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
     if "behaviour" not in proofs:
         report.behaviour_skipped = "not asked for"
-    verdict = judge(report.tensors, findings, (report.tensors_skipped, report.behaviour_skipped))
+    needed = "tensors" in proofs and not job.tensors_by_design
+    verdict = judge(report.tensors, findings, (report.tensors_skipped, report.behaviour_skipped), needed)
     report.verdict, report.problems, report.notes = verdict.verdict, verdict.problems, verdict.notes
     report.seconds, report.phase_seconds = round(time.time() - started, 1), job.clock.phases
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -113,6 +116,7 @@ class Job:
     adapters: list[Path]
     log: Callable[[str], None]
     clock: Clock
+    tensors_by_design: bool = False  # the tensor proof is not this output's proof (4-bit: its behaviour is)
 
     @property
     def diffusion(self) -> bool:
@@ -137,8 +141,10 @@ def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
         job.log(f"tensor proof: {report.tensors.tensors} tensors, proven shard by shard as they were written")
         job.clock.lap("tensor proof")
         return referee
-    report.tensors, report.tensors_skipped, referee = prove_tensors(job.merged, job.recipe, job.base, job.adapters,
-                                                                    job.log)  # fmt: skip
+    report.tensors, declined, referee = prove_tensors(job.merged, job.recipe, job.base, job.adapters, job.log)
+    if declined is not None:
+        report.tensors_skipped, job.tensors_by_design = str(declined), declined.by_design
+        job.log(f"tensor proof not run: {declined}")
     job.clock.lap("tensor proof")
     return referee
 
@@ -149,10 +155,16 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
         report.behaviour_skipped = "the tensor proof already failed"
     elif not job.adapters:
         report.behaviour_skipped = "no adapters: there is no other model to compare with"
-    elif job.diffusion:
-        return _diffusion_behaviour(report, job, single_file_config, referee)
     else:
-        return _llm_behaviour(report, job, settings)
+        try:
+            if job.diffusion:
+                return _diffusion_behaviour(report, job, single_file_config, referee)
+            return _llm_behaviour(report, job, settings)
+        except ConverterError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the libraries could not build or run the reference: said, not a bug
+            report.behaviour_skipped = could_not("the reference could not be run for this model", e)
+            job.log(f"behavioural comparison not run: {report.behaviour_skipped}")
     return None
 
 
@@ -194,8 +206,13 @@ def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_confi
     return findings
 
 
-def require_pass(report: VerificationReport) -> None:
-    from converter.errors import VerificationFailed
+def require_pass(report: VerificationReport, then: str = "") -> None:
+    """VerificationFailed on a fail; NotVerified when nothing could judge the merge (`then`: what became of the
+    output, said after the reason)."""
+    from converter.errors import NotVerified, VerificationFailed
 
     if report.verdict == "fail":
-        raise VerificationFailed("verification failed: " + "; ".join(report.problems))
+        raise VerificationFailed("verification failed: " + "; ".join(report.problems), report=report)
+    if report.verdict == "skipped":
+        why = report.tensors_skipped or "; ".join(report.notes) or "no proof could run"
+        raise NotVerified(f"not verified: {why}{then}", report=report)

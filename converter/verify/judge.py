@@ -1,8 +1,9 @@
 """The verdict, from what the two proofs measured: pure functions, no I/O (tests/test_verify_judge.py).
 
-A merge passes when every proof that ran passed and at least one ran; it fails on any problem; it is "skipped"
-when neither could run (the card then says "not verified"). Problems name what is wrong: the tensor and how far
-off in units of its rounding bound, or the behavioural metric and its threshold.
+A merge passes when every proof that ran passed and the tensor proof ran (or was not the proof for this output:
+a 4-bit one is judged by its behaviour; or not asked for); it fails on any problem; it is "skipped" (the card
+says "not verified") when no referee could judge its tensors and nothing found a problem. Problems name what is
+wrong: the tensor and how far off in units of its rounding bound, or the behavioural metric and its threshold.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ def judge(
     tensors: TensorProofResult | None,
     behaviour: tuple[list[str], list[str]] | None,
     skipped: tuple[str | None, str | None] = (None, None),
+    tensors_needed: bool = False,
 ) -> Verdict:
     """Combine the tensor proof's result and the behavioural findings (problems, notes) into one verdict.
-    `skipped`: why each proof did not run (tensors, behaviour), said in the notes."""
+    `skipped`: why each proof did not run (tensors, behaviour), said in the notes. `tensors_needed`: without
+    the tensor proof the merge is not verified, whatever its behaviour showed ("passed" means every tensor)."""
     problems, notes = [], []
     if tensors is not None:
         p, n = judge_tensors(tensors)
@@ -43,7 +46,8 @@ def judge(
             notes.append(f"{what} not run: {why}")
     if problems:
         return Verdict("fail", problems, notes)
-    return Verdict("pass" if tensors is not None or behaviour is not None else "skipped", problems, notes)
+    proven = tensors is not None or (behaviour is not None and not tensors_needed)
+    return Verdict("pass" if proven else "skipped", problems, notes)
 
 
 def judge_tensors(result: TensorProofResult) -> tuple[list[str], list[str]]:

@@ -12,14 +12,15 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from converter.errors import ConverterError
 from converter.recipe import Recipe
-from converter.verify.referee import Referee, RefereeInfo, RefereeUnavailable
+from converter.verify.referee import JudgedByBehaviour, Referee, RefereeInfo, RefereeUnavailable, could_not
 from converter.verify.tensors import TensorProof, TensorProofResult, locations
 
 
 def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
-) -> tuple[TensorProofResult | None, str | None, Referee | None]:
+) -> tuple[TensorProofResult | None, RefereeUnavailable | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
     from converter.bases import open_base
     from converter.scratch import temp_folder
@@ -28,12 +29,15 @@ def prove_tensors(
         try:
             proof, base = open_proof(merged, recipe, base, adapters, Path(scratch))
         except RefereeUnavailable as e:
-            return None, str(e), None
+            return None, e, None
         log(f"tensor proof: every tensor of {merged.name} against the base and the {proof.referee.info.name} referee")
         output = open_base(merged / base.name if base.is_file() else merged)
-        with one_torch_thread():
-            for f in output.files:
-                proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
+        try:
+            with one_torch_thread():
+                for f in output.files:
+                    proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
+        except RefereeUnavailable as e:
+            return None, e, None
         return proof.result(), None, proof.referee
 
 
@@ -89,17 +93,17 @@ def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path
     from converter.verify.fourbit import four_bit_config
 
     if (merged / "config.json").is_file() and four_bit_config(merged):
-        raise RefereeUnavailable("a 4-bit output is judged by its behaviour against PEFT's own quantized merge; "
+        raise JudgedByBehaviour("a 4-bit output is judged by its behaviour against PEFT's own quantized merge; "
                                  "its packed weights are not compared tensor by tensor")  # fmt: skip
     if not adapters:
         return NoAdapters()
     diffusion = base.is_file() or (base / "model_index.json").is_file()
     reasons = []
-    for ask in (_peft, _peft_components, _diffusers) if diffusion else (_peft,):
+    for who, ask in ((("PEFT", _peft), ("PEFT", _peft_components), ("diffusers", _diffusers)) if diffusion
+                     else (("PEFT", _peft),)):  # fmt: skip
         try:
-            referee = ask(recipe, base, adapters, merged)
+            referee = _built(who, lambda ask=ask: ask(recipe, base, adapters, merged))
             if referee is not None:
-                referee.expectations()  # every module it would judge is asked now: it declines here, or never
                 return referee
         except RefereeUnavailable as e:
             reasons.append(str(e))
@@ -107,11 +111,23 @@ def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path
 
     reason = "; ".join(reasons) or "no other referee reads these adapters"
     try:
-        referee = FormulaReferee(recipe, base, adapters, reason)
-        referee.expectations()
-        return referee
+        return _built("the published formula", lambda: FormulaReferee(recipe, base, adapters, reason))
     except RefereeUnavailable as e:
         raise RefereeUnavailable(f"{reason}, and the published formula cannot recompute it either ({e})") from None
+
+
+def _built(who: str, build: Callable[[], Referee | None]) -> Referee | None:
+    """A referee with every expectation asked now (it declines here, or never); an error inside the library it
+    stands on (a model class it cannot build, a layer it cannot merge) is its refusal, said in one line."""
+    try:
+        referee = build()
+        if referee is not None:
+            referee.expectations()
+        return referee
+    except (RefereeUnavailable, ConverterError):  # a refusal, or input the user must fix: said as it is
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the library raised: this referee cannot judge, the next may
+        raise RefereeUnavailable(could_not(f"{who} could not be built for this model", e)) from None
 
 
 class NoAdapters:

@@ -19,7 +19,28 @@ from typing import Protocol
 
 
 class RefereeUnavailable(Exception):
-    """This referee cannot judge this merge (the reason is said in the report); the next one is asked."""
+    """This referee cannot judge this merge (the reason is said in the report); the next one is asked.
+    `by_design`: the tensor proof is not the proof for this output (a 4-bit one is judged by its behaviour), so
+    not running it leaves the merge verified by the other proof."""
+
+    by_design = False
+
+
+class JudgedByBehaviour(RefereeUnavailable):
+    by_design = True
+
+
+def could_not(what: str, error: BaseException) -> str:
+    """One line on why `what` failed ("PEFT could not be built for this model"), from an error raised inside a
+    library (transformers, PEFT, diffusers) or a referee's own code; the traceback goes to stderr, which the CLI
+    shows only with -v."""
+    import sys
+    import traceback
+
+    traceback.print_exception(error, file=sys.stderr)
+    first = (str(error).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 200 else first[:197] + "..."
+    return f"{what} ({type(error).__name__}: {first})" if first else f"{what} ({type(error).__name__})"
 
 
 U32 = 2.0**-24

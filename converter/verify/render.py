@@ -12,11 +12,15 @@ VERDICT = {"pass": "**Passed**", "fail": "**FAILED**", "skipped": "**Not verifie
 
 
 def markdown(report: VerificationReport) -> str:
-    if report.verdict == "skipped":
+    if report.verdict == "skipped" and report.behaviour is None:
         why = "; ".join(n.split(": ", 1)[-1] for n in report.notes) or "no proof could run"
         return f"**Not verified**: verification was skipped because {why}."
-    proofs = "two proofs" if report.tensors is not None and report.behaviour is not None else "one proof"
-    lines = [f"{VERDICT[report.verdict]} ({proofs}).", ""]
+    if report.verdict == "skipped":
+        head = "**Not verified**: no referee could judge the tensors; the behaviour alone does not prove them."
+    else:
+        proofs = "two proofs" if report.tensors is not None and report.behaviour is not None else "one proof"
+        head = f"{VERDICT[report.verdict]} ({proofs})."
+    lines = [head, ""]
     lines += _tensors(report.tensors, report.tensors_skipped)
     lines += [""] + _behaviour(report)
     for p in report.problems:

@@ -50,7 +50,11 @@ class ShardProof:
             proof = self._open()
             if proof is None:
                 return
-            checks = proof.check_file(shard.path, _prefix(shard.name))
+            try:
+                checks = proof.check_file(shard.path, _prefix(shard.name))
+            except RefereeUnavailable as e:  # verification says it again, after the merge, before any commit
+                self.proof, self.declined = None, str(e)
+                return
             if all(c.ok for c in checks):
                 return
             from converter.verify.judge import judge_tensors
@@ -85,7 +89,7 @@ class ShardProof:
         scratch = Path(self._resources.enter_context(temp_folder("proof", log=self.log)))
         try:
             self.proof, _ = open_proof(Path(self.recipe.out), self.recipe, base, adapters, scratch)
-        except RefereeUnavailable as e:
+        except RefereeUnavailable as e:  # verification says it again, after the merge, before any commit
             self.declined = str(e)
             self.log(f"tensor proof: after the merge ({e})")
             return None

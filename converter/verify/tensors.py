@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.verify.referee import Expectation, Referee, RefereeInfo
+from converter.verify.referee import Expectation, Referee, RefereeInfo, RefereeUnavailable, could_not
 
 UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
 # Half the spacing of the smallest (subnormal) numbers: rounding near zero is off by this much, not by u·|x|.
@@ -183,7 +183,11 @@ class TensorProof:
                 f"stored as {out.dtype} {list(out.shape)}, expected {want_dtype} {list(want_shape)}"))  # fmt: skip
         if rule is None:
             return self._untouched(name, base, out)
-        return self._changed(name, rule, base, out)
+        try:
+            return self._changed(name, rule, base, out)
+        except Exception as e:  # noqa: BLE001 - the referee's library failed: it cannot judge, which is not "wrong"
+            who = f"{self.referee.info.name} could not compute {name} ({rule.module})"
+            raise RefereeUnavailable(could_not(who, e)) from None
 
     def _untouched(self, name: str, base: Location, out: Location) -> TensorCheck:
         differ = self._bytes_differ(base, out) if base.dtype == out.dtype else self._cast_differs(base, out)
