@@ -78,16 +78,18 @@ class DiffusersReferee:
             pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
         except Unbuildable as e:
             raise RefereeUnavailable(str(e)) from None
+        names = _base_names(base)
+        parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}
+        renamed = {c: _loaded_names(model, c, names) for c, model in parts.items()}  # asked before PEFT wraps them
         try:
             wrong = _apply_adapters(pipe, recipe, adapters)
         except LoaderRefused as e:
             raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
         if wrong:
             raise RefereeUnavailable(wrong)
-        names = _base_names(base)
         adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
-        self.parts = [PeftLayers(getattr(pipe, c), "", f"{c}/", adapter_names, recipe.adapters, names)
-                      for c in MODEL_PARTS if getattr(pipe, c, None) is not None]  # fmt: skip
+        self.parts = [RenamedLayers(model, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, model in parts.items()]  # fmt: skip
         self.info = RefereeInfo(
             "diffusers",
             "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
@@ -111,12 +113,15 @@ class PeftComponentsReferee:
         names = _base_names(base)
         adapter_names = [f"adapter{i}" for i in range(len(adapters))]
         models: dict[str, object] = {}
+        renamed: dict[str, dict[str, str]] = {}
         for name, spec, folder in zip(adapter_names, recipe.adapters, adapters, strict=True):
             for sub in component_folders(folder):
-                model = models.get(sub.name) or _component(base, sub.name, index)
-                models[sub.name] = model
-                _inject(model, sub, name, spec.weight_for(sub.name))
-        self.parts = [PeftLayers(m, "", f"{c}/", adapter_names, recipe.adapters, names) for c, m in models.items()]
+                if sub.name not in models:
+                    models[sub.name] = _component(base, sub.name, index)
+                    renamed[sub.name] = _loaded_names(models[sub.name], sub.name, names)  # before PEFT wraps it
+                _inject(models[sub.name], sub, name, spec.weight_for(sub.name))
+        self.parts = [RenamedLayers(m, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, m in models.items()]  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
             "PEFT's own adapter per component (inject_adapter_in_model, its weights loaded by PEFT), PEFT's merge "
@@ -125,6 +130,36 @@ class PeftComponentsReferee:
 
     def expectations(self) -> dict[str, Expectation]:
         return {k: v for part in self.parts for k, v in part.expectations().items()}
+
+
+class RenamedLayers:
+    """The PEFT layers of one pipeline component whose parameters transformers renames on load (a CLIPTextModel
+    without the `text_model.` of its files): PEFT's modules are located by the model's own names, their
+    expectations named by the base's files (what the merge writes). `renamed`: model name -> file key."""
+
+    def __init__(self, model, component: str, renamed: dict[str, str], adapter_names: list[str], specs: list,
+                 base_names: set[str]):  # fmt: skip
+        ns = f"{component}/"
+        self.to_file = {ns + k: ns + v for k, v in renamed.items() if k != v}
+        to_model = {v: k for k, v in self.to_file.items()}
+        self.layers = PeftLayers(model, "", ns, adapter_names, specs, {to_model.get(n, n) for n in base_names})
+
+    def expectations(self) -> dict[str, Expectation]:
+        from dataclasses import replace
+
+        return {self.to_file.get(name, name): replace(rule, base_name=self.to_file.get(rule.base_name, rule.base_name))
+                for name, rule in self.layers.expectations().items()}  # fmt: skip
+
+
+def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
+    """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
+    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+
+    ns = f"{component}/"
+    try:
+        return loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
+    except LoadingRulesUnreadable as e:
+        raise RefereeUnavailable(f"{component}: {e}") from None
 
 
 def _component(base: Path, name: str, index: dict):

@@ -190,8 +190,8 @@ class DiffusionCheck:
 
         pipe = _load(self.base)
         bare = _images(pipe)
-        params = _pipeline_params(pipe)
         base = locations(open_base_checkpoint(self.base))
+        params = _pipeline_params(pipe, set(base))
         for name, rule in referee.expectations().items():
             param, where = params.get(name), base.get(rule.base_name or name)
             if param is None or where is None:
@@ -209,13 +209,23 @@ class DiffusionCheck:
         return ref, out, bare
 
 
-def _pipeline_params(pipe) -> dict:
-    """"component/key" of the checkpoint -> the pipeline's parameter."""
+def _pipeline_params(pipe, file_names: set[str]) -> dict:
+    """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
+    own renames on load)."""
+    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+
     params: dict = {}
     for component in MODEL_PARTS:
         model = getattr(pipe, component, None)
-        for key, param in model.named_parameters() if model is not None else ():
-            params[f"{component}/{key}"] = param
+        if model is None:
+            continue
+        ns = f"{component}/"
+        try:
+            to_file = loaded_names(model, [n[len(ns) :] for n in file_names if n.startswith(ns)])
+        except LoadingRulesUnreadable:  # the names as they are: a renamed tensor is then not found (no images)
+            to_file = {}
+        for key, param in model.named_parameters():
+            params[f"{ns}{to_file.get(key, key)}"] = param
     return params
 
 
