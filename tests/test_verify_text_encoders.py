@@ -33,8 +33,8 @@ LOADED_ENCODERS = {
 TARGETS = {"unet": ["to_q", "to_v", "proj_in", "conv1"],
            "transformer": ["to_q", "to_k", "to_out.0", "add_q_proj", "proj_mlp"]}  # fmt: skip
 CASES = [(kind, fmt) for kind in DENOISER for fmt in ("kohya", "diffusers")]
-IDS = [f"{kind}-{fmt}" for kind, fmt in CASES]
 FORMULA = {("sd3", "kohya"): "applies nothing of", ("flux", "kohya+t5"): "leaves part of"}  # why diffusers stands aside
+MORE = [("flux", "kohya+t5"), ("sd15", "peft")]  # PEFT folders per component: PEFT referees
 
 
 def legacy_names(component: Path) -> None:
@@ -138,6 +138,27 @@ def diffusers_file(kind: str, models: dict, folder: Path) -> Path:
     return folder / "pytorch_lora_weights.safetensors"
 
 
+def peft_folders(kind: str, models: dict, folder: Path) -> Path:
+    """PEFT folders per component (`unet/`, `text_encoder/` ...: what diffusers' older training scripts and
+    kohya-to-PEFT converters write), saved by PEFT; text-encoder keys as PEFT wrote them under transformers 4."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(9)
+    for name in (DENOISER[kind], *LOADED_ENCODERS[kind]):
+        config = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS.get(name, ["q_proj", "v_proj", "fc1"]))
+        model = get_peft_model(copy.deepcopy(models[name]), config)
+        with torch.no_grad():
+            for module in model.modules():
+                for b in getattr(module, "lora_B", {}).values():
+                    b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.2)
+        model.save_pretrained(folder / name)
+        if type(models[name]).__name__ == "CLIPTextModel":
+            f = folder / name / "adapter_model.safetensors"
+            save_file({k.replace(".model.", ".model.text_model.", 1): v for k, v in load_file(f).items()}, f)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
     """(base folder, merged folder) per (layout, format), made once each: our merge, not verified."""
@@ -156,6 +177,8 @@ def merged(tmp_path_factory):
         root = tmp_path_factory.mktemp(f"{kind}-{fmt}")
         if fmt == "diffusers":
             adapter = diffusers_file(kind, models, root / "lora")
+        elif fmt == "peft":
+            adapter = peft_folders(kind, models, root / "peft")
         else:
             lora = kohya_file(kind, models) | (t5_modules() if fmt == "kohya+t5" else {})
             adapter = save(lora, root / "lora.safetensors")
@@ -167,13 +190,17 @@ def merged(tmp_path_factory):
     return get
 
 
+def referee(kind: str, fmt: str) -> str:
+    return "published formula" if (kind, fmt) in FORMULA else "PEFT" if fmt == "peft" else "diffusers"
+
+
 def proof(cli, folder: Path, tmp_path: Path) -> tuple[int, dict, str]:
     """`converter verify --proof tensors`: exit code, JSON report, what it printed."""
     code, out, err = cli("verify", folder, "--proof", "tensors", "--report", tmp_path / "report.json")
     return code, json.loads((tmp_path / "report.json").read_text()), out + err
 
 
-@pytest.mark.parametrize(("kind", "fmt"), [*CASES, ("flux", "kohya+t5")], ids=[*IDS, "flux-kohya+t5"])
+@pytest.mark.parametrize(("kind", "fmt"), [*CASES, *MORE], ids=[f"{kind}-{fmt}" for kind, fmt in [*CASES, *MORE]])
 def test_right_merge_passes_with_diffusers_on_every_tensor(merged, cli, tmp_path, kind, fmt):
     _, out = merged(kind, fmt)
     code, report, said = proof(cli, out, tmp_path)
@@ -185,9 +212,9 @@ def test_right_merge_passes_with_diffusers_on_every_tensor(merged, cli, tmp_path
         assert tensors["referee"]["name"] == "published formula", tensors["referee"]
         assert FORMULA[kind, fmt] in tensors["referee"]["detail"]
         return
-    # every changed tensor is one diffusers' layers name: the proof passes no tensor the referee does not know
-    assert tensors["referee"]["name"] == "diffusers", tensors["referee"]
-    assert "referee: diffusers" in report["markdown"]
+    # every changed tensor is one the referee's layers name: the proof passes no tensor the referee does not know
+    assert tensors["referee"]["name"] == referee(kind, fmt), tensors["referee"]
+    assert f"referee: {referee(kind, fmt)}" in report["markdown"]
 
 
 def touched(kind: str, fmt: str) -> tuple[str, ...]:
@@ -195,7 +222,7 @@ def touched(kind: str, fmt: str) -> tuple[str, ...]:
     return (DENOISER[kind], *LOADED_ENCODERS[kind], *(("text_encoder_2",) if fmt == "kohya+t5" else ()))
 
 
-SABOTAGES = [(kind, fmt, c) for kind, fmt in [*CASES, ("flux", "kohya+t5")] for c in touched(kind, fmt)]
+SABOTAGES = [(kind, fmt, c) for kind, fmt in [*CASES, *MORE] for c in touched(kind, fmt)]
 
 
 @pytest.mark.parametrize(("kind", "fmt", "component"), SABOTAGES, ids=["-".join(case) for case in SABOTAGES])
@@ -211,4 +238,4 @@ def test_one_module_left_unmerged_exits_3_naming_it(merged, cli, tmp_path, kind,
     code, report, said = proof(cli, sabotaged, tmp_path)
     assert code == 3 and report["verdict"] == "fail", said
     assert [f["name"] for f in report["tensors"]["failures"]] == [f"{component}/{name}"]
-    assert report["tensors"]["referee"]["name"] == ("published formula" if (kind, fmt) in FORMULA else "diffusers")
+    assert report["tensors"]["referee"]["name"] == referee(kind, fmt)

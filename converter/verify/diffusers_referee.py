@@ -119,7 +119,7 @@ class PeftComponentsReferee:
                 if sub.name not in models:
                     models[sub.name] = _component(base, sub.name, index)
                     renamed[sub.name] = _loaded_names(models[sub.name], sub.name, names)  # before PEFT wraps it
-                _inject(models[sub.name], sub, name, spec.weight_for(sub.name))
+                _inject(models[sub.name], sub, name, spec.weight_for(sub.name), renamed[sub.name])
         self.parts = [RenamedLayers(m, c, renamed[c], adapter_names, recipe.adapters, names)
                       for c, m in models.items()]  # fmt: skip
         self.info = RefereeInfo(
@@ -170,15 +170,24 @@ def _component(base: Path, name: str, index: dict):
     return component_model(base, name, index, empty=True)
 
 
-def _inject(model, folder: Path, name: str, weight: float) -> None:
-    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale)."""
+def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, str]) -> None:
+    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale). Its
+    module paths as the files spell them (saved before transformers 5: `text_model.encoder...` of a CLIPTextModel)
+    are the model's by transformers' own renames (`renamed`: model name -> file key), which PEFT does not apply
+    to models whose conversion transformers keys by class."""
     from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
 
     from converter.verify.loading import peft_refusals
 
+    modules = {f.removesuffix(".weight"): m.removesuffix(".weight") for m, f in renamed.items()
+               if m != f and f.endswith(".weight") and m.endswith(".weight")}  # fmt: skip
+    config = LoraConfig.from_pretrained(folder)
+    if modules and isinstance(config.target_modules, list | set):
+        config.target_modules = sorted({modules.get(t, t) for t in config.target_modules})
     with peft_refusals():
-        inject_adapter_in_model(LoraConfig.from_pretrained(folder), model, adapter_name=name)
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=name)
+        inject_adapter_in_model(config, model, adapter_name=name)
+        weights = _model_paths(load_peft_weights(str(folder), device="cpu"), modules)
+        result = set_peft_model_state_dict(model, weights, adapter_name=name)
     unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unplaced:
         raise RefereeUnavailable(f"PEFT places {len(unplaced)} tensors of {folder} nowhere, e.g. {unplaced[0]}")
@@ -186,6 +195,20 @@ def _inject(model, folder: Path, name: str, weight: float) -> None:
     for module in model.modules():
         if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
             module.set_scale(name, weight)
+
+
+def _model_paths(weights: dict, modules: dict[str, str]) -> dict:
+    """PEFT's keys (`base_model.model.<module>.lora_A.weight`) with each module path the files spell as the
+    model's (`modules`: file path -> model path)."""
+    if not modules:
+        return weights
+    out = {}
+    for key, value in weights.items():
+        head, sep, tail = key.partition(".lora_")
+        prefix = "base_model.model." if head.startswith("base_model.model.") else ""
+        module = head.removeprefix(prefix)
+        out[f"{prefix}{modules.get(module, module)}{sep}{tail}" if sep else key] = value
+    return out
 
 
 def _base_names(base: Path) -> set[str]:
