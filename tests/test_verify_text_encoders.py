@@ -239,3 +239,19 @@ def test_one_module_left_unmerged_exits_3_naming_it(merged, cli, tmp_path, kind,
     assert code == 3 and report["verdict"] == "fail", said
     assert [f["name"] for f in report["tensors"]["failures"]] == [f"{component}/{name}"]
     assert report["tensors"]["referee"]["name"] == referee(kind, fmt)
+
+
+def test_the_referees_images_find_every_tensor_it_changes(merged):
+    """Where the behaviour check cannot run, the card's reference images are the base pipeline holding the
+    referee's tensors: each is found in the loaded pipeline by its file name (renamed on load included)."""
+    from converter.bases import open_base
+    from converter.merge import recorded_recipe
+    from converter.verify.diffusion import _load, _pipeline_params
+    from converter.verify.prove import choose_referee
+
+    base, out = merged("sd15", "kohya")
+    recipe = recorded_recipe(out)
+    referee = choose_referee(out, recipe, base, [Path(a.source) for a in recipe.adapters])
+    changed = set(referee.expectations())
+    assert any(name.startswith("text_encoder/text_model.") for name in changed)
+    assert changed <= set(_pipeline_params(_load(base), set(open_base(base).names())))
