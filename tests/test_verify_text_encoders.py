@@ -146,12 +146,17 @@ def peft_folders(kind: str, models: dict, folder: Path) -> Path:
 
     g = torch.Generator().manual_seed(9)
     for name in (DENOISER[kind], *LOADED_ENCODERS[kind]):
-        config = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS.get(name, ["q_proj", "v_proj", "fc1"]))
+        whole = ["final_layer_norm"] if name.startswith("text_encoder") else None  # saved whole: a replacement
+        config = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS.get(name, ["q_proj", "v_proj", "fc1"]),
+                            modules_to_save=whole)  # fmt: skip
         model = get_peft_model(copy.deepcopy(models[name]), config)
         with torch.no_grad():
             for module in model.modules():
                 for b in getattr(module, "lora_B", {}).values():
                     b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.2)
+                if isinstance(copies := getattr(module, "modules_to_save", None), torch.nn.ModuleDict):
+                    for copied in copies.values():
+                        copied.weight.mul_(1.5)
         model.save_pretrained(folder / name)
         if type(models[name]).__name__ == "CLIPTextModel":
             f = folder / name / "adapter_model.safetensors"
@@ -197,6 +202,7 @@ def referee(kind: str, fmt: str) -> str:
 def proof(cli, folder: Path, tmp_path: Path) -> tuple[int, dict, str]:
     """`converter verify --proof tensors`: exit code, JSON report, what it printed."""
     code, out, err = cli("verify", folder, "--proof", "tensors", "--report", tmp_path / "report.json")
+    assert (tmp_path / "report.json").is_file(), f"exit {code}: {out}{err}"
     return code, json.loads((tmp_path / "report.json").read_text()), out + err
 
 

@@ -179,14 +179,13 @@ def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, st
 
     from converter.verify.loading import peft_refusals
 
-    modules = {f.removesuffix(".weight"): m.removesuffix(".weight") for m, f in renamed.items()
-               if m != f and f.endswith(".weight") and m.endswith(".weight")}  # fmt: skip
+    modules = _module_paths(renamed)
     config = LoraConfig.from_pretrained(folder)
     if modules and isinstance(config.target_modules, list | set):
         config.target_modules = sorted({modules.get(t, t) for t in config.target_modules})
     with peft_refusals():
         inject_adapter_in_model(config, model, adapter_name=name)
-        weights = _model_paths(load_peft_weights(str(folder), device="cpu"), modules)
+        weights = _model_paths(load_peft_weights(str(folder), device="cpu"), renamed)
         result = set_peft_model_state_dict(model, weights, adapter_name=name)
     unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unplaced:
@@ -197,18 +196,23 @@ def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, st
             module.set_scale(name, weight)
 
 
-def _model_paths(weights: dict, modules: dict[str, str]) -> dict:
-    """PEFT's keys (`base_model.model.<module>.lora_A.weight`) with each module path the files spell as the
-    model's (`modules`: file path -> model path)."""
-    if not modules:
-        return weights
+def _model_paths(weights: dict, renamed: dict[str, str]) -> dict:
+    """PEFT's saved keys (`base_model.model.<module>.lora_A.weight`, a modules_to_save module's own
+    `<module>.weight`) as PEFT looks them up in a model it injected into (no `base_model.model.`), each path the
+    files spell as the model's (`renamed`: model name -> file key)."""
+    params, modules = {f: m for m, f in renamed.items() if m != f}, _module_paths(renamed)
     out = {}
     for key, value in weights.items():
-        head, sep, tail = key.partition(".lora_")
-        prefix = "base_model.model." if head.startswith("base_model.model.") else ""
-        module = head.removeprefix(prefix)
-        out[f"{prefix}{modules.get(module, module)}{sep}{tail}" if sep else key] = value
+        path = key.removeprefix("base_model.model.")
+        module, sep, tail = path.partition(".lora_")
+        out[f"{modules.get(module, module)}{sep}{tail}" if sep else params.get(path, path)] = value
     return out
+
+
+def _module_paths(renamed: dict[str, str]) -> dict[str, str]:
+    """File module path -> the model's, for the modules whose weight transformers renames on load."""
+    return {f.removesuffix(".weight"): m.removesuffix(".weight") for m, f in renamed.items()
+            if m != f and f.endswith(".weight") and m.endswith(".weight")}  # fmt: skip
 
 
 def _base_names(base: Path) -> set[str]:
