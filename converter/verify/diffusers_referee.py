@@ -2,10 +2,12 @@
 
 diffusers' own loader (`load_lora_weights`: its key conversion of kohya / LyCORIS / ai-toolkit files, its alphas,
 `set_adapters` for per-component strengths) injects PEFT layers into a pipeline whose models are module trees
-without weights (peft_referee.hollow); each layer's merge is then replayed on the base's rows like PEFT's
-(peft_referee.PeftLayers), the tensor named by the component and the model's own module path. Where diffusers
-reads a file wrong or not at all (include/exclude, LyCORIS DoRA, per-module alphas it ignores, a single-file base
-whose tensor names are not diffusers' module names), it declines and the published formula referees.
+without weights (peft_referee.hollow): the denoiser and the text encoders it loads a LoRA for. Each layer's merge
+is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the tensor named by the component and
+the file key the model's parameter is loaded from (renames.py: transformers' own renames on load, such as a
+CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all (include/exclude,
+LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose tensor names are
+not diffusers' module names), it declines and the published formula referees.
 """
 
 from __future__ import annotations
