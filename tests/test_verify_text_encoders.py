@@ -34,7 +34,9 @@ TARGETS = {"unet": ["to_q", "to_v", "proj_in", "conv1"],
            "transformer": ["to_q", "to_k", "to_out.0", "add_q_proj", "proj_mlp"]}  # fmt: skip
 CASES = [(kind, fmt) for kind in DENOISER for fmt in ("kohya", "diffusers")]
 FORMULA = {("sd3", "kohya"): "applies nothing of", ("flux", "kohya+t5"): "leaves part of"}  # why diffusers stands aside
-MORE = [("flux", "kohya+t5"), ("sd15", "peft")]  # PEFT folders per component: PEFT referees
+# a diffusers file saved under transformers 5 (no `text_model.`) on the same base; PEFT folders per component (the
+# PEFT referee)
+MORE = [("flux", "kohya+t5"), ("sd15", "diffusers-tf5"), ("sd15", "peft")]
 
 
 def legacy_names(component: Path) -> None:
@@ -110,9 +112,10 @@ def t5_modules() -> dict:
     return out
 
 
-def diffusers_file(kind: str, models: dict, folder: Path) -> Path:
+def diffusers_file(kind: str, models: dict, folder: Path, legacy: bool = True) -> Path:
     """What diffusers' training scripts save: PEFT layers on the denoiser and each text encoder its loader reads,
-    by save_lora_weights with each LoraConfig in the metadata; text-encoder keys as transformers 4 named them."""
+    by save_lora_weights with each LoraConfig in the metadata; text-encoder keys as transformers 4 named them
+    (`legacy`) or as transformers 5 does."""
     from diffusers.loaders import lora_pipeline
     from peft import LoraConfig, inject_adapter_in_model
     from peft.utils import get_peft_model_state_dict
@@ -131,7 +134,7 @@ def diffusers_file(kind: str, models: dict, folder: Path) -> Path:
                 for b in getattr(module, "lora_B", {}).values():
                     b.weight.copy_(torch.randn(b.weight.shape, generator=g) * 0.2)
         state = get_peft_model_state_dict(model)
-        if type(model).__name__ == "CLIPTextModel":
+        if legacy and type(model).__name__ == "CLIPTextModel":
             state = {f"text_model.{k}": v for k, v in state.items()}
         layers |= {f"{name}_lora_layers": state, f"{name}_lora_adapter_metadata": config.to_dict()}
     getattr(lora_pipeline, mixin).save_lora_weights(folder, **layers)
@@ -180,8 +183,8 @@ def merged(tmp_path_factory):
             bases[kind] = folder, make_base(folder, kind)
         base, models = bases[kind]
         root = tmp_path_factory.mktemp(f"{kind}-{fmt}")
-        if fmt == "diffusers":
-            adapter = diffusers_file(kind, models, root / "lora")
+        if fmt.startswith("diffusers"):
+            adapter = diffusers_file(kind, models, root / "lora", legacy=fmt == "diffusers")
         elif fmt == "peft":
             adapter = peft_folders(kind, models, root / "peft")
         else:
