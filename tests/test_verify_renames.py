@@ -76,3 +76,40 @@ def test_every_file_key_maps_to_the_parameter_transformers_loads_it_into(kind, t
     loaded = cls.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
     for name, key in names.items():
         assert torch.equal(loaded[name], saved[key]), (name, key)
+
+
+@pytest.mark.parametrize("saved", ["transformers 4", "transformers 5"])
+def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_path, saved):
+    """Qwen-Image's text encoder (Qwen2.5-VL): a PEFT folder saved before transformers 5 spells its modules
+    `model.layers...` (now `model.language_model.layers...`); the per-component referee's injection places every
+    LoRA factor of it, and of one saved today, on the module PEFT trained it on."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from converter.verify.diffusers_referee import _inject
+    from converter.verify.diffusion import component_model
+    from converter.verify.renames import loaded_names
+
+    model = qwen25_vl()
+    model.save_pretrained(tmp_path / "pipe" / "text_encoder")
+    trained = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                              init_lora_weights=False))  # fmt: skip
+    trained.save_pretrained(tmp_path / "lora")
+    if saved == "transformers 4":
+        f = tmp_path / "lora" / "adapter_model.safetensors"
+        save_file({k.replace(".model.language_model.", ".model."): v for k, v in load_file(f).items()}, f)
+        assert any(".model.model.layers." in k for k in load_file(f))
+    index = {"text_encoder": ["transformers", type(model).__name__]}
+    empty = component_model(tmp_path / "pipe", "text_encoder", index, empty=True)
+    files = load_file(tmp_path / "pipe" / "text_encoder" / "model.safetensors")
+    _inject(empty, tmp_path / "lora", "a0", 1.0, loaded_names(empty, files))
+    reference = dict(trained.named_modules())
+    placed = 0
+    for name, module in empty.named_modules():
+        if "a0" in getattr(module, "lora_A", {}):
+            for factor in ("lora_A", "lora_B"):
+                expected = getattr(reference[f"base_model.model.{name}"], factor)["default"].weight
+                assert torch.equal(getattr(module, factor)["a0"].weight, expected), name
+            placed += 1
+    assert placed == sum("default" in getattr(m, "lora_A", {}) for m in trained.modules()) > 2
