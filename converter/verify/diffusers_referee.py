@@ -2,10 +2,12 @@
 
 diffusers' own loader (`load_lora_weights`: its key conversion of kohya / LyCORIS / ai-toolkit files, its alphas,
 `set_adapters` for per-component strengths) injects PEFT layers into a pipeline whose models are module trees
-without weights (peft_referee.hollow); each layer's merge is then replayed on the base's rows like PEFT's
-(peft_referee.PeftLayers), the tensor named by the component and the model's own module path. Where diffusers
-reads a file wrong or not at all (include/exclude, LyCORIS DoRA, per-module alphas it ignores, a single-file base
-whose tensor names are not diffusers' module names), it declines and the published formula referees.
+without weights (peft_referee.hollow): the denoiser and the text encoders it loads a LoRA for. Each layer's merge
+is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the tensor named by the component and
+the file key the model's parameter is loaded from (renames.py: transformers' own renames on load, such as a
+CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all (include/exclude,
+LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose tensor names are
+not diffusers' module names), it declines and the published formula referees.
 """
 
 from __future__ import annotations
@@ -78,16 +80,18 @@ class DiffusersReferee:
             pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
         except Unbuildable as e:
             raise RefereeUnavailable(str(e)) from None
+        names = _base_names(base)
+        parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}
+        renamed = {c: _loaded_names(model, c, names) for c, model in parts.items()}  # asked before PEFT wraps them
         try:
             wrong = _apply_adapters(pipe, recipe, adapters)
         except LoaderRefused as e:
             raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
         if wrong:
             raise RefereeUnavailable(wrong)
-        names = _base_names(base)
         adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
-        self.parts = [PeftLayers(getattr(pipe, c), "", f"{c}/", adapter_names, recipe.adapters, names)
-                      for c in MODEL_PARTS if getattr(pipe, c, None) is not None]  # fmt: skip
+        self.parts = [RenamedLayers(model, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, model in parts.items()]  # fmt: skip
         self.info = RefereeInfo(
             "diffusers",
             "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
@@ -111,12 +115,15 @@ class PeftComponentsReferee:
         names = _base_names(base)
         adapter_names = [f"adapter{i}" for i in range(len(adapters))]
         models: dict[str, object] = {}
+        renamed: dict[str, dict[str, str]] = {}
         for name, spec, folder in zip(adapter_names, recipe.adapters, adapters, strict=True):
             for sub in component_folders(folder):
-                model = models.get(sub.name) or _component(base, sub.name, index)
-                models[sub.name] = model
-                _inject(model, sub, name, spec.weight_for(sub.name))
-        self.parts = [PeftLayers(m, "", f"{c}/", adapter_names, recipe.adapters, names) for c, m in models.items()]
+                if sub.name not in models:
+                    models[sub.name] = _component(base, sub.name, index)
+                    renamed[sub.name] = _loaded_names(models[sub.name], sub.name, names)  # before PEFT wraps it
+                _inject(models[sub.name], sub, name, spec.weight_for(sub.name), renamed[sub.name])
+        self.parts = [RenamedLayers(m, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, m in models.items()]  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
             "PEFT's own adapter per component (inject_adapter_in_model, its weights loaded by PEFT), PEFT's merge "
@@ -127,6 +134,36 @@ class PeftComponentsReferee:
         return {k: v for part in self.parts for k, v in part.expectations().items()}
 
 
+class RenamedLayers:
+    """The PEFT layers of one pipeline component whose parameters transformers renames on load (a CLIPTextModel
+    without the `text_model.` of its files): PEFT's modules are located by the model's own names, their
+    expectations named by the base's files (what the merge writes). `renamed`: model name -> file key."""
+
+    def __init__(self, model, component: str, renamed: dict[str, str], adapter_names: list[str], specs: list,
+                 base_names: set[str]):  # fmt: skip
+        ns = f"{component}/"
+        self.to_file = {ns + k: ns + v for k, v in renamed.items() if k != v}
+        to_model = {v: k for k, v in self.to_file.items()}
+        self.layers = PeftLayers(model, "", ns, adapter_names, specs, {to_model.get(n, n) for n in base_names})
+
+    def expectations(self) -> dict[str, Expectation]:
+        from dataclasses import replace
+
+        return {self.to_file.get(name, name): replace(rule, base_name=self.to_file.get(rule.base_name, rule.base_name))
+                for name, rule in self.layers.expectations().items()}  # fmt: skip
+
+
+def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
+    """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
+    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+
+    ns = f"{component}/"
+    try:
+        return loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
+    except LoadingRulesUnreadable as e:
+        raise RefereeUnavailable(f"{component}: {e}") from None
+
+
 def _component(base: Path, name: str, index: dict):
     from converter.verify.diffusion import component_model
 
@@ -135,15 +172,23 @@ def _component(base: Path, name: str, index: dict):
     return component_model(base, name, index, empty=True)
 
 
-def _inject(model, folder: Path, name: str, weight: float) -> None:
-    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale)."""
+def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, str]) -> None:
+    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale). Its
+    module paths as the files spell them (saved before transformers 5: `text_model.encoder...` of a CLIPTextModel)
+    are the model's by transformers' own renames (`renamed`: model name -> file key), which PEFT does not apply
+    to models whose conversion transformers keys by class."""
     from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
 
     from converter.verify.loading import peft_refusals
 
+    modules = _module_paths(renamed)
+    config = LoraConfig.from_pretrained(folder)
+    if modules and isinstance(config.target_modules, list | set):
+        config.target_modules = sorted({modules.get(t, t) for t in config.target_modules})
     with peft_refusals():
-        inject_adapter_in_model(LoraConfig.from_pretrained(folder), model, adapter_name=name)
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device="cpu"), adapter_name=name)
+        inject_adapter_in_model(config, model, adapter_name=name)
+        weights = _model_paths(load_peft_weights(str(folder), device="cpu"), renamed)
+        result = set_peft_model_state_dict(model, weights, adapter_name=name)
     unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unplaced:
         raise RefereeUnavailable(f"PEFT places {len(unplaced)} tensors of {folder} nowhere, e.g. {unplaced[0]}")
@@ -151,6 +196,25 @@ def _inject(model, folder: Path, name: str, weight: float) -> None:
     for module in model.modules():
         if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
             module.set_scale(name, weight)
+
+
+def _model_paths(weights: dict, renamed: dict[str, str]) -> dict:
+    """PEFT's saved keys (`base_model.model.<module>.lora_A.weight`, a modules_to_save module's own
+    `<module>.weight`) as PEFT looks them up in a model it injected into (no `base_model.model.`), each path the
+    files spell as the model's (`renamed`: model name -> file key)."""
+    params, modules = {f: m for m, f in renamed.items() if m != f}, _module_paths(renamed)
+    out = {}
+    for key, value in weights.items():
+        path = key.removeprefix("base_model.model.")
+        module, sep, tail = path.partition(".lora_")
+        out[f"{modules.get(module, module)}{sep}{tail}" if sep else params.get(path, path)] = value
+    return out
+
+
+def _module_paths(renamed: dict[str, str]) -> dict[str, str]:
+    """File module path -> the model's, for the modules whose weight transformers renames on load."""
+    return {f.removesuffix(".weight"): m.removesuffix(".weight") for m, f in renamed.items()
+            if m != f and f.endswith(".weight") and m.endswith(".weight")}  # fmt: skip
 
 
 def _base_names(base: Path) -> set[str]:

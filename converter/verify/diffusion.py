@@ -190,8 +190,8 @@ class DiffusionCheck:
 
         pipe = _load(self.base)
         bare = _images(pipe)
-        params = _pipeline_params(pipe)
         base = locations(open_base_checkpoint(self.base))
+        params = _pipeline_params(pipe, set(base))
         for name, rule in referee.expectations().items():
             param, where = params.get(name), base.get(rule.base_name or name)
             if param is None or where is None:
@@ -209,13 +209,23 @@ class DiffusionCheck:
         return ref, out, bare
 
 
-def _pipeline_params(pipe) -> dict:
-    """"component/key" of the checkpoint -> the pipeline's parameter."""
+def _pipeline_params(pipe, file_names: set[str]) -> dict:
+    """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
+    own renames on load)."""
+    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+
     params: dict = {}
     for component in MODEL_PARTS:
         model = getattr(pipe, component, None)
-        for key, param in model.named_parameters() if model is not None else ():
-            params[f"{component}/{key}"] = param
+        if model is None:
+            continue
+        ns = f"{component}/"
+        try:
+            to_file = loaded_names(model, [n[len(ns) :] for n in file_names if n.startswith(ns)])
+        except LoadingRulesUnreadable:  # the names as they are: a renamed tensor is then not found (no images)
+            to_file = {}
+        for key, param in model.named_parameters():
+            params[f"{ns}{to_file.get(key, key)}"] = param
     return params
 
 
@@ -408,9 +418,45 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
     present = {n for adapters in per_component.values() for n in adapters}
     if nothing := [local.name for local, n in zip(sources, names, strict=True) if n not in present]:
         return f"diffusers' loader applies nothing of {', '.join(nothing)} to this pipeline"
+    for local, name in zip(sources, names, strict=True):
+        if dropped := _dropped_factors(pipe, name, local):
+            return dropped
     weights = [{c: spec.weight_for(c) for c in per_component} for spec in recipe.adapters]
     pipe.set_adapters(names, adapter_weights=weights)
     return None
+
+
+UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight")
+
+
+def _dropped_factors(pipe, name: str, source: Path) -> str | None:
+    """Why diffusers' forward is not all of the file: its converters drop modules they do not know without a word
+    (a kohya Flux file's T5 `lora_te3_` modules). Counted without any name mapping: the elements of the file's LoRA
+    up factors (read from its header) against those of the up factors diffusers loaded as `name` (a fused module
+    it splits keeps its rows); None when they agree or the file is not a safetensors file of such factors."""
+    import math
+
+    from torch import nn
+
+    from converter.checkpoint import SafetensorsFile
+
+    file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
+    if file.suffix != ".safetensors" or not file.is_file():
+        return None
+    ups = [t for k, t in SafetensorsFile(file).tensors.items() if k.endswith(UP_FACTORS)]
+    in_file = sum(math.prod(t.shape) for t in ups)
+    loaded = 0
+    for model in (m for m in pipe.components.values() if isinstance(m, nn.Module)):
+        for module in model.modules():
+            for factors in (getattr(module, "lora_B", None), getattr(module, "lora_embedding_B", None)):
+                if factors is not None and name in factors:
+                    up = factors[name]
+                    loaded += (up.weight if isinstance(up, nn.Module) else up).numel()
+    if loaded >= in_file:
+        return None
+    return (f"diffusers' loader leaves part of {source.name} out without a word: it loads {loaded} of the "
+            f"{in_file} elements of the file's {len(ups)} LoRA up factors, so its forward is not the adapter as "
+            "trained")  # fmt: skip
 
 
 class _Said(logging.Handler):
