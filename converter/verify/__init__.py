@@ -170,14 +170,33 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
                                     f"adapter_config.json; {', '.join(not_peft)} is not one")  # fmt: skip
         return None
     folders = [a if a.is_dir() else a.parent for a in job.adapters]
+    check = _check_for(job.base, folders)
+    if isinstance(check, str):
+        report.behaviour_skipped = check
+        return None
     with temp_folder("verify", log=job.log) as scratch:
         try:
-            report.behaviour, findings = LLMCheck(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
-                                                  job.log, job.clock).run()  # fmt: skip
+            report.behaviour, findings = check(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
+                                               job.log, job.clock).run()  # fmt: skip
         except (Skip, PeftRefused) as e:
             report.behaviour_skipped = str(e)
             return None
     return findings
+
+
+def _check_for(base: Path, adapters: list[Path]):
+    """LLMCheck for a causal LM, TaskCheck (its class set) for the other models PEFT adapts; a string: why none."""
+    from converter.model_class import NoModelClass
+    from converter.verify.llm import LLMCheck
+    from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
+
+    try:
+        name = trained_class(base, adapters)
+    except NoModelClass as e:
+        return f"the behaviour needs the base's transformers model: {e}"
+    if is_causal_lm(name):
+        return LLMCheck
+    return type(f"{name}Check", (TaskCheck,), {"model_class": name})
 
 
 def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):

@@ -206,7 +206,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
 
     config = AutoConfig.from_pretrained(base)
     try:
-        model = trained_model(config, task_type(adapters), adapter_modules(_adapter_keys(adapters)))
+        model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
     except NoModelClass as e:
         raise RefereeUnavailable(f"PEFT needs the base's transformers model: {e}") from None
     vocab = vocab or _adapter_vocab(model, adapters)
@@ -240,7 +240,7 @@ def task_type(adapters: list[Path]) -> str | None:
     return None
 
 
-def _adapter_keys(adapters: list[Path]) -> list[str]:
+def adapter_keys(adapters: list[Path]) -> list[str]:
     from converter.checkpoint import SafetensorsFile
 
     return [k for folder in adapters for f in folder.glob("adapter_model*.safetensors") for k in SafetensorsFile(f).tensors]

@@ -1,0 +1,152 @@
+"""The behavioural comparison of a model that is not a causal LM (a classifier, an encoder, T5, Whisper, ViT, CLIP):
+the class the adapters were trained on (`converter.model_class`), merged against PEFT's unmerged reference and
+the bare base, on inputs of the kinds its forward takes.
+
+It proves what the tensor proof cannot, as for a causal LM (llm.py): the config, the heads PEFT's task model adds
+and loads (`score`, `classifier`), a class that loads the weights otherwise. Every floating output the model
+returns (logits, start/end logits, hidden states, embeddings) is compared as rows of scores: KL, top-1 agreement and
+the largest difference, judged by the same rounding thresholds. The models are loaded whole in the compute dtype
+(these models are small next to the LLMs the streamed path is for); token ids come from the tokenizer when the
+folder has one, images, spectrograms and decoder prompts are seeded random.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from converter.verify.llm import LLMCheck, Skip
+from converter.verify.loading import PERPLEXITY_TEXT, build_inputs, choose_placement, load_model, load_tokenizer
+from converter.verify.metrics import Run
+
+# Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
+CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+
+
+def trained_class(base: Path, adapters: list[Path]) -> str:
+    """The transformers class name the adapters were trained on."""
+    from transformers import AutoConfig
+
+    from converter.model_class import adapter_modules, trained_model
+    from converter.verify.peft_referee import adapter_keys, task_type
+
+    config = AutoConfig.from_pretrained(base)
+    return type(trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))).__name__
+
+
+def is_causal_lm(class_name: str) -> bool:
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, CAUSAL).values()
+    return any(class_name == n or (isinstance(n, list | tuple) and class_name in n) for n in names)
+
+
+class TaskCheck(LLMCheck):
+    """LLMCheck's phases for a task model: whole models in memory, the model's own inputs, every output."""
+
+    model_class: str = "AutoModel"
+
+    def _place(self) -> None:
+        import torch
+
+        from converter.units import human_bytes
+        from converter.verify.loading import available_memory, weights_summary
+
+        self.output_dtype, params = weights_summary(self.merged)
+        self.stored_4bit, self.four_bit, self.own, self.offload = None, None, False, None
+        budget = self.settings.memory or available_memory()
+        placement = choose_placement(params, budget, self.scratch)
+        if placement is None or placement[1] is not None:
+            raise Skip(f"{self.model_class} is compared in memory and needs about {human_bytes(params * 6)}; "
+                       f"{human_bytes(budget)} is available")  # fmt: skip
+        self.compute = placement[0]
+        self.dtype = getattr(torch, self.compute)
+        self.new_tokens = 0  # no continuations: the outputs are the comparison
+
+    def _inputs(self) -> None:
+        import json
+
+        config = json.loads((self.merged / "config.json").read_text())
+        self.tok = load_tokenizer(self.merged, " ".join([*self.prompts, PERPLEXITY_TEXT]))
+        import inspect
+
+        import transformers
+
+        takes = set(inspect.signature(getattr(transformers, self.model_class).forward).parameters)
+        self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes), False
+        self.log(f"comparing behaviour: {self.model_class}, reference = base + {len(self.adapters)} adapter(s) "
+                 f"through PEFT ({self.compute} compute)")  # fmt: skip
+
+    def _reference(self):
+        from converter.verify.loading import load_reference
+
+        self.quantization = None
+        model = load_reference(self.base, self.adapters, self.recipe, self.dtype, None, None, None,
+                               model_class=self.model_class)  # fmt: skip
+        self.clock.lap("load reference")
+        ref = _run(model, self.inputs)
+        with model.disable_adapter():
+            bare = _run(model, self.inputs)
+        self.clock.lap("run reference and bare base")
+        self.one_batch = False
+        self.reference = f"the base + adapters applied unmerged through PEFT ({self.model_class})"
+        return ref, bare, None
+
+    def _candidate(self):
+        self.candidate = load_model(self.merged, self.dtype, model_class=self.model_class)
+        self.clock.lap("load merged")
+        out = _run(self.candidate, self.inputs)
+        self.clock.lap("run merged")
+        return out
+
+    def _probe(self, ref, out, tol, noise):
+        return None  # the tensor proof names wrong tensors; the outputs say whether the model as a whole agrees
+
+    def _qlora_study(self, ref, out):
+        return None
+
+
+def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str]) -> list[dict]:
+    """One forward's keyword arguments per input, for the arguments the model's forward `takes`: token ids (the
+    tokenizer's, else seeded random), pixel values (vision), log-mel features (speech), decoder ids
+    (encoder-decoders)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    text, vision = config.get("text_config") or config, config.get("vision_config") or config
+    out: list[dict] = [{} for _ in prompts]
+    vocab = int(text.get("vocab_size") or 0)
+    if "input_features" in takes:
+        frames = 2 * int(config.get("max_source_positions", 1500))
+        for kwargs in out:
+            kwargs["input_features"] = torch.randn(1, config["num_mel_bins"], frames, generator=g)
+    elif "input_ids" in takes and vocab:
+        ids, _, _, _ = build_inputs(tok, prompts, vocab)
+        for kwargs, i in zip(out, ids, strict=True):
+            kwargs["input_ids"] = i[:, : min(text.get("max_position_embeddings") or 64, 64)]
+    if "pixel_values" in takes:
+        size = vision.get("image_size", 224)
+        size = size if isinstance(size, int) else size[0]
+        for kwargs in out:
+            kwargs["pixel_values"] = torch.randn(1, vision.get("num_channels", 3), size, size, generator=g)
+    if "decoder_input_ids" in takes and config.get("is_encoder_decoder"):
+        start = config.get("decoder_start_token_id") or 0
+        for kwargs in out:
+            rest = torch.randint(3, max(vocab, 4), (1, 7), generator=g)
+            kwargs["decoder_input_ids"] = torch.cat([torch.tensor([[start]]), rest], 1)
+    return out
+
+
+def _run(model, inputs: list[dict]) -> Run:
+    """Every floating output of the model on each input, as rows of scores (last axis), in one list."""
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for kwargs in inputs:
+            output = model(**kwargs, return_dict=True)
+            for value in output.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1:
+                    value = value.float().reshape(-1, value.shape[-1]) if value.dim() > 1 else value.float()[None]
+                    if value.shape[-1] > 1:
+                        rows.append(value)
+    return Run(logits=rows)
