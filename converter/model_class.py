@@ -33,6 +33,18 @@ TASK_MAPPINGS = {
 _PEFT_PARTS = (".lora_", ".base_layer", ".modules_to_save", ".original_module", ".trainable_tokens_", ".token_adapter")
 
 
+WARMUP_THREAD = "verify-imports"  # the thread importing transformers beside a verified merge (verify/warmup.py)
+
+
+def wait_for_warmup() -> None:
+    """transformers is not safe to import from two threads at once: let a warm-up import finish first."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == WARMUP_THREAD and thread is not threading.current_thread():
+            thread.join()
+
+
 class NoModelClass(Exception):
     """transformers has no class for this config (a model type it does not know)."""
 
@@ -125,3 +137,35 @@ def checkpoint_names(model, keys) -> dict[str, str | None]:
         elif loaded != key:
             out[loaded] = key
     return out
+
+
+class LoadedNames:
+    """A transformers checkpoint's keys by the names its model has once loaded, asked only for adapter modules
+    that name no checkpoint key as they are (so a merge whose names resolve never imports transformers).
+    `key(name)`: the checkpoint key loaded as `name`; None where transformers does not rename it; Converted where
+    it converts the weight (fused, split) rather than renames it."""
+
+    def __init__(self, config: dict, keys, task_type: str | None, modules: set[str]):
+        self.config, self.keys, self.task_type, self.modules = config, keys, task_type, modules
+        self._names: dict[str, str | None] | None = None
+
+    def key(self, name: str) -> str | None:
+        if self._names is None:
+            self._names = self._build()
+        if name in self._names and self._names[name] is None:
+            raise Converted(name)
+        return self._names.get(name)
+
+    def _build(self) -> dict[str, str | None]:
+        if "model_type" not in self.config:
+            return {}
+        wait_for_warmup()
+        try:
+            model = trained_model(config_object(self.config), self.task_type, self.modules)
+        except (NoModelClass, ImportError):
+            return {}
+        return checkpoint_names(model, self.keys)
+
+
+class Converted(Exception):
+    """transformers builds this loaded weight from checkpoint tensors by more than a rename."""

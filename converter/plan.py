@@ -19,6 +19,7 @@ from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.formats.base import AdapterPatch
 from converter.keymap import Keymap, Resolver, keymap_for
+from converter.model_class import Converted, LoadedNames
 from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
 from converter.recipe import AdapterSpec, Recipe
 from converter.sources import same_hub_model
@@ -132,9 +133,11 @@ def build_plan(
         total = sum(len(ap.patch.sources) for ap in adapter.patches)
         used = excluded = 0
         unmatched: list[str] = []
+        loaded = LoadedNames(checkpoint.config, keys, adapter.config.get("task_type"),
+                             {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
         for ap in adapter.patches:
             ap = _chosen(resolver, checkpoint, ap, spec) if ap.either else ap
-            places = _places(resolver, ap, spec)
+            places = _places(resolver, ap, spec) or _loaded_places(loaded, resolver, ap, spec)
             if not places:
                 unmatched.extend(ap.patch.sources)
                 continue
@@ -294,6 +297,25 @@ def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
                 f"{', '.join(p.key for p in places)} have {places[-1].src[1]} together (another model size?)"
             )
     return places
+
+
+def _loaded_places(loaded: LoadedNames, resolver, ap, spec: AdapterSpec) -> list:
+    """Where a module named as transformers names it once loaded (ViT's `layers.N.attention.q_proj` in
+    transformers 5) lands: on the checkpoint key transformers loads it from (model_class.LoadedNames)."""
+    if ap.flat or ap.component:
+        return []
+    try:
+        key = loaded.key(f"{ap.module}.{ap.param}")
+    except Converted:
+        raise ConverterError(
+            f"{spec.source}: {ap.patch.sources[0]} is on {ap.module}.{ap.param}, which transformers builds when it "
+            "loads the model from checkpoint tensors by more than a rename (fused or split); converter cannot place "
+            "it on the checkpoint's tensors"
+        ) from None
+    if key is None:
+        return []
+    module, _, param = key.rpartition(".")
+    return _places(resolver, replace(ap, module=module, param=param), spec)
 
 
 def _component_of(key: str, component: str | None) -> str | None:

@@ -161,7 +161,7 @@ class PeftReferee:
                     module.set_scale(name, spec.weight_for(None))
         self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
                                  _tied_sources(self.model), _qlora_base(self.model, recipe),
-                                 saved_names(self.model.base_model.model))  # fmt: skip
+                                 self.model.saved_names)  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
             f"PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens) on "
@@ -209,6 +209,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
         model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
     except NoModelClass as e:
         raise RefereeUnavailable(f"PEFT needs the base's transformers model: {e}") from None
+    saved = saved_names(model)  # before PEFT wraps the modules (and renames their weights `base_layer.`)
     vocab = vocab or _adapter_vocab(model, adapters)
     written = _saved_base_weights(adapters)
     ties = {k: v for k, v in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if isinstance(v, str)}
@@ -223,6 +224,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
             model.load_adapter(path, adapter_name=name)
     require_all_loaded(results, adapters)
     require_trained_scales(model, names, adapters)
+    model.saved_names = saved
     return model
 
 
