@@ -157,8 +157,9 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
 
 
 def _llm_behaviour(report: VerificationReport, job: Job, settings):
-    """The causal LM's behaviour against PEFT's unmerged reference; None (with the reason) when it cannot run."""
-    from converter.verify.llm import LLMCheck, Skip
+    """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
+    task_check.py); None (with the reason) when it cannot run."""
+    from converter.verify.llm import Skip
     from converter.verify.prove import is_peft_folder
 
     if job.recipe.method not in (None, "sum"):

@@ -10,7 +10,8 @@ keymaps or plan is used. When the proof asks for a tensor, the module gets the b
 adapter factors in the proof's working precision (float64 for 32-bit outputs, float32 for 16-bit ones), and PEFT's
 own `merge()` computes the rows (`get_delta_weight` inside); then the stand-in is put back. One module's rows are
 real at a time, beside the adapters themselves. Where transformers saves a weight under another name than the
-loaded model's (ViT in transformers 5), the tensor is found by transformers' own save-direction renames. TIES / DARE / magnitude pruning: combination.py.
+loaded model's (ViT in transformers 5), the tensor is found by transformers' own save-direction renames.
+TIES / DARE / magnitude pruning: combination.py.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class PeftLayers:
     tensor names, `ties` tensor names tied to another (a head to the embedding)."""
 
     def __init__(self, root, strip: str, namespace: str, names: list[str], specs: list, base_names: set[str],
-                 ties: dict[str, str] | None = None, quantized=None, saved: dict[str, str | None] | None = None):  # fmt: skip
+                 ties: dict[str, str] | None = None, quantized=None,
+                 saved: dict[str, str | None] | None = None):  # fmt: skip
         self.root, self.strip, self.namespace = root, strip, namespace
         self.names, self.specs, self.base_names, self.ties = names, specs, base_names, ties or {}
         self.quantized = quantized  # (layer -> the 4-bit round trip of its weight) for QLoRA's dequantized base
@@ -245,7 +247,8 @@ def task_type(adapters: list[Path]) -> str | None:
 def adapter_keys(adapters: list[Path]) -> list[str]:
     from converter.checkpoint import SafetensorsFile
 
-    return [k for folder in adapters for f in folder.glob("adapter_model*.safetensors") for k in SafetensorsFile(f).tensors]
+    files = [f for folder in adapters for f in folder.glob("adapter_model*.safetensors")]
+    return [k for f in files for k in SafetensorsFile(f).tensors]
 
 
 def _embedding_rows(model) -> int | None:
