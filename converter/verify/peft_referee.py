@@ -113,7 +113,7 @@ class PeftLayers:
         out = {name: Expectation(module, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks, first),
                                  blocks, base_name)}  # fmt: skip
         if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
-            out[f"{self.namespace}{plain}.bias"] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
+            out[self._tensor(plain, "bias")[0]] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
         return out
 
     def _parameter(self, plain: str, layer) -> dict[str, Expectation]:
@@ -325,6 +325,8 @@ def _adapter_vocab(model, adapters: list[Path]) -> int | None:
     For an output not written yet (a pipelined push proves its shards as they come), whose config says nothing."""
     from converter.checkpoint import SafetensorsFile
 
+    if _embedding_rows(model) is None:
+        return None  # no token embedding (a vision or audio model)
     embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     rows = {t.shape[0] for folder in adapters for f in folder.glob("adapter_model*.safetensors")
             for k, t in SafetensorsFile(f).tensors.items()

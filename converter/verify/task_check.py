@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from converter.keymap import HEADLESS
 from converter.verify.llm import LLMCheck, Skip
 from converter.verify.loading import PERPLEXITY_TEXT, build_inputs, choose_placement, load_model, load_tokenizer
 from converter.verify.metrics import Run
@@ -72,7 +73,8 @@ class TaskCheck(LLMCheck):
         import transformers
 
         takes = set(inspect.signature(getattr(transformers, self.model_class).forward).parameters)
-        self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes), False
+        classifier = self.model_class.endswith(HEADLESS)
+        self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes, classifier), False
         self.log(f"comparing behaviour: {self.model_class}, reference = base + {len(self.adapters)} adapter(s) "
                  f"through PEFT ({self.compute} compute)")  # fmt: skip
 
@@ -83,9 +85,16 @@ class TaskCheck(LLMCheck):
         model = load_reference(self.base, self.adapters, self.recipe, self.dtype, None, None, None,
                                model_class=self.model_class)  # fmt: skip
         self.clock.lap("load reference")
-        ref = _run(model, self.inputs)
+        # PEFT's tuner (its LoRA layers sit in the model) called with the model's own arguments: PEFT's task
+        # wrappers assume text inputs (its Seq2Seq one passes input_ids to Whisper beside input_features)
+        lora = model.base_model
+        try:
+            ref = _run(lora, self.inputs)
+        except Exception as e:  # PEFT's layers in this model's forward: its problem, said in one line
+            first = (str(e).splitlines() or [""])[0][:160]
+            raise Skip(f"PEFT's unmerged {self.model_class} does not run ({type(e).__name__}: {first})") from e
         with model.disable_adapter():
-            bare = _run(model, self.inputs)
+            bare = _run(lora, self.inputs)
         self.clock.lap("run reference and bare base")
         self.one_batch = False
         self.reference = f"the base + adapters applied unmerged through PEFT ({self.model_class})"
@@ -105,10 +114,10 @@ class TaskCheck(LLMCheck):
         return None
 
 
-def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str]) -> list[dict]:
+def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str], classifier: bool) -> list[dict]:
     """One forward's keyword arguments per input, for the arguments the model's forward `takes`: token ids (the
     tokenizer's, else seeded random), pixel values (vision), log-mel features (speech), decoder ids
-    (encoder-decoders)."""
+    (encoder-decoders, unless a `classifier`, which makes them from the input ids)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -119,16 +128,23 @@ def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str]) -> lis
         frames = 2 * int(config.get("max_source_positions", 1500))
         for kwargs in out:
             kwargs["input_features"] = torch.randn(1, config["num_mel_bins"], frames, generator=g)
+    elif "input_values" in takes:  # raw audio (wav2vec2 and its kind): a second at 16 kHz
+        for kwargs in out:
+            kwargs["input_values"] = torch.randn(1, 16000, generator=g)
     elif "input_ids" in takes and vocab:
         ids, _, _, _ = build_inputs(tok, prompts, vocab)
+        eos = text.get("eos_token_id") if config.get("is_encoder_decoder") else None
         for kwargs, i in zip(out, ids, strict=True):
-            kwargs["input_ids"] = i[:, : min(text.get("max_position_embeddings") or 64, 64)]
+            i = i[:, : min(text.get("max_position_embeddings") or 64, 64) - 1]
+            if isinstance(eos, int):  # an encoder-decoder classifier reads the one <eos> that ends each input
+                i = torch.cat([torch.where(i == eos, (eos + 1) % vocab, i), torch.tensor([[eos]])], 1)
+            kwargs["input_ids"] = i
     if "pixel_values" in takes:
         size = vision.get("image_size", 224)
         size = size if isinstance(size, int) else size[0]
         for kwargs in out:
             kwargs["pixel_values"] = torch.randn(1, vision.get("num_channels", 3), size, size, generator=g)
-    if "decoder_input_ids" in takes and config.get("is_encoder_decoder"):
+    if "decoder_input_ids" in takes and config.get("is_encoder_decoder") and not classifier:
         start = config.get("decoder_start_token_id") or 0
         for kwargs in out:
             rest = torch.randint(3, max(vocab, 4), (1, 7), generator=g)

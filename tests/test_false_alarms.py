@@ -1,0 +1,235 @@
+"""The false-alarm matrix: a right merge is never reported wrong, a wrong one always is, on every kind of model PEFT
+adapts.
+
+For each transformers architecture (decoders, encoders, encoder-decoders, vision, audio) and the task types PEFT
+supports for it, a tiny model from a config and an adapter made by PEFT itself (get_peft_model + save_pretrained,
+every trainable tensor randomised so no ΔW is zero), with a rotating mix of LoRA features so each feature is
+covered on several architectures: plain LoRA, rsLoRA, DoRA, lora_bias, modules_to_save (PEFT's task heads
+included), trainable tokens, fan_in_fan_out (GPT-2's Conv1D), embedding LoRA and conv LoRA. Each case:
+
+- the merge passes verification (both proofs) with PEFT as the tensor proof's referee, not the formula;
+- the output with one changed tensor put back to the base's value fails the tensor proof, naming that tensor.
+
+In-process through the Python API; the CLI cases of the issue's table are at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from converter import AdapterSpec, Recipe
+from converter.merge import merge
+from converter.verify import verify
+
+DEC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ENC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+S2S = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)  # fmt: skip
+VIS = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+           patch_size=8, num_labels=3)  # fmt: skip
+
+
+@dataclass
+class Case:
+    model: str  # the transformers class trained on
+    config: str  # its config class
+    settings: dict
+    task: str | None  # PEFT task_type (None: as many vision adapters are saved)
+    targets: list[str]
+    features: dict = field(default_factory=dict)  # LoraConfig options: the features this case covers
+
+    @property
+    def id(self) -> str:
+        extra = "+".join(k for k in self.features if k != "modules_to_save") or "lora"
+        return f"{self.model}-{extra}"
+
+
+def case(model, config, settings, task, targets, **features) -> Case:
+    return Case(model, config, settings, task, targets, features)
+
+
+CASES = [
+    # decoders
+    case("LlamaForCausalLM", "LlamaConfig", DEC, "CAUSAL_LM", ["q_proj", "v_proj", "down_proj"], use_dora=True),
+    case("LlamaForSequenceClassification", "LlamaConfig", {**DEC, "num_labels": 3}, "SEQ_CLS", ["q_proj", "v_proj"],
+         use_rslora=True),
+    case("LlamaForQuestionAnswering", "LlamaConfig", DEC, "QUESTION_ANS", ["k_proj", "o_proj"]),
+    case("Qwen2ForCausalLM", "Qwen2Config", DEC, "CAUSAL_LM", ["q_proj", "k_proj", "v_proj"], lora_bias=True),
+    case("Qwen2ForTokenClassification", "Qwen2Config", {**DEC, "num_labels": 4}, "TOKEN_CLS", ["q_proj", "up_proj"],
+         use_dora=True),
+    case("MistralForCausalLM", "MistralConfig", DEC, "CAUSAL_LM", ["q_proj", "v_proj"],
+         trainable_token_indices=[3, 5, 7]),
+    case("Qwen3ForCausalLM", "Qwen3Config", {**DEC, "head_dim": 8}, "CAUSAL_LM", ["embed_tokens", "q_proj"]),
+    case("Gemma2ForCausalLM", "Gemma2Config", {**DEC, "head_dim": 8}, "CAUSAL_LM", ["q_proj", "gate_proj"],
+         use_rslora=True, use_dora=True),
+    case("Phi3ForCausalLM", "Phi3Config", DEC, "CAUSAL_LM", ["qkv_proj", "o_proj"], modules_to_save=["lm_head"]),
+    case("GPT2LMHeadModel", "GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+         bos_token_id=1, eos_token_id=2), "CAUSAL_LM", ["c_attn", "c_fc"], fan_in_fan_out=True, use_rslora=True),
+    case("GPT2ForSequenceClassification", "GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+         n_positions=64, num_labels=3, pad_token_id=0), "SEQ_CLS", ["c_attn"], fan_in_fan_out=True),
+    case("GPT2ForTokenClassification", "GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+         n_positions=64, num_labels=3), "TOKEN_CLS", ["c_proj", "wte"], fan_in_fan_out=True),
+    case("GPTNeoXForCausalLM", "GPTNeoXConfig", DEC, "CAUSAL_LM", ["query_key_value", "dense"], lora_bias=True),
+    case("OPTForCausalLM", "OPTConfig", dict(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+         num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64), "CAUSAL_LM",
+         ["q_proj", "v_proj", "fc1"], use_dora=True),
+    case("OPTForSequenceClassification", "OPTConfig", dict(vocab_size=96, hidden_size=32, ffn_dim=64,
+         num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64,
+         num_labels=2), "SEQ_CLS", ["k_proj", "embed_tokens"]),
+    case("FalconForCausalLM", "FalconConfig", dict(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+         num_attention_heads=4), "CAUSAL_LM", ["query_key_value", "dense_h_to_4h"], use_rslora=True),
+    case("BloomForTokenClassification", "BloomConfig", dict(vocab_size=96, hidden_size=32, n_layer=2, n_head=4,
+         num_labels=3), "TOKEN_CLS", ["query_key_value"], lora_bias=True),
+    # encoders
+    case("BertForSequenceClassification", "BertConfig", {**ENC, "num_labels": 3}, "SEQ_CLS", ["query", "value"],
+         lora_bias=True),
+    case("BertForTokenClassification", "BertConfig", {**ENC, "num_labels": 5}, "TOKEN_CLS", ["key", "dense"],
+         use_dora=True),
+    case("BertForQuestionAnswering", "BertConfig", ENC, "QUESTION_ANS", ["query", "word_embeddings"]),
+    case("BertModel", "BertConfig", ENC, "FEATURE_EXTRACTION", ["query", "value"],
+         trainable_token_indices={"word_embeddings": [4, 9]}),
+    case("RobertaForSequenceClassification", "RobertaConfig", {**ENC, "max_position_embeddings": 70,
+         "num_labels": 2}, "SEQ_CLS", ["query", "value"], use_rslora=True),
+    case("DistilBertForSequenceClassification", "DistilBertConfig", dict(vocab_size=96, dim=32, n_layers=2, n_heads=4,
+         hidden_dim=64, max_position_embeddings=64, num_labels=3), "SEQ_CLS", ["q_lin", "v_lin"],
+         modules_to_save=["classifier", "pre_classifier"]),
+    case("DistilBertForQuestionAnswering", "DistilBertConfig", dict(vocab_size=96, dim=32, n_layers=2, n_heads=4,
+         hidden_dim=64, max_position_embeddings=64), "QUESTION_ANS", ["k_lin", "lin1"], lora_bias=True),
+    case("ElectraForTokenClassification", "ElectraConfig", {**ENC, "embedding_size": 16, "num_labels": 3},
+         "TOKEN_CLS", ["query", "value"], use_dora=True),
+    case("DebertaV2ForSequenceClassification", "DebertaV2Config", {**ENC, "num_labels": 3}, "SEQ_CLS",
+         ["query_proj", "value_proj"]),
+    case("AlbertForSequenceClassification", "AlbertConfig", {**ENC, "embedding_size": 16, "num_labels": 2},
+         "SEQ_CLS", ["query", "value"], use_rslora=True),
+    case("XLMRobertaForQuestionAnswering", "XLMRobertaConfig", {**ENC, "max_position_embeddings": 70},
+         "QUESTION_ANS", ["query", "key"], use_dora=True),
+    # encoder-decoders
+    case("T5ForConditionalGeneration", "T5Config", dict(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+         num_heads=4, decoder_start_token_id=0), "SEQ_2_SEQ_LM", ["q", "v", "wo"], use_rslora=True),
+    case("T5ForSequenceClassification", "T5Config", dict(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+         num_heads=4, decoder_start_token_id=0, num_labels=3), "SEQ_CLS", ["q", "k"], use_dora=True),
+    case("BartForConditionalGeneration", "BartConfig", S2S, "SEQ_2_SEQ_LM", ["q_proj", "v_proj", "fc1"],
+         lora_bias=True),
+    case("BartForSequenceClassification", "BartConfig", {**S2S, "num_labels": 3}, "SEQ_CLS", ["q_proj", "out_proj"]),
+    case("MarianMTModel", "MarianConfig", S2S, "SEQ_2_SEQ_LM", ["k_proj", "fc2"], use_dora=True),
+    # vision
+    case("ViTForImageClassification", "ViTConfig", VIS, None, ["q_proj", "v_proj", "projection"],
+         modules_to_save=["classifier"]),
+    case("ViTModel", "ViTConfig", VIS, "FEATURE_EXTRACTION", ["q_proj", "fc1"], use_rslora=True),
+    case("DeiTForImageClassification", "DeiTConfig", VIS, None, ["q_proj", "v_proj"], use_dora=True,
+         modules_to_save=["classifier"]),
+    case("CLIPModel", "CLIPConfig", dict(text_config=dict(vocab_size=96, hidden_size=32, intermediate_size=64,
+         num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64), vision_config=dict(
+         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+         patch_size=8), projection_dim=16), None, ["q_proj", "v_proj", "patch_embedding"], use_rslora=True),
+    case("SwinForImageClassification", "SwinConfig", dict(image_size=16, patch_size=4, embed_dim=16, depths=[1, 1],
+         num_heads=[2, 2], window_size=2, num_labels=3), None, ["q_proj", "fc2"], lora_bias=True,
+         modules_to_save=["classifier"]),
+    case("ResNetForImageClassification", "ResNetConfig", dict(embedding_size=8, hidden_sizes=[8, 16],
+         depths=[1, 1], num_labels=3), None, ["convolution"], use_rslora=True, modules_to_save=["classifier"]),
+    # audio
+    case("WhisperForConditionalGeneration", "WhisperConfig", dict(vocab_size=96, d_model=32, encoder_layers=2,
+         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+         decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=32, pad_token_id=0,
+         bos_token_id=1, eos_token_id=2, decoder_start_token_id=3), "SEQ_2_SEQ_LM", ["q_proj", "v_proj", "fc1"]),
+    case("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", dict(vocab_size=32, hidden_size=32,
+         num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 4),
+         conv_kernel=(4, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=3,
+         classifier_proj_size=16), "SEQ_CLS", ["q_proj", "v_proj"], use_dora=True),
+]
+
+
+def build(root: Path, c: Case) -> tuple[Path, Path]:
+    """The tiny base (saved by its own class) and PEFT's adapter for it, every trainable tensor random."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = getattr(transformers, c.config)(**c.settings)
+    model = getattr(transformers, c.model)(config).eval()
+    with torch.no_grad():  # norms and biases away from 1 / 0, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    base, adapter = root / "base", root / "adapter"
+    model.save_pretrained(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=c.targets, task_type=c.task, init_lora_weights=False,
+                      **c.features)  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    peft_model.save_pretrained(adapter)
+    return base, adapter
+
+
+def changed_tensors(base: Path, out: Path) -> list[str]:
+    from safetensors.torch import load_file
+
+    before = {k: v for f in base.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    return sorted(k for k in after if k in before and not torch.equal(after[k], before[k]))
+
+
+def put_back(out: Path, base: Path, name: str) -> None:
+    """Sabotage: one tensor of the output back to the base's value (a module left unmerged)."""
+    from safetensors.torch import load_file, save_file
+
+    original = {k: v for f in base.glob("*.safetensors") for k, v in load_file(f).items()}[name]
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name] = original
+            save_file(tensors, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
+def test_right_merge_passes_and_one_unmerged_tensor_fails(c: Case, tmp_path):
+    base, adapter = build(tmp_path, c)
+    out = tmp_path / "out"
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))], out=str(out))
+    merge(recipe, force=True, log=lambda _: None)
+
+    report = verify(out, recipe, log=lambda _: None)
+    assert report.verdict == "pass", (report.problems, report.tensors_skipped, report.behaviour_skipped)
+    assert report.tensors.referee.name == "PEFT", report.tensors.referee.detail
+    assert c.model in report.tensors.referee.detail  # the class the adapter was trained on
+    assert report.behaviour is not None, report.behaviour_skipped
+
+    changed = changed_tensors(base, out)
+    assert changed, "the adapter changed nothing"
+    victim = next((n for n in changed if any(t in n for t in c.targets)), changed[0])
+    sabotaged = tmp_path / "sabotaged"
+    shutil.copytree(out, sabotaged)
+    put_back(sabotaged, base, victim)
+    bad = verify(sabotaged, recipe, log=lambda _: None, proofs=("tensors",))
+    assert bad.verdict == "fail"
+    assert any(victim in p for p in bad.problems), bad.problems
+
+
+def test_the_matrix_covers_every_feature_on_several_architectures():
+    """Each LoRA feature on at least two architectures, and every kind of model in the matrix."""
+    counts: dict[str, set[str]] = {}
+    for c in CASES:
+        for feature in c.features:
+            counts.setdefault(feature, set()).add(c.config)
+        if any(t in ("embed_tokens", "wte", "word_embeddings") for t in c.targets):
+            counts.setdefault("embedding LoRA", set()).add(c.config)
+        if any(t in ("projection", "patch_embedding", "convolution", "conv1") for t in c.targets):
+            counts.setdefault("conv LoRA", set()).add(c.config)
+        if c.task in ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS"):
+            counts.setdefault("task heads (modules_to_save by PEFT)", set()).add(c.config)
+    wanted = ["use_rslora", "use_dora", "lora_bias", "modules_to_save", "trainable_token_indices", "fan_in_fan_out",
+              "embedding LoRA", "conv LoRA", "task heads (modules_to_save by PEFT)"]  # fmt: skip
+    thin = {f: sorted(counts.get(f, ())) for f in wanted if len(counts.get(f, ())) < 2 and f != "fan_in_fan_out"}
+    assert not thin, thin
+    assert len({c.config for c in CASES}) >= 25
