@@ -233,3 +233,44 @@ def test_the_matrix_covers_every_feature_on_several_architectures():
     thin = {f: sorted(counts.get(f, ())) for f in wanted if len(counts.get(f, ())) < 2 and f != "fan_in_fan_out"}
     assert not thin, thin
     assert len({c.config for c in CASES}) >= 25
+
+
+def test_a_model_peft_cannot_run_unmerged_keeps_its_tensor_proof(tmp_path):
+    """Whisper with a LoRA on its conv1: PEFT's wrapped conv has no `stride`, which Whisper's encoder reads, so
+    PEFT's unmerged model does not run. The tensor proof still passes with PEFT as referee; the behaviour is
+    not compared, said in one line naming PEFT, and the verdict stays a pass."""
+    whisper = next(c for c in CASES if c.model == "WhisperForConditionalGeneration")
+    c = Case(whisper.model, whisper.config, whisper.settings, whisper.task, ["q_proj", "conv1"])
+    base, adapter = build(tmp_path, c)
+    out = tmp_path / "out"
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))], out=str(out))
+    merge(recipe, force=True, log=lambda _: None)
+    report = verify(out, recipe, log=lambda _: None)
+    assert report.verdict == "pass", report.problems
+    assert report.tensors.referee.name == "PEFT"
+    assert report.behaviour is None
+    assert report.behaviour_skipped.startswith("PEFT's unmerged WhisperForConditionalGeneration does not run")
+
+
+# The issue's table, through the command line: exit 0 with PEFT named; one tensor put back: exit 3 naming it.
+CLI_CASES = {
+    "gpt2-seq-cls-fan-in-fan-out-score": "GPT2ForSequenceClassification-fan_in_fan_out",
+    "distilbert-seq-cls-classifier-pre-classifier": "DistilBertForSequenceClassification-lora",
+    "qwen2-lora-bias": "Qwen2ForCausalLM-lora_bias",
+    "vit-transformers-5-names": "ViTForImageClassification-lora",
+}
+
+
+@pytest.mark.parametrize("name", CLI_CASES)
+def test_cli_cases_of_the_table(name, tmp_path, cli):
+    c = next(c for c in CASES if c.id == CLI_CASES[name])
+    base, adapter = build(tmp_path, c)
+    out = tmp_path / "out"
+    code, stdout, stderr = cli("merge", "--base", base, "--adapter", adapter, "--out", out, verify=True)
+    assert code == 0, stderr
+    assert "referee: PEFT" in stdout and c.model in stdout
+    victim = next(n for n in changed_tensors(base, out) if any(t in n for t in c.targets))
+    put_back(out, base, victim)
+    code, stdout, stderr = cli("verify", out, "--proof", "tensors")
+    assert code == 3, stdout + stderr
+    assert victim in stderr
