@@ -15,6 +15,7 @@ In-process through the Python API; the CLI cases of the issue's table are at the
 
 from __future__ import annotations
 
+import copy
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,15 +46,19 @@ class Case:
     task: str | None  # PEFT task_type (None: as many vision adapters are saved)
     targets: list[str]
     features: dict = field(default_factory=dict)  # LoraConfig options: the features this case covers
+    dtype: torch.dtype = torch.float32  # the base's stored dtype
 
     @property
     def id(self) -> str:
         extra = "+".join(k for k in self.features if k != "modules_to_save") or "lora"
-        return f"{self.model}-{extra}"
+        return f"{self.model}-{extra}" + ("-bf16" if self.dtype == torch.bfloat16 else "")
 
 
-def case(model, config, settings, task, targets, **features) -> Case:
-    return Case(model, config, settings, task, targets, features)
+def case(model, config, settings, task, targets, dtype=torch.float32, **features) -> Case:
+    return Case(model, config, settings, task, targets, features, dtype)
+
+
+BF16 = torch.bfloat16
 
 
 CASES = [
@@ -88,6 +93,14 @@ CASES = [
          num_attention_heads=4), "CAUSAL_LM", ["query_key_value", "dense_h_to_4h"], use_rslora=True),
     case("BloomForTokenClassification", "BloomConfig", dict(vocab_size=96, hidden_size=32, n_layer=2, n_head=4,
          num_labels=3), "TOKEN_CLS", ["query_key_value"], lora_bias=True),
+    case("LlamaForTokenClassification", "LlamaConfig", {**DEC, "num_labels": 3}, "TOKEN_CLS", ["v_proj", "up_proj"],
+         BF16, use_rslora=True),
+    case("MistralForSequenceClassification", "MistralConfig", {**DEC, "num_labels": 2}, "SEQ_CLS",
+         ["q_proj", "embed_tokens"], BF16),
+    case("GPT2ForQuestionAnswering", "GPT2Config", dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+         n_positions=64), "QUESTION_ANS", ["c_attn", "c_fc"], fan_in_fan_out=True, use_dora=True),
+    case("Qwen2ForSequenceClassification", "Qwen2Config", {**DEC, "num_labels": 3}, "SEQ_CLS", ["q_proj", "v_proj"],
+         BF16, lora_bias=True),
     # encoders
     case("BertForSequenceClassification", "BertConfig", {**ENC, "num_labels": 3}, "SEQ_CLS", ["query", "value"],
          lora_bias=True),
@@ -111,6 +124,12 @@ CASES = [
          "SEQ_CLS", ["query", "value"], use_rslora=True),
     case("XLMRobertaForQuestionAnswering", "XLMRobertaConfig", {**ENC, "max_position_embeddings": 70},
          "QUESTION_ANS", ["query", "key"], use_dora=True),
+    case("RobertaForTokenClassification", "RobertaConfig", {**ENC, "max_position_embeddings": 70, "num_labels": 4},
+         "TOKEN_CLS", ["query", "intermediate.dense"], BF16, lora_bias=True),
+    case("DistilBertForTokenClassification", "DistilBertConfig", dict(vocab_size=96, dim=32, n_layers=2, n_heads=4,
+         hidden_dim=64, max_position_embeddings=64, num_labels=3), "TOKEN_CLS", ["q_lin", "word_embeddings"], BF16),
+    case("ElectraForSequenceClassification", "ElectraConfig", {**ENC, "embedding_size": 16, "num_labels": 2},
+         "SEQ_CLS", ["key", "value"], trainable_token_indices={"word_embeddings": [5, 6]}),
     # encoder-decoders
     case("T5ForConditionalGeneration", "T5Config", dict(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
          num_heads=4, decoder_start_token_id=0), "SEQ_2_SEQ_LM", ["q", "v", "wo"], use_rslora=True),
@@ -120,6 +139,9 @@ CASES = [
          lora_bias=True),
     case("BartForSequenceClassification", "BartConfig", {**S2S, "num_labels": 3}, "SEQ_CLS", ["q_proj", "out_proj"]),
     case("MarianMTModel", "MarianConfig", S2S, "SEQ_2_SEQ_LM", ["k_proj", "fc2"], use_dora=True),
+    case("BartForQuestionAnswering", "BartConfig", S2S, "QUESTION_ANS", ["v_proj", "fc2"], BF16, use_rslora=True),
+    case("T5ForQuestionAnswering", "T5Config", dict(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+         num_heads=4, decoder_start_token_id=0), "QUESTION_ANS", ["q", "o"]),
     # vision
     case("ViTForImageClassification", "ViTConfig", VIS, None, ["q_proj", "v_proj", "projection"],
          modules_to_save=["classifier"]),
@@ -133,6 +155,10 @@ CASES = [
     case("SwinForImageClassification", "SwinConfig", dict(image_size=16, patch_size=4, embed_dim=16, depths=[1, 1],
          num_heads=[2, 2], window_size=2, num_labels=3), None, ["q_proj", "fc2"], lora_bias=True,
          modules_to_save=["classifier"]),
+    case("CLIPForImageClassification", "CLIPConfig", dict(text_config=dict(vocab_size=96, hidden_size=32,
+         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64),
+         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+         image_size=16, patch_size=8), num_labels=3), "SEQ_CLS", ["k_proj", "fc1"], BF16, lora_bias=True),
     case("ResNetForImageClassification", "ResNetConfig", dict(embedding_size=8, hidden_sizes=[8, 16],
          depths=[1, 1], num_labels=3), None, ["convolution"], use_rslora=True, modules_to_save=["classifier"]),
     # audio
@@ -140,6 +166,10 @@ CASES = [
          decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
          decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=32, pad_token_id=0,
          bos_token_id=1, eos_token_id=2, decoder_start_token_id=3), "SEQ_2_SEQ_LM", ["q_proj", "v_proj", "fc1"]),
+    case("WhisperForAudioClassification", "WhisperConfig", dict(vocab_size=96, d_model=32, encoder_layers=2,
+         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+         decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, classifier_proj_size=16, num_labels=3),
+         "SEQ_CLS", ["k_proj", "fc2"], BF16, use_dora=True),
     case("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", dict(vocab_size=32, hidden_size=32,
          num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 4),
          conv_kernel=(4, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=3,
@@ -160,7 +190,7 @@ def build(root: Path, c: Case) -> tuple[Path, Path]:
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     base, adapter = root / "base", root / "adapter"
-    model.save_pretrained(base)
+    copy.deepcopy(model).to(c.dtype).save_pretrained(base)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=c.targets, task_type=c.task, init_lora_weights=False,
                       **c.features)  # fmt: skip
     peft_model = get_peft_model(model, lora)
