@@ -74,6 +74,18 @@ def adapter_modules(keys) -> set[str]:
     return out
 
 
+def folder_config(folder):
+    """transformers' config object of a model folder; NoModelClass when transformers cannot read it (a model
+    type it does not know, remote code)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (KeyError, ValueError, OSError) as e:
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise NoModelClass(f"transformers cannot read {folder}'s config ({first})") from None
+
+
 def config_object(config: dict):
     """transformers' config object for a config.json's contents."""
     from transformers import AutoConfig

@@ -225,6 +225,22 @@ def put_back(out: Path, base: Path, name: str) -> None:
 @pytest.mark.parametrize("c", CASES, ids=[c.id for c in CASES])
 def test_right_merge_passes_and_one_unmerged_tensor_fails(c: Case, tmp_path):
     base, adapter = build(tmp_path, c)
+    right_passes_sabotage_fails(c, base, adapter, tmp_path)
+
+
+def test_a_checkpoint_without_the_base_model_prefix(tmp_path):
+    """GPT-2's own checkpoint keys have no `transformer.` (transformers adds it on load); PEFT's names have it."""
+    from safetensors.torch import load_file, save_file
+
+    c = next(c for c in CASES if c.model == "GPT2ForSequenceClassification")
+    base, adapter = build(tmp_path, c)
+    tensors = load_file(base / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, base / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    right_passes_sabotage_fails(c, base, adapter, tmp_path)
+
+
+def right_passes_sabotage_fails(c: Case, base: Path, adapter: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))], out=str(out))
     merge(recipe, force=True, log=lambda _: None)

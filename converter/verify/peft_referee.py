@@ -39,6 +39,9 @@ class PeftLayers:
         self.names, self.specs, self.base_names, self.ties = names, specs, base_names, ties or {}
         self.quantized = quantized  # (layer -> the 4-bit round trip of its weight) for QLoRA's dequantized base
         self.saved = saved or {}  # a weight's name in the model -> its name in the files, where transformers renames
+        # transformers' base-model prefix (`transformer`, `bert` ...), which a checkpoint may have without or with
+        # where the loaded model has it the other way (it adds or strips it on load, as here)
+        self.prefix = getattr(root, "base_model_prefix", "") if strip else ""
 
     def expectations(self) -> dict[str, Expectation]:
         from peft.tuners.lora import LoraLayer
@@ -80,6 +83,11 @@ class PeftLayers:
         name = f"{self.namespace}{plain}.{param}"
         if name in self.base_names:
             return name, None
+        if self.prefix:
+            other = plain.removeprefix(f"{self.prefix}.") if plain.startswith(f"{self.prefix}.") else (
+                f"{self.prefix}.{plain}")  # fmt: skip
+            if f"{self.namespace}{other}.{param}" in self.base_names:
+                return f"{self.namespace}{other}.{param}", None
         if f"{plain}.{param}" in self.saved:  # transformers saves this weight under another name
             stored = self.saved[f"{plain}.{param}"]
             if stored is None:
@@ -201,13 +209,12 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     """The base's module tree on no memory (the model class the adapters were trained on), PEFT's adapters
     loaded onto it for real."""
     from peft import PeftModel
-    from transformers import AutoConfig
 
-    from converter.model_class import NoModelClass, adapter_modules, trained_model
+    from converter.model_class import NoModelClass, adapter_modules, folder_config, trained_model
     from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
 
-    config = AutoConfig.from_pretrained(base)
     try:
+        config = folder_config(base)
         model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
     except NoModelClass as e:
         raise RefereeUnavailable(f"PEFT needs the base's transformers model: {e}") from None

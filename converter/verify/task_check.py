@@ -24,13 +24,11 @@ CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 
 
 def trained_class(base: Path, adapters: list[Path]) -> str:
-    """The transformers class name the adapters were trained on."""
-    from transformers import AutoConfig
-
-    from converter.model_class import adapter_modules, trained_model
+    """The transformers class name the adapters were trained on (NoModelClass: transformers has none)."""
+    from converter.model_class import adapter_modules, folder_config, trained_model
     from converter.verify.peft_referee import adapter_keys, task_type
 
-    config = AutoConfig.from_pretrained(base)
+    config = folder_config(base)
     return type(trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))).__name__
 
 
