@@ -143,9 +143,13 @@ def checkpoint_names(model, keys) -> dict[str, str | None]:
     meta = model.state_dict()
     out: dict[str, str | None] = {}
     for key in sorted(keys, key=dot_natural_key):
-        loaded, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-        if converter is not None:
+        loaded, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if source is not None:  # every weight the converter makes (it names the first target)
+            targets = next((c.target_patterns for c in converters if source in c.source_patterns), [])
             out[loaded] = None
+            for target in targets[1:]:
+                if targets[0] in loaded:
+                    out[loaded.replace(targets[0], target)] = None
         elif loaded != key:
             out[loaded] = key
     return out

@@ -320,3 +320,16 @@ def test_cli_cases_of_the_table(name, tmp_path, cli):
     code, stdout, stderr = cli("verify", out, "--proof", "tensors")
     assert code == 3, stdout + stderr
     assert victim in stderr
+
+
+def test_a_weight_transformers_splits_on_load_is_refused_in_one_line(tmp_path, cli):
+    """Dinov2 with SwiGLU: the checkpoint's `mlp.weights_in` is split into `gate_proj` and `up_proj` on load, not
+    renamed; a LoRA on `up_proj` cannot be placed on the checkpoint's tensors by a rename: exit 2, named."""
+    c = case("Dinov2Model", "Dinov2Config", {**VIS, "use_swiglu_ffn": True}, None, ["up_proj"])
+    c.settings.pop("num_labels")
+    base, adapter = build(tmp_path, c)
+    code, _, stderr = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "out")
+    assert code == 2
+    assert "mlp.up_proj.lora_A.weight" in stderr and "by more than a rename" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
