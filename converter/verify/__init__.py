@@ -187,6 +187,8 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
 
 def _check_for(base: Path, adapters: list[Path]):
     """LLMCheck for a causal LM, TaskCheck (its class set) for the other models PEFT adapts; a string: why none."""
+    from functools import partial
+
     from converter.model_class import NoModelClass
     from converter.verify.llm import LLMCheck
     from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
@@ -197,7 +199,7 @@ def _check_for(base: Path, adapters: list[Path]):
         return f"the behaviour needs the base's transformers model: {e}"
     if is_causal_lm(name):
         return LLMCheck
-    return type(f"{name}Check", (TaskCheck,), {"model_class": name})
+    return partial(TaskCheck, model_class=name)
 
 
 def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):

@@ -39,10 +39,21 @@ def is_causal_lm(class_name: str) -> bool:
     return any(class_name == n or (isinstance(n, list | tuple) and class_name in n) for n in names)
 
 
-class TaskCheck(LLMCheck):
-    """LLMCheck's phases for a task model: whole models in memory, the model's own inputs, every output."""
+def _generates_text(class_name: str) -> bool:
+    """A vision-language model that answers text prompts (transformers' image-text-to-text task)."""
+    from transformers.models.auto import modeling_auto
 
-    model_class: str = "AutoModel"
+    names = modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()
+    return any(class_name == n or (isinstance(n, list | tuple) and class_name in n) for n in names)
+
+
+class TaskCheck(LLMCheck):
+    """LLMCheck's phases for a task model (`model_class`, a transformers class name): whole models in memory, the
+    model's own inputs, every output."""
+
+    def __init__(self, *args, model_class: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model_class = model_class
 
     def _place(self) -> None:
         import torch
@@ -71,8 +82,16 @@ class TaskCheck(LLMCheck):
         import transformers
 
         takes = set(inspect.signature(getattr(transformers, self.model_class).forward).parameters)
+        if _generates_text(self.model_class):  # a vision-language model: its text path, on the prompts
+            takes -= {"pixel_values", "pixel_values_videos"}
         classifier = self.model_class.endswith(HEADLESS)
-        self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes, classifier), False
+        try:
+            self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes, classifier), False
+        except (KeyError, TypeError, ValueError) as e:
+            raise Skip(f"no inputs could be made for {self.model_class}'s forward ({type(e).__name__}: {e})") from e
+        if not any(self.inputs):
+            raise Skip(f"{self.model_class}'s forward takes none of the inputs this check makes (token ids, "
+                       "pixel values, audio features)")  # fmt: skip
         self.log(f"comparing behaviour: {self.model_class}, reference = base + {len(self.adapters)} adapter(s) "
                  f"through PEFT ({self.compute} compute)")  # fmt: skip
 
