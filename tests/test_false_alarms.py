@@ -101,6 +101,11 @@ CASES = [
          n_positions=64), "QUESTION_ANS", ["c_attn", "c_fc"], fan_in_fan_out=True, use_dora=True),
     case("Qwen2ForSequenceClassification", "Qwen2Config", {**DEC, "num_labels": 3}, "SEQ_CLS", ["q_proj", "v_proj"],
          BF16, lora_bias=True),
+    case("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", dict(text_config=dict(vocab_size=160, hidden_size=32,
+         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}), vision_config=dict(depth=1, embed_dim=16,
+         hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=1, temporal_patch_size=1), image_token_id=150,
+         video_token_id=151, vision_start_token_id=152), "CAUSAL_LM", ["q_proj", "v_proj"], BF16, use_dora=True),
     # encoders
     case("BertForSequenceClassification", "BertConfig", {**ENC, "num_labels": 3}, "SEQ_CLS", ["query", "value"],
          lora_bias=True),
