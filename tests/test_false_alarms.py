@@ -88,7 +88,7 @@ CASES = [
          ["q_proj", "v_proj", "fc1"], use_dora=True),
     case("OPTForSequenceClassification", "OPTConfig", dict(vocab_size=96, hidden_size=32, ffn_dim=64,
          num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64,
-         num_labels=2), "SEQ_CLS", ["k_proj", "embed_tokens"]),
+         num_labels=2), "SEQ_CLS", ["k_proj", "embed_tokens"], use_dora=True),
     case("FalconForCausalLM", "FalconConfig", dict(vocab_size=96, hidden_size=32, num_hidden_layers=2,
          num_attention_heads=4), "CAUSAL_LM", ["query_key_value", "dense_h_to_4h"], use_rslora=True),
     case("BloomForTokenClassification", "BloomConfig", dict(vocab_size=96, hidden_size=32, n_layer=2, n_head=4,

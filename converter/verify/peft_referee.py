@@ -472,10 +472,10 @@ def _allowance(layer, adapters: list[str], value):
         norm = layer._caches.get(f"{n}-weight_norm")
         if n in getattr(layer, "lora_magnitude_vector", {}):
             dora_inner = max(dora_inner, math.prod(value.shape[1:]) // 2)
-            if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖, one factor per output feature (B's rows)
+            if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖, one factor per output feature: B's rows
                 rows = rows * (layer.lora_magnitude_vector[n].weight / norm).abs().reshape(-1).to(value.dtype)
         if getattr(layer, "fan_in_fan_out", False) or type(layer).__name__ == "Embedding":
-            rows, cols = cols, rows  # stored (in, out): B's side is the columns
+            rows, cols = cols, rows  # stored (in, out) / (vocab, dim): B's side is the columns
         terms.append((rows, cols))
     flat_value = value.reshape(-1)
     width = math.prod(value.shape[1:]) if value.dim() > 1 else 1
