@@ -133,6 +133,7 @@ def build_plan(
         total = sum(len(ap.patch.sources) for ap in adapter.patches)
         used = excluded = 0
         unmatched: list[str] = []
+        whole: list[str] = []  # modules the adapter saves whole that the base lacks
         loaded = LoadedNames(checkpoint.config, keys, adapter.config.get("task_type"),
                              {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
         for ap in adapter.patches:
@@ -140,6 +141,7 @@ def build_plan(
             places = _places(resolver, ap, spec) or _loaded_places(loaded, resolver, ap, spec)
             if not places:
                 unmatched.extend(ap.patch.sources)
+                whole.extend([ap.module] if isinstance(ap.patch, Replace) else [])
                 continue
             if not all(spec.admits(place.key) for place in places):
                 excluded += len(ap.patch.sources)
@@ -163,6 +165,13 @@ def build_plan(
         ):
             notes.append(f"{spec.source}: weight {spec.weight} does not apply to its full replacement tensors")
         coverage.append(Coverage(spec.source, total, used, excluded, unmatched))
+        if unmatched and not allow_unmatched and len(whole) == len(unmatched):  # only whole tensors are missing
+            saved_as = ", ".join(checkpoint.config.get("architectures") or []) or "another model"
+            raise ConverterError(
+                f"{spec.source}: the adapter saves {', '.join(sorted(set(whole)))} whole (modules_to_save, such as "
+                f"a task head), but the base has no such tensor: it was saved as {saved_as}; merge onto a base "
+                "saved with that head (PEFT's own merge would add it)"
+            )
         if unmatched and not allow_unmatched:
             raise ConverterError(
                 f"{spec.source}: {len(unmatched)} adapter tensors land on no base tensor, e.g. {unmatched[0]} "

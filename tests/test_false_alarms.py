@@ -338,3 +338,21 @@ def test_a_weight_transformers_splits_on_load_is_refused_in_one_line(tmp_path, c
     assert "mlp.up_proj.lora_A.weight" in stderr and "by more than a rename" in stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_head_the_base_lacks_is_named(tmp_path, cli):
+    """A classifier fine-tuned from a checkpoint saved as a masked LM: the head PEFT saves whole has no tensor in
+    the base. One line naming the head and the class the base was saved as, exit 2, nothing written."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    settings = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64)
+    transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(**settings)).save_pretrained(tmp_path / "base")
+    model = transformers.DistilBertForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=3)
+    lora = LoraConfig(task_type="SEQ_CLS", target_modules=["q_lin"], init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(tmp_path / "adapter")
+    code, _, stderr = cli("merge", "--base", tmp_path / "base", "--adapter", tmp_path / "adapter", "--out",
+                          tmp_path / "out")  # fmt: skip
+    assert code == 2
+    assert "saves classifier, pre_classifier whole" in stderr and "DistilBertForMaskedLM" in stderr
+    assert not (tmp_path / "out").exists()
