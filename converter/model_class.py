@@ -110,10 +110,13 @@ def hollow_model(config, class_name: str):
         return cls._from_config(config, dtype=torch.float32)
 
 
+_CHOSEN: dict[tuple, str] = {}  # what trained_model chose, so the behaviour check after the proof builds nothing
+
+
 def trained_model(config, task_type: str | None, modules: set[str]):
     """The hollow model the adapter was trained on: the first candidate class holding every module in `modules`
     (else the first that builds, whose refusal PEFT will then word). NoModelClass: none builds."""
-    first, tried = None, []
+    key, first, tried = _key(config, task_type, modules), None, []  # (building a model sets fields of its config)
     for name in candidates(config.to_dict(), task_type):
         try:
             model = hollow_model(config, name)
@@ -122,11 +125,23 @@ def trained_model(config, task_type: str | None, modules: set[str]):
             continue
         own = {n for n, _ in model.named_modules()}
         if modules <= own:
-            return model
+            first = model
+            break
         first = first or model
     if first is None:
         raise NoModelClass("no transformers class builds this model (" + "; ".join(tried or ["none known"]) + ")")
+    _CHOSEN[key] = type(first).__name__
     return first
+
+
+def trained_class(config, task_type: str | None, modules: set[str]) -> str:
+    """The name of trained_model's class (remembered from an earlier call with the same question)."""
+    known = _CHOSEN.get(_key(config, task_type, modules))
+    return known or type(trained_model(config, task_type, modules)).__name__
+
+
+def _key(config, task_type: str | None, modules: set[str]) -> tuple:
+    return config.to_json_string(use_diff=False), task_type, frozenset(modules)
 
 
 def checkpoint_names(model, keys) -> dict[str, str | None]:

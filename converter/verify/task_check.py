@@ -25,11 +25,11 @@ CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 
 def trained_class(base: Path, adapters: list[Path]) -> str:
     """The transformers class name the adapters were trained on (NoModelClass: transformers has none)."""
-    from converter.model_class import adapter_modules, folder_config, trained_model
+    from converter import model_class
     from converter.verify.peft_referee import adapter_keys, task_type
 
-    config = folder_config(base)
-    return type(trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))).__name__
+    config = model_class.folder_config(base)
+    return model_class.trained_class(config, task_type(adapters), model_class.adapter_modules(adapter_keys(adapters)))
 
 
 def is_causal_lm(class_name: str) -> bool:
