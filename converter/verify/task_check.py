@@ -73,14 +73,13 @@ class TaskCheck(LLMCheck):
         self.new_tokens = 0  # no continuations: the outputs are the comparison
 
     def _inputs(self) -> None:
-        import json
-
-        config = json.loads((self.merged / "config.json").read_text())
-        self.tok = load_tokenizer(self.merged, " ".join([*self.prompts, PERPLEXITY_TEXT]))
         import inspect
+        import json
 
         import transformers
 
+        config = json.loads((self.merged / "config.json").read_text())
+        self.tok = load_tokenizer(self.merged, " ".join([*self.prompts, PERPLEXITY_TEXT]))
         takes = set(inspect.signature(getattr(transformers, self.model_class).forward).parameters)
         if _generates_text(self.model_class):  # a vision-language model: its text path, on the prompts
             takes -= {"pixel_values", "pixel_values_videos"}
