@@ -8,7 +8,8 @@ covered on several architectures: plain LoRA, rsLoRA, DoRA, lora_bias, modules_t
 included), trainable tokens, fan_in_fan_out (GPT-2's Conv1D), embedding LoRA and conv LoRA. Each case:
 
 - the merge passes verification (both proofs) with PEFT as the tensor proof's referee, not the formula;
-- the output with one changed tensor put back to the base's value fails the tensor proof, naming that tensor.
+- the output with one changed tensor put back to the base's value fails the tensor proof, naming that tensor
+  (a LoRA-changed one, and where the adapter also saves a head or other tensor whole, that one too).
 
 In-process through the Python API; the CLI cases of the issue's table are at the end.
 """
@@ -258,13 +259,15 @@ def right_passes_sabotage_fails(c: Case, base: Path, adapter: Path, tmp_path: Pa
 
     changed = changed_tensors(base, out)
     assert changed, "the adapter changed nothing"
-    victim = next((n for n in changed if any(t in n for t in c.targets)), changed[0])
-    sabotaged = tmp_path / "sabotaged"
-    shutil.copytree(out, sabotaged)
-    put_back(sabotaged, base, victim)
-    bad = verify(sabotaged, recipe, log=lambda _: None, proofs=("tensors",))
-    assert bad.verdict == "fail"
-    assert any(victim in p for p in bad.problems), bad.problems
+    lora = next((n for n in changed if any(t in n for t in c.targets)), changed[0])
+    whole = next((n for n in changed if not any(t in n for t in c.targets)), None)  # a head, a replacement
+    for i, victim in enumerate(v for v in (lora, whole) if v):
+        sabotaged = tmp_path / f"sabotaged{i}"
+        shutil.copytree(out, sabotaged)
+        put_back(sabotaged, base, victim)
+        bad = verify(sabotaged, recipe, log=lambda _: None, proofs=("tensors",))
+        assert bad.verdict == "fail", victim
+        assert any(victim in p for p in bad.problems), bad.problems
 
 
 def test_the_matrix_covers_every_feature_on_several_architectures():
