@@ -318,6 +318,10 @@ def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
     return walk(ast.parse(expr, mode="eval"))
 
 
+# transformers' task classes that have no language-model head to tie to the embedding (by its naming convention)
+HEADLESS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")
+
+
 class Resolver:
     """Maps native (module, param) names onto checkpoint keys of one base model."""
 
@@ -333,6 +337,8 @@ class Resolver:
         }
 
     def _ties(self) -> bool:
+        if any(a.endswith(HEADLESS) for a in self.config.get("architectures") or []):
+            return False  # a task model without the language-model head (its own head is a plain tensor)
         cfg = self.config.get("text_config") if "tie_word_embeddings" not in self.config else self.config
         return bool((cfg or {}).get("tie_word_embeddings", True))
 

@@ -19,6 +19,7 @@ from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.formats.base import AdapterPatch
 from converter.keymap import Keymap, Resolver, keymap_for
+from converter.model_class import Converted, LoadedNames
 from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
 from converter.recipe import AdapterSpec, Recipe
 from converter.sources import same_hub_model
@@ -132,11 +133,15 @@ def build_plan(
         total = sum(len(ap.patch.sources) for ap in adapter.patches)
         used = excluded = 0
         unmatched: list[str] = []
+        whole: list[str] = []  # modules the adapter saves whole that the base lacks
+        loaded = LoadedNames(checkpoint.config, keys, adapter.config.get("task_type"),
+                             {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
         for ap in adapter.patches:
             ap = _chosen(resolver, checkpoint, ap, spec) if ap.either else ap
-            places = _places(resolver, ap, spec)
+            places = _places(resolver, ap, spec) or _loaded_places(loaded, resolver, ap, spec)
             if not places:
                 unmatched.extend(ap.patch.sources)
+                whole.extend([ap.module] if isinstance(ap.patch, Replace) else [])
                 continue
             if not all(spec.admits(place.key) for place in places):
                 excluded += len(ap.patch.sources)
@@ -160,6 +165,13 @@ def build_plan(
         ):
             notes.append(f"{spec.source}: weight {spec.weight} does not apply to its full replacement tensors")
         coverage.append(Coverage(spec.source, total, used, excluded, unmatched))
+        if unmatched and not allow_unmatched and len(whole) == len(unmatched):  # only whole tensors are missing
+            saved_as = ", ".join(checkpoint.config.get("architectures") or []) or "another model"
+            raise ConverterError(
+                f"{spec.source}: the adapter saves {', '.join(sorted(set(whole)))} whole (modules_to_save, such as "
+                f"a task head), but the base has no such tensor: it was saved as {saved_as}; merge onto a base "
+                "saved with that head (PEFT's own merge would add it)"
+            )
         if unmatched and not allow_unmatched:
             raise ConverterError(
                 f"{spec.source}: {len(unmatched)} adapter tensors land on no base tensor, e.g. {unmatched[0]} "
@@ -294,6 +306,25 @@ def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
                 f"{', '.join(p.key for p in places)} have {places[-1].src[1]} together (another model size?)"
             )
     return places
+
+
+def _loaded_places(loaded: LoadedNames, resolver, ap, spec: AdapterSpec) -> list:
+    """Where a module named as transformers names it once loaded (ViT's `layers.N.attention.q_proj` in
+    transformers 5) lands: on the checkpoint key transformers loads it from (model_class.LoadedNames)."""
+    if ap.flat or ap.component:
+        return []
+    try:
+        key = loaded.key(f"{ap.module}.{ap.param}")
+    except Converted:
+        raise ConverterError(
+            f"{spec.source}: {ap.patch.sources[0]} is on {ap.module}.{ap.param}, which transformers builds when it "
+            "loads the model from checkpoint tensors by more than a rename (fused or split); converter cannot place "
+            "it on the checkpoint's tensors"
+        ) from None
+    if key is None:
+        return []
+    module, _, param = key.rpartition(".")
+    return _places(resolver, replace(ap, module=module, param=param), spec)
 
 
 def _component_of(key: str, component: str | None) -> str | None:

@@ -169,8 +169,9 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
 
 
 def _llm_behaviour(report: VerificationReport, job: Job, settings):
-    """The causal LM's behaviour against PEFT's unmerged reference; None (with the reason) when it cannot run."""
-    from converter.verify.llm import LLMCheck, Skip
+    """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
+    task_check.py); None (with the reason) when it cannot run."""
+    from converter.verify.llm import Skip
     from converter.verify.prove import is_peft_folder
 
     if job.recipe.method not in (None, "sum"):
@@ -182,14 +183,35 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
                                     f"adapter_config.json; {', '.join(not_peft)} is not one")  # fmt: skip
         return None
     folders = [a if a.is_dir() else a.parent for a in job.adapters]
+    check = _check_for(job.base, folders)
+    if isinstance(check, str):
+        report.behaviour_skipped = check
+        return None
     with temp_folder("verify", log=job.log) as scratch:
         try:
-            report.behaviour, findings = LLMCheck(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
-                                                  job.log, job.clock).run()  # fmt: skip
+            report.behaviour, findings = check(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
+                                               job.log, job.clock).run()  # fmt: skip
         except (Skip, PeftRefused) as e:
             report.behaviour_skipped = str(e)
             return None
     return findings
+
+
+def _check_for(base: Path, adapters: list[Path]):
+    """LLMCheck for a causal LM, TaskCheck (its class set) for the other models PEFT adapts; a string: why none."""
+    from functools import partial
+
+    from converter.model_class import NoModelClass
+    from converter.verify.llm import LLMCheck
+    from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
+
+    try:
+        name = trained_class(base, adapters)
+    except NoModelClass as e:
+        return f"the behaviour needs the base's transformers model: {e}"
+    if is_causal_lm(name):
+        return LLMCheck
+    return partial(TaskCheck, model_class=name)
 
 
 def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):

@@ -36,7 +36,7 @@ class CombinationReferee:
         self.names = [f"adapter{i}" for i in range(len(adapters))]
         self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
         self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
-                                 tied_sources(self.model))  # fmt: skip
+                                 tied_sources(self.model), saved=self.model.saved_names)  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
             f"PEFT's {self.rule} (merge_utils, as add_weighted_adapter combines {self.rule}_svd before its SVD) of "

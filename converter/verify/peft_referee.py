@@ -1,6 +1,7 @@
 """PEFT as the referee of every changed tensor: what PEFT itself would merge, module by module.
 
-The base model is built on the meta device (accelerate's init_empty_weights) and each weight replaced by a
+The base model, of the class the adapters were trained on (their task_type, else the config's architectures:
+`converter.model_class`), is built on the meta device and each weight replaced by a
 zero-stride stand-in of its shape (no memory); PEFT then loads the adapters onto it for real, from their files,
 with its own parsing, its own module names (`base_model.model.<path>`) and its own rules: scaling (alpha/r,
 rsLoRA, rank/alpha patterns), fan_in_fan_out, DoRA, modules_to_save, trainable tokens, the recipe's weights
@@ -8,7 +9,9 @@ through `set_scale` as PEFT's own multi-adapter forward uses them. Nothing of co
 keymaps or plan is used. When the proof asks for a tensor, the module gets the base's rows as its weight and its
 adapter factors in the proof's working precision (float64 for 32-bit outputs, float32 for 16-bit ones), and PEFT's
 own `merge()` computes the rows (`get_delta_weight` inside); then the stand-in is put back. One module's rows are
-real at a time, beside the adapters themselves. TIES / DARE / magnitude pruning: combination.py.
+real at a time, beside the adapters themselves. Where transformers saves a weight under another name than the
+loaded model's (ViT in transformers 5), the tensor is found by transformers' own save-direction renames.
+TIES / DARE / magnitude pruning: combination.py.
 """
 from __future__ import annotations
 
@@ -30,10 +33,15 @@ class PeftLayers:
     tensor names, `ties` tensor names tied to another (a head to the embedding)."""
 
     def __init__(self, root, strip: str, namespace: str, names: list[str], specs: list, base_names: set[str],
-                 ties: dict[str, str] | None = None, quantized=None):  # fmt: skip
+                 ties: dict[str, str] | None = None, quantized=None,
+                 saved: dict[str, str | None] | None = None):  # fmt: skip
         self.root, self.strip, self.namespace = root, strip, namespace
         self.names, self.specs, self.base_names, self.ties = names, specs, base_names, ties or {}
         self.quantized = quantized  # (layer -> the 4-bit round trip of its weight) for QLoRA's dequantized base
+        self.saved = saved or {}  # a weight's name in the model -> its name in the files, where transformers renames
+        # transformers' base-model prefix (`transformer`, `bert` ...), which a checkpoint may have without or with
+        # where the loaded model has it the other way (it adds or strips it on load, as here)
+        self.prefix = getattr(root, "base_model_prefix", "") if strip else ""
 
     def expectations(self) -> dict[str, Expectation]:
         from peft.tuners.lora import LoraLayer
@@ -75,6 +83,18 @@ class PeftLayers:
         name = f"{self.namespace}{plain}.{param}"
         if name in self.base_names:
             return name, None
+        if self.prefix:
+            other = plain.removeprefix(f"{self.prefix}.") if plain.startswith(f"{self.prefix}.") else (
+                f"{self.prefix}.{plain}")  # fmt: skip
+            if f"{self.namespace}{other}.{param}" in self.base_names:
+                return f"{self.namespace}{other}.{param}", None
+        if f"{plain}.{param}" in self.saved:  # transformers saves this weight under another name
+            stored = self.saved[f"{plain}.{param}"]
+            if stored is None:
+                raise RefereeUnavailable(f"PEFT's module {plain}: transformers converts its {param} (fused or split) "
+                                         "when it saves or loads the model, not only renames it")  # fmt: skip
+            if f"{self.namespace}{stored}" in self.base_names:
+                return f"{self.namespace}{stored}", None
         tied = self.ties.get(f"{plain}.{param}")
         if tied and f"{self.namespace}{tied}" in self.base_names:
             return name, f"{self.namespace}{tied}"
@@ -101,7 +121,7 @@ class PeftLayers:
         out = {name: Expectation(module, "DoRA" if dora else "LoRA", _merged_rows(layer, adapters, blocks, first),
                                  blocks, base_name)}  # fmt: skip
         if any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
-            out[f"{self.namespace}{plain}.bias"] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
+            out[self._tensor(plain, "bias")[0]] = Expectation(module, "LoRA bias", _merged_bias(layer, adapters))
         return out
 
     def _parameter(self, plain: str, layer) -> dict[str, Expectation]:
@@ -144,16 +164,18 @@ class PeftReferee:
     def __init__(self, base: Path, adapters: list[Path], recipe: Recipe, base_names: set[str], vocab: int | None):
         self.names = [f"adapter{i}" for i in range(len(adapters))]
         self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
+        model_class = type(self.model.base_model.model).__name__
         for name, spec in zip(self.names, recipe.adapters, strict=True):  # the recipe's weights, as PEFT scales
             for module in self.model.modules():
                 if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
                     module.set_scale(name, spec.weight_for(None))
         self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
-                                 _tied_sources(self.model), _qlora_base(self.model, recipe))  # fmt: skip
+                                 _tied_sources(self.model), _qlora_base(self.model, recipe),
+                                 self.model.saved_names)  # fmt: skip
         self.info = RefereeInfo(
             "PEFT",
-            "PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens), located "
-            "by PEFT's module names, adapter files read by PEFT, in float64",
+            f"PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens) on "
+            f"{model_class}, located by PEFT's module names, adapter files read by PEFT, in float64",
         )
 
     def expectations(self) -> dict[str, Expectation]:
@@ -184,23 +206,25 @@ def _round_trip_4bit(base, recipe: Recipe):
 
 
 def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None):
-    """The base's module tree on no memory, PEFT's adapters loaded onto it for real."""
-    import torch
-    from accelerate import init_empty_weights
+    """The base's module tree on no memory (the model class the adapters were trained on), PEFT's adapters
+    loaded onto it for real."""
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from converter.model_class import NoModelClass, adapter_modules, folder_config, trained_model
     from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
 
-    config = AutoConfig.from_pretrained(base)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        config = folder_config(base)
+        model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
+    except NoModelClass as e:
+        raise RefereeUnavailable(f"PEFT needs the base's transformers model: {e}") from None
+    saved = saved_names(model)  # before PEFT wraps the modules (and renames their weights `base_layer.`)
     vocab = vocab or _adapter_vocab(model, adapters)
     written = _saved_base_weights(adapters)
     ties = {k: v for k, v in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if isinstance(v, str)}
     written |= {v for k, v in ties.items() if k in written} | {k for k, v in ties.items() if v in written}
     hollow(model, written)
-    if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
+    if vocab and _embedding_rows(model) not in (None, vocab):
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
         hollow(model, written)
     with load_results() as results, peft_refusals():
@@ -209,7 +233,62 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
             model.load_adapter(path, adapter_name=name)
     require_all_loaded(results, adapters)
     require_trained_scales(model, names, adapters)
+    model.saved_names = saved
     return model
+
+
+def task_type(adapters: list[Path]) -> str | None:
+    """The PEFT task_type the adapters were trained for (the first that says one)."""
+    import json
+
+    for folder in adapters:
+        try:
+            task = json.loads((folder / "adapter_config.json").read_text()).get("task_type")
+        except (OSError, ValueError):
+            continue
+        if task:
+            return task
+    return None
+
+
+def adapter_keys(adapters: list[Path]) -> list[str]:
+    from converter.checkpoint import SafetensorsFile
+
+    files = [f for folder in adapters for f in folder.glob("adapter_model*.safetensors")]
+    return [k for f in files for k in SafetensorsFile(f).tensors]
+
+
+def _embedding_rows(model) -> int | None:
+    """The input embedding's rows, None for a model without a token embedding (a ViT's is a patch projection)."""
+    try:
+        weight = getattr(model.get_input_embeddings(), "weight", None)
+    except (NotImplementedError, AttributeError):
+        return None
+    return weight.shape[0] if weight is not None and weight.dim() == 2 else None
+
+
+def saved_names(model) -> dict[str, str | None]:
+    """A weight's name in the loaded model -> its name in the files, where they differ: transformers' own save
+    direction (`revert_weight_conversion`, what `save_pretrained` writes), asked of every weight at once on
+    one-element stand-ins; None where the saved tensor is converted (fused, split), not only renamed."""
+    import torch
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = [n for n, _ in model.named_parameters()]
+    try:
+        saved = revert_weight_conversion(model, {n: torch.tensor([float(i)]) for i, n in enumerate(names)})
+    except Exception:  # a conversion that cannot run on one-element stand-ins: the names stay as they are
+        return {}
+    out: dict[str, str | None] = {}
+    for key, value in saved.items():
+        if value.numel() != 1:
+            continue
+        name = names[int(value.item())]
+        if name != key:
+            out[name] = key
+    for name in set(names) - {names[int(v.item())] for v in saved.values() if v.numel() == 1}:
+        out[name] = None  # gone into a tensor of several weights
+    return out
 
 
 def hollow(model, written: set[str] = frozenset()) -> None:
@@ -253,6 +332,8 @@ def _adapter_vocab(model, adapters: list[Path]) -> int | None:
     For an output not written yet (a pipelined push proves its shards as they come), whose config says nothing."""
     from converter.checkpoint import SafetensorsFile
 
+    if _embedding_rows(model) is None:
+        return None  # no token embedding (a vision or audio model)
     embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     rows = {t.shape[0] for folder in adapters for f in folder.glob("adapter_model*.safetensors")
             for k, t in SafetensorsFile(f).tensors.items()
@@ -323,6 +404,9 @@ def _merged_rows(layer, adapters: list[str], blocks: bool, first=None):
             base = first(base)
         slices = _row_slices(layer, adapters, start, end) if blocks else []
         real = layer.get_base_layer()
+        if getattr(real, "bias", None) is not None and any(getattr(layer, "lora_bias", {}).get(n) for n in adapters):
+            # PEFT's merge adds lora_bias into the bias too (judged apart, _merged_bias): real memory to write to
+            slices.append((real, "bias", _writable(real.bias, slices, start, end)))
         with _swapped([(real, "weight", base), *slices]):  # the base rows become the merged rows
             layer.merge(adapter_names=adapters)
             value = real.weight.data
@@ -332,6 +416,13 @@ def _merged_rows(layer, adapters: list[str], blocks: bool, first=None):
         return Expected(value, allowance)
 
     return rows
+
+
+def _writable(bias, slices: list, start: int, end: int):
+    """A zero bias for the rows being merged (all of them when not merged a block at a time)."""
+    import torch
+
+    return torch.zeros(end - start if slices else bias.shape[0], dtype=bias.dtype)
 
 
 def _merged_parameter(layer, adapters: list[str]):
@@ -378,13 +469,13 @@ def _allowance(layer, adapters: list[str], value):
         a, b = _factors(layer, n)
         rows = b.norm(dim=1).to(value.dtype) * (twice * gamma(a.shape[0]) * abs(layer.scaling[n]))
         cols = a.norm(dim=0).to(value.dtype)
-        if getattr(layer, "fan_in_fan_out", False) or type(layer).__name__ == "Embedding":
-            rows, cols = cols, rows
         norm = layer._caches.get(f"{n}-weight_norm")
         if n in getattr(layer, "lora_magnitude_vector", {}):
             dora_inner = max(dora_inner, math.prod(value.shape[1:]) // 2)
-            if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖
+            if norm is not None:  # DoRA scales ΔW's error by m/‖W+ΔW‖, one factor per output feature: B's rows
                 rows = rows * (layer.lora_magnitude_vector[n].weight / norm).abs().reshape(-1).to(value.dtype)
+        if getattr(layer, "fan_in_fan_out", False) or type(layer).__name__ == "Embedding":
+            rows, cols = cols, rows  # stored (in, out) / (vocab, dim): B's side is the columns
         terms.append((rows, cols))
     flat_value = value.reshape(-1)
     width = math.prod(value.shape[1:]) if value.dim() > 1 else 1

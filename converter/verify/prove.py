@@ -167,9 +167,13 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
 
 def _vocab(merged: Path) -> int | None:
     """The output's vocabulary (the adapters may have been trained on a resized one)."""
-    from converter.verify.loading import vocab_size
+    import json
 
-    return vocab_size(merged) if (merged / "config.json").is_file() else None
+    if not (merged / "config.json").is_file():
+        return None
+    config = json.loads((merged / "config.json").read_text())
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if vocab else None  # a vision or audio model has none
 
 
 def _peft_components(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:

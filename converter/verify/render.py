@@ -94,6 +94,8 @@ def _llm(b: LLMBehaviour) -> list[str]:
         f"| perplexity (reference {m['perplexity_reference']:.3g}) | {m['perplexity']:.3g} | "
         f"{bare['perplexity']:.3g} | |",
     ]
+    if m["perplexity"] != m["perplexity"]:  # NaN: a model that is not a language model has no perplexity
+        lines.pop()
     if m["greedy_total"]:  # --verify full
         lines.insert(-1, f"| greedy continuations identical | {m['greedy_identical']}/{m['greedy_total']} | "
                          f"{bare['greedy_identical']}/{bare['greedy_total']} | |")  # fmt: skip

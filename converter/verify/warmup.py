@@ -30,7 +30,9 @@ def start() -> threading.Thread:
     import torch  # noqa: F401
     import yaml  # noqa: F401
 
-    thread = threading.Thread(target=_imports, name="verify-imports", daemon=True)
+    from converter.model_class import WARMUP_THREAD
+
+    thread = threading.Thread(target=_imports, name=WARMUP_THREAD, daemon=True)
     thread.start()
     _started.append(thread)
     return thread
