@@ -7,7 +7,7 @@ task mappings), the base config's `architectures`, `AutoModel`, that holds every
 
 transformers 5 also renames some models' weights when it loads them (ViT's checkpoint key
 `encoder.layer.N.attention.attention.query` is the module `layers.N.attention.q_proj`), so an adapter trained on
-the loaded model names modules the checkpoint spells otherwise. `checkpoint_names` maps them the way
+the loaded model names modules the checkpoint spells otherwise. `loaded_names` maps them the way
 `from_pretrained` does, with transformers' own conversion mapping. transformers is imported only when one of these
 is asked (verification; a merge whose adapter names do not resolve on the checkpoint as they are).
 """
@@ -144,29 +144,43 @@ def _key(config, task_type: str | None, modules: set[str]) -> tuple:
     return config.to_json_string(use_diff=False), task_type, frozenset(modules)
 
 
-def checkpoint_names(model, keys) -> dict[str, str | None]:
-    """Each checkpoint key's name in `model` as transformers' `from_pretrained` renames it (its conversion mapping
-    for the model's class and its submodels, the base-model prefix added or removed): loaded name -> checkpoint
-    key, or None where the loaded weight is converted (fused, split, transposed), not only renamed. Keys that keep
-    their name are left out."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+class LoadingRulesUnreadable(Exception):
+    """transformers' loading rules could not be asked here (its internals moved): the names are taken as they are."""
 
+
+def loaded_names(model, keys) -> dict[str, str | None]:
+    """{name in `model`: the checkpoint key transformers' `from_pretrained` loads it from}, for every key in `keys`
+    (a key it keeps as it is maps to itself), by its own rules: the conversion mapping of the model's class and
+    its submodels, applied as its loader applies it (`rename_source_key`, then again with only the base-model
+    prefix added or removed). None where a weight is built by a conversion (fused, split), not only renamed.
+    Ask before PEFT wraps the modules (its `base_layer.` names are not the model's). A model that is not
+    transformers' keeps every name."""
+    keys = list(keys)
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError as e:
+        raise LoadingRulesUnreadable(f"transformers' loading rules cannot be read here ({e})") from None
+    if not isinstance(model, PreTrainedModel):
+        return {k: k for k in keys}
     conversions = get_model_conversion_mapping(model)
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    meta = model.state_dict()
+    prefix, meta = model.base_model_prefix, model.state_dict()  # a weightless model's: stand-ins, no memory
     out: dict[str, str | None] = {}
     for key in sorted(keys, key=dot_natural_key):
-        loaded, source = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        loaded, source = rename_source_key(key, renamings, converters, prefix, meta)
+        if loaded not in meta and key in meta:  # as transformers' loader: only the base-model prefix, then
+            loaded, source = rename_source_key(key, [], [], prefix, meta)
         if source is not None:  # every weight the converter makes (it names the first target)
             targets = next((c.target_patterns for c in converters if source in c.source_patterns), [])
             out[loaded] = None
             for target in targets[1:]:
                 if targets[0] in loaded:
                     out[loaded.replace(targets[0], target)] = None
-        elif loaded != key:
-            out[loaded] = key
+        else:
+            out.setdefault(loaded, key)
     return out
 
 
@@ -195,7 +209,7 @@ class LoadedNames:
             model = trained_model(config_object(self.config), self.task_type, self.modules)
         except (NoModelClass, ImportError):
             return {}
-        return checkpoint_names(model, self.keys)
+        return loaded_names(model, self.keys)
 
 
 class Converted(Exception):

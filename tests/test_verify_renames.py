@@ -1,4 +1,4 @@
-"""renames.loaded_names against transformers' own loading: for the text encoders of diffusion pipelines, saved as
+"""model_class.loaded_names against transformers' own loading: for the text encoders of diffusion pipelines, saved as
 their checkpoints spell them, every file key it maps lands, in a model loaded by `from_pretrained`, on the
 parameter it names, and every file key is mapped. Tiny models from configs; CLIP's file as transformers 4 wrote it
 (`text_model.`), Qwen2.5-VL's and Mistral3's as transformers 5 saves them (their pre-5 layout, renamed again on
@@ -56,8 +56,8 @@ MODELS = {"clip": lambda: clip(False), "clip-projection": lambda: clip(True), "t
 def test_every_file_key_maps_to_the_parameter_transformers_loads_it_into(kind, tmp_path):
     from accelerate import init_empty_weights
 
+    from converter.model_class import loaded_names
     from converter.verify.peft_referee import hollow
-    from converter.verify.renames import loaded_names
 
     model = MODELS[kind]()
     model.save_pretrained(tmp_path)
@@ -87,9 +87,9 @@ def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_pat
 
     from peft import LoraConfig, get_peft_model
 
+    from converter.model_class import loaded_names
     from converter.verify.diffusers_referee import _inject
     from converter.verify.diffusion import component_model
-    from converter.verify.renames import loaded_names
 
     model = qwen25_vl()
     model.save_pretrained(tmp_path / "pipe" / "text_encoder")

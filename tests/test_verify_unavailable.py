@@ -52,9 +52,9 @@ def test_a_referee_that_cannot_be_built_says_why_and_the_next_one_judges(models,
                                verify=True)  # fmt: skip
     assert code == 0, stderr
     assert "Traceback" not in stdout + stderr and "a bug in converter" not in stderr
-    assert "PEFT could not be built for this model (" in stdout  # one line, the library's own words in it
+    assert "PEFT needs the base's transformers model: transformers cannot read" in stdout  # its own words in it
     assert "referee: published formula" in stdout
-    assert "behavioural comparison not run: the reference could not be run for this model" in stdout
+    assert "behavioural comparison not run: the behaviour needs the base's transformers model" in stdout
     merged = read_tensors(out)
     for name, want in models["expected"].items():  # the merge itself is right (PEFT's own, in float64)
         torch.testing.assert_close(merged[name], want.float(), rtol=2e-6, atol=1e-7)
@@ -80,7 +80,7 @@ def test_the_trace_of_a_referee_that_could_not_be_built_is_behind_verbose(models
     code, stdout, stderr = cli("-v", "merge", "--base", models["base"], "--adapter", models["patterned"], "--out",
                                tmp_path / "m", verify=True)  # fmt: skip
     assert code == 5
-    assert "Traceback" in stderr and "toyllama" in stderr
+    assert "Traceback" in stderr  # what the library raised, for a bug report
 
 
 def test_a_push_of_an_unverifiable_merge_pushes_nothing(models, tmp_path):

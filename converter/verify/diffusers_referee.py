@@ -4,10 +4,10 @@ diffusers' own loader (`load_lora_weights`: its key conversion of kohya / LyCORI
 `set_adapters` for per-component strengths) injects PEFT layers into a pipeline whose models are module trees
 without weights (peft_referee.hollow): the denoiser and the text encoders it loads a LoRA for. Each layer's merge
 is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the tensor named by the component and
-the file key the model's parameter is loaded from (renames.py: transformers' own renames on load, such as a
-CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all (include/exclude,
-LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose tensor names are
-not diffusers' module names), it declines and the published formula referees.
+the file key the model's parameter is loaded from (model_class.loaded_names: transformers' own renames on load,
+such as a CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all
+(include/exclude, LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose
+tensor names are not diffusers' module names), it declines and the published formula referees.
 """
 
 from __future__ import annotations
@@ -155,11 +155,12 @@ class RenamedLayers:
 
 def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
     """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
-    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+    from converter.model_class import LoadingRulesUnreadable, loaded_names
 
     ns = f"{component}/"
     try:
-        return loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
+        names = loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
+        return {k: v for k, v in names.items() if v is not None}  # a fused weight has no one file key
     except LoadingRulesUnreadable as e:
         raise RefereeUnavailable(f"{component}: {e}") from None
 

@@ -212,7 +212,7 @@ class DiffusionCheck:
 def _pipeline_params(pipe, file_names: set[str]) -> dict:
     """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
     own renames on load)."""
-    from converter.verify.renames import LoadingRulesUnreadable, loaded_names
+    from converter.model_class import LoadingRulesUnreadable, loaded_names
 
     params: dict = {}
     for component in MODEL_PARTS:
@@ -222,6 +222,7 @@ def _pipeline_params(pipe, file_names: set[str]) -> dict:
         ns = f"{component}/"
         try:
             to_file = loaded_names(model, [n[len(ns) :] for n in file_names if n.startswith(ns)])
+            to_file = {k: v for k, v in to_file.items() if v is not None}  # a fused weight has no one file key
         except LoadingRulesUnreadable:  # the names as they are: a renamed tensor is then not found (no images)
             to_file = {}
         for key, param in model.named_parameters():
