@@ -132,38 +132,44 @@ def main(argv: list[str] | None = None) -> int:
             written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
             if name != "peft":  # read now: the proof-only run rewrites out-quick's report
                 reports[name] = json.loads(written.read_text())
-    best = {n: min(rs, key=lambda r: r.wall_s) for n, rs in runs.items()}
-    peft = best["peft"]
+    mid = {n: _median_run(rs) for n, rs in runs.items()}
+    peft = mid["peft"]
     rows = []
     for name, (label, _cmd) in tools.items():
-        b, rep = best[name], reports.get(name)
+        m, rep = mid[name], reports.get(name)
         verdict = f" — {rep['verdict']}, verification {rep['seconds']:.1f} s" if rep else ""
         walls = " / ".join(f"{r.wall_s:.1f}" for r in runs[name])
+        cpus = " / ".join(f"{r.cpu_s:.1f}" for r in runs[name])
         loads = " / ".join(f"{r.load1:.1f}" for r in runs[name])
         rows.append(
-            f"| {label}{verdict} | {b.wall_s:.1f} s ({walls}) | {b.cpu_s:.1f} s | {b.peak_rss_mib:.0f} MiB | "
-            f"{b.wall_s / peft.wall_s:.2f}x / {b.peak_rss_mib / peft.peak_rss_mib:.2f}x | {loads} |"
+            f"| {label}{verdict} | {m.wall_s:.1f} s ({walls}) | {m.cpu_s:.1f} s ({cpus}) | {m.peak_rss_mib:.0f} MiB | "
+            f"{m.wall_s / peft.wall_s:.2f}x / {m.cpu_s / peft.cpu_s:.2f}x / {m.peak_rss_mib / peft.peak_rss_mib:.2f}x "
+            f"| {loads} |"
         )
-    phases = reports["quick"]["phase_seconds"]
-    proof = reports["quick"].get("tensors") or {}
+    quick = reports["quick"]
+    proof = quick.get("tensors") or {}
     text = "\n".join(
         [
             f"\n## Default merge + verification vs PEFT's plain merge: {info['date']} ({_param_count(base)}, "
             f"{'cold' if cold else 'warm'} cache, {args.rounds} alternating rounds)",
             "",
-            f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Best wall "
-            "time of the rounds (all rounds in brackets); CPU and peak RSS of that run; load average (1 min) at the "
-            "start of each run: the machine is shared, so compare runs of the same round.",
+            f"Command: `python bench/verify_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+            f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Median of the "
+            "rounds (each round in brackets) of wall time, CPU time (user + system) and peak RSS; load average (1 "
+            "min) at the start of each run: the machine may be shared, so compare runs of the same round, and CPU "
+            "time before wall time.",
             "",
-            "| run | wall | CPU | peak RSS | vs PEFT (time / memory) | load avg |",
+            "| run | wall | CPU | peak RSS | vs PEFT (wall / CPU / peak) | load avg |",
             "|---|---|---|---|---|---|",
             *rows,
             "",
-            "Quick verification phases (s): " + ", ".join(f"{k} {v}" for k, v in phases.items()) + ".",
+            _ratio_line(mid["quick"], peft),
+            "",
+            _phases_line("Quick verification phases", quick),
             "",
             _proof_line(proof),
             "",
-            _proof_alone_line(reports["proof"].get("tensors") or {}, best["proof"]),
+            _proof_alone_line(reports["proof"].get("tensors") or {}, mid["proof"]),
             "",
         ]
     )
@@ -172,6 +178,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.results, "a") as f:
             f.write(text)
     return 0
+
+
+def _median_run(runs: list):
+    """The run of median wall time (the lower middle one of an even count), its CPU and peak with it."""
+    ordered = sorted(runs, key=lambda r: r.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _phases_line(title: str, report: dict) -> str:
+    """A report's verification phases: wall seconds, and the process's CPU seconds in each (when recorded)."""
+    cpu = report.get("phase_cpu_seconds") or {}
+    parts = [f"{k} {v}" + (f" ({cpu[k]})" if k in cpu else "") for k, v in report["phase_seconds"].items()]
+    return f"{title}, wall s (CPU s): " + ", ".join(parts) + "."
+
+
+def _ratio_line(converter, peft) -> str:
+    """The target in one line: the default `converter merge` over PEFT's plain merge (below 1: converter is cheaper)."""
+    return (
+        f"**Default `converter merge` / PEFT's plain merge: wall {converter.wall_s / peft.wall_s:.2f}x, "
+        f"CPU {converter.cpu_s / peft.cpu_s:.2f}x, peak RSS {converter.peak_rss_mib / peft.peak_rss_mib:.2f}x** "
+        "(the target: all three at most 1)."
+    )
 
 
 def _proof_line(proof: dict) -> str:
@@ -426,7 +454,7 @@ def run_big(args, shape: Shape) -> int:
                 f"| the tensor proof alone (`converter verify --proof tensors`) | {p.wall_s:.1f} s | {p.cpu_s:.1f} s | "
                 f"{p.peak_rss_mib:.0f} MiB | | | |",
                 "",
-                "Verification phases (s): " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items()) + ".",
+                _phases_line("Verification phases", rep),
                 "",
                 _proof_line(rep.get("tensors") or {}),
                 "",
