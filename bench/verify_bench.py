@@ -6,7 +6,9 @@ alternately in whole subprocesses on the synthetic Llama of merge_bench.py (same
 shared machine affects all of them alike; the 1-minute load average is reported with every run.
 `--baseline SRC` adds the default `converter merge` of another source tree (e.g. the code before a change).
 The tensor proof is also measured alone (`converter verify --proof tensors` on the default merge's output, in its
-own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported.
+own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported, and
+so is the merge alone (`--no-verify`), whose CPU the proof's should not exceed. Each run's wall, CPU and peak are
+the medians over the rounds, with their ratios to PEFT's; the bold line states the target.
 
 `--big` instead builds a Llama-3-8B-shaped synthetic model (8.03 B parameters, bf16, 16 GB) and a rank-16
 all-linear LoRA straight to safetensors from its shapes alone (no model object: the base's bytes are one block of
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", PEFT_SCRIPT, str(base), str(adapter), str(work / "out-peft")],
         ),
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
+        "merge": ("`converter merge --no-verify` (the merge alone)", merge(work / "out-merge", "--no-verify")),
         "proof": ("the tensor proof alone (`converter verify --proof tensors`)",
                   [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report",
                    str(work / "proof.json")]),  # fmt: skip
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             runs[name].append(r)
             written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
-            if name != "peft":  # read now: the proof-only run rewrites out-quick's report
+            if name not in ("peft", "merge"):  # read now: the proof-only run rewrites out-quick's report
                 reports[name] = json.loads(written.read_text())
     mid = {n: _median_run(rs) for n, rs in runs.items()}
     peft = mid["peft"]
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
             _proof_alone_line(reports["proof"].get("tensors") or {}, mid["proof"]),
             "",
+            _proof_vs_merge_line(quick, mid["merge"]),
+            "",
         ]
     )
     print(text)
@@ -199,6 +204,18 @@ def _ratio_line(converter, peft) -> str:
         f"**Default `converter merge` / PEFT's plain merge: wall {converter.wall_s / peft.wall_s:.2f}x, "
         f"CPU {converter.cpu_s / peft.cpu_s:.2f}x, peak RSS {converter.peak_rss_mib / peft.peak_rss_mib:.2f}x** "
         "(the target: all three at most 1)."
+    )
+
+
+def _proof_vs_merge_line(quick: dict, merge) -> str:
+    """The tensor proof's CPU in the default run (referee built, every tensor read and checked) against the whole
+    `--no-verify` merge process's (start, imports, merge): the proof should cost no more than the merge it checks."""
+    proof_cpu = (quick.get("phase_cpu_seconds") or {}).get("tensor proof")
+    if proof_cpu is None:
+        return "The tensor proof's CPU time was not recorded."
+    return (
+        f"**Tensor proof / merge, CPU: {proof_cpu / merge.cpu_s:.2f}x** ({proof_cpu:.1f} s in the default run's "
+        f"tensor proof phase against {merge.cpu_s:.1f} s for the whole `--no-verify` merge process)."
     )
 
 

@@ -130,6 +130,7 @@ class TensorProof:
         self._files: dict[Path, int] = {}
         self._failed: dict[str, tuple] = {}
         self._lock = threading.Lock()
+        self._scratch = threading.local()  # each worker's reused block buffers (see _take)
 
     def check_file(self, path: Path, prefix: str = "") -> list[TensorCheck]:
         """Every tensor of one safetensors file, `workers` tensors at a time (each a different module, so the
@@ -218,7 +219,7 @@ class TensorProof:
         base rows as read already (their bits)."""
         if raw is None:
             raw = self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
-        return rule.rows(_values(raw, base, _working_dtype(out.dtype)), s, e)
+        return rule.rows(self._values(raw, base, _working_dtype(out.dtype)), s, e)
 
     def _block(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
         """(worst ratio, inexact elements, changed elements) of rows s:e, or the problem in words. Elements that
@@ -235,7 +236,8 @@ class TensorProof:
         m_bits = self._raw_rows(out, s, e).numpy()
         if tuple(v.shape) != (e - s, *out.shape[1:]):
             return f"the referee's {list(v.shape)} does not fit the output's {[e - s, *out.shape[1:]]}"
-        rounded = v.to(_torch(out.dtype)).reshape(-1).view(_bits(out.dtype)).numpy()
+        rounded = self._take("rounded", v.numel(), _torch(out.dtype)).copy_(v.reshape(-1))  # torch's rounding
+        rounded = rounded.view(_bits(out.dtype)).numpy()
         same_shape = base.shape == out.shape  # then the base's rows read are rows s:e
         if same_shape:
             base_bits = raw.numpy() if base.dtype == out.dtype else _cast_bits(raw, base, out.dtype).numpy()
@@ -268,6 +270,27 @@ class TensorProof:
         if change2 == 0:
             return (0.0 if err2 == 0 else math.inf), None
         return math.sqrt(err2 / change2), (dot / math.sqrt(err2 * change2) if err2 else None)
+
+    def _values(self, raw, loc: Location, dtype):
+        """A tensor's rows, as read (their bits), as numbers in `dtype` (exact for every float dtype up to its
+        width): a copy even in the same dtype, since a referee merges into it and the bits stay the base's."""
+        rows = raw.numel() // max(math.prod(loc.shape[1:]), 1) if loc.shape else None
+        values = self._take("values", raw.numel(), dtype).copy_(raw.view(_torch(loc.dtype)))
+        return values.reshape((rows, *loc.shape[1:]) if loc.shape else ())
+
+    def _take(self, role: str, numel: int, dtype):
+        """A flat tensor of `numel` elements for one role in this worker's block (its contents: garbage), reused
+        from block to block up to BLOCK_ELEMENTS: a fresh 16 MiB tensor per block costs about as much in page faults
+        and zeroing as the conversion that fills it. Larger ones are fresh."""
+        import torch
+
+        if numel > BLOCK_ELEMENTS:
+            return torch.empty(numel, dtype=dtype)
+        kept = self._scratch.__dict__
+        buf = kept.get((role, dtype))
+        if buf is None:
+            buf = kept[(role, dtype)] = torch.empty(BLOCK_ELEMENTS, dtype=dtype)
+        return buf[:numel]
 
     def _bytes_differ(self, a: Location, b: Location) -> int:
         """How many elements differ (0: identical bytes), read in blocks: equal blocks cost one memcmp."""
@@ -359,13 +382,6 @@ def _working_dtype(out_dtype: str):
     import torch
 
     return torch.float64 if out_dtype in ("F32", "F64") else torch.float32
-
-
-def _values(raw, loc: Location, dtype):
-    """A tensor's rows, as read (their bits), as numbers in `dtype` (exact for every float dtype up to its width):
-    a copy even in the same dtype, since a referee merges into it and the bits stay the base's."""
-    rows = raw.numel() // max(math.prod(loc.shape[1:]), 1) if loc.shape else None
-    return raw.view(_torch(loc.dtype)).to(dtype, copy=True).reshape((rows, *loc.shape[1:]) if loc.shape else ())
 
 
 def _same_bytes(x, y) -> bool:
