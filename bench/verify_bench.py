@@ -6,7 +6,9 @@ alternately in whole subprocesses on the synthetic Llama of merge_bench.py (same
 shared machine affects all of them alike; the 1-minute load average is reported with every run.
 `--baseline SRC` adds the default `converter merge` of another source tree (e.g. the code before a change).
 The tensor proof is also measured alone (`converter verify --proof tensors` on the default merge's output, in its
-own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported.
+own process: imports, referee, every tensor read and checked), so its own time and peak memory are reported, and
+so is the merge alone (`--no-verify`), whose CPU the proof's should not exceed. Each run's wall, CPU and peak are
+the medians over the rounds, with their ratios to PEFT's; the bold line states the target.
 
 `--big` instead builds a Llama-3-8B-shaped synthetic model (8.03 B parameters, bf16, 16 GB) and a rank-16
 all-linear LoRA straight to safetensors from its shapes alone (no model object: the base's bytes are one block of
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-c", PEFT_SCRIPT, str(base), str(adapter), str(work / "out-peft")],
         ),
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
+        "merge": ("`converter merge --no-verify` (the merge alone)", merge(work / "out-merge", "--no-verify")),
         "proof": ("the tensor proof alone (`converter verify --proof tensors`)",
                   [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report",
                    str(work / "proof.json")]),  # fmt: skip
@@ -130,40 +133,48 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             runs[name].append(r)
             written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
-            if name != "peft":  # read now: the proof-only run rewrites out-quick's report
+            if name not in ("peft", "merge"):  # read now: the proof-only run rewrites out-quick's report
                 reports[name] = json.loads(written.read_text())
-    best = {n: min(rs, key=lambda r: r.wall_s) for n, rs in runs.items()}
-    peft = best["peft"]
+    mid = {n: _median_run(rs) for n, rs in runs.items()}
+    peft = mid["peft"]
     rows = []
     for name, (label, _cmd) in tools.items():
-        b, rep = best[name], reports.get(name)
+        m, rep = mid[name], reports.get(name)
         verdict = f" — {rep['verdict']}, verification {rep['seconds']:.1f} s" if rep else ""
         walls = " / ".join(f"{r.wall_s:.1f}" for r in runs[name])
+        cpus = " / ".join(f"{r.cpu_s:.1f}" for r in runs[name])
         loads = " / ".join(f"{r.load1:.1f}" for r in runs[name])
         rows.append(
-            f"| {label}{verdict} | {b.wall_s:.1f} s ({walls}) | {b.cpu_s:.1f} s | {b.peak_rss_mib:.0f} MiB | "
-            f"{b.wall_s / peft.wall_s:.2f}x / {b.peak_rss_mib / peft.peak_rss_mib:.2f}x | {loads} |"
+            f"| {label}{verdict} | {m.wall_s:.1f} s ({walls}) | {m.cpu_s:.1f} s ({cpus}) | {m.peak_rss_mib:.0f} MiB | "
+            f"{m.wall_s / peft.wall_s:.2f}x / {m.cpu_s / peft.cpu_s:.2f}x / {m.peak_rss_mib / peft.peak_rss_mib:.2f}x "
+            f"| {loads} |"
         )
-    phases = reports["quick"]["phase_seconds"]
-    proof = reports["quick"].get("tensors") or {}
+    quick = reports["quick"]
+    proof = quick.get("tensors") or {}
     text = "\n".join(
         [
             f"\n## Default merge + verification vs PEFT's plain merge: {info['date']} ({_param_count(base)}, "
             f"{'cold' if cold else 'warm'} cache, {args.rounds} alternating rounds)",
             "",
-            f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Best wall "
-            "time of the rounds (all rounds in brackets); CPU and peak RSS of that run; load average (1 min) at the "
-            "start of each run: the machine is shared, so compare runs of the same round.",
+            f"Command: `python bench/verify_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}`. "
+            f"Machine: {info['cores']} cores, {info['ram']}, {info['cpu']}; converter {info['source']}. Median of the "
+            "rounds (each round in brackets) of wall time, CPU time (user + system) and peak RSS; load average (1 "
+            "min) at the start of each run: the machine may be shared, so compare runs of the same round, and CPU "
+            "time before wall time.",
             "",
-            "| run | wall | CPU | peak RSS | vs PEFT (time / memory) | load avg |",
+            "| run | wall | CPU | peak RSS | vs PEFT (wall / CPU / peak) | load avg |",
             "|---|---|---|---|---|---|",
             *rows,
             "",
-            "Quick verification phases (s): " + ", ".join(f"{k} {v}" for k, v in phases.items()) + ".",
+            _ratio_line(mid["quick"], peft),
+            "",
+            _phases_line("Quick verification phases", quick),
             "",
             _proof_line(proof),
             "",
-            _proof_alone_line(reports["proof"].get("tensors") or {}, best["proof"]),
+            _proof_alone_line(reports["proof"].get("tensors") or {}, mid["proof"]),
+            "",
+            _proof_vs_merge_line(quick, mid["merge"]),
             "",
         ]
     )
@@ -172,6 +183,40 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.results, "a") as f:
             f.write(text)
     return 0
+
+
+def _median_run(runs: list):
+    """The run of median wall time (the lower middle one of an even count), its CPU and peak with it."""
+    ordered = sorted(runs, key=lambda r: r.wall_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _phases_line(title: str, report: dict) -> str:
+    """A report's verification phases: wall seconds, and the process's CPU seconds in each (when recorded)."""
+    cpu = report.get("phase_cpu_seconds") or {}
+    parts = [f"{k} {v}" + (f" ({cpu[k]})" if k in cpu else "") for k, v in report["phase_seconds"].items()]
+    return f"{title}, wall s (CPU s): " + ", ".join(parts) + "."
+
+
+def _ratio_line(converter, peft) -> str:
+    """The target in one line: the default `converter merge` over PEFT's plain merge (below 1: converter is cheaper)."""
+    return (
+        f"**Default `converter merge` / PEFT's plain merge: wall {converter.wall_s / peft.wall_s:.2f}x, "
+        f"CPU {converter.cpu_s / peft.cpu_s:.2f}x, peak RSS {converter.peak_rss_mib / peft.peak_rss_mib:.2f}x** "
+        "(the target: all three at most 1)."
+    )
+
+
+def _proof_vs_merge_line(quick: dict, merge) -> str:
+    """The tensor proof's CPU in the default run (referee built, every tensor read and checked) against the whole
+    `--no-verify` merge process's (start, imports, merge): the proof should cost no more than the merge it checks."""
+    proof_cpu = (quick.get("phase_cpu_seconds") or {}).get("tensor proof")
+    if proof_cpu is None:
+        return "The tensor proof's CPU time was not recorded."
+    return (
+        f"**Tensor proof / merge, CPU: {proof_cpu / merge.cpu_s:.2f}x** ({proof_cpu:.1f} s in the default run's "
+        f"tensor proof phase against {merge.cpu_s:.1f} s for the whole `--no-verify` merge process)."
+    )
 
 
 def _proof_line(proof: dict) -> str:
@@ -426,7 +471,7 @@ def run_big(args, shape: Shape) -> int:
                 f"| the tensor proof alone (`converter verify --proof tensors`) | {p.wall_s:.1f} s | {p.cpu_s:.1f} s | "
                 f"{p.peak_rss_mib:.0f} MiB | | | |",
                 "",
-                "Verification phases (s): " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items()) + ".",
+                _phases_line("Verification phases", rep),
                 "",
                 _proof_line(rep.get("tensors") or {}),
                 "",

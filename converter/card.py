@@ -216,7 +216,7 @@ def write_card(folder: Path, load_name: str | None = None) -> Path:
 
 # Measurements of one verification run: kept in the local report, left out of the published one so that the
 # same merge publishes the same bytes (a re-push is then a no-op).
-RUN_SPECIFIC = ("seconds", "phase_seconds", "peak_rss_mb", "offload_memory_bytes")
+RUN_SPECIFIC = ("seconds", "phase_seconds", "phase_cpu_seconds", "peak_rss_mb", "offload_memory_bytes")
 
 
 def public_records(folder: Path) -> dict[str, bytes]:

@@ -100,6 +100,7 @@ def verify(
     verdict = judge(report.tensors, findings, (report.tensors_skipped, report.behaviour_skipped), needed)
     report.verdict, report.problems, report.notes = verdict.verdict, verdict.problems, verdict.notes
     report.seconds, report.phase_seconds = round(time.time() - started, 1), job.clock.phases
+    report.phase_cpu_seconds = job.clock.cpu
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     report.markdown = markdown(report)
     report.save(job.merged)

@@ -130,6 +130,7 @@ class TensorProof:
         self._files: dict[Path, int] = {}
         self._failed: dict[str, tuple] = {}
         self._lock = threading.Lock()
+        self._scratch = threading.local()  # each worker's reused block buffers (see _take)
 
     def check_file(self, path: Path, prefix: str = "") -> list[TensorCheck]:
         """Every tensor of one safetensors file, `workers` tensors at a time (each a different module, so the
@@ -217,43 +218,46 @@ class TensorProof:
     def _blocks_of(self, rule: Expectation, base: Location, out: Location) -> list[tuple[int, int]]:
         return _blocks(out.shape) if rule.row_blocks and base.shape == out.shape else [(0, _rows_of(out))]
 
-    def _expected(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
-        """The referee's rows s:e, from the base's rows (the whole base tensor when not row by row)."""
-        work = _working_dtype(out.dtype)
-        w = self._rows(base, s, e, work) if rule.row_blocks else self._rows(base, 0, _rows_of(base), work)
-        return rule.rows(w, s, e)
+    def _expected(self, rule: Expectation, base: Location, out: Location, s: int, e: int, raw=None):
+        """The referee's rows s:e, from the base's rows (the whole base tensor when not row by row); `raw`: those
+        base rows as read already (their bits)."""
+        if raw is None:
+            raw = self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
+        return rule.rows(self._values(raw, base, _working_dtype(out.dtype)), s, e)
 
     def _block(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
         """(worst ratio, inexact elements, changed elements) of rows s:e, or the problem in words. Elements that
         are exactly the expectation rounded to the output dtype pass without more arithmetic (their error is at
-        most half a unit in the last place, within u·|v|); only the others are held to the full bound."""
+        most half a unit in the last place, within u·|v|); only the others are held to the full bound. The base's
+        rows are read once (their bits: what the adapters change; their values: the referee's input, which it
+        overwrites with the merged rows, and the bound's base at the few inexact elements)."""
         import numpy as np
         import torch
 
-        want = self._expected(rule, base, out, s, e)
+        raw = self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
+        want = self._expected(rule, base, out, s, e, raw)
         v = want.value
-        m_bits = self._raw_rows(out, s, e)
+        m_bits = self._raw_rows(out, s, e).numpy()
         if tuple(v.shape) != (e - s, *out.shape[1:]):
             return f"the referee's {list(v.shape)} does not fit the output's {[e - s, *out.shape[1:]]}"
-        rounded = v.to(_torch(out.dtype)).reshape(-1).view(_bits(out.dtype))
-        same_shape = base.shape == out.shape
-        changed = int(torch.count_nonzero(rounded != self._base_bits(base, out.dtype, s, e))) if same_shape else (
-            rounded.numel())  # fmt: skip
-        off = torch.from_numpy(np.flatnonzero((rounded != m_bits).numpy()))  # numpy's is several times torch's speed
-        if not off.numel():
+        rounded = self._take("rounded", v.numel(), _torch(out.dtype)).copy_(v.reshape(-1))  # torch's rounding
+        rounded = rounded.view(_bits(out.dtype)).numpy()
+        same_shape = base.shape == out.shape  # then the base's rows read are rows s:e
+        if same_shape:
+            base_bits = raw.numpy() if base.dtype == out.dtype else _cast_bits(raw, base, out.dtype).numpy()
+            changed = int(np.count_nonzero(rounded != base_bits))
+        else:
+            changed = rounded.size
+        off = np.flatnonzero(rounded != m_bits)  # numpy's comparisons: several times torch's speed
+        if not off.size:
             return 0.0, 0, changed
+        off = torch.from_numpy(off)
         vv = v.reshape(-1)[off]
-        mm = m_bits[off].view(_torch(out.dtype)).to(vv.dtype)
-        ww = self._rows(base, s, e, vv.dtype).reshape(-1)[off] if same_shape else vv
+        mm = torch.from_numpy(m_bits[off.numpy()]).view(_torch(out.dtype)).to(vv.dtype)
+        ww = raw.view(_torch(base.dtype)).reshape(-1)[off].to(vv.dtype) if same_shape else vv
         bound = _bound(vv, ww, _allowance_at(want.allowance, off, vv), out.dtype)
         ratio = float(((mm - vv).abs() / bound).max())
         return (math.inf if math.isnan(ratio) else ratio), int(off.numel()), changed  # NaN: never a pass
-
-    def _base_bits(self, base: Location, dtype: str, s: int, e: int):
-        """The base's rows as stored in `dtype` (its exact cast under --dtype), as integers."""
-        if base.dtype == dtype:
-            return self._raw_rows(base, s, e)
-        return self._rows(base, s, e, _torch(base.dtype)).to(_torch(dtype)).reshape(-1).view(_bits(dtype))
 
     def _relative(self, rule: Expectation, base: Location, out: Location) -> tuple[float, float | None]:
         """A failed tensor's ‖merged - expected‖ / ‖expected - base‖ and the cosine between the two (one more
@@ -271,19 +275,47 @@ class TensorProof:
             return (0.0 if err2 == 0 else math.inf), None
         return math.sqrt(err2 / change2), (dot / math.sqrt(err2 * change2) if err2 else None)
 
+    def _values(self, raw, loc: Location, dtype):
+        """A tensor's rows, as read (their bits), as numbers in `dtype` (exact for every float dtype up to its
+        width): a copy even in the same dtype, since a referee merges into it and the bits stay the base's."""
+        rows = raw.numel() // max(math.prod(loc.shape[1:]), 1) if loc.shape else None
+        values = self._take("values", raw.numel(), dtype).copy_(raw.view(_torch(loc.dtype)))
+        return values.reshape((rows, *loc.shape[1:]) if loc.shape else ())
+
+    def _take(self, role: str, numel: int, dtype):
+        """A flat tensor of `numel` elements for one role in this worker's block (its contents: garbage), reused
+        from block to block up to BLOCK_ELEMENTS: a fresh 16 MiB tensor per block costs about as much in page faults
+        and zeroing as the conversion that fills it. Larger ones are fresh."""
+        import torch
+
+        if numel > BLOCK_ELEMENTS:
+            return torch.empty(numel, dtype=dtype)
+        kept = self._scratch.__dict__
+        buf = kept.get((role, dtype))
+        if buf is None:
+            buf = kept[(role, dtype)] = torch.empty(BLOCK_ELEMENTS, dtype=dtype)
+        return buf[:numel]
+
     def _bytes_differ(self, a: Location, b: Location) -> int:
-        """How many elements differ (0: identical bytes), read in blocks."""
+        """How many elements differ (0: identical bytes), read in blocks: equal blocks cost one memcmp."""
+        import numpy as np
+
         count = 0
         for s, e in _blocks(a.shape):
-            x, y = self._raw_rows(a, s, e), self._raw_rows(b, s, e)
-            if not bool((x == y).all()):
-                count += int((x != y).sum())
+            x, y = self._raw_rows(a, s, e).numpy(), self._raw_rows(b, s, e).numpy()
+            if not _same_bytes(x, y):
+                count += int(np.count_nonzero(x != y))
         return count
 
     def _cast_differs(self, base: Location, out: Location) -> int:
         """How many elements differ from the base's exact cast to the output dtype (torch's conversion)."""
-        return sum(int((self._base_bits(base, out.dtype, s, e) != self._raw_rows(out, s, e)).sum())
-                   for s, e in _blocks(base.shape))  # fmt: skip
+        import numpy as np
+
+        count = 0
+        for s, e in _blocks(base.shape):
+            cast = _cast_bits(self._raw_rows(base, s, e), base, out.dtype).numpy()
+            count += int(np.count_nonzero(cast != self._raw_rows(out, s, e).numpy()))
+        return count
 
     def _raw_rows(self, loc: Location, start: int, end: int):
         """Rows start:end as integers of the element's width (exact bit patterns, NaN-safe comparisons)."""
@@ -291,7 +323,7 @@ class TensorProof:
 
         row = _row_bytes(loc)
         data = self._read(loc.path, loc.start + start * row, (end - start) * row)
-        return torch.frombuffer(data, dtype=_bits(loc.dtype)) if data else torch.empty(0, dtype=_bits(loc.dtype))
+        return torch.frombuffer(data, dtype=_bits(loc.dtype)) if len(data) else torch.empty(0, dtype=_bits(loc.dtype))
 
     def _rows(self, loc: Location, start: int, end: int, dtype=None):
         """Rows start:end in `dtype` (float64 by default; exact for every float dtype up to its width)."""
@@ -301,12 +333,14 @@ class TensorProof:
         shape = (end - start, *loc.shape[1:]) if loc.shape else ()
         return raw.view(_torch(loc.dtype)).to(dtype or torch.float64).reshape(shape)
 
-    def _read(self, path: Path, offset: int, size: int) -> bytearray:
+    def _read(self, path: Path, offset: int, size: int):
+        from converter.checkpoint import buffer
+
         with self._lock:
             if path not in self._files:
                 self._files[path] = os.open(path, os.O_RDONLY)
             fd = self._files[path]
-        buf, done = bytearray(size), 0
+        buf, done = buffer(size), 0  # not zero-filled, huge pages where the kernel gives them
         view = memoryview(buf)
         while done < size:
             got = os.preadv(fd, [view[done : done + 2**30]], offset + done)
@@ -352,6 +386,22 @@ def _working_dtype(out_dtype: str):
     import torch
 
     return torch.float64 if out_dtype in ("F32", "F64") else torch.float32
+
+
+def _same_bytes(x, y) -> bool:
+    """Whether two arrays hold the same bytes: compared 8 bytes at a time (near memcmp's speed)."""
+    import numpy as np
+
+    x, y = x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)
+    if x.size != y.size:
+        return False
+    k = x.size // 8 * 8
+    return bool(np.array_equal(x[:k].view(np.uint64), y[:k].view(np.uint64)) and np.array_equal(x[k:], y[k:]))
+
+
+def _cast_bits(raw, loc: Location, dtype: str):
+    """A tensor's rows, as read, cast to `dtype` (torch's conversion: what --dtype writes), as integers."""
+    return raw.view(_torch(loc.dtype)).to(_torch(dtype)).reshape(-1).view(_bits(dtype))
 
 
 def _bound(v, w, allowance, out_dtype: str):
