@@ -1,4 +1,4 @@
-"""`converter inspect / merge / convert / verify / push / demo / space deploy`: argument parsing and printing only.
+"""`converter inspect / merge / convert / gguf / verify / push / demo / space deploy`: argument parsing and printing.
 
 Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
 """
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_options(v)
 
     _convert_parser(sub)
+    from converter.gguf.cli import add_parser as add_gguf_parser
+
+    add_gguf_parser(sub)
     from converter.batch.command import add_parser as add_batch_parser
 
     add_batch_parser(sub)
@@ -413,6 +416,10 @@ def run(args: argparse.Namespace) -> int:
         from converter.convert import run_cli
 
         return run_cli(args, log=_log)
+    if args.command == "gguf":
+        from converter.gguf.cli import run as run_gguf
+
+        return run_gguf(args, log=_log)
     if args.command == "batch":
         from converter.batch.command import run_cli as run_batch_cli
 
