@@ -29,20 +29,23 @@ PROMPTS = [
     "Explain in one sentence why the sky is blue.",
     "List three prime numbers.",
 ]
-# Relative RMS difference of llama.cpp's logits from transformers' (float32), per file type. Measured on right
-# conversions of SmolLM2-135M-Instruct (docs/gguf.md has the table): F32 5e-4, F16 1.1e-3, BF16 6e-3, Q8_0 5e-2,
-# Q6_K 8e-2, Q5_K_M 1.3e-1, Q4_K_M 2.4e-1; each limit is about 3-4x the largest measured. llama.cpp computes with
-# float16 KV caches and quantized activations, so even F32 is not exact.
+# where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
+MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
+# Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all texts, per
+# file type. Measured on right conversions of SmolLM2-135M-Instruct (docs/gguf.md has the table): F32 6e-4, F16 1.1e-3,
+# BF16 7e-3, Q8_0 4e-2, Q6_K 7e-2, Q5_K_M 0.21, Q5_K_S 0.21, Q5_0 0.16, Q4_K_M 0.13, Q4_K_S 0.18, Q4_0 0.44; each
+# limit is about 2.5-6x that. llama.cpp computes with float16 KV caches and quantized activations, so even F32 is not
+# exact. A Q/K row order left as Hugging Face's measured 0.67 and a 10x wrong rope base 0.11: the float types catch
+# both by behaviour alone; for the quantized ones the tensor and metadata proofs are what catch them.
 BEHAVIOUR_LIMIT = {
-    "F32": 2e-3, "F16": 5e-3, "BF16": 2.5e-2, "Q8_0": 0.15, "Q6_K": 0.25, "Q5_K_M": 0.35, "Q5_K_S": 0.35,
-    "Q5_0": 0.4, "Q5_1": 0.4, "Q4_K_M": 0.6, "Q4_K_S": 0.6, "Q4_0": 0.7, "Q4_1": 0.7,
-    "Q3_K_L": 0.9, "Q3_K_M": 0.9, "Q3_K_S": 1.0, "Q2_K": 1.2,
+    "F32": 4e-3, "F16": 5e-3, "BF16": 2.5e-2, "Q8_0": 0.15, "Q6_K": 0.25, "Q5_K_M": 0.5, "Q5_K_S": 0.5,
+    "Q5_0": 0.5, "Q4_K_M": 0.5, "Q4_K_S": 0.5, "Q4_0": 1.0,
 }  # fmt: skip
 # Relative RMS error of one dequantized tensor against its source, per stored ggml type (K-quant files only; the
-# types we write are checked exactly). Measured on SmolLM2's weights: about a third of each limit at most.
+# types we write are checked exactly). Measured on SmolLM2's weights: the worst tensor of each type is at most about
+# 40% of its limit (Q6_K 0.018, Q5_0 / Q5_1 0.053, Q4_0 0.10).
 TENSOR_LIMIT = {
-    "Q6_K": 0.03, "Q5_K": 0.06, "Q5_0": 0.08, "Q5_1": 0.08, "Q4_K": 0.12, "Q4_0": 0.15, "Q4_1": 0.15,
-    "Q3_K": 0.25, "Q2_K": 0.5, "IQ4_NL": 0.15,
+    "Q6_K": 0.05, "Q5_K": 0.13, "Q5_0": 0.13, "Q5_1": 0.13, "Q4_K": 0.26, "Q4_0": 0.26, "Q4_1": 0.26,
 }  # fmt: skip
 EXACT = {"F32", "F16", "BF16", "Q8_0"}
 
@@ -87,6 +90,7 @@ def reference(source: Source, with_logits: bool) -> Reference:
     specials = " ".join(t for t in tok.all_special_tokens)
     texts = [(f"prompt {i + 1}", p, True) for i, p in enumerate(PROMPTS)]
     texts.append(("special tokens", f"{specials} hello {specials}", True))
+    texts.append(("digits and spaces", MIXED_TEXT, True))
     if tok.chat_template:
         messages = [{"role": "user", "content": PROMPTS[0]}]
         texts.append(("chat template", tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),

@@ -11,10 +11,8 @@ from converter.errors import UsageError
 #: written by us, through gguf.quants (name -> gguf.GGMLQuantizationType / LlamaFileType member name)
 PYTHON_TYPES = ("F32", "F16", "BF16", "Q8_0")
 #: made by llama.cpp's llama_model_quantize from our verified F32 file (name -> LLAMA_FTYPE_MOSTLY_* suffix)
-LLAMA_TYPES = (
-    "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_1", "Q5_K_S", "Q5_K_M",
-    "Q6_K",
-)  # fmt: skip
+#: (the ones whose proof thresholds were measured: converter.gguf.proof.BEHAVIOUR_LIMIT)
+LLAMA_TYPES = ("Q4_0", "Q4_K_S", "Q4_K_M", "Q5_0", "Q5_K_S", "Q5_K_M", "Q6_K")
 ALL_TYPES = PYTHON_TYPES + LLAMA_TYPES
 
 
