@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_options(m)
     m.add_argument("--out", help="output folder (created atomically)")
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
+    from converter.gguf.cli import merge_option
+
+    merge_option(m)
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     m.add_argument("--no-verify", action="store_true", help="skip comparing the merged model with base + adapters")
     m.add_argument(
@@ -362,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+        from converter.gguf.cli import check_merge_gguf
+
+        gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
             from converter.pipeline import check_extras
             from converter.verify.warmup import start
@@ -373,6 +379,10 @@ def run(args: argparse.Namespace) -> int:
             from converter.pipeline import verify_folder
 
             verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+        if gguf_types:
+            from converter.gguf.cli import export_merged
+
+            export_merged(result.out, gguf_types, log=_log)
         return 0
     if args.command == "verify":
         from converter.merge import recorded_recipe

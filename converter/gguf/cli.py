@@ -33,3 +33,44 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         log(f"wrote {path}")
     log(f"proof: {result.out / PROOF_FILE}")
     return 0
+
+
+def merge_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gguf", metavar="TYPE[,TYPE...]",
+        help="also write the merged model as GGUF files of these types, proven, into the folder OUT-GGUF; " + TYPE_HELP,
+    )  # fmt: skip
+
+
+def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
+    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
+    merge starts, so a refusal costs nothing."""
+    if not text:
+        return None
+    from pathlib import Path
+
+    from converter.gguf import llama
+    from converter.gguf.arch import family_of
+    from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types
+
+    types = parse_types(text)
+    if needs_llama(types):
+        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
+    config = Path(base or "") / "config.json"
+    if base and config.is_file():
+        import json
+
+        family_of(json.loads(config.read_text()), base)
+    return types
+
+
+def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
+    """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF."""
+    from pathlib import Path
+
+    from converter.gguf.export import PROOF_FILE, export
+
+    folder = Path(folder)
+    out = folder.with_name(f"{folder.name}-GGUF")
+    result = export(folder, types, out, name=folder.name, force=True, log=log)
+    log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")

@@ -32,14 +32,15 @@ PROMPTS = [
 # where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
 MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
 # Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all texts, per
-# file type. Measured on right conversions of SmolLM2-135M-Instruct (docs/gguf.md has the table): F32 6e-4, F16 1.1e-3,
-# BF16 7e-3, Q8_0 4e-2, Q6_K 7e-2, Q5_K_M 0.21, Q5_K_S 0.21, Q5_0 0.16, Q4_K_M 0.13, Q4_K_S 0.18, Q4_0 0.44; each
-# limit is about 2.5-6x that. llama.cpp computes with float16 KV caches and quantized activations, so even F32 is not
-# exact. A Q/K row order left as Hugging Face's measured 0.67 and a 10x wrong rope base 0.11: the float types catch
-# both by behaviour alone; for the quantized ones the tensor and metadata proofs are what catch them.
+# file type. Measured on right conversions of two models (docs/gguf.md has the table): SmolLM2-135M-Instruct, and the
+# same merged with a random LoRA (every factor ~N(0, 0.05): far from its training, it amplifies any difference in
+# computation about 7x). Each limit is about 2.5x the larger of the two. llama.cpp computes with float16 KV caches
+# and, for quantized types, quantized activations, so even F32 is not exact. A Q/K row order left as Hugging Face's
+# measured 0.67 and a 10x wrong rope base 0.11 (SmolLM2, F32): the float types catch both by behaviour alone; for the
+# quantized types the tensor and metadata proofs are what catch them.
 BEHAVIOUR_LIMIT = {
-    "F32": 4e-3, "F16": 5e-3, "BF16": 2.5e-2, "Q8_0": 0.15, "Q6_K": 0.25, "Q5_K_M": 0.5, "Q5_K_S": 0.5,
-    "Q5_0": 0.5, "Q4_K_M": 0.5, "Q4_K_S": 0.5, "Q4_0": 1.0,
+    "F32": 0.01, "F16": 0.01, "BF16": 0.07, "Q8_0": 0.45, "Q6_K": 0.8, "Q5_K_M": 0.9, "Q5_K_S": 0.9,
+    "Q5_0": 0.9, "Q4_K_M": 0.9, "Q4_K_S": 0.9, "Q4_0": 1.5,
 }  # fmt: skip
 # Relative RMS error of one dequantized tensor against its source, per stored ggml type (K-quant files only; the
 # types we write are checked exactly). Measured on SmolLM2's weights: the worst tensor of each type is at most about
@@ -119,9 +120,8 @@ def _read_back(t) -> np.ndarray:
     return gguf.quants.dequantize(data, t.tensor_type)
 
 
-def prove_tensors(path: Path, source: Source, family: arch.Family, type_name: str) -> Part:
+def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str) -> Part:
     """Part 1: every source tensor, read back from the file, against the reference cast / quantization."""
-    reader = gguf.GGUFReader(path)
     found = {t.name: t for t in reader.tensors}
     n = arch.block_count(source.config)
     tmap = gguf.get_tensor_name_map(family.arch, n)
@@ -175,9 +175,8 @@ def prove_tensors(path: Path, source: Source, family: arch.Family, type_name: st
     return Part("tensors", True, f"{len(expected)} tensors, {how}")
 
 
-def prove_metadata(path: Path, source: Source, family: arch.Family) -> Part:
+def prove_metadata(reader: gguf.GGUFReader, source: Source, family: arch.Family) -> Part:
     """The keys llama.cpp sizes and runs the model by, against config.json (names the key that differs)."""
-    reader = gguf.GGUFReader(path)
     a, c = arch.arch_name(family), source.config
 
     def value(key: str):
@@ -232,8 +231,8 @@ def prove_tokenizer(path: Path, ref: Reference) -> Part:
 
 
 def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
-    """Part 3: llama.cpp's logits against transformers' on the same ids: the relative RMS difference over all
-    positions of all texts (one number: per text it is noisy for the low-bit types)."""
+    """Part 3: llama.cpp's logits against transformers' logits of the source model on the same ids: the relative
+    RMS difference over all positions of all texts (per text it is noisy for the low-bit types), limit per type."""
     texts = [(what, ids) for (what, _, _), ids in zip(ref.texts, ref.ids, strict=True) if ids]
     got = llama.logits(path, [ids for _, ids in texts])
     for (what, _), a, b in zip(texts, got, ref.logits, strict=True):
