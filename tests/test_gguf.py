@@ -168,6 +168,16 @@ def theirs(merged, llama_converter, tmp_path_factory) -> dict[str, Path]:
     return {path.name.rsplit("-", 1)[0]: path for _, path, _ in jobs} | {f"{t}-model": root / t for t in TINY_TYPES}
 
 
+@needs_llama
+def test_llama_cpp_prints_nothing_of_its_own(exported, capfd):
+    """llama.cpp logs at the C level (model load, context, every decode); the CLI must stay quiet without -v."""
+    result, _ = exported
+    capfd.readouterr()
+    llama.logits(result.out / "smol-merged-Q4_K_M.gguf", [[1, 2, 3]])
+    llama.tokenizer(result.out / "smol-merged-Q8_0.gguf").close()
+    assert capfd.readouterr() == ("", "")
+
+
 def test_our_q8_0_is_llama_cpps_own_conversion(exported, theirs):
     """llama.cpp's convert_hf_to_gguf.py on the same merged folder writes the same keys and tensor bytes."""
     result, _ = exported
@@ -317,3 +327,23 @@ def test_merge_with_gguf_refuses_an_unsupported_base_before_merging(tmp_path, cl
     code, _, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--gguf", "F16")
     assert code == 2 and "GGUF export does not support model_type 'gpt2'" in err
     assert not (tmp_path / "m").exists() and not (tmp_path / "m-GGUF").exists()
+
+
+def test_a_hub_model_to_gguf_from_the_command_line_prints_only_its_own_lines(tiny_llama, tmp_path):
+    """`converter gguf org/name`: fetched from the (local) Hub, written, proven; a real process, so anything
+    llama.cpp, transformers or gguf printed at any level would show in its output."""
+    from converter.testing.hub import HubServer, client_env
+
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        server.add_user("alice", "hf_fake_alice_gguf_0123456789")
+        server.seed_folder("alice/tiny-llama", tiny_llama)
+        proc = subprocess.run(
+            [sys.executable, "-m", "converter", "gguf", "alice/tiny-llama", "--type", "Q8_0", "--out", tmp_path / "o"],
+            capture_output=True, text=True, env=client_env(server, "hf_fake_alice_gguf_0123456789"), timeout=600,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert all(line.startswith(("tiny-llama-", "  ", "wrote ", "proof: ")) for line in proc.stdout.splitlines())
+    assert f"wrote {tmp_path / 'o' / 'tiny-llama-Q8_0.gguf'}" in proc.stdout

@@ -61,7 +61,8 @@ def export(
     if needs_llama(types):
         llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
     out = Path(out)
-    stem = file_stem(name or folder.name)
+    local = Path(str(source)).expanduser().exists()
+    stem = file_stem(name or (folder.name if local else str(source).split("@")[0].split("/")[1]))  # a Hub id: its name
     targets = {t: out / f"{stem}-{t}.gguf" for t in types}
     existing = [p.name for p in targets.values() if p.exists()]
     if existing and not force:
@@ -99,7 +100,7 @@ def _write_python_types(src: Source, family, types: list[str], staging: Path, st
     f32 = None
     for t in wanted:
         path = staging / f"{stem}-{t}.gguf"
-        log(f"{path.name}: writing")
+        log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
         write_gguf(src, family, t, path, name=stem, pre=pre)
         fp = _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
         if t == "F32":
