@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_push.add_argument("--create-pr", action="store_true", help="open (or update) a pull request instead")
     p_push.add_argument("--overwrite", action="store_true", help="replace the model already in the repo")
     p_push.add_argument("--no-verify", action="store_true", help="skip verification before the upload")
+    p_push.add_argument("--gguf", metavar="TYPE[,TYPE...]",
+                        help="with --from: also GGUF files of these types, proven first, into the repo REPO-GGUF")
     _verify_options(p_push)
 
     v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
@@ -409,18 +411,33 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = None if args.from_folder else _recipe_from_args(args)
         settings = None if args.no_verify else _verify_settings(args)
-        result = push(
-            args.repo,
-            recipe=recipe,
-            folder=args.from_folder,
-            token=args.token,
-            private=args.private,
-            create_pr=args.create_pr,
-            overwrite=args.overwrite,
-            verify=settings,
-            log=_log,
-        )
-        _log(result.summary())
+        gguf = None
+        if args.gguf:
+            from converter.gguf.cli import prepare_push_gguf
+
+            gguf = prepare_push_gguf(args, log=_log)  # written and proven before anything is uploaded
+        try:
+            result = push(
+                args.repo,
+                recipe=recipe,
+                folder=args.from_folder,
+                token=args.token,
+                private=args.private,
+                create_pr=args.create_pr,
+                overwrite=args.overwrite,
+                verify=settings,
+                log=_log,
+            )
+            _log(result.summary())
+            if gguf is not None:
+                from converter.gguf.cli import finish_push_gguf
+
+                finish_push_gguf(gguf, args, log=_log)
+        finally:
+            if gguf is not None:
+                from converter.gguf.cli import discard_push_gguf
+
+                discard_push_gguf(gguf)
         return 0
     if args.command == "convert":
         from converter.convert import run_cli

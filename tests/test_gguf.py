@@ -347,3 +347,34 @@ def test_a_hub_model_to_gguf_from_the_command_line_prints_only_its_own_lines(tin
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert all(line.startswith(("tiny-llama-", "  ", "wrote ", "proof: ")) for line in proc.stdout.splitlines())
     assert f"wrote {tmp_path / 'o' / 'tiny-llama-Q8_0.gguf'}" in proc.stdout
+
+
+def test_push_with_gguf_publishes_proven_files_to_repo_gguf_in_one_commit(tiny_llama, tmp_path):
+    from converter.testing.hub import HubServer, client_env
+
+    token = "hf_fake_alice_gguf_0123456789"
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        server.add_user("alice", token)
+        env = client_env(server, token)
+
+        def converter(*args):
+            return subprocess.run([sys.executable, "-m", "converter", *map(str, args)], capture_output=True, text=True,
+                                  env=env, timeout=600)  # fmt: skip
+
+        refused = converter("push", "--repo", "alice/tiny", "--base", tiny_llama, "--adapter", "x", "--gguf", "Q8_0")
+        assert refused.returncode == 2 and "push --gguf needs --from FOLDER" in refused.stderr
+        proc = converter("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0")
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert "GGUF: pushed: " in proc.stdout
+        assert set(server.files("alice/tiny-GGUF")) - {".gitattributes"} == {"README.md", "gguf-proof.json",
+                                                                              "tiny-Q8_0.gguf"}  # fmt: skip
+        readme = server.read_file("alice/tiny-GGUF", "README.md").decode()
+        assert "base_model: alice/tiny\n" in readme and "- gguf\n" in readme
+        assert "llama-cli -hf alice/tiny-GGUF:Q8_0" in readme
+        assert "| `tiny-Q8_0.gguf` | Q8_0 |" in readme and "behaviour: llama.cpp's logits differ" in readme
+        assert "config.json" in server.files("alice/tiny")  # the safetensors repo as a push makes it
+        titles = [c.title for c in server.repo("alice/tiny-GGUF").commits.values()]
+        assert titles.count("Upload GGUF files (converter)") == 1 and len(titles) <= 2  # (+ the Hub's initial commit)
+    finally:
+        server.stop()

@@ -74,3 +74,33 @@ def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
     out = folder.with_name(f"{folder.name}-GGUF")
     result = export(folder, types, out, name=folder.name, force=True, log=log)
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
+
+
+def prepare_push_gguf(args: argparse.Namespace, log: Callable[[str], None]):
+    """`push --from FOLDER --gguf TYPES`: export and prove into a temporary folder before any upload."""
+    import tempfile
+    from pathlib import Path
+
+    from converter.errors import UsageError
+    from converter.gguf.export import export
+
+    if not args.from_folder:
+        raise UsageError("push --gguf needs --from FOLDER (merge with --out first; merge --gguf writes GGUF locally)")
+    types = check_merge_gguf(args.gguf, args.from_folder)
+    folder = Path(args.from_folder)
+    out = Path(tempfile.mkdtemp(prefix="converter-gguf-push-")) / "gguf"
+    return export(folder, types, out, name=args.repo.split("/")[-1], log=log)
+
+
+def finish_push_gguf(result, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    from converter.gguf.publish import push_gguf
+
+    pushed = push_gguf(result, args.repo, token=args.token, private=args.private, log=log)
+    log(f"GGUF: {pushed.summary()}")
+
+
+def discard_push_gguf(result) -> None:
+    import shutil
+
+    if result is not None:
+        shutil.rmtree(result.out.parent, ignore_errors=True)
