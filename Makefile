@@ -10,16 +10,31 @@ PIP := $(BIN)/pip --disable-pip-version-check
 # as users do, take them from here, offline (tests/venvs.py). Shared by checkouts; one stamp per constraints file.
 WHEELHOUSE ?= $(HOME)/.cache/converter-wheelhouse
 WHEELHOUSE_STAMP = $(WHEELHOUSE)/.complete-$(shell sha256sum constraints.txt | cut -c1-12)
+# llama.cpp for GGUF (converter[gguf]): llama-cpp-python is published as source only. It is built once (about 8 min on
+# 2 cores) into a wheel cache that checkouts share, and installed from there; GGML_NATIVE=OFF because a native build
+# crashed at decode on these VMs. Its source distribution is also kept: the tests run llama.cpp's own
+# convert_hf_to_gguf.py (vendor/llama.cpp inside it) as the oracle of our GGUF writer.
+LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
+LLAMA_WHEELS ?= $(HOME)/.cache/converter-llama-wheel
+LLAMA_SDIST ?= $(HOME)/.cache/converter-llama-sdist/llama_cpp_python-$(LLAMA_VERSION).tar.gz
 
-.PHONY: run demo test docs setup fixtures chromium wheelhouse lock lint bench clean
+.PHONY: run demo test docs setup fixtures chromium wheelhouse llama-wheel lock lint bench clean
 
 # pyproject.toml says which packages (compatible ranges); constraints.txt, which versions: the tested set.
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: this is the CPU wheel on local disk; unpinned it would pull CUDA builds.
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	$(MAKE) llama-wheel
+	$(PIP) install --quiet -c constraints.txt --find-links $(LLAMA_WHEELS) -e '.[dev]'
 	touch $(STAMP)
+
+llama-wheel:
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_ARGS=-DGGML_NATIVE=OFF $(PIP) wheel --quiet --no-deps -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_VERSION)
+
+$(LLAMA_SDIST):
+	$(PIP) download --quiet --no-binary :all: --no-deps -d $(dir $(LLAMA_SDIST)) llama-cpp-python==$(LLAMA_VERSION)
 
 setup: $(STAMP)
 
@@ -33,8 +48,9 @@ fixtures: $(STAMP)
 
 wheelhouse: $(WHEELHOUSE_STAMP)
 
+# (llama-cpp-python aside: source only, its wheel is in LLAMA_WHEELS)
 $(WHEELHOUSE_STAMP): constraints.txt | $(STAMP)
-	$(PIP) download --quiet --no-deps -d $(WHEELHOUSE) -r constraints.txt
+	grep -v '^llama-cpp-python==' constraints.txt | $(PIP) download --quiet --no-deps -d $(WHEELHOUSE) -r /dev/stdin
 	touch $@
 
 # The Space app on http://127.0.0.1:7860 against an embedded local Hub with demo repos (Ctrl-C stops it).
@@ -49,11 +65,11 @@ demo: $(STAMP)
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
-test: $(STAMP) fixtures chromium wheelhouse
+test: $(STAMP) fixtures chromium wheelhouse $(LLAMA_SDIST)
 	$(BIN)/ruff check converter tests bench scripts app.py
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) $(BIN)/python -m pytest -q --durations=25
+	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) CONVERTER_LLAMA_SDIST=$(LLAMA_SDIST) $(BIN)/python -m pytest -q --durations=25
 
 # The documentation site alone (what `make test` builds after ruff), into site/.
 docs: $(STAMP)

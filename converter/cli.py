@@ -1,4 +1,4 @@
-"""`converter inspect / merge / convert / verify / push / demo / space deploy`: argument parsing and printing only.
+"""`converter inspect / merge / convert / gguf / verify / push / demo / space deploy`: argument parsing and printing.
 
 Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
 """
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_options(m)
     m.add_argument("--out", help="output folder (created atomically)")
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
+    from converter.gguf.cli import merge_option
+
+    merge_option(m)
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     m.add_argument("--no-verify", action="store_true", help="skip comparing the merged model with base + adapters")
     m.add_argument(
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_push.add_argument("--create-pr", action="store_true", help="open (or update) a pull request instead")
     p_push.add_argument("--overwrite", action="store_true", help="replace the model already in the repo")
     p_push.add_argument("--no-verify", action="store_true", help="skip verification before the upload")
+    p_push.add_argument("--gguf", metavar="TYPE[,TYPE...]",
+                        help="with --from: also GGUF files of these types, proven first, into the repo REPO-GGUF")
     _verify_options(p_push)
 
     v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
@@ -69,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_options(v)
 
     _convert_parser(sub)
+    from converter.gguf.cli import add_parser as add_gguf_parser
+
+    add_gguf_parser(sub)
     from converter.batch.command import add_parser as add_batch_parser
 
     add_batch_parser(sub)
@@ -359,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+        from converter.gguf.cli import check_merge_gguf
+
+        gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
             from converter.pipeline import check_extras
             from converter.verify.warmup import start
@@ -370,6 +381,10 @@ def run(args: argparse.Namespace) -> int:
             from converter.pipeline import verify_folder
 
             verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+        if gguf_types:
+            from converter.gguf.cli import export_merged
+
+            export_merged(result.out, gguf_types, log=_log)
         return 0
     if args.command == "verify":
         from converter.merge import recorded_recipe
@@ -396,23 +411,42 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = None if args.from_folder else _recipe_from_args(args)
         settings = None if args.no_verify else _verify_settings(args)
-        result = push(
-            args.repo,
-            recipe=recipe,
-            folder=args.from_folder,
-            token=args.token,
-            private=args.private,
-            create_pr=args.create_pr,
-            overwrite=args.overwrite,
-            verify=settings,
-            log=_log,
-        )
-        _log(result.summary())
+        gguf = None
+        if args.gguf:
+            from converter.gguf.cli import prepare_push_gguf
+
+            gguf = prepare_push_gguf(args, log=_log)  # written and proven before anything is uploaded
+        try:
+            result = push(
+                args.repo,
+                recipe=recipe,
+                folder=args.from_folder,
+                token=args.token,
+                private=args.private,
+                create_pr=args.create_pr,
+                overwrite=args.overwrite,
+                verify=settings,
+                log=_log,
+            )
+            _log(result.summary())
+            if gguf is not None:
+                from converter.gguf.cli import finish_push_gguf
+
+                finish_push_gguf(gguf, args, log=_log)
+        finally:
+            if gguf is not None:
+                from converter.gguf.cli import discard_push_gguf
+
+                discard_push_gguf(gguf)
         return 0
     if args.command == "convert":
         from converter.convert import run_cli
 
         return run_cli(args, log=_log)
+    if args.command == "gguf":
+        from converter.gguf.cli import run as run_gguf
+
+        return run_gguf(args, log=_log)
     if args.command == "batch":
         from converter.batch.command import run_cli as run_batch_cli
 

@@ -1,7 +1,8 @@
 """Optional dependencies: import one, or say in one line which extra to install.
 
 Why: the base install (`pip install converter`) merges and verifies LLM adapters; diffusers (`converter[diffusion]`),
-Gradio (`converter[app]`) and Ray (`converter[batch]`) come with extras. Without this, a missing one surfaced as a
+Gradio (`converter[app]`), Ray (`converter[batch]`)
+and llama.cpp (`converter[gguf]`) come with extras. Without this, a missing one surfaced as a
 traceback, or worse, as a silent downgrade (a diffusion merge "verified" by a weaker referee because diffusers'
 loader failed to import). Every import of an optional package goes through `require`.
 """
@@ -19,6 +20,7 @@ EXTRAS = {
     "diffusers": ("diffusers", "diffusion"),
     "gradio": ("gradio", "app"),
     "ray": ("ray", "batch"),
+    "llama_cpp": ("llama-cpp-python", "gguf"),
 }
 
 

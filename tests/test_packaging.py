@@ -38,7 +38,9 @@ def test_extras_match_what_each_part_imports():
     assert any(r.startswith("diffusers") for r in extras["diffusion"])
     assert any(r.startswith("gradio[oauth]") for r in extras["app"]) and "converter[diffusion]" in extras["app"]
     assert any(r.startswith("ray") for r in extras["batch"])
-    assert extras["all"] == ["converter[diffusion,app,batch]"]
+    assert any(r.startswith("llama-cpp-python") for r in extras["gguf"]) and "llama" not in base
+    assert any(r.startswith("gguf>=") for r in project["dependencies"])  # F16 / Q8_0 GGUF need no extra
+    assert extras["all"] == ["converter[diffusion,app,batch,gguf]"]
     assert not [r for r in project["dependencies"] + sum(extras.values(), []) if "==" in r]  # ranges, not pins
 
 

@@ -1,0 +1,66 @@
+"""Measure the GGUF behaviour proof's differences on right conversions (the table in docs/gguf.md).
+
+For SmolLM2-135M-Instruct (the test fixture) and for the same model merged with a random LoRA (every factor
+~N(0, 0.05), which amplifies any difference in computation), each type is written (ours: F32 / F16 / BF16 / Q8_0;
+llama.cpp's quantizer from our F32 file: the K-quants) and run by llama.cpp on the verification texts; printed is the
+relative RMS difference of its logits from transformers' (converter.gguf.proof.BEHAVIOUR_LIMIT is set from these).
+Needs converter[gguf] and the fixture (`make fixtures`). About 10 minutes on 2 cores.
+
+    python bench/gguf_thresholds.py [--workdir bench/work/gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
+
+from build_fixtures import cache_dir  # noqa: E402
+from conftest import make_adapter, run_cli  # noqa: E402
+
+from converter.gguf import llama, proof, write  # noqa: E402
+from converter.gguf.arch import family_of  # noqa: E402
+from converter.gguf.source import open_source  # noqa: E402
+from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES  # noqa: E402
+
+
+def measure(folder: Path, work: Path) -> dict[str, float]:
+    src = open_source(folder)
+    family = family_of(src.config, folder)
+    ref = proof.reference(src, with_logits=True)
+    want = np.concatenate([b.ravel() for b in ref.logits])
+    out = {}
+    for t in PYTHON_TYPES + LLAMA_TYPES:
+        path = work / f"{folder.name}-{t}.gguf"
+        if t in PYTHON_TYPES:
+            write.write_gguf(src, family, t, path, name=folder.name)
+        else:
+            llama.quantize(work / f"{folder.name}-F32.gguf", path, t)
+        got = np.concatenate([a.ravel() for a in llama.logits(path, ref.ids)])
+        out[t] = proof._rel(got, want)
+        print(f"{folder.name:28s} {t:7s} {out[t]:.4f} (limit {proof.BEHAVIOUR_LIMIT[t]})", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=str(ROOT / "bench" / "work" / "gguf"))
+    work = Path(parser.parse_args().workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    smollm2 = cache_dir() / "smollm2-135m-instruct"
+    merged = work / "smollm2-random-lora"
+    if not merged.exists():
+        lora = make_adapter(smollm2, work / "lora", r=4,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])  # fmt: skip
+        assert run_cli("merge", "--base", smollm2, "--adapter", lora, "--out", merged, "--no-verify") == 0
+    for folder in (smollm2, merged):
+        measure(folder, work)
+
+
+if __name__ == "__main__":
+    main()

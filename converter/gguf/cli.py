@@ -1,0 +1,106 @@
+"""`converter gguf SOURCE --type TYPE[,TYPE...] --out DIR`: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from converter.gguf.types import ALL_TYPES
+
+TYPE_HELP = (
+    f"GGUF types, comma-separated: {', '.join(ALL_TYPES[:4])} (written in Python) or llama.cpp's quantizations "
+    f"({', '.join(ALL_TYPES[4:])}; need converter[gguf])"
+)
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("gguf", help="write a model folder or Hub model as GGUF files for llama.cpp, proven")
+    g.add_argument("source", help="a model folder (a merge's output, any Hugging Face model folder) or a Hub id")
+    g.add_argument("--type", required=True, help=TYPE_HELP)
+    g.add_argument("--out", required=True, help="folder for the .gguf files (created if missing)")
+    g.add_argument("--name", help="file name stem (default: the source folder's name)")
+    g.add_argument("--force", action="store_true", help="replace .gguf files of the same names in --out")
+    g.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    from converter.gguf.export import PROOF_FILE, export
+    from converter.gguf.types import parse_types
+
+    types = parse_types(args.type)
+    result = export(args.source, types, args.out, name=args.name, force=args.force, token=args.token, log=log)
+    for path in result.files:
+        log(f"wrote {path}")
+    log(f"proof: {result.out / PROOF_FILE}")
+    return 0
+
+
+def merge_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gguf", metavar="TYPE[,TYPE...]",
+        help="also write the merged model as GGUF files of these types, proven, into the folder OUT-GGUF; " + TYPE_HELP,
+    )  # fmt: skip
+
+
+def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
+    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
+    merge starts, so a refusal costs nothing."""
+    if not text:
+        return None
+    from pathlib import Path
+
+    from converter.gguf import llama
+    from converter.gguf.arch import family_of
+    from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types
+
+    types = parse_types(text)
+    if needs_llama(types):
+        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
+    config = Path(base or "") / "config.json"
+    if base and config.is_file():
+        import json
+
+        family_of(json.loads(config.read_text()), base)
+    return types
+
+
+def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
+    """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF."""
+    from pathlib import Path
+
+    from converter.gguf.export import PROOF_FILE, export
+
+    folder = Path(folder)
+    out = folder.with_name(f"{folder.name}-GGUF")
+    result = export(folder, types, out, name=folder.name, force=True, log=log)
+    log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
+
+
+def prepare_push_gguf(args: argparse.Namespace, log: Callable[[str], None]):
+    """`push --from FOLDER --gguf TYPES`: export and prove into a temporary folder before any upload."""
+    import tempfile
+    from pathlib import Path
+
+    from converter.errors import UsageError
+    from converter.gguf.export import export
+
+    if not args.from_folder:
+        raise UsageError("push --gguf needs --from FOLDER (merge with --out first; merge --gguf writes GGUF locally)")
+    types = check_merge_gguf(args.gguf, args.from_folder)
+    folder = Path(args.from_folder)
+    out = Path(tempfile.mkdtemp(prefix="converter-gguf-push-")) / "gguf"
+    return export(folder, types, out, name=args.repo.split("/")[-1], log=log)
+
+
+def finish_push_gguf(result, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    from converter.gguf.publish import push_gguf
+
+    pushed = push_gguf(result, args.repo, token=args.token, private=args.private, log=log)
+    log(f"GGUF: {pushed.summary()}")
+
+
+def discard_push_gguf(result) -> None:
+    import shutil
+
+    if result is not None:
+        shutil.rmtree(result.out.parent, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""`converter gguf`: a model folder (or Hub id) to proven GGUF files, one per type, all or nothing.
+
+Why staged: each file is written and proven in a staging folder inside OUT; only when every requested type has
+passed its proof are the files moved into OUT (with gguf-proof.json, the proof as data). A failure leaves OUT as
+it was. The K-quants are made by llama.cpp's quantizer from our F32 file after that file has passed its own proof.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+
+from converter.errors import UsageError, VerificationFailed
+from converter.gguf import llama, proof
+from converter.gguf.arch import family_of
+from converter.gguf.source import Source, open_source
+from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
+from converter.gguf.write import write_gguf
+from converter.optional import install_hint
+
+PROOF_FILE = "gguf-proof.json"
+
+
+@dataclass
+class GGUFResult:
+    out: Path
+    files: list[Path] = field(default_factory=list)
+    proofs: list[proof.FileProof] = field(default_factory=list)
+    llama_proof: bool = True  # False: llama.cpp was not installed, tokenizer and behaviour were not proven
+
+    def to_json(self) -> dict:
+        return {"files": [p.to_json() for p in self.proofs], "llama_cpp": self.llama_proof}
+
+
+def file_stem(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def resolve_source(spec: str | Path, token: str | None = None) -> Path:
+    """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
+    from converter.sources import fetch
+
+    return Path(fetch(str(spec), "model", token).local)
+
+
+def export(
+    source: str | Path, types: list[str], out: str | Path, *, name: str | None = None, force: bool = False,
+    token: str | None = None, log: Callable[[str], None] = print, pre: str | None = None,
+) -> GGUFResult:  # fmt: skip
+    """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests)."""
+    folder = resolve_source(source, token)
+    src = open_source(folder)
+    family = family_of(src.config, folder)
+    if needs_llama(types):
+        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
+    out = Path(out)
+    local = Path(str(source)).expanduser().exists()
+    stem = file_stem(name or (folder.name if local else str(source).split("@")[0].split("/")[1]))  # a Hub id: its name
+    targets = {t: out / f"{stem}-{t}.gguf" for t in types}
+    existing = [p.name for p in targets.values() if p.exists()]
+    if existing and not force:
+        raise UsageError(f"{out}: {existing[0]} exists already (give --force to replace it)")
+    have_llama = llama.available()
+    if not have_llama:
+        log(f"llama.cpp's proof (tokenizer, behaviour) needs llama-cpp-python: {install_hint('gguf')}")
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".gguf-staging-", dir=out))
+    result = GGUFResult(out, llama_proof=have_llama)
+    try:
+        ref = proof.reference(src, with_logits=have_llama)
+        staged = _write_python_types(src, family, types, staging, stem, ref, result, log, pre, have_llama)
+        for t in (t for t in types if t in LLAMA_TYPES):
+            path = staging / targets[t].name
+            log(f"{path.name}: quantizing with llama.cpp from the proven F32 file")
+            llama.quantize(staged, path, t)
+            _prove(path, src, family, t, ref, result, log, have_llama)
+        for t in types:
+            shutil.move(staging / targets[t].name, targets[t])
+            result.files.append(targets[t])
+        (out / PROOF_FILE).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def _write_python_types(src: Source, family, types: list[str], staging: Path, stem: str, ref, result: GGUFResult,
+                        log, pre, have_llama: bool) -> Path | None:  # fmt: skip
+    """Write and prove the types we write ourselves; an F32 file for llama.cpp's quantizer when K-quants are asked
+    for (kept only if F32 was asked for too). Returns the F32 file, if any."""
+    wanted = [t for t in types if t in PYTHON_TYPES]
+    if needs_llama(types) and "F32" not in wanted:
+        wanted = ["F32", *wanted]
+    f32 = None
+    for t in wanted:
+        path = staging / f"{stem}-{t}.gguf"
+        log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
+        write_gguf(src, family, t, path, name=stem, pre=pre)
+        fp = _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
+        if t == "F32":
+            f32 = path
+        del fp
+    return f32
+
+
+def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFResult, log, have_llama: bool,
+           record: bool = True) -> proof.FileProof:  # fmt: skip
+    fp = proof.FileProof(path.name, type_name)
+    reader = gguf.GGUFReader(path)  # slow to open (it parses the whole vocabulary): once for both parts
+    fp.parts.append(proof.prove_metadata(reader, src, family))
+    if fp.passed:
+        fp.parts.append(proof.prove_tensors(reader, src, family, type_name))
+    if fp.passed and have_llama:
+        fp.parts.append(proof.prove_tokenizer(path, ref))
+    if fp.passed and have_llama:
+        fp.parts.append(proof.prove_behaviour(path, ref, type_name))
+    del reader
+    for part in fp.parts:
+        log(f"  {part.name}: {'ok' if part.passed else 'FAILED'}: {part.detail}")
+    if record:
+        result.proofs.append(fp)
+    if not fp.passed:
+        bad = next(p for p in fp.parts if not p.passed)
+        raise VerificationFailed(f"{path.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
+    return fp

@@ -1,0 +1,246 @@
+"""The proof of a GGUF file, in three parts, each naming what is wrong when it fails.
+
+1. Tensors: the file read back with gguf's reader, dequantized and put back in Hugging Face row order, equals the
+   source: F32 / F16 / BF16 exactly as cast, Q8_0 bit-identical to gguf's reference quantization of the same
+   tensor; in a K-quant file each tensor within its type's measured quantization error (exact where llama.cpp kept
+   it F32 / F16 / Q8_0). Every source tensor is there, nothing else is; the metadata llama.cpp reads for shapes,
+   rope and the vocabulary agrees with config.json.
+2. Tokenizer: llama.cpp's tokenization equals transformers' on the prompts, on text with the special tokens, and
+   on the rendered chat template.
+3. Behaviour: llama.cpp's logits against transformers' logits of the source model on the same token ids; the
+   relative RMS difference stays under a threshold per type, measured from right conversions (BEHAVIOUR_LIMIT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from converter.gguf import arch, llama
+from converter.gguf.source import Source
+from converter.gguf.write import QTYPE, _stored_type
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers.",
+]
+# where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
+MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
+# Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all texts, per
+# file type. Measured on right conversions of two models (docs/gguf.md has the table): SmolLM2-135M-Instruct, and the
+# same merged with a random LoRA (every factor ~N(0, 0.05): far from its training, it amplifies any difference in
+# computation about 7x). Each limit is about 2.5x the larger of the two. llama.cpp computes with float16 KV caches
+# and, for quantized types, quantized activations, so even F32 is not exact. A Q/K row order left as Hugging Face's
+# measured 0.67 and a 10x wrong rope base 0.11 (SmolLM2, F32): the float types catch both by behaviour alone; for the
+# quantized types the tensor and metadata proofs are what catch them.
+BEHAVIOUR_LIMIT = {
+    "F32": 0.01, "F16": 0.01, "BF16": 0.07, "Q8_0": 0.45, "Q6_K": 0.8, "Q5_K_M": 0.9, "Q5_K_S": 0.9,
+    "Q5_0": 0.9, "Q4_K_M": 0.9, "Q4_K_S": 0.9, "Q4_0": 1.5,
+}  # fmt: skip
+# Relative RMS error of one dequantized tensor against its source, per stored ggml type (K-quant files only; the
+# types we write are checked exactly). Measured on SmolLM2's weights: the worst tensor of each type is at most about
+# 40% of its limit (Q6_K 0.018, Q5_0 / Q5_1 0.053, Q4_0 0.10).
+TENSOR_LIMIT = {
+    "Q6_K": 0.05, "Q5_K": 0.13, "Q5_0": 0.13, "Q5_1": 0.13, "Q4_K": 0.26, "Q4_0": 0.26, "Q4_1": 0.26,
+}  # fmt: skip
+EXACT = {"F32", "F16", "BF16", "Q8_0"}
+
+
+@dataclass
+class Part:
+    """One part of the proof: passed, one line saying what was checked or what is wrong."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class FileProof:
+    file: str
+    type: str
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.parts)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "type": self.type, "passed": self.passed,
+                "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
+
+
+@dataclass
+class Reference:
+    """What transformers says about the source, computed once for every file: token ids and float32 logits."""
+
+    texts: list[tuple[str, str, bool]]  # (what, text, add special tokens)
+    ids: list[list[int]]
+    logits: list[np.ndarray] | None = None
+
+
+def reference(source: Source, with_logits: bool) -> Reference:
+    from converter.gguf.vocab import load_tokenizer
+
+    tok = load_tokenizer(source.folder)
+    specials = " ".join(t for t in tok.all_special_tokens)
+    texts = [(f"prompt {i + 1}", p, True) for i, p in enumerate(PROMPTS)]
+    texts.append(("special tokens", f"{specials} hello {specials}", True))
+    texts.append(("digits and spaces", MIXED_TEXT, True))
+    if tok.chat_template:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        texts.append(("chat template", tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                      False))  # fmt: skip
+    ids = [tok(text, add_special_tokens=special)["input_ids"] for _, text, special in texts]
+    ref = Reference(texts, ids)
+    if with_logits:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref.logits = [model(torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
+        del model
+    return ref
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _read_back(t) -> np.ndarray:
+    data = np.asarray(t.data)
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return data.astype(np.float32)
+    return gguf.quants.dequantize(data, t.tensor_type)
+
+
+def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str) -> Part:
+    """Part 1: every source tensor, read back from the file, against the reference cast / quantization."""
+    found = {t.name: t for t in reader.tensors}
+    n = arch.block_count(source.config)
+    tmap = gguf.get_tensor_name_map(family.arch, n)
+    expected: set[str] = set()
+    worst = (0.0, "")
+    for hf_name, entry in source.tensors.items():
+        if hf_name.endswith(arch.SKIPPED):
+            continue
+        name = arch.gguf_name(hf_name, tmap, source.folder)
+        expected.add(name)
+        if name not in found:
+            return Part("tensors", False, f"{name} ({hf_name}) is missing from the file")
+        t = found[name]
+        stored_shape = tuple(int(d) for d in reversed(t.shape))
+        if stored_shape != entry.shape:
+            return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, the source {entry.shape}")
+        src = source.read(hf_name)
+        _, to_hf = arch.row_transform(hf_name, source.config, family)
+        got = _read_back(t).reshape(entry.shape)
+        got = to_hf(got) if to_hf else got
+        kind = t.tensor_type.name
+        if type_name in QTYPE:
+            want_type = _stored_type(name, entry.shape, QTYPE[type_name], n)
+            if t.tensor_type != want_type:
+                return Part("tensors", False, f"{name} is stored as {kind}, expected {want_type.name}")
+        if kind in EXACT:
+            want = gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type) if kind != "F32" \
+                else src
+            if not np.array_equal(got, want.reshape(entry.shape), equal_nan=True):
+                bad = int(np.sum(got != want.reshape(entry.shape)))
+                return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
+                            "(in Hugging Face row order)")  # fmt: skip
+        else:
+            limit = TENSOR_LIMIT.get(kind)
+            rel = _rel(got, src)
+            if limit is None or not rel <= limit:
+                return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
+                            f"(limit {limit})")  # fmt: skip
+            worst = max(worst, (rel / limit, f"{name} {kind} {rel:.3g}"))
+    freqs = arch.rope_freqs(source.config)
+    if freqs is not None:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        expected.add(name)
+        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), freqs):
+            return Part("tensors", False, f"{name} (Llama 3 rope scaling) is missing or wrong")
+    extra = sorted(set(found) - expected)
+    if extra:
+        return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
+    how = "equal to the source as cast / reference-quantized" if type_name in QTYPE else \
+        f"within their types' quantization error (closest to a limit: {worst[1]})"
+    return Part("tensors", True, f"{len(expected)} tensors, {how}")
+
+
+def prove_metadata(reader: gguf.GGUFReader, source: Source, family: arch.Family) -> Part:
+    """The keys llama.cpp sizes and runs the model by, against config.json (names the key that differs)."""
+    a, c = arch.arch_name(family), source.config
+
+    def value(key: str):
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    rope = arch.rope_parameters(c)
+    want = {
+        "general.architecture": a,
+        f"{a}.block_count": c["num_hidden_layers"],
+        f"{a}.context_length": c["max_position_embeddings"],
+        f"{a}.embedding_length": c["hidden_size"],
+        f"{a}.feed_forward_length": c["intermediate_size"],
+        f"{a}.attention.head_count": c["num_attention_heads"],
+        f"{a}.attention.head_count_kv": c.get("num_key_value_heads", c["num_attention_heads"]),
+        f"{a}.rope.freq_base": rope.get("rope_theta", 10000.0),
+        f"{a}.attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
+    }
+    for key, expected in want.items():
+        got = value(key)
+        if got is None or (isinstance(expected, float) and not np.isclose(got, expected, rtol=1e-6)) or \
+                (not isinstance(expected, float) and got != expected):  # fmt: skip
+            return Part("metadata", False, f"{key} is {got!r}, config.json says {expected!r}")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != c["vocab_size"]:
+        got = None if tokens is None else len(tokens.data)
+        return Part("metadata", False, f"tokenizer.ggml.tokens has {got} tokens, config.json's vocab_size is "
+                    f"{c['vocab_size']}")  # fmt: skip
+    return Part("metadata", True, f"{len(want) + 1} keys agree with config.json")
+
+
+def _piece(vocab, ids: list[int], i: int) -> str:
+    if i >= len(ids):
+        return "(end)"
+    return repr(vocab.detokenize(ids[i : i + 1], special=True).decode(errors="replace"))
+
+
+def prove_tokenizer(path: Path, ref: Reference) -> Part:
+    """Part 2: llama.cpp's token ids against transformers', text by text; names the first token that differs."""
+    vocab = llama.tokenizer(path)
+    try:
+        for (what, text, special), want in zip(ref.texts, ref.ids, strict=True):
+            got = vocab.tokenize(text.encode(), add_bos=special, special=True)
+            if got != want:
+                pairs = enumerate(zip(got, want, strict=False))
+                i = next((k for k, (x, y) in pairs if x != y), min(len(got), len(want)))
+                return Part("tokenizer", False, f"{what}: token {i} is {_piece(vocab, got, i)} in llama.cpp, "
+                            f"{_piece(vocab, want, i)} in transformers ({len(got)} vs {len(want)} tokens)")  # fmt: skip
+    finally:
+        vocab.close()
+    return Part("tokenizer", True, f"{len(ref.texts)} texts tokenized alike (special tokens, chat template included)")
+
+
+def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
+    """Part 3: llama.cpp's logits against transformers' logits of the source model on the same ids: the relative
+    RMS difference over all positions of all texts (per text it is noisy for the low-bit types), limit per type."""
+    texts = [(what, ids) for (what, _, _), ids in zip(ref.texts, ref.ids, strict=True) if ids]
+    got = llama.logits(path, [ids for _, ids in texts])
+    for (what, _), a, b in zip(texts, got, ref.logits, strict=True):
+        if a.shape != b.shape:
+            return Part("behaviour", False, f"{what}: llama.cpp gives {a.shape[-1]} logits, transformers {b.shape[-1]}")
+    rel = _rel(np.concatenate([a.ravel() for a in got]), np.concatenate([b.ravel() for b in ref.logits]))
+    limit = BEHAVIOUR_LIMIT[type_name]
+    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, ref.logits, strict=True)])))
+    detail = f"llama.cpp's logits differ from transformers' by {rel:.2g} (relative RMS; limit {limit} for " \
+        f"{type_name}); same top token at {agree:.0%} of positions"
+    return Part("behaviour", rel <= limit, detail)

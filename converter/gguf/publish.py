@@ -1,0 +1,79 @@
+"""`push --from FOLDER --gguf TYPES`: the proven GGUF files in a repo of their own, `<repo>-GGUF`, in one commit,
+with a card in the Hub's GGUF conventions.
+
+Why a separate repo: that is where the Hub and its users look for GGUF files of a model (the `gguf` tag, a
+`base_model` pointing at the safetensors repo, one file per type), and it keeps the safetensors repo loadable by
+transformers as it is. The files are written and proven before anything is uploaded, so a failed proof pushes
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.gguf.export import PROOF_FILE, GGUFResult
+
+
+def gguf_repo(repo_id: str) -> str:
+    return f"{repo_id}-GGUF"
+
+
+def card(result: GGUFResult, base_repo: str, gguf_repo_id: str) -> str:
+    """README.md of the GGUF repo: front matter (gguf tag, base_model), the files, the proof, how to run them."""
+    lines = [
+        "---",
+        f"base_model: {base_repo}",
+        "library_name: gguf",
+        "tags:",
+        "- gguf",
+        "- llama.cpp",
+        "- converter",
+        "---",
+        "",
+        f"# {gguf_repo_id.split('/')[-1]}",
+        "",
+        f"GGUF files of [{base_repo}](https://huggingface.co/{base_repo}) for llama.cpp, Ollama and LM Studio, written "
+        "and proven by converter.",
+        "",
+        "| file | type | size | proof |",
+        "|---|---|---|---|",
+    ]
+    for path, fp in zip(result.files, result.proofs, strict=True):
+        verdict = "passed" if fp.passed else "FAILED"
+        checked = ", ".join(p.name for p in fp.parts)
+        lines.append(f"| `{path.name}` | {fp.type} | {path.stat().st_size / 1e6:.1f} MB | {verdict} ({checked}) |")
+    lines += ["", "## Proof", ""]
+    for fp in result.proofs:
+        lines.append(f"- `{fp.file}`: " + "; ".join(f"{p.name}: {p.detail}" for p in fp.parts))
+    if not result.llama_proof:
+        lines.append("- llama.cpp's tokenizer and behaviour checks did not run (llama-cpp-python not installed).")
+    lines += [
+        "",
+        f"The full proof is in `{PROOF_FILE}`. Tensors: read back with gguf's reader and compared with the source "
+        "model's, exactly for F32 / F16 / BF16 / Q8_0, within the quantization error for llama.cpp's K-quants; "
+        "tokenizer: llama.cpp's tokens equal transformers'; behaviour: llama.cpp's logits against transformers'.",
+        "",
+        "## Run it with llama.cpp",
+        "",
+        "```",
+        f"llama-cli -hf {gguf_repo_id}:{result.proofs[0].type}",
+        f"llama-server -hf {gguf_repo_id}:{result.proofs[0].type}",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def push_gguf(result: GGUFResult, base_repo: str, *, token: str | None, private: bool,
+              log: Callable[[str], None]):  # fmt: skip
+    """Upload the exported folder (files, proof, card) to `<base_repo>-GGUF` in one commit."""
+    from converter.publish import push_folder
+
+    repo_id = gguf_repo(base_repo)
+    folder = Path(result.out)
+    (folder / "README.md").write_text(card(result, base_repo, repo_id))
+    json.loads((folder / PROOF_FILE).read_text())  # written by export: present and whole
+    return push_folder(folder, repo_id, token=token, private=private, overwrite=True,
+                       message="Upload GGUF files (converter)", log=log)  # fmt: skip

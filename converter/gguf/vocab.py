@@ -1,0 +1,180 @@
+"""The tokenizer as GGUF metadata: its model (BPE `gpt2` or SentencePiece `llama`), tokens, types, merges or scores,
+special ids, add_bos / add_eos, the chat template, and for BPE the pre-tokenizer's name.
+
+Why the pre-tokenizer by hash: llama.cpp re-implements each model's pre-tokenization (the regexes that split text
+before BPE) and picks one by the name in `tokenizer.ggml.pre`; its converter finds the name by tokenizing a fixed
+text and hashing the ids. We use the same text and table (pretokenizers.json, read from llama.cpp's converter by
+scripts/gguf_pretokenizers.py), so a tokenizer llama.cpp would not recognise is refused here, not shipped wrong.
+Special tokens, merges and the template come from gguf's own SpecialVocab.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from hashlib import sha256
+from pathlib import Path
+
+import gguf
+
+from converter.errors import BadInputError
+from converter.gguf.arch import Family
+
+_TABLE = Path(__file__).with_name("pretokenizers.json")
+
+
+@cache
+def _pretokenizers() -> dict:
+    return json.loads(_TABLE.read_text())
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{folder}: cannot load its tokenizer ({e})", file=folder) from None
+
+
+def pre_tokenizer(tokenizer, folder: object) -> str:
+    """llama.cpp's name for this BPE tokenizer's pre-tokenization (its hash of the fixed text's token ids)."""
+    table = _pretokenizers()
+    digest = sha256(str(tokenizer.encode(table["text"])).encode()).hexdigest()
+    name = table["hashes"].get(digest)
+    if name is None:
+        raise BadInputError(
+            f"{folder}: llama.cpp does not know this BPE tokenizer's pre-tokenizer (hash {digest[:12]}...): "
+            "a GGUF of it would tokenize differently from the model",
+            file=folder,
+        )  # fmt: skip
+    return name
+
+
+def _looks_special(token: str) -> bool:
+    """llama.cpp's converter marks these added tokens as control tokens even when not flagged special."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
+
+
+def _bpe_vocab(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Tokens and their types in id order; ids the tokenizer lacks are `[PADn]` (unused), as llama.cpp writes."""
+    reverse = {i: t for t, i in tokenizer.vocab.items()}
+    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if token in added:
+            if not decoder[i].normalized:  # llama.cpp expects control / user tokens pre-normalized
+                token = tokenizer.decode(tokenizer.encode(token, add_special_tokens=False))
+            if decoder[i].special or _looks_special(token):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    return tokens, types
+
+
+def _special_vocab(folder: Path, *, tokenizer=None, **kwargs) -> gguf.SpecialVocab:
+    """gguf's SpecialVocab (special ids, merges, chat template), with add_bos / add_eos as transformers does them:
+    a GGUF without the flags leaves the choice to llama.cpp's default for the tokenizer type, which may differ."""
+    special = gguf.SpecialVocab(folder, **kwargs)
+    tokenizer = tokenizer or load_tokenizer(folder)
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    special.add_special_token["bos"] = bos is not None and len(with_special) > len(bare) and with_special[0] == bos
+    special.add_special_token["eos"] = eos is not None and len(with_special) > len(bare) and with_special[-1] == eos
+    return special
+
+
+def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+    try:
+        from sentencepiece import SentencePieceProcessor
+    except ImportError:
+        from converter.optional import install_hint
+
+        raise BadInputError(
+            f"{folder}: a SentencePiece tokenizer (tokenizer.model) needs sentencepiece: {install_hint('gguf')}"
+        ) from None
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(folder / "tokenizer.model"))
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores, types = [-10000.0] * vocab_size, [gguf.TokenType.UNUSED] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
+        types[i] = (
+            gguf.TokenType.UNKNOWN if sp.IsUnknown(i) else gguf.TokenType.CONTROL if sp.IsControl(i)
+            else gguf.TokenType.UNUSED if sp.IsUnused(i) else gguf.TokenType.BYTE if sp.IsByte(i)
+            else gguf.TokenType.NORMAL
+        )  # fmt: skip
+    config_file = folder / "tokenizer_config.json"
+    decoder = json.loads(config_file.read_text()).get("added_tokens_decoder", {}) if config_file.is_file() else {}
+    for key, data in decoder.items():
+        i, token = int(key), data["content"]
+        if i >= vocab_size:
+            continue
+        if data.get("special") or _looks_special(token):
+            types[i] = gguf.TokenType.CONTROL
+        else:
+            token, types[i] = token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
+        scores[i], tokens[i] = -1000.0, token.encode()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    _special_vocab(folder, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+
+
+def _add_llama_hf(w: gguf.GGUFWriter, folder: Path) -> bool:
+    """A SentencePiece-style BPE in tokenizer.json (byte fallback), as gguf's LlamaHfVocab reads it."""
+    try:
+        vocab = gguf.LlamaHfVocab(folder)
+    except (FileNotFoundError, TypeError):
+        return False
+    tokens, scores, types = zip(*vocab.all_tokens(), strict=True)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(list(tokens))
+    w.add_token_scores(list(scores))
+    w.add_token_types(list(types))
+    _special_vocab(folder, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+    return True
+
+
+def add_vocab(w: gguf.GGUFWriter, folder: Path, config: dict, family: Family, *, pre: str | None = None) -> None:
+    """Everything `tokenizer.*` for this folder. `pre` overrides the detected pre-tokenizer (tests' sabotage)."""
+    vocab_size = int(config["vocab_size"])
+    config_file = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if family.llama_hf_vocab and tok_config.get("add_prefix_space") is not None:
+        w.add_add_space_prefix(tok_config["add_prefix_space"])
+    if family.spm_first and (folder / "tokenizer.model").is_file():
+        _add_sentencepiece(w, folder, vocab_size)
+        return
+    if family.llama_hf_vocab and _add_llama_hf(w, folder):
+        return
+    if not (folder / "tokenizer.json").is_file():
+        raise BadInputError(f"{folder}: no tokenizer.json or tokenizer.model: a GGUF needs the tokenizer", file=folder)
+    tokenizer = load_tokenizer(folder)
+    if max(tokenizer.vocab.values()) >= vocab_size:
+        raise BadInputError(f"{folder}: the tokenizer has ids beyond the model's vocab_size {vocab_size}", file=folder)
+    tokens, types = _bpe_vocab(tokenizer, vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre or pre_tokenizer(tokenizer, folder))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    _special_vocab(folder, load_merges=True, tokenizer=tokenizer).add_to_gguf(w, quiet=True)
