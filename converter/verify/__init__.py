@@ -76,9 +76,10 @@ def verify(
     pipelined push): its verdict is the tensor proof, the files are not read again."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
-    from converter.verify.warmup import wait
+    from converter.verify.warmup import import_peft, wait
 
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
+    import_peft()
     started = time.time()
     job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
     if job.diffusion:  # never a weaker referee because diffusers is missing: one line naming the extra
@@ -87,13 +88,15 @@ def verify(
         require("diffusers", "verifying a diffusion merge")
     report = VerificationReport("diffusion" if job.diffusion else "llm")
     log(f"verifying {job.merged.name}: {' and '.join(proofs)}")
-    referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None
-    if "tensors" not in proofs:
-        report.tensors_skipped = "not asked for"
+    from converter.verify.heap import reused_heap
     from converter.verify.llm import Settings
 
-    settings = Settings(prompts, mode, max_new_tokens, memory, token)
-    findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
+    with reused_heap():
+        referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None
+        if "tensors" not in proofs:
+            report.tensors_skipped = "not asked for"
+        settings = Settings(prompts, mode, max_new_tokens, memory, token, bare_base=not _proven(report))
+        findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
     if "behaviour" not in proofs:
         report.behaviour_skipped = "not asked for"
     needed = "tensors" in proofs and not job.tensors_by_design
@@ -148,6 +151,13 @@ def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
         job.log(f"tensor proof not run: {declined}")
     job.clock.lap("tensor proof")
     return referee
+
+
+def _proven(report: VerificationReport) -> bool:
+    """Whether the tensor proof passed with an independent referee and saw the adapters change something: then
+    it has answered "was anything merged?", element by element, and the bare base need not run."""
+    t = report.tensors
+    return t is not None and t.passed and t.referee.independent and t.changed > 0
 
 
 def _behaviour(job: Job, report: VerificationReport, referee, settings, single_file_config):

@@ -95,7 +95,7 @@ class DiffusersReferee:
         self.info = RefereeInfo(
             "diffusers",
             "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
-            "PEFT's merge of each layer it injected, in float64",
+            "PEFT's merge of each layer it injected, in float64 (float32 for 16-bit outputs)",
         )
 
     def expectations(self) -> dict[str, Expectation]:
@@ -127,7 +127,7 @@ class PeftComponentsReferee:
         self.info = RefereeInfo(
             "PEFT",
             "PEFT's own adapter per component (inject_adapter_in_model, its weights loaded by PEFT), PEFT's merge "
-            "of each layer, in float64",
+            "of each layer, in float64 (float32 for 16-bit outputs)",
         )
 
     def expectations(self) -> dict[str, Expectation]:

@@ -71,9 +71,10 @@ def judge_tensors(result: TensorProofResult) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
-def judge_llm(merged: dict, bare: dict, tol: dict, culprit: dict | None = None) -> tuple[list[str], list[str]]:
+def judge_llm(merged: dict, bare: dict | None, tol: dict, culprit: dict | None = None) -> tuple[list[str], list[str]]:
     """The behavioural verdict of a causal LM: KL and confident top-1 agreement within the thresholds, and the
-    merged model clearly closer to the reference than the bare base (else nothing was merged)."""
+    merged model clearly closer to the reference than the bare base (else nothing was merged; `bare` None: not run,
+    the tensor proof answered that)."""
     problems, notes = [], []
     if merged["mean_kl"] > tol["mean_kl"]:
         problems.append(f"mean KL(reference‖merged) {merged['mean_kl']:.3g} > {tol['mean_kl']:.3g}")
@@ -82,7 +83,9 @@ def judge_llm(merged: dict, bare: dict, tol: dict, culprit: dict | None = None) 
             f"top-1 agreement where the reference is confident {merged['confident_top1_agreement']:.2%} "
             f"< {tol['confident_top1_agreement']:.0%}"
         )
-    if bare["mean_kl"] <= tol["mean_kl"]:
+    if bare is None:
+        pass
+    elif bare["mean_kl"] <= tol["mean_kl"]:
         notes.append("the adapters barely change the base's outputs here: a merge that did nothing could not be "
                      "told apart by behaviour")  # fmt: skip
     elif merged["mean_kl"] >= EFFECT_SHARE * bare["mean_kl"]:

@@ -54,6 +54,9 @@ class Settings:
     max_new_tokens: int = 16
     memory: int | None = None
     token: str | None = None
+    # The bare base answers "was anything merged?"; a tensor proof that passed already has (what each changed
+    # tensor must be, element by element), so the quick check then leaves it out: a third of its forward tokens.
+    bare_base: bool = True
 
 
 class LLMCheck:
@@ -72,8 +75,10 @@ class LLMCheck:
         ref, bare, noise = self._reference()
         out = self._candidate()
         tol = self._tolerance(noise)
-        merged_vs_ref, base_vs_ref = compare(ref, out), compare(ref, bare)
-        merged_vs_ref["perplexity_reference"] = base_vs_ref["perplexity_reference"] = ref.perplexity
+        merged_vs_ref, base_vs_ref = compare(ref, out), compare(ref, bare) if bare else None
+        merged_vs_ref["perplexity_reference"] = ref.perplexity
+        if base_vs_ref:
+            base_vs_ref["perplexity_reference"] = ref.perplexity
         problems, _ = judge_llm(merged_vs_ref, base_vs_ref, tol)
         culprit = self._probe(ref, out, tol, noise) if problems and not self.stored_4bit else None
         self.candidate = None
@@ -133,8 +138,10 @@ class LLMCheck:
         model, sources = self._load_reference()  # PeftRefused: the caller reports the behaviour as not run
         self.clock.lap("load reference")
         noise, self.one_batch = None, False
+        bare_base = self.settings.bare_base or self.four_bit or self.settings.mode == "full"
         with self._lean(model, sources):
-            both = mixed_batch(model, self.inputs, self.ppl_ids) if self.own and len(self.adapters) == 1 else None
+            one = self.own and bare_base and len(self.adapters) == 1
+            both = mixed_batch(model, self.inputs, self.ppl_ids) if one else None
             if both:  # quick: reference and bare base in one forward, the base weights read once
                 (ref, bare), self.one_batch = both, True
             else:
@@ -142,9 +149,12 @@ class LLMCheck:
                 ref = run_model(model, self.inputs, probe, self.ppl_ids, self.new_tokens, prefix="base_model.model.")
                 if self.four_bit:
                     noise = fourbit.kernel_noise(model, ref, self.inputs, self.ppl_ids, self.probe_ids)
-                with model.disable_adapter():
-                    bare = run_model(model, self.inputs, None, self.ppl_ids, self.new_tokens)
-        self.clock.lap("run reference and bare base")
+                bare = None
+                if bare_base:
+                    with model.disable_adapter():
+                        bare = run_model(model, self.inputs, None, self.ppl_ids, self.new_tokens)
+        self.bare_base = bare_base
+        self.clock.lap("run reference and bare base" if bare_base else "run reference")
         self.reference = "the base + adapters applied unmerged through PEFT"
         if self.stored_4bit:
             ref = self._quantized_reference(model)
@@ -236,7 +246,7 @@ class LLMCheck:
             # Weights as held in memory: their own dtype, upcast per layer while computing (or the compute dtype)
             weights_in_memory=self.output_dtype if self.own else TORCH_TO_ST[self.dtype],
             offloaded=self.offload is not None,
-            execution=_execution(self.own, self.offload is not None, self.one_batch),
+            execution=_execution(self.own, self.offload is not None, self.one_batch, self.bare_base),
             offload_memory_bytes=self.offload.max_memory if self.offload else None,
             output_dtype=self.stored_4bit["bnb_4bit_quant_type"].upper() if self.stored_4bit else self.output_dtype,
             tolerance=tol,
@@ -250,7 +260,7 @@ class LLMCheck:
         )
 
 
-def _execution(streamed: bool, offloaded: bool, one_batch: bool) -> str:
+def _execution(streamed: bool, offloaded: bool, one_batch: bool, bare_base: bool) -> str:
     weights = (
         "weights read block by block from their files into float32 buffers (never the whole model in memory)"
         if streamed
@@ -258,5 +268,7 @@ def _execution(streamed: bool, offloaded: bool, one_batch: bool) -> str:
         if offloaded
         else "each model loaded whole in the compute dtype"
     )
+    if not bare_base:
+        return f"{weights}; the reference alone (the tensor proof shows what changed); the merged model after it"
     bare = "one PEFT mixed-adapter batch" if one_batch else "two forwards (PEFT's disable_adapter for the bare base)"
     return f"{weights}; the reference and the bare base in {bare}; the merged model after them"

@@ -175,7 +175,8 @@ class PeftReferee:
         self.info = RefereeInfo(
             "PEFT",
             f"PEFT's own merge of each module (get_delta_weight, DoRA, modules_to_save, trainable tokens) on "
-            f"{model_class}, located by PEFT's module names, adapter files read by PEFT, in float64",
+            f"{model_class}, located by PEFT's module names, adapter files read by PEFT, in float64 (float32 for "
+            "16-bit outputs)",
         )
 
     def expectations(self) -> dict[str, Expectation]:

@@ -45,7 +45,7 @@ class LLMBehaviour:
     tolerance: dict
     inputs: dict
     merged_vs_reference: dict
-    base_vs_reference: dict
+    base_vs_reference: dict | None  # None: the bare base was not run (a passed tensor proof shows what changed)
     first_disagreeing_module: dict | None = None
     generations: list = field(default_factory=list)
     qlora: dict | None = None
