@@ -19,19 +19,27 @@ def run(code: str) -> str:
 
 
 def test_peft_imports_without_bitsandbytes_which_still_imports_when_needed():
+    """A LoRA built by PEFT on plain layers leaves bitsandbytes unimported; once it is imported (as transformers
+    does to load a 4-bit model), PEFT's dispatch sees it and wraps a 4-bit layer with its 4-bit LoRA."""
     out = run(
         """
-        import sys
+        import sys, torch
         from converter.verify.warmup import import_peft
         import_peft()
         import peft, peft.helpers
-        print("after peft:", "bitsandbytes" in sys.modules, peft.helpers.bnb)
-        from peft.import_utils import is_bnb_4bit_available, is_bnb_available
-        import bitsandbytes
-        print("later:", is_bnb_available(), is_bnb_4bit_available(), bitsandbytes.nn.Linear4bit.__name__)
+        from peft import LoraConfig, inject_adapter_in_model
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        plain = inject_adapter_in_model(LoraConfig(r=2, target_modules=["0"]), plain)
+        print("plain:", type(plain[0]).__name__, "bitsandbytes" in sys.modules, peft.helpers.bnb)
+        import bitsandbytes as bnb
+        four = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, compute_dtype=torch.float32))
+        four.is_loaded_in_4bit = True  # as transformers marks a model it loaded in 4-bit
+        four = inject_adapter_in_model(LoraConfig(r=2, target_modules=["0"]), four)
+        print("4-bit:", type(four[0]).__module__, type(four[0]).__name__)
         """
     )
-    assert "after peft: False None" in out and "later: True True Linear4bit" in out
+    assert "plain: Linear False None" in out, out
+    assert "4-bit: peft.tuners.lora.bnb Linear4bit" in out, out
 
 
 def test_reused_heap_serves_row_blocks_without_fresh_pages():

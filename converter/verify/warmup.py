@@ -25,13 +25,8 @@ def _imports() -> None:
 
 
 class _NoBitsandbytesForPeftHelpers:
-    """A meta path finder that fails `import bitsandbytes` when it comes from `peft.helpers` and from nowhere else.
-
-    Why: `import peft` imports bitsandbytes eagerly in one module (peft/helpers.py, for a function verification
-    never calls), and bitsandbytes compiles kernels with torch.compile at import, which imports torch's inductor:
-    about 1.5 s of CPU on every verified merge, more than a tenth of the tensor proof. Everything else in PEFT imports
-    bitsandbytes when a 4-bit layer is actually met, and that import (from PEFT, transformers or our own 4-bit code,
-    in any thread) goes through as usual."""
+    """A meta path finder that fails `import bitsandbytes` when it comes from `peft.helpers`, and from nowhere else
+    (see `import_peft`)."""
 
     def find_spec(self, name, path=None, target=None):
         import sys
@@ -46,17 +41,41 @@ class _NoBitsandbytesForPeftHelpers:
 
 
 def import_peft() -> None:
-    """Import PEFT without the eager bitsandbytes import of peft.helpers (see the finder above)."""
+    """Import PEFT so that it imports bitsandbytes only once a 4-bit layer exists.
+
+    Why: bitsandbytes compiles kernels with torch.compile when imported, which imports torch's inductor: about 1.5 s
+    of CPU that a merge without 4-bit layers never needs (a tenth of its verification). PEFT imports it in two places
+    regardless: peft.helpers at import (for a function verification never calls; here that import fails quietly,
+    as if bitsandbytes were absent, and no other import is touched), and LoRA's layer dispatch whenever bitsandbytes
+    is installed. A bitsandbytes layer cannot exist before bitsandbytes is imported (transformers imports it to load
+    a 4-bit model, our 4-bit code to quantize), so LoRA's dispatch is told bitsandbytes is there only once it is.
+    """
     import sys
 
-    if "peft" in sys.modules:
-        return
-    finder = _NoBitsandbytesForPeftHelpers()
-    sys.meta_path.insert(0, finder)
-    try:
-        import peft  # noqa: F401
-    finally:
-        sys.meta_path.remove(finder)
+    if "peft" not in sys.modules:
+        finder = _NoBitsandbytesForPeftHelpers()
+        sys.meta_path.insert(0, finder)
+        try:
+            import peft  # noqa: F401
+        finally:
+            sys.meta_path.remove(finder)
+    from peft.tuners.lora import model as lora_model
+
+    for name in ("is_bnb_available", "is_bnb_4bit_available"):
+        original = getattr(lora_model, name, None)
+        if original is not None and not hasattr(original, "once_imported"):
+            setattr(lora_model, name, _once_imported(original))
+
+
+def _once_imported(available):
+    """`available()` once bitsandbytes is imported; False before (no layer of it can exist yet)."""
+    import sys
+
+    def check() -> bool:
+        return "bitsandbytes" in sys.modules and available()
+
+    check.once_imported = True
+    return check
 
 
 def start() -> threading.Thread:
