@@ -109,9 +109,11 @@ class TaskCheck(LLMCheck):
         except Exception as e:  # PEFT's layers in this model's forward: its problem, said in one line
             first = (str(e).splitlines() or [""])[0][:160]
             raise Skip(f"PEFT's unmerged {self.model_class} does not run ({type(e).__name__}: {first})") from e
-        with model.disable_adapter():
-            bare = _run(lora, self.inputs)
-        self.clock.lap("run reference and bare base")
+        self.bare_base, bare = self.settings.bare_base, None  # no bare base after a passed tensor proof (llm.py)
+        if self.bare_base:
+            with model.disable_adapter():
+                bare = _run(lora, self.inputs)
+        self.clock.lap("run reference and bare base" if self.bare_base else "run reference")
         self.one_batch = False
         self.reference = f"the base + adapters applied unmerged through PEFT ({self.model_class})"
         return ref, bare, None
