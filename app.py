@@ -24,7 +24,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from converter.errors import MissingExtraError  # noqa: E402
-from converter.optional import require  # noqa: E402
+from converter.io.optional import require  # noqa: E402
 
 try:
     gr = require("gradio", "the converter app")
@@ -45,9 +45,9 @@ from converter.app.jobs import (  # noqa: E402
 )
 from converter.convert.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
-from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
+from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402
+from converter.io.units import human_bytes  # noqa: E402
 from converter.sources import job_sources  # noqa: E402
-from converter.units import human_bytes  # noqa: E402
 
 log = logging.getLogger("converter.app")
 CONCURRENCY = int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1"))

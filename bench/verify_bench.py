@@ -274,8 +274,8 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fil
 
     import torch
 
-    from converter.dtypes import ITEMSIZE, ST_TO_TORCH
-    from converter.safetensors_header import encode_header, entry
+    from converter.io.dtypes import ITEMSIZE, ST_TO_TORCH
+    from converter.io.safetensors_header import encode_header, entry
 
     entries, offset = {}, 0
     for name, shape, dtype in tensors:

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import dtypes
 from converter.checkpoint import Checkpoint
-from converter.dtypes import CONFIG_NAME, FLOATING
 from converter.errors import ConverterError
-from converter.lazy import torch
+from converter.io import dtypes
+from converter.io.dtypes import CONFIG_NAME, FLOATING
+from converter.io.lazy import torch
 from converter.writer import OutSpec, ShardedWriter
 
 NESTED_BLOCKSIZE = 256  # bitsandbytes quantizes the absmax of double quantization in blocks of 256

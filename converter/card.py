@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from converter.records import PROVENANCE_FILE, RECIPE_FILE, REPORT_FILE, read_provenance, read_report
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, REPORT_FILE, read_provenance, read_report
 
 TOOL_TAG = "converter"
 FRONT_MATTER = re.compile(r"\A---\s*\n(.*?)\n---\s*\n", re.S)

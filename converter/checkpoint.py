@@ -1,6 +1,6 @@
 """Lazy, validated views of safetensors files and model folders: names, shapes, dtypes; one tensor at a time.
 
-We parse the safetensors header ourselves (converter.safetensors_header) so that a truncated or corrupt file is
+We parse the safetensors header ourselves (converter.io.safetensors_header) so that a truncated or corrupt file is
 reported with its name before any work starts, and so untouched tensors can be copied as raw bytes.
 """
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from converter import dtypes
-from converter.background import Worker
-from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
-from converter.lazy import torch
-from converter.safetensors_header import HeaderError, decode_header
+from converter.io import dtypes
+from converter.io.background import Worker
+from converter.io.dtypes import ITEMSIZE
+from converter.io.lazy import torch
+from converter.io.safetensors_header import HeaderError, decode_header
 
 CHUNK = 16 * 1024 * 1024
 

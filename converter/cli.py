@@ -194,7 +194,7 @@ def _verify_settings(args: argparse.Namespace) -> dict:
             raise BadInputError(f"{args.prompts}: cannot read prompts ({e.strerror})", file=args.prompts) from None
         if not prompts:
             raise BadInputError(f"{args.prompts}: no prompts in the file (one per line)", file=args.prompts)
-    from converter.units import parse_size
+    from converter.io.units import parse_size
 
     memory = parse_size(args.verify_memory) if args.verify_memory else None
     settings = {"prompts": prompts, "max_new_tokens": args.max_new_tokens, "memory": memory, "mode": args.verify_mode}

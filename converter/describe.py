@@ -12,10 +12,10 @@ from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.formats import load_adapter
 from converter.hub_headers import hub_base_headers
+from converter.io.scratch import temp_folder
+from converter.io.units import human_bytes
 from converter.keymap import keymap_for
-from converter.scratch import temp_folder
 from converter.sources import Source, fetch, parse_source
-from converter.units import human_bytes
 
 
 def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None, config: str | None = None) -> dict:

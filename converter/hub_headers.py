@@ -14,7 +14,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import ConverterError
-from converter.safetensors_header import encode_header, entry
+from converter.io.safetensors_header import encode_header, entry
 from converter.sources import (
     MODEL_FILES,
     TOKENIZER_FILES,

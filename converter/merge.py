@@ -14,25 +14,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import __version__, dtypes, npmath, npmerge
+from converter import __version__, npmath, npmerge
 from converter.bases import open_base
 from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
 from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
-from converter.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
+from converter.io import dtypes
+from converter.io.dtypes import CONFIG_NAME, parse_user_dtype
+from converter.io.lazy import torch
+from converter.io.progress import Progress
+from converter.io.readahead import Job, ReadAhead
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
+from converter.io.scratch import temp_folder
+from converter.io.units import human_bytes, parse_size
 from converter.keymap import keymap_for
-from converter.lazy import torch
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, plan_merge
-from converter.progress import Progress
-from converter.readahead import Job, ReadAhead
 from converter.recipe import Recipe
-from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
-from converter.scratch import temp_folder
 from converter.sources import TOKENIZER_FILES, Fetched, fetch
-from converter.units import human_bytes, parse_size
 from converter.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
@@ -50,7 +51,7 @@ SKIP_SUFFIXES = (
 )
 SKIP_NAMES = {"README.md", RECIPE_FILE, PROVENANCE_FILE}
 DEFAULT_MAX_SHARD = "5GB"  # as transformers' save_pretrained
-READ_AHEAD = 64 * 2**20  # base bytes read ahead of the math (converter.readahead)
+READ_AHEAD = 64 * 2**20  # base bytes read ahead of the math (converter.io.readahead)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from converter.lazy import torch
+from converter.io.lazy import torch
 
 
 class TensorSource(Protocol):

@@ -16,6 +16,9 @@ from pathlib import Path
 from converter import hub
 from converter.card import public_records, write_card
 from converter.errors import ConverterError
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
+from converter.io.scratch import make_temp
+from converter.io.units import parse_size
 from converter.merge import merge
 from converter.publish import (
     Publication,
@@ -27,10 +30,7 @@ from converter.publish import (
     push_folder,
 )
 from converter.recipe import Recipe
-from converter.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
-from converter.scratch import make_temp
 from converter.sources import fetch, parse_source
-from converter.units import parse_size
 from converter.verify import require_pass, verify
 from converter.writer import Shard
 
@@ -253,7 +253,7 @@ def check_extras(recipe: Recipe, token: str | None) -> None:
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
-        from converter.optional import require
+        from converter.io.optional import require
 
         require("diffusers", "verifying a diffusion merge")
 

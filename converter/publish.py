@@ -16,7 +16,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import ConverterError
-from converter.records import REPORT_FILE
+from converter.io.records import REPORT_FILE
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 MODEL_FILES = re.compile(r"(^|/)(config\.json|.*\.safetensors|.*\.bin|.*\.gguf|adapter_config\.json)$")

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TextIO
 
-from converter import progress
+from converter.io import progress
 
 TAIL = 4000  # bytes of held-back output shown after a bug
 

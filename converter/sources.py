@@ -18,7 +18,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import BadInputError, ConverterError, HubError, UsageError
-from converter.units import human_bytes
+from converter.io.units import human_bytes
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
 

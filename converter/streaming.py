@@ -25,7 +25,7 @@ from pathlib import Path
 
 from converter import hub
 from converter.errors import ConverterError, HubError
-from converter.safetensors_header import HeaderError, decode_header
+from converter.io.safetensors_header import HeaderError, decode_header
 from converter.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
 from converter.writer import Shard
 
@@ -348,7 +348,7 @@ class ShardUploader:
         meter: ScratchMeter | None = None,
         log: Callable[[str], None] = print,
     ):
-        from converter.background import Worker
+        from converter.io.background import Worker
 
         self.api, self.repo_id, self.spool = api, repo_id, spool
         spool.mkdir(parents=True, exist_ok=True)

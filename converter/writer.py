@@ -17,11 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import scratch
-from converter.background import Worker
-from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
-from converter.safetensors_header import encode_header, entry
+from converter.io import scratch
+from converter.io.background import Worker
+from converter.io.dtypes import ITEMSIZE
+from converter.io.safetensors_header import encode_header, entry
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from converter.checkpoint import SafetensorsFile
-from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError, RecipeError
 from converter.formats import load_adapter
+from converter.io.dtypes import ITEMSIZE
 from converter.patches import DeltaPatch
 from converter.recipe import Recipe
 

@@ -1,7 +1,7 @@
 """Interrupted runs leave nothing behind: a real child process is killed (SIGKILL) at a known point, then the next
 run removes what it left and the folders look exactly as before (plus the result).
 
-The child stops itself at the point named by CONVERTER_TEST_STOP (`converter.scratch.stop_here`), so the kill
+The child stops itself at the point named by CONVERTER_TEST_STOP (`converter.io.scratch.stop_here`), so the kill
 lands mid-write every time, not by luck of timing.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import make_adapter, make_base
 
-from converter import scratch
 from converter.errors import ConverterError
+from converter.io import scratch
 from converter.testing.hub import HubServer, client_env
 
 ALICE = "hf_alice_interrupted_token_0123456789"

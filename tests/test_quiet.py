@@ -13,7 +13,8 @@ import sys
 import pytest
 from conftest import make_adapter, make_base
 
-from converter import progress, quiet
+from converter import quiet
+from converter.io import progress
 
 # Markers of what the libraries print during a merge + verification on this stack (any one shows up in -v).
 THIRD_PARTY = ("Loading weights", "Warning", "warn", "gemm_4bit", "it/s]", "%|")

@@ -529,7 +529,7 @@ def tolerance_of(output, compute):
 def llama_headers(folder, hidden=4096, layers=32, intermediate=14336, vocab=128256, kv=1024):
     """A Llama-3-8B-shaped folder (8.03 B parameters, bf16) whose safetensors file is all header: its data is a
     hole (a sparse file), which is all a placement decision reads."""
-    from converter.safetensors_header import encode_header, entry
+    from converter.io.safetensors_header import encode_header, entry
 
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):

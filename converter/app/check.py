@@ -17,9 +17,9 @@ from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.hub_headers import hub_base_headers
 from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
+from converter.io.units import human_bytes, parse_size
 from converter.recipe import Recipe
 from converter.sources import fetch, parse_source
-from converter.units import human_bytes, parse_size
 
 
 @dataclass(frozen=True)

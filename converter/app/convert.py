@@ -17,10 +17,10 @@ from pathlib import Path
 from converter.app.jobs import check_namespace, public_paths, redactor
 from converter.convert.core import FILE_TARGETS, TARGETS
 from converter.errors import ConverterError, UsageError
-from converter.scratch import make_temp
+from converter.io.scratch import make_temp
 
 MODES = ("pr", "push")  # a PR on the adapter's repo, or a repo of one's own
-# An owned scratch folder (converter.scratch names them converter-<kind>.<pid>-<start>-<made>@<host>): `--push-pr`
+# An owned scratch folder (converter.io.scratch names them converter-<kind>.<pid>-<start>-<made>@<host>): `--push-pr`
 # converts in one of its own, outside the job's folder; its path is the server's business only.
 _SCRATCH = re.compile(r"[^\s'\"(]*/\.?converter-[\w-]+\.\d+-[\w.-]+@[^/\s:'\",)]+/?")
 

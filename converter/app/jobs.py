@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.errors import ConverterError, HubError, UsageError
+from converter.io.scratch import make_temp
 from converter.pipeline import STAGES as PUSH_STAGES
 from converter.recipe import AdapterSpec, Recipe
-from converter.scratch import make_temp
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
@@ -215,8 +215,8 @@ def run_job(
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
     """Check, then the pipelined push (download, merge and upload at once; verification; one commit)."""
     from converter.app.check import check
+    from converter.io.records import read_report
     from converter.pipeline import push
-    from converter.records import read_report
     from converter.sources import job_sources
 
     repo_id = request.repo_id.strip()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
-from converter.scratch import temp_folder
+from converter.io.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
 
 MOCK_TOKEN = "mock-oauth-token-for-local-dev"  # what gradio's local OAuth mock gives every handler
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
     from converter.errors import MissingExtraError
-    from converter.optional import check
+    from converter.io.optional import check
 
     try:  # the app, and the demo's diffusion pipelines (not imported yet: the Hub's address is set below first)
         check("gradio", "the local app")

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from converter.errors import ConverterError
-from converter.units import parse_size
+from converter.io.units import parse_size
 
 KINDS = ("convert", "merge", "verify")
 #: Options a job may carry, per kind (anything else is a typo and refused).

@@ -60,7 +60,7 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
             raise HubFault(_redact(message)) from None
         return _outcome("failed", started, error=_redact(message))
     pinned = {s: pin(s, sha) for s, sha in sources.items() if sha}
-    from converter.scratch import temp_folder
+    from converter.io.scratch import temp_folder
 
     with temp_folder("batch", log=lambda _m: None) as scratch:
         argv = job.argv(pinned)
@@ -270,8 +270,8 @@ def run_batch(
 def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout, token_in_runtime_env, log):
     import logging
 
-    from converter.optional import require
-    from converter.progress import Progress
+    from converter.io.optional import require
+    from converter.io.progress import Progress
 
     ray = require("ray", "converter batch")
 

@@ -10,7 +10,7 @@ from converter.convert.names import BaseNames, base_names, collect
 from converter.convert.writers import write
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
-from converter.scratch import temp_folder
+from converter.io.scratch import temp_folder
 from converter.writer import check_output_target
 
 TARGETS = ("peft", "diffusers", "kohya", "comfyui")

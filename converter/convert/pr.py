@@ -7,7 +7,7 @@ from pathlib import Path
 
 from converter.convert.core import FILE_TARGETS, ConvertResult, convert
 from converter.errors import ConverterError
-from converter.scratch import temp_folder
+from converter.io.scratch import temp_folder
 
 PR_TITLE = "Add a {fmt} version of this adapter (converter)"
 TARGET_NAMES = {"peft": "PEFT", "diffusers": "diffusers", "kohya": "kohya", "comfyui": "ComfyUI"}

@@ -15,8 +15,8 @@ import torch
 
 from converter.convert.modules import LoraModule
 from converter.errors import ConverterError
+from converter.io.scratch import owned_name, stop_here, sweep
 from converter.keymap import flatten
-from converter.scratch import owned_name, stop_here, sweep
 from converter.writer import atomic_folder, check_output_target
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter import dtypes
 from converter.checkpoint import SafetensorsFile
 from converter.errors import AdapterFormatError
-from converter.lazy import torch
+from converter.io import dtypes
+from converter.io.lazy import torch
 from converter.patches import Patch
 
 

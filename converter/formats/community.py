@@ -18,7 +18,7 @@ from pathlib import Path
 
 from converter.errors import AdapterFormatError
 from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
-from converter.lazy import torch
+from converter.io.lazy import torch
 from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
 
 NAME = "community"

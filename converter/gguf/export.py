@@ -23,7 +23,7 @@ from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
 from converter.gguf.write import write_gguf
-from converter.optional import install_hint
+from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
 

@@ -74,7 +74,7 @@ def resize(
     from converter.convert.names import BaseNames, base_names, collect
     from converter.convert.writers import write
     from converter.formats import load_adapter
-    from converter.scratch import temp_folder
+    from converter.io.scratch import temp_folder
     from converter.sources import fetch
 
     if rank < 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from converter.errors import ConverterError
-from converter.lazy import torch
+from converter.io.lazy import torch
 from converter.methods.tensors import combine_tensors, dare_mask
 from converter.patches import BiasDelta, DeltaPatch, RowsOf
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from converter.lazy import torch
+from converter.io.lazy import torch
 
 
 def magnitude_prune(t: torch.Tensor, density: float) -> torch.Tensor:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from converter.errors import UsageError
+from converter.io.units import human_bytes
 from converter.training.view import TrainingCheckpoint
-from converter.units import human_bytes
 from converter.writer import OutSpec, ShardedWriter, atomic_folder
 
 PEFT_PREFIX = "base_model.model."

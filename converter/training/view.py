@@ -12,11 +12,12 @@ import json
 import re
 from pathlib import Path
 
-from converter import dtypes, patches
+from converter import patches
 from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
-from converter.dtypes import ITEMSIZE
 from converter.errors import ConverterError
-from converter.lazy import torch
+from converter.io import dtypes
+from converter.io.dtypes import ITEMSIZE
+from converter.io.lazy import torch
 from converter.patches import lora_scale
 
 PEFT_PREFIX = "base_model.model."

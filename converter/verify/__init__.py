@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.errors import ConverterError
+from converter.io.records import REPORT_FILE
+from converter.io.scratch import temp_folder
 from converter.recipe import Recipe
-from converter.records import REPORT_FILE
-from converter.scratch import temp_folder
 from converter.verify.judge import judge
 from converter.verify.loading import PROMPTS, Offload, PeftRefused
 from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
@@ -82,7 +82,7 @@ def verify(
     started = time.time()
     job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
     if job.diffusion:  # never a weaker referee because diffusers is missing: one line naming the extra
-        from converter.optional import require
+        from converter.io.optional import require
 
         require("diffusers", "verifying a diffusion merge")
     report = VerificationReport("diffusion" if job.diffusion else "llm")

@@ -239,7 +239,7 @@ def open_base_checkpoint(base: Path):
 def _read_float64(where):
     import torch
 
-    from converter.dtypes import ST_TO_TORCH
+    from converter.io.dtypes import ST_TO_TORCH
 
     with open(where.path, "rb") as f:
         f.seek(where.start)

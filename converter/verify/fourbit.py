@@ -9,9 +9,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from converter.io.records import PROVENANCE_FILE
+from converter.io.scratch import temp_folder
 from converter.recipe import Recipe
-from converter.records import PROVENANCE_FILE
-from converter.scratch import temp_folder
 from converter.verify.loading import load_model, load_reference, vocab_size
 from converter.verify.metrics import Run, compare, logits_of, probe_modules, run_model, summary
 

@@ -18,8 +18,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.io.units import human_bytes
 from converter.recipe import Recipe
-from converter.units import human_bytes
 from converter.verify import fourbit
 from converter.verify.judge import judge_llm
 from converter.verify.loading import (
@@ -160,7 +160,7 @@ class LLMCheck:
         both computing in the dtype the weights were quantized from."""
         import torch
 
-        from converter.dtypes import TORCH_TO_ST
+        from converter.io.dtypes import TORCH_TO_ST
 
         logical = self.stored_4bit["bnb_4bit_compute_dtype"]
         self.output_dtype, self.compute, self.dtype = TORCH_TO_ST[getattr(torch, logical)], logical, getattr(
@@ -184,7 +184,7 @@ class LLMCheck:
         return out
 
     def _tolerance(self, noise: dict | None) -> dict:
-        from converter.dtypes import TORCH_TO_ST
+        from converter.io.dtypes import TORCH_TO_ST
 
         tol = rounding_tolerance(self.output_dtype, TORCH_TO_ST[self.dtype])
         if noise and not self.stored_4bit:  # the 4-bit reference's own noise bounds what a right merge reaches
@@ -225,7 +225,7 @@ class LLMCheck:
         return result
 
     def _behaviour(self, tol, merged_vs_ref, base_vs_ref, culprit, runs, qlora) -> LLMBehaviour:
-        from converter.dtypes import TORCH_TO_ST
+        from converter.io.dtypes import TORCH_TO_ST
         from converter.verify.loading import side_by_side
 
         bare, ref, out = runs

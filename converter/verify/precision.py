@@ -44,7 +44,7 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
     model. Call it before
     anything changes the weights: a weight edited in memory after loading would be read back from the file."""
     from converter.checkpoint import Checkpoint
-    from converter.dtypes import TORCH_TO_ST
+    from converter.io.dtypes import TORCH_TO_ST
 
     ckpt = Checkpoint(folder)
     sources: dict[int, FileTensor] = {}
@@ -97,7 +97,7 @@ class _Buffers:
         """A float32 tensor holding the file's bytes for `src` (upcast exactly when stored in 16 bits)."""
         import torch
 
-        from converter.dtypes import ST_TO_TORCH
+        from converter.io.dtypes import ST_TO_TORCH
 
         out = self.take(shape)
         size = src.end - src.start

@@ -23,7 +23,7 @@ def prove_tensors(
 ) -> tuple[TensorProofResult | None, RefereeUnavailable | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
     from converter.bases import open_base
-    from converter.scratch import temp_folder
+    from converter.io.scratch import temp_folder
 
     with temp_folder("proof", log=log) as scratch:
         try:
@@ -47,7 +47,7 @@ def open_proof(
     """A TensorProof of the output `merged` (which may not exist yet: a pipelined push proves its shards as they
     are written) and the base it reads (a 4-bit base dequantized into `scratch`); RefereeUnavailable: none can."""
     from converter.bases import open_base
-    from converter.dtypes import parse_user_dtype
+    from converter.io.dtypes import parse_user_dtype
 
     base, note = _plain_base(base, scratch, recipe)
     referee = choose_referee(merged, recipe, base, adapters)

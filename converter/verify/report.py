@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.records import REPORT_FILE
+from converter.io.records import REPORT_FILE
 from converter.verify.tensors import TensorProofResult
 
 

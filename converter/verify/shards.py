@@ -79,7 +79,7 @@ class ShardProof:
     def _open(self) -> TensorProof | None:
         if self.proof is not None or self.declined is not None:
             return self.proof
-        from converter.scratch import temp_folder
+        from converter.io.scratch import temp_folder
         from converter.verify import sources
         from converter.verify.prove import open_proof
         from converter.verify.warmup import wait

@@ -58,7 +58,7 @@ class TaskCheck(LLMCheck):
     def _place(self) -> None:
         import torch
 
-        from converter.units import human_bytes
+        from converter.io.units import human_bytes
         from converter.verify.loading import available_memory, weights_summary
 
         self.output_dtype, params = weights_summary(self.merged)

@@ -469,7 +469,7 @@ def _row_bytes(loc: Location) -> int:
 
 
 def _torch(dtype: str):
-    from converter.dtypes import ST_TO_TORCH
+    from converter.io.dtypes import ST_TO_TORCH
 
     return ST_TO_TORCH[dtype]
 
@@ -477,7 +477,7 @@ def _torch(dtype: str):
 def _bits(dtype: str):
     import torch
 
-    from converter.dtypes import ITEMSIZE
+    from converter.io.dtypes import ITEMSIZE
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ITEMSIZE[dtype]]
 

@@ -13,8 +13,8 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.io.scratch import temp_folder
 from converter.recipe import AdapterSpec, Recipe
-from converter.scratch import temp_folder
 from converter.verify.render import markdown
 
 NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
-from converter.units import human_bytes
+from converter.io.units import human_bytes
 
 #: The terminal a bar is drawn on; None: report through `log` as lines.
 bar_file: TextIO | None = None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.errors import ConverterError
-from converter.units import human_bytes
+from converter.io.units import human_bytes
 
 _NAME = re.compile(
     r"^(?P<lead>(?:\..+\.)?)converter-(?P<kind>[a-z0-9-]+)\.(?P<pid>\d+)-(?P<start>\d+)-(?P<made>[0-9a-f]{20})"

@@ -1,6 +1,6 @@
 """A module imported on first attribute access, so a plain LoRA merge never pays for importing torch (~1 s).
 
-`from converter.lazy import torch` gives an object that behaves like the torch module once touched; modules on
+`from converter.io.lazy import torch` gives an object that behaves like the torch module once touched; modules on
 the merge path use it instead of `import torch`, and only the patches that need torch (LoHa, LoKr, DoRA, conv,
 4-bit, task merges) touch it. tests/test_errors.py checks a plain merge leaves torch out of sys.modules.
 """
