@@ -45,9 +45,9 @@ from converter.app.jobs import (  # noqa: E402
 )
 from converter.convert.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
+from converter.hub.sources import job_sources  # noqa: E402
 from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402
 from converter.io.units import human_bytes  # noqa: E402
-from converter.sources import job_sources  # noqa: E402
 
 log = logging.getLogger("converter.app")
 CONCURRENCY = int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1"))

@@ -50,7 +50,7 @@ TARGET = 1.25
 DOWNLOAD = textwrap.dedent(
     """
     from huggingface_hub import snapshot_download
-    from converter.sources import MODEL_FILES, ADAPTER_FILES
+    from converter.hub.sources import MODEL_FILES, ADAPTER_FILES
     snapshot_download("alice/base", allow_patterns=MODEL_FILES)
     snapshot_download("alice/lora", allow_patterns=ADAPTER_FILES)
     """

@@ -7,15 +7,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from converter import hub
 from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.formats import load_adapter
-from converter.hub_headers import hub_base_headers
+from converter.hub import client as hub
+from converter.hub.remote_headers import hub_base_headers
+from converter.hub.sources import Source, fetch, parse_source
 from converter.io.scratch import temp_folder
 from converter.io.units import human_bytes
 from converter.keymap import keymap_for
-from converter.sources import Source, fetch, parse_source
 
 
 def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None, config: str | None = None) -> dict:
@@ -70,7 +70,7 @@ def inspect_diffusion(path: Path) -> dict:
 
 def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
     """A Hub repo without downloading weights: adapters are small (fetched), models are read from their
-    headers (sparse stand-ins, converter.hub_headers) and described like a local folder."""
+    headers (sparse stand-ins, converter.hub.remote_headers) and described like a local folder."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

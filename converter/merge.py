@@ -17,10 +17,11 @@ from pathlib import Path
 from converter import __version__, npmath, npmerge
 from converter.bases import open_base
 from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
-from converter.card import INHERITED, card_metadata, write_card
 from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
+from converter.hub.card import INHERITED, card_metadata, write_card
+from converter.hub.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.io import dtypes
 from converter.io.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.io.lazy import torch
@@ -33,7 +34,6 @@ from converter.keymap import keymap_for
 from converter.patches import Replace, Requantize, all_finite
 from converter.plan import MergePlan, OutputTensor, plan_merge
 from converter.recipe import Recipe
-from converter.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).

@@ -13,14 +13,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from converter import hub
-from converter.card import public_records, write_card
 from converter.errors import ConverterError
-from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
-from converter.io.scratch import make_temp
-from converter.io.units import parse_size
-from converter.merge import merge
-from converter.publish import (
+from converter.hub import client as hub
+from converter.hub.card import public_records, write_card
+from converter.hub.publish import (
     Publication,
     PushResult,
     additions,
@@ -29,8 +25,12 @@ from converter.publish import (
     local_files,
     push_folder,
 )
+from converter.hub.sources import fetch, parse_source
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
+from converter.io.scratch import make_temp
+from converter.io.units import parse_size
+from converter.merge import merge
 from converter.recipe import Recipe
-from converter.sources import fetch, parse_source
 from converter.verify import require_pass, verify
 from converter.writer import Shard
 

@@ -17,13 +17,13 @@ from converter.checkpoint import Checkpoint, TensorInfo
 from converter.errors import ConverterError
 from converter.formats import Adapter
 from converter.formats.base import AdapterPatch
+from converter.hub.sources import same_hub_model
 from converter.io.dtypes import FLOATING, parse_user_dtype
 from converter.io.units import human_bytes
 from converter.keymap import Keymap, Resolver, keymap_for
 from converter.model_class import Converted, LoadedNames
 from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
 from converter.recipe import AdapterSpec, Recipe
-from converter.sources import same_hub_model
 from converter.writer import OutSpec
 
 ROLE_ORDER = {Replace: 0, RowReplace: 2}  # whole-tensor replacements first, row edits last, deltas between

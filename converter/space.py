@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter import hub
 from converter.errors import ConverterError
-from converter.publish import check_repo_id
+from converter.hub import client as hub
+from converter.hub.publish import check_repo_id
 
 SKIP = ("testing/", "app/local.py")  # only for tests and `make run`
 

@@ -23,7 +23,7 @@ from converter.app.jobs import JobRequest, default_repo, parse_adapters, redacto
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
-from converter.sources import job_sources, parse_source
+from converter.hub.sources import job_sources, parse_source
 from converter.testing.hub import HubServer, client_env, run_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
 from pathlib import Path
 from converter.app.check import check
 from converter.recipe import Recipe, AdapterSpec
-from converter.sources import job_sources
+from converter.hub.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
     report = check(recipe, {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin")
@@ -293,7 +293,7 @@ def test_public_paths_show_repo_names_only(tmp_path):
 
 
 def test_same_base_is_decided_by_pinned_ids():
-    from converter.sources import same_hub_model
+    from converter.hub.sources import same_hub_model
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     assert same_hub_model("Org/Base", None, f"org/base@{sha}") is True  # Hub ids are case-insensitive
@@ -445,7 +445,7 @@ def test_diffusion_merge_job_with_component_strengths(hub, tmp_path):
 from pathlib import Path
 from converter.app.check import check
 from converter.app.jobs import JobRequest, run_job
-from converter.sources import job_sources
+from converter.hub.sources import job_sources
 request = JobRequest(base={SD_BASE!r}, adapters={SD_LORA + " unet=0.8,text_encoder=0.5"!r}, repo_id="demo/sd-job")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
     md = check(request.recipe(), {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin").markdown()

@@ -188,7 +188,6 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
     from huggingface_hub.errors import OfflineModeIsEnabled
     from safetensors.torch import load_file, save_file
 
-    from converter import hub
     from converter.errors import (
         AdapterFormatError,
         BadInputError,
@@ -199,8 +198,9 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
         VerificationFailed,
     )
     from converter.formats import load_adapter
+    from converter.hub import client as hub
+    from converter.hub.sources import _check_names, parse_source
     from converter.recipe import Recipe
-    from converter.sources import _check_names, parse_source
 
     broken = tmp_path / "broken"
     shutil.copytree(lora, broken)

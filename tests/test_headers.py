@@ -13,7 +13,7 @@ from safetensors.torch import load, save
 
 from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
-from converter.hub_headers import write_standin
+from converter.hub.remote_headers import write_standin
 from converter.io.safetensors_header import HeaderError, decode_header, encode_header, entry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -139,7 +139,7 @@ DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter.describe": ["inspect_path", "render"],
     "converter.merge": ["merge"],
     "converter.pipeline": ["push", "verify_folder"],
-    "converter.publish": ["push_folder", "PushResult"],
+    "converter.hub.publish": ["push_folder", "PushResult"],
     "converter.convert": ["convert", "push_pr"],
     "converter.methods": ["extract", "resize", "combine"],
     "converter.space": ["deploy", "space_files"],

@@ -1,6 +1,6 @@
 """The Space's "Check" step: what a job would do (formats, coverage, bytes, warnings) before any weight is fetched.
 
-A Hub base is planned from its safetensors headers alone (converter.hub_headers: sparse stand-in files of the
+A Hub base is planned from its safetensors headers alone (converter.hub.remote_headers: sparse stand-in files of the
 real size), so the merge planner sees exactly the names, shapes and byte ranges it will see after the download,
 while the disk holds only the headers. Adapters are small and are fetched.
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 from converter.bases import open_base
 from converter.checkpoint import Checkpoint
 from converter.errors import ConverterError
-from converter.hub_headers import hub_base_headers
-from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
+from converter.hub.remote_headers import hub_base_headers
+from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
+from converter.hub.sources import fetch, parse_source
 from converter.io.units import human_bytes, parse_size
 from converter.recipe import Recipe
-from converter.sources import fetch, parse_source
 
 
 @dataclass(frozen=True)

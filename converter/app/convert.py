@@ -97,8 +97,8 @@ def run_convert(
 def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[str]) -> ConvertJobResult:
     from converter.convert.core import convert
     from converter.convert.pr import push_pr
-    from converter.publish import push_folder
-    from converter.sources import job_sources
+    from converter.hub.publish import push_folder
+    from converter.hub.sources import job_sources
 
     adapter, base = request.adapter.strip(), request.base.strip() or None
     with job_sources(tmp / "hf-cache"):
@@ -108,7 +108,7 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
             if url:
                 say(f"pull request: {url}")
             return ConvertJobResult(url, "/".join(repo[:2]), _modules(lines), [], lines)
-        from converter import hub
+        from converter.hub import client as hub
 
         repo_id = request.repo_id.strip() or default_convert_repo(hub.whoami(token), adapter, request.to)
         check_namespace(repo_id, token)

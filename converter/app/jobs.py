@@ -162,8 +162,8 @@ def check_namespace(repo_id: str, token: str) -> str:
     """The signed-in user's name; refuses a target namespace the user cannot write (before any work starts)."""
     from huggingface_hub import HfApi
 
-    from converter import hub
-    from converter.publish import check_repo_id
+    from converter.hub import client as hub
+    from converter.hub.publish import check_repo_id
 
     check_repo_id(repo_id)
     me = hub.call("whoami", lambda: HfApi(token=token).whoami())
@@ -215,9 +215,9 @@ def run_job(
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
     """Check, then the pipelined push (download, merge and upload at once; verification; one commit)."""
     from converter.app.check import check
+    from converter.hub.sources import job_sources
     from converter.io.records import read_report
     from converter.pipeline import push
-    from converter.sources import job_sources
 
     repo_id = request.repo_id.strip()
     with job_sources(tmp / "hf-cache"):

@@ -178,7 +178,7 @@ def jobs_from_search(
 
         api = HfApi()
     options: dict[str, Any] = {"to": to} | ({"base": base} if base else {})
-    from converter import hub
+    from converter.hub import client as hub
 
     kwargs: dict[str, Any] = {"search": query or None, "limit": limit, "sort": "downloads"}
     if filters:

@@ -77,7 +77,7 @@ def resolve_sources(job: Job) -> dict[str, str | None]:
     """The commit each Hub source is at now (local sources: None); the job then runs on exactly these commits."""
     from huggingface_hub import HfApi
 
-    from converter import hub
+    from converter.hub import client as hub
 
     api = HfApi()
     shas: dict[str, str | None] = {}
@@ -106,7 +106,7 @@ def pin(source: str, sha: str) -> str:
 def _download(repo_id: str, sha: str | None, folder: Path) -> str:
     from huggingface_hub import snapshot_download
 
-    from converter import hub
+    from converter.hub import client as hub
 
     return hub.call(repo_id, lambda: snapshot_download(repo_id, revision=sha, local_dir=folder))
 

@@ -45,7 +45,7 @@ def convert(
     """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically;
     then (`verify`) read it back and prove each module's ΔW equals the source's (VerificationFailed if not: the
     wrong output is removed)."""
-    from converter.sources import fetch
+    from converter.hub.sources import fetch
 
     if to not in TARGETS:
         raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
@@ -123,7 +123,7 @@ def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[st
 
 def _public_base(base: str | None, adapter: Adapter) -> str | None:
     """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
-    from converter.sources import HUB_SPEC
+    from converter.hub.sources import HUB_SPEC
 
     for spec in (base, adapter.base_model):
         if spec and not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):

@@ -19,10 +19,10 @@ NATIVE_COMPONENT = {"unet.": "unet", "transformer.": "transformer", "diffusion_m
 
 def base_names(spec: str, token: str | None, workdir: Path) -> Path:
     """A base to look names up in. Local: the path itself. Hub: only its configs and safetensors *headers*
-    (converter.hub_headers: sparse stand-ins in `workdir`), so a conversion against a 20 GB pipeline downloads
+    (converter.hub.remote_headers: sparse stand-ins in `workdir`), so a conversion against a 20 GB pipeline downloads
     a few kilobytes. A single file is `org/name[@rev]/file`."""
-    from converter.hub_headers import hub_base_headers
-    from converter.sources import parse_source
+    from converter.hub.remote_headers import hub_base_headers
+    from converter.hub.sources import parse_source
 
     source = parse_source(spec)
     if source.local is not None:

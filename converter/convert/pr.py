@@ -29,9 +29,9 @@ def push_pr(
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
-    from converter import hub
-    from converter.publish import _our_open_pr
-    from converter.sources import parse_source
+    from converter.hub import client as hub
+    from converter.hub.publish import our_open_pr
+    from converter.hub.sources import parse_source
 
     source = parse_source(adapter_spec)
     if source.repo_id is None:
@@ -61,7 +61,7 @@ def push_pr(
             for p in paths
         ]
         description = _pr_description(adapter_spec, to, info.sha, result, base)
-        open_pr = _our_open_pr(api, repo, me, title)
+        open_pr = our_open_pr(api, repo, me, title)
         if open_pr is not None:
             log(f"updating our open pull request #{open_pr.num}")
         commit = hub.call(
@@ -101,7 +101,7 @@ def _pr_description(spec: str, to: str, sha: str, result: ConvertResult, base: s
 def _has_format(api, repo: str, sha: str, names: list[str], to: str) -> str | None:
     """The file that shows the repo already has format `to` (a PEFT adapter_config.json, or a safetensors file
     whose tensor names are kohya's or diffusers'), read from headers only."""
-    from converter import hub
+    from converter.hub import client as hub
 
     if to == "peft":
         return next((n for n in names if n.rsplit("/", 1)[-1] == "adapter_config.json"), None)

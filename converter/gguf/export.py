@@ -45,7 +45,7 @@ def file_stem(name: str) -> str:
 
 def resolve_source(spec: str | Path, token: str | None = None) -> Path:
     """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
-    from converter.sources import fetch
+    from converter.hub.sources import fetch
 
     return Path(fetch(str(spec), "model", token).local)
 

@@ -212,8 +212,8 @@ def _load_all(adapters, base, to, component, token, allow_pickle, log) -> tuple[
     """Each adapter's modules named for the output (looked up on `base` when given), and a public name of each."""
     from converter.convert.names import BaseNames, base_names, collect
     from converter.formats import load_adapter
+    from converter.hub.sources import fetch
     from converter.io.scratch import temp_folder
-    from converter.sources import fetch
 
     loaded, sources = [], []
     with temp_folder("base-headers", log=log) as scratch:

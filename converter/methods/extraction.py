@@ -82,7 +82,7 @@ def extract(
     """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
     from converter.bases import open_base
     from converter.convert.core import TARGETS, _check_out
-    from converter.sources import fetch
+    from converter.hub.sources import fetch
 
     if rank < 1:
         raise ConverterError(f"--rank {rank}: give a positive rank")
@@ -209,7 +209,7 @@ def _write(modules, saved, to, out, force, fetched, report, base_spec) -> list[s
 
 def _public_base(spec: str) -> str | None:
     """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
-    from converter.sources import HUB_SPEC
+    from converter.hub.sources import HUB_SPEC
 
     if not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):
         return m["repo"]

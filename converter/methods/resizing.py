@@ -74,8 +74,8 @@ def resize(
     from converter.convert.names import BaseNames, base_names, collect
     from converter.convert.writers import write
     from converter.formats import load_adapter
+    from converter.hub.sources import fetch
     from converter.io.scratch import temp_folder
-    from converter.sources import fetch
 
     if rank < 1:
         raise ConverterError(f"--rank {rank}: give a positive rank")

@@ -126,7 +126,7 @@ class Job:
 
 def sources(recipe: Recipe, token: str | None, base: Path | None = None) -> tuple[Path, list[Path]]:
     """The base (fetched unless given) and the adapters of `recipe`, as local paths."""
-    from converter.sources import fetch
+    from converter.hub.sources import fetch
 
     base = base or fetch(recipe.base, "model", token).local
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]

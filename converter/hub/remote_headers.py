@@ -12,10 +12,9 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import hub
 from converter.errors import ConverterError
-from converter.io.safetensors_header import encode_header, entry
-from converter.sources import (
+from converter.hub import client as hub
+from converter.hub.sources import (
     MODEL_FILES,
     TOKENIZER_FILES,
     Source,
@@ -24,6 +23,7 @@ from converter.sources import (
     diffusers_files,
     parse_source,
 )
+from converter.io.safetensors_header import encode_header, entry
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import hub
 from converter.errors import ConverterError
+from converter.hub import client as hub
 from converter.io.records import REPORT_FILE
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
@@ -87,7 +87,7 @@ class Publication:
         self._lock = threading.Lock()
         self.revision, self.open_pr = None, None
         if create_pr and target.exists:
-            self.open_pr = _our_open_pr(api, target.repo_id, target.me, message)
+            self.open_pr = our_open_pr(api, target.repo_id, target.me, message)
             if self.open_pr is not None:
                 self.revision = self.open_pr.git_reference
                 log(f"updating our open pull request #{self.open_pr.num}")
@@ -257,7 +257,7 @@ def _digest(path: Path, h) -> str:
     return h.hexdigest()
 
 
-def _our_open_pr(api, repo_id: str, me: str, title: str):
+def our_open_pr(api, repo_id: str, me: str, title: str):
     """An open pull request we opened earlier with the same title: re-runs update it instead of opening more."""
     for discussion in hub.call(
         repo_id,

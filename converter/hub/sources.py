@@ -16,8 +16,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter import hub
 from converter.errors import BadInputError, ConverterError, HubError, UsageError
+from converter.hub import client as hub
 from converter.io.units import human_bytes
 
 HUB_SPEC = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^/\s]+))?(?:/(?P<path>\S+))?$")
