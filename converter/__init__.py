@@ -1,8 +1,8 @@
 """converter: fold LoRA adapters into base models exactly, stream the result, and prove it.
 
-The recipe types and the errors are re-exported here; the verbs live in their modules (`converter.merge.merge`,
+The recipe types and the errors are re-exported here; the verbs live in their modules (`converter.engine.merging.merge`,
 `converter.pipeline.push` / `verify_folder`, `converter.convert.convert` ...; docs/python-api.md). `merge` is not
-re-exported: the submodule `converter.merge` has that name, and importing it would replace the function here.
+re-exported: the submodule `converter.engine.merging` has that name, and importing it would replace the function here.
 Heavy libraries (torch, transformers, peft) are never imported by `import converter`.
 """
 
@@ -16,7 +16,7 @@ __all__ = ["AdapterSpec", "ConverterError", "NotVerified", "Recipe", "Verificati
 def __getattr__(name: str):
     # Lazy so that `import converter` stays cheap.
     if name in ("Recipe", "AdapterSpec"):
-        from converter import recipe
+        from converter.engine import recipe
 
         return getattr(recipe, name)
     raise AttributeError(f"module 'converter' has no attribute {name!r}")

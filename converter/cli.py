@@ -257,7 +257,7 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
 
 
 def _adapter_specs(args: argparse.Namespace) -> list:
-    from converter.recipe import AdapterSpec
+    from converter.engine.recipe import AdapterSpec
 
     if args.weight and len(args.weight) != len(args.adapter):
         raise UsageError(f"{len(args.weight)} --weight for {len(args.adapter)} --adapter: give one per adapter")
@@ -272,7 +272,7 @@ def _adapter_specs(args: argparse.Namespace) -> list:
 
 
 def _recipe_from_args(args: argparse.Namespace):
-    from converter.recipe import Recipe
+    from converter.engine.recipe import Recipe
 
     if args.recipe:
         recipe = Recipe.load(args.recipe)
@@ -298,7 +298,7 @@ def _recipe_from_args(args: argparse.Namespace):
     recipe.qlora = recipe.qlora or getattr(args, "qlora", False)
     if getattr(args, "no_double_quant", False):
         recipe.qlora_double_quant = False
-    methods = ("method", "density", "seed")  # ties / dare (converter.methods.taskmerge)
+    methods = ("method", "density", "seed")  # ties / dare (converter.engine.taskmerge)
     for field in ("base", "out", "dtype", "max_shard_size", "qlora_base", "qlora_quant", "qlora_blocksize", *methods):
         if getattr(args, field, None):
             setattr(recipe, field, getattr(args, field))
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         # Before numpy loads: the merge's BLAS products are small; BLAS threads would spin next to ours.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if args.command == "merge":
-        from converter.merge import merge
+        from converter.engine.merging import merge
 
         if args.keep_adapter:
             return _keep_adapter(args)
@@ -387,13 +387,13 @@ def run(args: argparse.Namespace) -> int:
             export_merged(result.out, gguf_types, log=_log)
         return 0
     if args.command == "verify":
-        from converter.merge import recorded_recipe
+        from converter.engine.recipe import recorded_recipe
         from converter.pipeline import verify_folder
 
         if args.adapter:
             if not args.base:
                 raise UsageError("give --base with --adapter (or neither: the folder's recipe says both)")
-            from converter.recipe import Recipe
+            from converter.engine.recipe import Recipe
 
             recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
         else:

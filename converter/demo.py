@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.merge import merge
+from converter.engine.merging import merge
+from converter.engine.recipe import AdapterSpec, Recipe
 from converter.pipeline import verify_folder
-from converter.recipe import AdapterSpec, Recipe
 
 
 def build_demo_inputs(folder: Path) -> tuple[Path, Path]:

@@ -7,7 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from converter.checkpoint import Checkpoint
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.keymap import keymap_for
 from converter.errors import ConverterError
 from converter.formats import load_adapter
 from converter.hub import client as hub
@@ -15,7 +16,6 @@ from converter.hub.remote_headers import hub_base_headers
 from converter.hub.sources import Source, fetch, parse_source
 from converter.io.scratch import temp_folder
 from converter.io.units import human_bytes
-from converter.keymap import keymap_for
 
 
 def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None, config: str | None = None) -> dict:
@@ -43,7 +43,7 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
 
 def inspect_diffusion(path: Path) -> dict:
     """A diffusers pipeline folder or a single-file diffusion checkpoint: family, components, sizes."""
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     ckpt = open_base(path)
     dtypes: Counter = Counter()
@@ -163,7 +163,7 @@ def inspect_adapter(path: Path, allow_pickle: bool, shown: str | None = None) ->
 
 def _family(adapter, path: str) -> dict:
     """A diffusion LoRA's family and spelling, the tools that load it as it is, and the command for the others."""
-    from converter.formats.family import convert_hint, identify
+    from converter.engine.family import convert_hint, identify
 
     identity = identify(adapter)
     if identity is None or (identity.family is None and not identity.candidates):

@@ -13,6 +13,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine.merging import merge
+from converter.engine.recipe import Recipe, recorded_recipe
+from converter.engine.writer import Shard
 from converter.errors import ConverterError
 from converter.hub import client as hub
 from converter.hub.card import public_records, write_card
@@ -26,13 +29,10 @@ from converter.hub.publish import (
     push_folder,
 )
 from converter.hub.sources import fetch, parse_source
-from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import parse_size
-from converter.merge import merge
-from converter.recipe import Recipe
 from converter.verify import require_pass, verify
-from converter.writer import Shard
 
 
 def pipelined_shard_size(given: str | None, weights: int) -> str:

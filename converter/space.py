@@ -34,7 +34,7 @@ def space_files(source: Path) -> dict[str, Path]:
         rel = path.relative_to(package).as_posix()
         if path.is_file() and path.suffix in (".py", ".yaml") and not rel.startswith(SKIP) and rel not in SKIP:
             files[f"converter/{rel}"] = path
-    # where an installed wheel has them too: converter.keymap.keymap_folder() finds them next to the package
+    # where an installed wheel has them too: converter.engine.keymap.keymap_folder() finds them next to the package
     files.update({f"converter/keymaps/{path.name}": path for path in keymaps})
     return files
 

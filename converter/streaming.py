@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine.writer import Shard
 from converter.errors import ConverterError, HubError
 from converter.hub import client as hub
 from converter.hub.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
 from converter.io.safetensors_header import HeaderError, decode_header
-from converter.writer import Shard
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
 

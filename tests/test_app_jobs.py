@@ -21,9 +21,9 @@ from converter.app.check import Limits, _sparse_standin
 from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
 from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor, report_images
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
-from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
 from converter.hub.sources import job_sources, parse_source
+from converter.io.safetensors_file import SafetensorsFile
 from converter.testing.hub import HubServer, client_env, run_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
         f"""
 from pathlib import Path
 from converter.app.check import check
-from converter.recipe import Recipe, AdapterSpec
+from converter.engine.recipe import Recipe, AdapterSpec
 from converter.hub.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
@@ -209,7 +209,7 @@ def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
         f"""
 from pathlib import Path
 from converter.app.check import check, Limits
-from converter.recipe import Recipe, AdapterSpec
+from converter.engine.recipe import Recipe, AdapterSpec
 errors = []
 for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
     try:
@@ -416,7 +416,7 @@ def test_make_run_seeds_smollm2_with_its_trained_loras(tmp_path):
 def test_trained_on_warning_compares_pinned_ids(tmp_path):
     """A Hub base lives in the cache under its commit sha: the warning compares the adapter's declared base with
     the pinned repo id (and a declared commit with the resolved one), never with that folder's name."""
-    from converter.plan import sanity_warnings
+    from converter.engine.plan import sanity_warnings
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     cached = SimpleNamespace(folder=tmp_path / sha, config={"_name_or_path": str(tmp_path / sha)})

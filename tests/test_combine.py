@@ -13,7 +13,7 @@ import torch
 from conftest import make_adapter, make_base
 from safetensors.torch import load_file
 
-from converter.methods.tensors import dare_mask
+from converter.engine.ties_dare import dare_mask
 
 EPS32 = torch.finfo(torch.float32).eps
 TARGETS = ["q_proj", "v_proj", "down_proj"]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from converter import AdapterSpec, Recipe
-from converter.merge import merge
+from converter.engine.merging import merge
 from converter.verify import verify
 
 DEC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import make_adapter, make_base, read_tensors, run_cli
 
+from converter.engine.recipe import AdapterSpec, Recipe
 from converter.pipeline import pipelined_shard_size
-from converter.recipe import AdapterSpec, Recipe
 from converter.testing.hub import HubServer, Link, client_env
 
 ALICE = "hf_fake_alice_0123456789"
@@ -176,7 +176,7 @@ def test_failed_shard_check_commits_nothing(hub, tmp_path):
     code = """
 from converter.errors import VerificationFailed
 from converter.pipeline import push
-from converter.recipe import AdapterSpec, Recipe
+from converter.engine.recipe import AdapterSpec, Recipe
 
 SABOTAGE = True
 seen = []
@@ -205,7 +205,7 @@ def test_a_wrong_module_stops_the_push_before_its_shard_leaves(hub, tmp_path):
     module and how far off it is; that shard is never uploaded, nothing is committed and the repo is deleted."""
     code = """
 import sys
-from converter import merge
+from converter.engine import merging as merge
 from converter.cli import main
 
 real = merge.plan_merge
@@ -335,7 +335,7 @@ class _SlowHub:
 
 
 def _shards(tmp_path: Path, n: int) -> list:
-    from converter.writer import Shard
+    from converter.engine.writer import Shard
 
     out = []
     for i in range(n):

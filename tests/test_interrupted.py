@@ -296,7 +296,7 @@ def test_a_full_temp_disk_is_a_one_line_error_and_the_scratch_folder_goes(tmp_pa
 def test_two_runs_reaching_the_staging_step_together_let_the_older_folder_win(tmp_path, monkeypatch):
     """Both runs passed the early busy check at the same moment: each then sees the other's staging folder, and
     only the one whose folder was made first goes on (the names order by creation time)."""
-    from converter import writer
+    from converter.engine import writer
 
     out = tmp_path / "merged"
     monkeypatch.setattr(writer, "check_output_target", lambda out, force: None)  # both got past it

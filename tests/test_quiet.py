@@ -36,9 +36,9 @@ def converter(*args, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def own_lines(base, adapter, out) -> list[str]:
     """What converter itself says for this merge + verification: its `log` lines through the Python API."""
-    from converter.merge import merge
+    from converter.engine.merging import merge
+    from converter.engine.recipe import AdapterSpec, Recipe
     from converter.pipeline import verify_folder
-    from converter.recipe import AdapterSpec, Recipe
 
     lines: list[str] = []
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter), 1.0)], out=str(out))

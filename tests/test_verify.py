@@ -131,7 +131,7 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
 def test_reference_and_bare_base_in_one_mixed_batch_equal_two_forwards(llama):
     """PEFT's mixed-adapter batch (the adapter's row and a "__base__" row) gives the reference's and the bare
     base's logits of two separate forwards (disable_adapter for the bare base), to float32 rounding."""
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.engine.recipe import AdapterSpec, Recipe
     from converter.verify.loading import build_inputs, load_reference
     from converter.verify.metrics import mixed_batch, run_model
     from converter.verify.precision import float32_compute
@@ -451,7 +451,7 @@ def sabotaged(tmp_path_factory):
 
 def verdict_of(folder, memory=None, prompts=("a", "b"), proofs=("behaviour",)):
     """The behavioural comparison by itself (the tensor proof would stop every sabotage first)."""
-    from converter.merge import recorded_recipe
+    from converter.engine.recipe import recorded_recipe
     from converter.verify import verify
 
     # Greedy continuations are reported, not judged: two short ones keep the matrix affordable (offloaded

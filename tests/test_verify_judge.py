@@ -91,7 +91,7 @@ def files(tmp_path):
 
 
 def prove(tmp_path, base_tensors, merged, delta, out_dtype=None, rows=True, shards=1):
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
 
     (tmp_path / "b").mkdir(exist_ok=True)
     save_file(base_tensors, tmp_path / "b" / "model.safetensors")

@@ -56,7 +56,7 @@ MODELS = {"clip": lambda: clip(False), "clip-projection": lambda: clip(True), "t
 def test_every_file_key_maps_to_the_parameter_transformers_loads_it_into(kind, tmp_path):
     from accelerate import init_empty_weights
 
-    from converter.model_class import loaded_names
+    from converter.engine.model_class import loaded_names
     from converter.verify.peft_referee import hollow
 
     model = MODELS[kind]()
@@ -87,7 +87,7 @@ def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_pat
 
     from peft import LoraConfig, get_peft_model
 
-    from converter.model_class import loaded_names
+    from converter.engine.model_class import loaded_names
     from converter.verify.diffusers_referee import _inject
     from converter.verify.diffusion import component_model
 

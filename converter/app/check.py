@@ -12,14 +12,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.bases import open_base
-from converter.checkpoint import Checkpoint
+from converter.engine.base_reader import open_base
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
 from converter.hub.remote_headers import hub_base_headers
 from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
 from converter.hub.sources import fetch, parse_source
 from converter.io.units import human_bytes, parse_size
-from converter.recipe import Recipe
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def describe_adapter(spec: str, token: str | None) -> dict:
 
 def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
     """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
-    from converter.merge import plan_merge
+    from converter.engine.plan import plan_merge
 
     limits = limits or Limits.from_env()
     base = describe_base(recipe.base, token, workdir)

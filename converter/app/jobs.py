@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import ConverterError, HubError, UsageError
 from converter.io.scratch import make_temp
 from converter.pipeline import STAGES as PUSH_STAGES
-from converter.recipe import AdapterSpec, Recipe
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")

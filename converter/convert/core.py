@@ -8,10 +8,10 @@ from pathlib import Path
 
 from converter.convert.names import BaseNames, base_names, collect
 from converter.convert.writers import write
+from converter.engine.writer import check_output_target
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
 from converter.io.scratch import temp_folder
-from converter.writer import check_output_target
 
 TARGETS = ("peft", "diffusers", "kohya", "comfyui")
 # targets written as one .safetensors file (the others are folders)
@@ -83,7 +83,7 @@ def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
     """What a ComfyUI file puts before the denoiser's names: the family keymap's target spelling (the base's
     family, else the adapter's), ComfyUI's own `diffusion_model.` by default."""
     from converter.convert.writers import DOTTED_PREFIX
-    from converter.formats.family import identify
+    from converter.engine.family import identify
 
     keymap = names.keymap if names is not None else getattr(identify(adapter), "family", None)
     kind, _ = keymap.target(to) if keymap is not None else (None, None)
@@ -92,7 +92,7 @@ def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
 
 def _check_naming(adapter: Adapter, to: str) -> None:
     """Without a base, names are kept as they are: refuse when the target reads the family's other naming."""
-    from converter.formats.family import identify
+    from converter.engine.family import identify
 
     identity = identify(adapter)
     if identity is None or identity.family is None or identity.naming is None:

@@ -14,7 +14,7 @@ import torch
 
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
-from converter.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
+from converter.formats.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
 
 if TYPE_CHECKING:
     from converter.convert.names import BaseNames

@@ -10,7 +10,7 @@ from pathlib import Path
 from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
-from converter.patches import ExpertLowRank
+from converter.formats.patches import ExpertLowRank
 
 # the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
 # `diffusion_model.` keeps the original model's names)
@@ -34,8 +34,8 @@ class BaseNames:
     """The base model's names: a resolver over its real keys, and which component each key belongs to."""
 
     def __init__(self, path: Path):
-        from converter.bases import open_base
-        from converter.keymap import keymap_for
+        from converter.engine.base_reader import open_base
+        from converter.engine.keymap import keymap_for
 
         self.denoiser_as: str | None = None  # the component name the denoiser's modules are written under
         self.checkpoint = open_base(path)
@@ -124,7 +124,7 @@ class RelaidNames:
     rows of the fused original it takes. Only names and shapes: nothing is read. Other components are the base's."""
 
     def __init__(self, base: BaseNames, naming: str):
-        from converter.keymap import DiffusionResolver
+        from converter.engine.keymap import DiffusionResolver
 
         self.base, self.naming, self.keymap = base, naming, base.keymap
         self.denoiser_as = "denoiser" if naming == "original" else None

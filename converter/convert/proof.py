@@ -152,7 +152,7 @@ def prove_on_base(source: Adapter, out: Path, base, svd: dict[str, float] | None
 
 
 def _plain(patch) -> bool:
-    from converter.patches import DeltaPatch
+    from converter.formats.patches import DeltaPatch
 
     return isinstance(patch, DeltaPatch) and not getattr(patch, "flip", False)
 
@@ -185,7 +185,7 @@ def _tensor(patch):
     """What defines the module: ΔW, and for DoRA ΔW and the magnitude vector side by side (None: not a delta)."""
     import torch
 
-    from converter.patches import DeltaPatch, DoRA
+    from converter.formats.patches import DeltaPatch, DoRA
 
     if isinstance(patch, DoRA):
         return torch.cat([patch.lora.delta(transposed=False).flatten(), patch.magnitude.load().flatten()])

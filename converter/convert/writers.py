@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from converter.convert.modules import LoraModule
+from converter.engine.keymap import flatten
+from converter.engine.writer import atomic_folder, check_output_target
 from converter.errors import ConverterError
 from converter.io.scratch import owned_name, stop_here, sweep
-from converter.keymap import flatten
-from converter.writer import atomic_folder, check_output_target
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 # kohya prefixes per output component (sd-scripts networks/lora.py, lora_flux.py; docs/FORMATS.md §1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from converter.errors import AdapterFormatError, ConverterError
 from converter.formats import community, peft
-from converter.formats.base import Adapter, AdapterPatch
+from converter.formats.adapter import Adapter, AdapterPatch
 
 FORMATS = [peft, community]
 
@@ -46,7 +46,7 @@ def load_adapter(
 
 def _sample(path: Path) -> str:
     """A few of the file's tensor names, so an unknown format can be recognised by whoever reads the error."""
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
     if not files or files[0].suffix != ".safetensors":

@@ -17,9 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
-from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
+from converter.formats.adapter import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
+from converter.formats.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
 from converter.io.lazy import torch
-from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
 
 NAME = "community"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
-from converter.formats.base import Adapter
+from converter.formats.adapter import Adapter
 from converter.io.lazy import torch
 
 DENOISERS = ("unet", "transformer")

@@ -1,7 +1,7 @@
 """The records converter writes next to a merged model, and how to read them back.
 
 merge writes them, verify and the card read them: keeping their names and readers here lets those three
-modules depend on this one instead of on each other.
+modules depend on this one instead of on each other. (The recorded recipe is read by converter.engine.recipe.)
 """
 
 from __future__ import annotations
@@ -10,19 +10,10 @@ import json
 from pathlib import Path
 
 from converter.errors import ConverterError
-from converter.recipe import Recipe
 
 RECIPE_FILE = "converter_recipe.yaml"  # the recipe, sources pinned to the commits used
 PROVENANCE_FILE = "converter_provenance.json"  # what was merged, exactly: files, hashes, settings, tensors changed
 REPORT_FILE = "verification.json"  # the verification report
-
-
-def recorded_recipe(folder: str | Path) -> Recipe:
-    """The recipe an output folder was merged from (its converter_recipe.yaml)."""
-    path = Path(folder) / RECIPE_FILE
-    if not path.is_file():
-        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
-    return Recipe.load(path)
 
 
 def read_provenance(folder: str | Path) -> dict:

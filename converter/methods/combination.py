@@ -3,7 +3,7 @@
 For each module, with wᵢ the adapter weight and sᵢ = alphaᵢ / rankᵢ its own scale:
 - `cat`: downs wᵢ·sᵢ·Aᵢ stacked, ups Bᵢ side by side: ΔW = Σ wᵢ·ΔWᵢ exactly (rank = Σ ranks).
 - `linear`, `ties`, `dare_linear`, `dare_ties`, `magnitude_prune`: the A's and the B's are merged separately
-  (converter.methods.tensors) with weights ±√|wᵢsᵢ| on A and √|wᵢsᵢ| on B; every adapter's module needs the same
+  (converter.engine.ties_dare) with weights ±√|wᵢsᵢ| on A and √|wᵢsᵢ| on B; every adapter's module needs the same
   rank. These act on factors, so ΔW is not the weighted sum: a cheap approximation, as in PEFT.
 - `svd` and `<method>_svd`: the method applied to the full ΔWᵢ = sᵢ·Bᵢ·Aᵢ, then an SVD truncated to --rank (default:
   the largest input rank), U·S in B and Vh in A, optionally clamped at a quantile of their values (PEFT's svd_clamp).
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from converter.convert.modules import LoraModule
+from converter.engine.ties_dare import combine_tensors, dare_mask
 from converter.errors import ConverterError
 from converter.methods.options import FACTOR_METHODS, METHODS, NEEDS_DENSITY, SVD_METHODS
-from converter.methods.tensors import combine_tensors, dare_mask
 
 
 @dataclass

@@ -80,8 +80,8 @@ def extract(
     log: Callable[[str], None] = print,
 ) -> ExtractResult:
     """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
-    from converter.bases import open_base
     from converter.convert.core import TARGETS, _check_out
+    from converter.engine.base_reader import open_base
     from converter.hub.sources import fetch
 
     if rank < 1:
@@ -146,7 +146,7 @@ def _refuse_transposed(b, keys: list[str]) -> None:
     """Weights stored (in, out) (GPT-2's Conv1D) would need PEFT's fan_in_fan_out, which no writer produces."""
     if b.diffusion:
         return
-    from converter.keymap import keymap_for
+    from converter.engine.keymap import keymap_for
 
     keymap = keymap_for(b.config)
     transposed = [k for k in keys if keymap.is_stored_transposed(k)]
@@ -193,7 +193,7 @@ def _whole_modules(b, t, keys: list[str]) -> dict[tuple, str]:
 
 def _write(modules, saved, to, out, force, fetched, report, base_spec) -> list[str]:
     from converter.convert.writers import write, write_peft
-    from converter.writer import atomic_folder
+    from converter.engine.writer import atomic_folder
 
     source = {"extracted_from": {r: (f.pinned if f.sha else Path(f.local).name) for r, f in fetched.items()}}
     svd = {k: v["relative_error"] for k, v in report.items()}

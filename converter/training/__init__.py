@@ -121,7 +121,7 @@ def open_training(
 
 def _hf_export(folder: Path, located: Located, why: str):
     """verl with Megatron-Bridge saves the weights as a Hugging Face folder and only training state as shards."""
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     ckpt.notes = [*located.notes, f"weights read from {folder} (the shards in {located.weights} hold no model: {why})"]

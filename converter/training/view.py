@@ -12,13 +12,14 @@ import json
 import re
 from pathlib import Path
 
-from converter import patches
-from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
+from converter.engine.checkpoint import Checkpoint, Part
 from converter.errors import ConverterError
+from converter.formats import patches
+from converter.formats.patches import lora_scale
 from converter.io import dtypes
 from converter.io.dtypes import ITEMSIZE
 from converter.io.lazy import torch
-from converter.patches import lora_scale
+from converter.io.safetensors_file import TensorInfo, file_sha256
 
 PEFT_PREFIX = "base_model.model."
 # trl's AutoModelForCausalLMWithValueHead holds the causal LM as `pretrained_model` beside its `v_head.summary`;
@@ -262,7 +263,7 @@ class TrainingCheckpoint(Checkpoint):
     def _drop_tied_head(self) -> None:
         """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
         either side unties them (as PEFT's merge does): both are written and config.json says so."""
-        from converter.keymap import keymap_for
+        from converter.engine.keymap import keymap_for
 
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
         tied = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
 from converter.io.records import REPORT_FILE
 from converter.io.scratch import temp_folder
-from converter.recipe import Recipe
 from converter.verify.judge import judge
 from converter.verify.loading import PROMPTS, Offload, PeftRefused
 from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
@@ -202,7 +202,7 @@ def _check_for(base: Path, adapters: list[Path]):
     """LLMCheck for a causal LM, TaskCheck (its class set) for the other models PEFT adapts; a string: why none."""
     from functools import partial
 
-    from converter.model_class import NoModelClass
+    from converter.engine.model_class import NoModelClass
     from converter.verify.llm import LLMCheck
     from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
 

@@ -4,7 +4,7 @@ Per module, each adapter's ΔW is PEFT's `get_delta_weight` (float64, on the wei
 and they are combined by PEFT's `merge_utils` (`ties`, `dare_linear`, `dare_ties`, `magnitude_prune`) with the
 recipe's weights and density: exactly what `add_weighted_adapter` does for its `*_svd` combination types before
 their SVD. DARE's random masks are the ones the merge drew: a pure function of the recorded seed, the tensor's
-name and the adapter's index (converter.methods.tensors.dare_mask), handed to PEFT in the order it draws them.
+name and the adapter's index (converter.engine.ties_dare.dare_mask), handed to PEFT in the order it draws them.
 
 These rules have thresholds (the k-th largest |ΔW| kept, the sign a sum elects), so float32 arithmetic may take
 the other side of one where the exact values sit within its error of it. Such elements are allowed either
@@ -17,7 +17,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from converter.recipe import Recipe
+from converter.engine.recipe import Recipe
 from converter.verify.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
 from converter.verify.peft_referee import _tied_sources as tied_sources
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
@@ -80,7 +80,7 @@ class CombinationReferee:
         return rows
 
     def _mask(self, name: str, adapter: str, shape, density: float):
-        from converter.methods.tensors import dare_mask
+        from converter.engine.ties_dare import dare_mask
 
         return dare_mask(tuple(shape), density, int(self.recipe.seed or 0), name, "delta", self.names.index(adapter))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from converter.recipe import Recipe
+from converter.engine.recipe import Recipe
 from converter.verify.peft_referee import PeftLayers, hollow
 from converter.verify.referee import Expectation, RefereeInfo, RefereeUnavailable
 
@@ -41,8 +41,8 @@ def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str 
 def unread_spelling(sources: list[Path]) -> str | None:
     """The first adapter file whose family's keymap says diffusers' loader does not read its spelling, as a reason
     (its loaders table is what the family tests check against diffusers itself); None when none is such."""
+    from converter.engine.family import identify
     from converter.formats import load_adapter
-    from converter.formats.family import identify
 
     for path in sources:
         if not (path.is_file() and path.suffix == ".safetensors"):
@@ -59,7 +59,7 @@ def unread_spelling(sources: list[Path]) -> str | None:
 
 def lycoris_dora(sources: list[Path]) -> str | None:
     """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     for path in sources:
         is_file = path.is_file() and path.suffix == ".safetensors"
@@ -155,7 +155,7 @@ class RenamedLayers:
 
 def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
     """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
-    from converter.model_class import LoadingRulesUnreadable, loaded_names
+    from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 
     ns = f"{component}/"
     try:
@@ -219,6 +219,6 @@ def _module_paths(renamed: dict[str, str]) -> dict[str, str]:
 
 
 def _base_names(base: Path) -> set[str]:
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     return set(open_base(base).names())

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.recipe import Recipe
+from converter.engine.recipe import Recipe
 from converter.verify.report import Clock, DiffusionBehaviour
 
 IMAGE_DIR = "verification"
@@ -212,7 +212,7 @@ class DiffusionCheck:
 def _pipeline_params(pipe, file_names: set[str]) -> dict:
     """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
     own renames on load)."""
-    from converter.model_class import LoadingRulesUnreadable, loaded_names
+    from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 
     params: dict = {}
     for component in MODEL_PARTS:
@@ -231,7 +231,7 @@ def _pipeline_params(pipe, file_names: set[str]) -> dict:
 
 
 def open_base_checkpoint(base: Path):
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     return open_base(base)
 
@@ -266,8 +266,8 @@ def _load_single(file: Path, config: str | None):
     import torch
     from diffusers.utils import logging as dlog
 
-    from converter.bases import open_base
-    from converter.keymap import keymap_for
+    from converter.engine.base_reader import open_base
+    from converter.engine.keymap import keymap_for
 
     checkpoint = open_base(file)
     keymap = keymap_for(checkpoint.config)
@@ -292,7 +292,7 @@ def _load_single(file: Path, config: str | None):
 
 
 def _single_file_dtype(file: Path) -> str:
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     tensors = SafetensorsFile(file).tensors
     first = next(iter(tensors.values())).dtype
@@ -439,7 +439,7 @@ def _dropped_factors(pipe, name: str, source: Path) -> str | None:
 
     from torch import nn
 
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
     if file.suffix != ".safetensors" or not file.is_file():

@@ -2,7 +2,7 @@
 on an LLM, diffusers refusing or misreading a file, include/exclude, a single-file base, MoE expert slices),
 every changed tensor is recomputed in float64 from the base tensor and the adapter file's own factors by the
 format's published formula (kohya / LyCORIS / PEFT / DoRA, docs/FORMATS.md §1, §3, §7). Nothing of our patch
-math (`converter.patches`) is used: the factors are grouped from the file's key names here, their alpha read
+math (`converter.formats.patches`) is used: the factors are grouped from the file's key names here, their alpha read
 here, the product computed here. Where each module lands is the merge plan's name lookup (the keymap), the one
 thing shared with the merge: the report says so.
 
@@ -194,9 +194,9 @@ class FormulaReferee:
     """Every planned tensor with patches, recomputed from the adapter files by the published formulas."""
 
     def __init__(self, recipe, base: Path, adapters: list[Path], reason: str):
-        from converter.bases import open_base
+        from converter.engine.base_reader import open_base
+        from converter.engine.plan import plan_merge
         from converter.formats import load_adapter
-        from converter.plan import plan_merge
 
         specs = recipe.adapters
         loaded = [(load_adapter(path, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)

@@ -18,8 +18,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.recipe import Recipe
 from converter.io.units import human_bytes
-from converter.recipe import Recipe
 from converter.verify import fourbit
 from converter.verify.judge import judge_llm
 from converter.verify.loading import (

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
-from converter.recipe import Recipe
 from converter.verify.referee import RefereeUnavailable
 
 PROMPTS = [
@@ -138,7 +138,7 @@ def own_dtype(folder: Path):
 
 def weights_summary(folder: Path) -> tuple[str, int]:
     """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     counts: dict[str, int] = {}
@@ -153,7 +153,7 @@ def upcast_working_set(folder: Path) -> int:
     buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
     ahead) plus the largest tensor (the embedding or the head), the 16-bit staging buffer of that largest tensor,
     and 1 GiB for activations, logits and the metrics."""
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     sizes = [ckpt.info(name).numel for name in ckpt.names()]

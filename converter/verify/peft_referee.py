@@ -1,7 +1,7 @@
 """PEFT as the referee of every changed tensor: what PEFT itself would merge, module by module.
 
 The base model, of the class the adapters were trained on (their task_type, else the config's architectures:
-`converter.model_class`), is built on the meta device and each weight replaced by a
+`converter.engine.model_class`), is built on the meta device and each weight replaced by a
 zero-stride stand-in of its shape (no memory); PEFT then loads the adapters onto it for real, from their files,
 with its own parsing, its own module names (`base_model.model.<path>`) and its own rules: scaling (alpha/r,
 rsLoRA, rank/alpha patterns), fan_in_fan_out, DoRA, modules_to_save, trainable tokens, the recipe's weights
@@ -19,7 +19,7 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
-from converter.recipe import Recipe
+from converter.engine.recipe import Recipe
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 PREFIX = "base_model.model."
@@ -210,7 +210,7 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     loaded onto it for real."""
     from peft import PeftModel
 
-    from converter.model_class import NoModelClass, adapter_modules, folder_config, trained_model
+    from converter.engine.model_class import NoModelClass, adapter_modules, folder_config, trained_model
     from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
 
     try:
@@ -252,7 +252,7 @@ def task_type(adapters: list[Path]) -> str | None:
 
 
 def adapter_keys(adapters: list[Path]) -> list[str]:
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     files = [f for folder in adapters for f in folder.glob("adapter_model*.safetensors")]
     return [k for f in files for k in SafetensorsFile(f).tensors]
@@ -315,7 +315,7 @@ def hollow(model, written: set[str] = frozenset()) -> None:
 def _saved_base_weights(adapters: list[Path]) -> set[str]:
     """Base weights the adapter files hold whole (PEFT saves an adapted embedding's `base_layer.weight`), by
     their names in the model (read from the files' headers)."""
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     names = set()
     for folder in adapters:
@@ -330,7 +330,7 @@ def _adapter_vocab(model, adapters: list[Path]) -> int | None:
     """The vocabulary the adapters were trained on, when their files hold the input embedding whole (PEFT saves
     it with a resized vocabulary: modules_to_save, or save_embedding_layers): its rows, from the files' headers.
     For an output not written yet (a pipelined push proves its shards as they come), whose config says nothing."""
-    from converter.checkpoint import SafetensorsFile
+    from converter.io.safetensors_file import SafetensorsFile
 
     if _embedding_rows(model) is None:
         return None  # no token embedding (a vision or audio model)

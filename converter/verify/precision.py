@@ -43,7 +43,7 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
     name, dtype (float32, bf16 or fp16) and shape; keyed by the parameter's id, which survives PEFT wrapping the
     model. Call it before
     anything changes the weights: a weight edited in memory after loading would be read back from the file."""
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
     from converter.io.dtypes import TORCH_TO_ST
 
     ckpt = Checkpoint(folder)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
-from converter.recipe import Recipe
 from converter.verify.referee import JudgedByBehaviour, Referee, RefereeInfo, RefereeUnavailable, could_not
 from converter.verify.tensors import TensorProof, TensorProofResult, locations
 
@@ -22,7 +22,7 @@ def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
 ) -> tuple[TensorProofResult | None, RefereeUnavailable | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
     from converter.io.scratch import temp_folder
 
     with temp_folder("proof", log=log) as scratch:
@@ -46,7 +46,7 @@ def open_proof(
 ) -> tuple[TensorProof, Path]:
     """A TensorProof of the output `merged` (which may not exist yet: a pipelined push proves its shards as they
     are written) and the base it reads (a 4-bit base dequantized into `scratch`); RefereeUnavailable: none can."""
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
     from converter.io.dtypes import parse_user_dtype
 
     base, note = _plain_base(base, scratch, recipe)
@@ -64,11 +64,11 @@ def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | 
         return base, None
     import json
 
-    from converter.bnb4 import dequantize_folder, prequantized
+    from converter.engine.bnb4 import dequantize_folder, prequantized
 
     if not prequantized(json.loads((base / "config.json").read_text())):
         return base, None
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     dequantize_folder(open_base(base), scratch)
     return scratch, "the base is bitsandbytes 4-bit: each weight dequantized by bitsandbytes first, as the merge does"
@@ -153,7 +153,7 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
         return None
     if not (base / "config.json").is_file():
         return None
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
     from converter.verify.peft_referee import PeftReferee
 
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())

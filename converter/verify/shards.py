@@ -17,11 +17,11 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+from converter.engine.recipe import Recipe
+from converter.engine.writer import Shard
 from converter.errors import VerificationFailed
-from converter.recipe import Recipe
 from converter.verify.referee import Referee, RefereeUnavailable
 from converter.verify.tensors import TensorProof, TensorProofResult
-from converter.writer import Shard
 
 
 class ShardProof:
@@ -100,7 +100,7 @@ class ShardProof:
 
 def _declined(recipe: Recipe) -> str | None:
     """Why shards cannot be proven as they come (None: they can)."""
-    from converter.bnb4 import parse_output
+    from converter.engine.bnb4 import parse_output
     from converter.training import is_training_checkpoint
 
     if parse_output(recipe.dtype) is not None:

@@ -1,5 +1,5 @@
 """The behavioural comparison of a model that is not a causal LM (a classifier, an encoder, T5, Whisper, ViT, CLIP):
-the class the adapters were trained on (`converter.model_class`), merged against PEFT's unmerged reference and
+the class the adapters were trained on (`converter.engine.model_class`), merged against PEFT's unmerged reference and
 the bare base, on inputs of the kinds its forward takes.
 
 It proves what the tensor proof cannot, as for a causal LM (llm.py): the config, the heads PEFT's task model adds
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converter.keymap import HEADLESS
+from converter.engine.keymap import HEADLESS
 from converter.verify.llm import LLMCheck, Skip
 from converter.verify.loading import PERPLEXITY_TEXT, build_inputs, choose_placement, load_model, load_tokenizer
 from converter.verify.metrics import Run
@@ -25,7 +25,7 @@ CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 
 def trained_class(base: Path, adapters: list[Path]) -> str:
     """The transformers class name the adapters were trained on (NoModelClass: transformers has none)."""
-    from converter import model_class
+    from converter.engine import model_class
     from converter.verify.peft_referee import adapter_keys, task_type
 
     config = model_class.folder_config(base)

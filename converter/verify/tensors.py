@@ -137,7 +137,7 @@ class TensorProof:
         referee's per-module state is never shared; torch and the reads release the GIL)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from converter.checkpoint import SafetensorsFile
+        from converter.io.safetensors_file import SafetensorsFile
 
         f = SafetensorsFile(Path(path))
         order = sorted(f.tensors.values(), key=lambda t: t.start)
@@ -334,7 +334,7 @@ class TensorProof:
         return raw.view(_torch(loc.dtype)).to(dtype or torch.float64).reshape(shape)
 
     def _read(self, path: Path, offset: int, size: int):
-        from converter.checkpoint import buffer
+        from converter.io.safetensors_file import buffer
 
         with self._lock:
             if path not in self._files:

@@ -30,7 +30,7 @@ def start() -> threading.Thread:
     import torch  # noqa: F401
     import yaml  # noqa: F401
 
-    from converter.model_class import WARMUP_THREAD
+    from converter.engine.model_class import WARMUP_THREAD
 
     thread = threading.Thread(target=_imports, name=WARMUP_THREAD, daemon=True)
     thread.start()

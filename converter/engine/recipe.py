@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from converter.errors import RecipeError
+from converter.errors import ConverterError, RecipeError
+from converter.io.records import RECIPE_FILE
 
 # Names a per-component weight may use (kohya "strength" for UNet and text encoder separately).
 COMPONENT_WEIGHTS = {"unet", "transformer", "denoiser", "text_encoder", "text_encoder_2", "text_encoder_3", "default"}
@@ -64,7 +65,7 @@ class Recipe:
     qlora_blocksize: int = 64
     qlora_double_quant: bool = True
     # Not a plain sum: "ties", "dare", "dare_ties" or "magnitude_prune" on each tensor's deltas (None: the sum);
-    # density = fraction of each delta kept, seed = DARE's masks (converter.methods.taskmerge).
+    # density = fraction of each delta kept, seed = DARE's masks (converter.engine.taskmerge).
     method: str | None = None
     density: float | None = None
     seed: int | None = None
@@ -206,3 +207,11 @@ def _is_training_checkpoint(base: str | None) -> bool:
     from converter.training import is_training_base
 
     return is_training_base(base)
+
+
+def recorded_recipe(folder: str | Path) -> Recipe:
+    """The recipe an output folder was merged from (its converter_recipe.yaml)."""
+    path = Path(folder) / RECIPE_FILE
+    if not path.is_file():
+        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
+    return Recipe.load(path)

@@ -3,7 +3,7 @@ instead of a plain weighted sum, one output tensor at a time.
 
 Each adapter's full delta on the tensor (its task vector ΔWᵢ: every patch of that adapter on it, rows of fused
 tensors included, with the adapter's own scale) is formed in float32, then merged with the semantics of
-converter.methods.tensors (PEFT's merge utilities): magnitude pruning or DARE drop-and-rescale at `density`, TIES
+converter.engine.ties_dare (PEFT's merge utilities): magnitude pruning or DARE drop-and-rescale at `density`, TIES
 sign election on the pruned ΔWᵢ and the disjoint mean of the weighted ones, and added to the base tensor. DARE's
 masks are seeded by (seed, tensor name, adapter index), so the result does not depend on tensor order or shards.
 Only additive patches (LoRA, LoHa, LoKr, full deltas, bias deltas) take part; a replacement (modules_to_save) or
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from converter.engine.ties_dare import combine_tensors, dare_mask
 from converter.errors import ConverterError
+from converter.formats.patches import BiasDelta, DeltaPatch, RowsOf
 from converter.io.lazy import torch
-from converter.methods.tensors import combine_tensors, dare_mask
-from converter.patches import BiasDelta, DeltaPatch, RowsOf
 
-# --method for `converter merge` -> the rule in converter.methods.tensors ("sum" is the ordinary merge)
+# --method for `converter merge` -> the rule in converter.engine.ties_dare ("sum" is the ordinary merge)
 MERGE_METHODS = {"ties": "ties", "dare": "dare_linear", "dare_ties": "dare_ties", "magnitude_prune": "magnitude_prune"}
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from converter.engine.keymap_schema import KeymapError, validate
 from converter.errors import ConverterError
-from converter.keymap_schema import KeymapError, validate
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Open any base: a transformers folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
-training checkpoint. The one place that picks the reader, in front of the engine: `converter.checkpoint` reads
+training checkpoint. The one place that picks the reader, in front of the engine: `converter.engine.checkpoint` reads
 safetensors layouts and knows nothing of training layouts (`converter.training` builds on it), so the choice
 between them is made here, above both.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from converter.checkpoint import Checkpoint, DiffusersCheckpoint, SafetensorsFile, SingleFileCheckpoint
+from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleFileCheckpoint
 from converter.errors import ConverterError
+from converter.io.safetensors_file import SafetensorsFile
 
 
 def open_base(
@@ -20,7 +21,7 @@ def open_base(
     training checkpoint from any folder of its run (verl, Megatron-LM, torchtitan, DCP; `lora_alpha` for the LoRA
     inside one, `config` the Hugging Face config it lacks: see converter.training). A folder that is none of them
     is refused in one line naming the layouts looked for."""
-    from converter.keymap import diffusion_family
+    from converter.engine.keymap import diffusion_family
     from converter.training.locate import is_shard_file
 
     path = Path(path)
@@ -71,6 +72,6 @@ def open_base(
 
 
 def _families():
-    from converter.keymap import all_keymaps
+    from converter.engine.keymap import all_keymaps
 
     return [k for k in all_keymaps() if k.is_diffusion]

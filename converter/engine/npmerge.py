@@ -3,7 +3,7 @@
 A plain LoRA merge spends its time converting and adding, not multiplying; torch costs a second to import and
 gives nothing here. The patches covered are the common ones (2-D LoRA in either layout, row slices of a fused
 LoRA, full deltas, bias deltas, replacements, replaced rows); a tensor with any other patch (LoHa, LoKr, DoRA,
-conv, Tucker, 4-bit) goes through converter.patches with torch, imported then.
+conv, Tucker, 4-bit) goes through converter.formats.patches with torch, imported then.
 
 The tensor is processed in blocks of rows small enough for the CPU cache: every patch here is row-local, so
 applying all patches to one block, in order, is the same as applying each patch to the whole tensor. The sum is
@@ -21,10 +21,10 @@ from functools import cache
 
 import numpy as np
 
-from converter import npkernel, npmath
+from converter.engine import npkernel, npmath
+from converter.engine.plan import OutputTensor, PlannedPatch
 from converter.errors import ConverterError
-from converter.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
-from converter.plan import OutputTensor, PlannedPatch
+from converter.formats.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
 
 BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
 CHUNK_BYTES = 8 * 2**20  # output handed to the writer in chunks of this size
@@ -169,7 +169,7 @@ class _Tensor:
         self.row = max(1, int(np.prod(self.shape[1:], dtype=np.int64)))
         self.step = max(1, BLOCK_ELEMENTS // self.row)
         self.starts = range(0, self.shape[0], self.step)
-        # The fused add + round + finite check (converter.npkernel) for bf16 outputs, when it could be built.
+        # The fused add + round + finite check (converter.engine.npkernel) for bf16 outputs, when it could be built.
         self.kernel = npkernel.get() if o.dtype == "BF16" else None
 
     def block(self, i: int, out: np.ndarray | None = None) -> np.ndarray:

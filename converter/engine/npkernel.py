@@ -27,7 +27,7 @@ SOURCE = r"""
 
 /* float64 -> bfloat16 bits, rounded once: float64 -> float32 in hardware, then a float32 that landed exactly on
    a bfloat16 tie without being the float64 is moved one float32 step towards it, then round-to-nearest-even on
-   the bits; every NaN as 0xFFFF (torch's bits). The same steps as converter/npmath.py's narrow(). */
+   the bits; every NaN as 0xFFFF (torch's bits). The same steps as converter/engine/npmath.py's narrow(). */
 static inline uint32_t round_bf16(double s) {
     float f = (float)s;
     uint32_t u;

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.checkpoint import Checkpoint
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.writer import OutSpec, ShardedWriter
 from converter.errors import ConverterError
 from converter.io import dtypes
 from converter.io.dtypes import CONFIG_NAME, FLOATING
 from converter.io.lazy import torch
-from converter.writer import OutSpec, ShardedWriter
 
 NESTED_BLOCKSIZE = 256  # bitsandbytes quantizes the absmax of double quantization in blocks of 256
 STATE_PREFIX = "quant_state.bitsandbytes__"

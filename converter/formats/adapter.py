@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.checkpoint import SafetensorsFile
 from converter.errors import AdapterFormatError
+from converter.formats.patches import Patch
 from converter.io import dtypes
 from converter.io.lazy import torch
-from converter.patches import Patch
+from converter.io.safetensors_file import SafetensorsFile
 
 
 class SafetensorsSource:

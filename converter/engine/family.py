@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-from converter.formats.base import Adapter, AdapterPatch
-from converter.keymap import Keymap, all_keymaps, eval_expr
-from converter.patches import LoKr
+from converter.engine.keymap import Keymap, all_keymaps, eval_expr
+from converter.formats.adapter import Adapter, AdapterPatch
+from converter.formats.patches import LoKr
 
 # The prefix a file writes before a denoiser module's name, and what kind of writer that is (docs/FORMATS.md §12).
 PREFIX_KINDS = {

@@ -12,19 +12,20 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from converter.bnb4 import Quant4, parse_output, quantized_names
-from converter.checkpoint import Checkpoint, TensorInfo
+from converter.engine.bnb4 import Quant4, parse_output, quantized_names
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.keymap import Keymap, Resolver, keymap_for
+from converter.engine.model_class import Converted, LoadedNames
+from converter.engine.recipe import AdapterSpec, Recipe
+from converter.engine.writer import OutSpec
 from converter.errors import ConverterError
 from converter.formats import Adapter
-from converter.formats.base import AdapterPatch
+from converter.formats.adapter import AdapterPatch
+from converter.formats.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
 from converter.hub.sources import same_hub_model
 from converter.io.dtypes import FLOATING, parse_user_dtype
+from converter.io.safetensors_file import TensorInfo
 from converter.io.units import human_bytes
-from converter.keymap import Keymap, Resolver, keymap_for
-from converter.model_class import Converted, LoadedNames
-from converter.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
-from converter.recipe import AdapterSpec, Recipe
-from converter.writer import OutSpec
 
 ROLE_ORDER = {Replace: 0, RowReplace: 2}  # whole-tensor replacements first, row edits last, deltas between
 
@@ -71,7 +72,7 @@ class MergePlan:
     config_updates: dict
     tokenizer_from: Path | None
     notes: list[str]
-    task_merge: object | None = None  # TIES/DARE instead of the sum (converter.methods.taskmerge), set by merge
+    task_merge: object | None = None  # TIES/DARE instead of the sum (converter.engine.taskmerge), set by merge
 
     @property
     def changed(self) -> list[OutputTensor]:

@@ -14,12 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter import __version__, npmath, npmerge
-from converter.bases import open_base
-from converter.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
-from converter.checkpoint import Checkpoint, SequentialReader, file_sha256
+from converter import __version__
+from converter.engine import npmath, npmerge
+from converter.engine.base_reader import open_base
+from converter.engine.bnb4 import Quant4, Quantizing4bitWriter, dequantize_folder, parse_output, prequantized
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.keymap import keymap_for
+from converter.engine.plan import MergePlan, OutputTensor, plan_merge
+from converter.engine.recipe import Recipe
+from converter.engine.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
+from converter.formats.patches import Replace, Requantize, all_finite
 from converter.hub.card import INHERITED, card_metadata, write_card
 from converter.hub.sources import TOKENIZER_FILES, Fetched, fetch
 from converter.io import dtypes
@@ -27,14 +33,10 @@ from converter.io.dtypes import CONFIG_NAME, parse_user_dtype
 from converter.io.lazy import torch
 from converter.io.progress import Progress
 from converter.io.readahead import Job, ReadAhead
-from converter.io.records import PROVENANCE_FILE, RECIPE_FILE, recorded_recipe  # noqa: F401 (callers import them here)
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
+from converter.io.safetensors_file import SequentialReader, file_sha256
 from converter.io.scratch import temp_folder
 from converter.io.units import human_bytes, parse_size
-from converter.keymap import keymap_for
-from converter.patches import Replace, Requantize, all_finite
-from converter.plan import MergePlan, OutputTensor, plan_merge
-from converter.recipe import Recipe
-from converter.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 
 # Files of a base folder that are not carried over: weights (rewritten), the card (describes another model).
 SKIP_SUFFIXES = (
@@ -82,7 +84,7 @@ def merge(
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
     max_shard = parse_size(recipe.max_shard_size or DEFAULT_MAX_SHARD)
-    from converter.methods.taskmerge import TaskMerge
+    from converter.engine.taskmerge import TaskMerge
 
     task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched
     if not dry_run:
@@ -267,7 +269,7 @@ def write_weights(
     for f in checkpoint.files:
         sha = known.get(_relative_name(checkpoint, f.path))
         readers[f.path] = f.reader() if hasattr(f, "reader") else SequentialReader(f, sha)
-    # Tensors whose patches numpy covers skip torch (see converter.npmerge); the rest, and every tensor of a
+    # Tensors whose patches numpy covers skip torch (see converter.engine.npmerge); the rest, and every tensor of a
     # TIES/DARE merge, a 4-bit output or a training checkpoint (its own readers), go through torch.
     plain = all(isinstance(r, SequentialReader) for r in readers.values())
     use_numpy = plan.task_merge is None and quant is None and plain
@@ -382,7 +384,7 @@ def _in_order(checkpoint: Checkpoint, o: OutputTensor) -> bool:
 
 
 def _way(checkpoint: Checkpoint, o: OutputTensor, use_numpy: bool) -> str:
-    """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.npmerge) or "torch"."""
+    """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.engine.npmerge) or "torch"."""
     if o.byte_copy and _in_order(checkpoint, o):
         return "copy"
     return "numpy" if use_numpy and npmerge.supports(o) else "torch"
@@ -409,7 +411,7 @@ def _read_job(checkpoint: Checkpoint, o: OutputTensor, way: str, readers: dict, 
 
 
 def _numpy_merged(o: OutputTensor, base, sink, pool) -> None:
-    """Merge `o` (converter.npmerge, its row blocks on `pool`'s threads) into `sink`, 8 MiB at a time."""
+    """Merge `o` (converter.engine.npmerge, its row blocks on `pool`'s threads) into `sink`, 8 MiB at a time."""
     for chunk in npmerge.merged_chunks(o, base, pool):
         sink(memoryview(chunk).cast("B"))
 
@@ -537,7 +539,7 @@ def _diffusion_record(checkpoint: Checkpoint) -> dict:
     """For a diffusion base: its layout, family and pipeline, so the card can say how to load the result."""
     if not checkpoint.diffusion:
         return {}
-    from converter.keymap import keymap_for
+    from converter.engine.keymap import keymap_for
 
     keymap = keymap_for(checkpoint.config)
     record = {"layout": checkpoint.diffusion, "family": keymap.name}
