@@ -2,7 +2,7 @@
 result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT, ComfyUI) to another format.
 
 A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
-`converter.app.jobs` runs it, `converter.app.convert` runs a conversion). Run it with `python app.py` (on a
+`converter.app.merge_job` runs it, `converter.app.convert_job` runs a conversion). Run it with `python app.py` (on a
 Space), or `make run` for the offline demo against a local Hub. Every Hub call of a job uses the signed-in user's
 token; the token never reaches a log.
 """
@@ -32,8 +32,8 @@ except MissingExtraError as e:  # run as a script: the one line, no traceback
     raise SystemExit(f"error: {e}") from None
 
 from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
-from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
-from converter.app.jobs import (  # noqa: E402
+from converter.app.convert_job import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
+from converter.app.merge_job import (  # noqa: E402
     DTYPES,
     STAGES,
     JobRequest,

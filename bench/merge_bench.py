@@ -893,7 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         LABELS[BASELINE_RUN] = f"(e) `converter merge` of {args.baseline}"
         run_tree = f"import sys; sys.path.insert(0, {str(tree)!r}); from converter.cli import main; sys.exit(main())"
         old = [sys.executable, "-c", run_tree, *merge_cmd(work / "out-baseline")[len(converter_cmd) :]]
-        if "--no-verify" not in (tree / "converter" / "cli.py").read_text():  # a CLI from before verification
+        cli = tree / "converter" / "cli.py"
+        cli = cli if cli.is_file() else tree / "converter" / "cli" / "commands.py"
+        if "--no-verify" not in cli.read_text():  # a CLI from before verification
             old = [a for a in old if a != "--no-verify"]
         commands[BASELINE_RUN], outputs[BASELINE_RUN] = old, work / "out-baseline"
     out_verify = work / "out-converter-verify"

@@ -1,7 +1,7 @@
 """converter: fold LoRA adapters into base models exactly, stream the result, and prove it.
 
 The recipe types and the errors are re-exported here; the verbs live in their modules (`converter.engine.merging.merge`,
-`converter.pipeline.push` / `verify_folder`, `converter.convert.convert` ...; docs/python-api.md). `merge` is not
+`converter.jobs.pipeline.push` / `verify_folder`, `converter.convert.convert` ...; docs/python-api.md). `merge` is not
 re-exported: the submodule `converter.engine.merging` has that name, and importing it would replace the function here.
 Heavy libraries (torch, transformers, peft) are never imported by `import converter`.
 """

@@ -245,6 +245,6 @@ def test_building_the_parser_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, converter.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, converter.cli.commands as c; c.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from converter.app.deploy import space_files
 from converter.engine.keymap import all_keymaps, keymap_folder, load_keymap
 from converter.engine.keymap_schema import KeymapError
 from converter.errors import ConverterError
-from converter.space import space_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "keymaps").glob("*.yaml"))

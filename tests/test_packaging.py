@@ -86,7 +86,7 @@ def test_without_diffusers_a_diffusion_merge_is_refused_before_anything_is_writt
 def test_without_diffusers_verification_is_never_done_by_a_weaker_referee(sd, tmp_path, cli, without):
     """Verifying a merged folder: the published formula must not stand in for diffusers because it is missing."""
     from converter.engine.recipe import AdapterSpec, Recipe
-    from converter.pipeline import verify_folder
+    from converter.jobs.pipeline import verify_folder
 
     base, lora = sd
     code, _, err = cli("merge", "--base", base, "--adapter", lora, "--out", tmp_path / "merged")
@@ -136,13 +136,13 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
 
 DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter": ["Recipe", "AdapterSpec", "ConverterError", "VerificationFailed", "__version__"],
-    "converter.describe": ["inspect_path", "render"],
+    "converter.jobs.describe": ["inspect_path", "render"],
     "converter.engine.merging": ["merge"],
-    "converter.pipeline": ["push", "verify_folder"],
+    "converter.jobs.pipeline": ["push", "verify_folder"],
     "converter.hub.publish": ["push_folder", "PushResult"],
     "converter.convert": ["convert", "push_pr"],
     "converter.methods": ["extract", "resize", "combine"],
-    "converter.space": ["deploy", "space_files"],
+    "converter.app.deploy": ["deploy", "space_files"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
                          "HubError", "VerificationFailed", "MissingExtraError"],  # fmt: skip
     "converter.testing.hub": ["HubServer", "run_client", "client_env", "hub_env"],
@@ -163,7 +163,7 @@ def test_the_python_api_offers_what_its_page_shows(module):
 
 def test_the_merge_function_is_reliably_where_the_docs_say():
     """`converter.merge` is the function, whatever was imported before (the module is converter.engine.merging)."""
-    code = ("import converter.engine.merging, converter.pipeline, converter\nfrom converter import merge\n"
+    code = ("import converter.engine.merging, converter.jobs.pipeline, converter\nfrom converter import merge\n"
             "print(callable(merge), type(converter.merge).__name__, merge is converter.engine.merging.merge)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "function", "True"]
@@ -178,7 +178,7 @@ def test_without_diffusers_the_app_job_fails_with_the_readable_line_and_pushes_n
 import sys
 sys.modules["diffusers"] = None
 from pathlib import Path
-from converter.app.jobs import JobRequest, run_job
+from converter.app.merge_job import JobRequest, run_job
 from converter.errors import MissingExtraError
 try:
     run_job(JobRequest(base={SD_BASE!r}, adapters={SD_LORA!r}, repo_id="demo/no-diffusers"), {MOCK_TOKEN!r},

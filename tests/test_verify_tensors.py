@@ -200,8 +200,8 @@ def test_each_sabotage_exits_3_naming_the_tensor(ours, tmp_path, cli, kind):
 
 def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
     """`push` verifies before uploading: a wrong tensor stops it before any Hub call that writes."""
-    from converter import pipeline
     from converter.errors import VerificationFailed
+    from converter.jobs import pipeline
 
     folder = tmp_path / "sabotaged"
     _sabotage("one ΔW negated", ours("bf16"), folder)

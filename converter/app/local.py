@@ -113,7 +113,7 @@ def _llm_repos(workdir: Path, cache: Path | None, fast: bool) -> dict[str, Path]
     if fast:
         from transformers import AutoModelForCausalLM
 
-        from converter.demo import build_demo_inputs
+        from converter.jobs.demo import build_demo_inputs
 
         base_dir, adapter_dir = build_demo_inputs(workdir)
         (base_dir / "README.md").write_text(BASE_CARD.format(name="Tiny Llama", what="A random 4-layer Llama."))

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from converter.batch.jobs import Job, is_hub_id
+from converter.batch.job_list import Job, is_hub_id
 from converter.batch.state import State
 from converter.errors import ConverterError
 

@@ -20,17 +20,16 @@ docs/FORMATS.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known bugs).
 - A Hub `--base` is read from its configs and safetensors headers only: names need no weights.
 
 The package: `core` (`convert()`), `names` (looking modules up on the base), `modules` (the math: factors, fused
-<-> split, SVD), `writers` (kohya, PEFT, diffusers), `pr` (`--push-pr`), `cli` (`converter convert`).
+<-> split, SVD), `writers` (kohya, PEFT, diffusers), `pr` (`--push-pr`); `converter convert` is converter.cli.convert.
 """
 
 from __future__ import annotations
 
-from converter.convert.cli import run_cli
 from converter.convert.core import TARGETS, ConvertResult, convert
 from converter.convert.modules import LoraModule, svd_lowrank
 from converter.convert.names import base_names, collect
 from converter.convert.pr import push_pr
 from converter.convert.writers import write
 
-__all__ = ["TARGETS", "ConvertResult", "LoraModule", "base_names", "collect", "convert", "push_pr", "run_cli",
-           "svd_lowrank", "write"]  # fmt: skip
+__all__ = ["TARGETS", "ConvertResult", "LoraModule", "base_names", "collect", "convert", "push_pr", "svd_lowrank",
+           "write"]  # fmt: skip

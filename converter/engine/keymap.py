@@ -218,7 +218,7 @@ def keymap_folder() -> Traversable:
     packaged = resources.files("converter") / "keymaps"
     if packaged.is_dir():
         return packaged
-    checkout = Path(__file__).resolve().parent.parent / "keymaps"
+    checkout = Path(__file__).resolve().parents[2] / "keymaps"
     if not checkout.is_dir():
         raise ConverterError(f"no keymaps found (neither {packaged} nor {checkout}); reinstall converter")
     return checkout

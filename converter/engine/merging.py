@@ -77,7 +77,7 @@ def merge(
     """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
 
     `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
-    it is never written anywhere. `base`: the base already made local (converter.streaming: its weights may
+    it is never written anywhere. `base`: the base already made local (converter.jobs.streaming: its weights may
     still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter).
     """
     quant = parse_output(recipe.dtype)
@@ -114,7 +114,7 @@ def _merge(
     original = checkpoint = open_base(
         base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
     )
-    for f in checkpoint.files:  # a base still arriving (converter.streaming): reads wait for their bytes
+    for f in checkpoint.files:  # a base still arriving (converter.jobs.streaming): reads wait for their bytes
         if (stream := base.streams.get(f.path)) is not None:
             f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
     if quant and checkpoint.diffusion:

@@ -91,7 +91,7 @@ class Fetched:
     sha: str | None = None
     files: list[dict] = field(default_factory=list)  # {"name", "size", "sha256"} as the Hub reports them
     card: str | None = None  # the repo's README.md text, when it has one
-    # Weight files still arriving (converter.streaming): path -> the StreamedBase filling it (wait / release)
+    # Weight files still arriving (converter.jobs.streaming): path -> the StreamedBase filling it (wait / release)
     streams: dict = field(default_factory=dict)
 
     @property

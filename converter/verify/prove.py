@@ -159,7 +159,7 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())
     folders = [a if a.is_dir() else a.parent for a in adapters]
     if recipe.method not in (None, "sum"):
-        from converter.verify.combination import CombinationReferee
+        from converter.verify.combination_referee import CombinationReferee
 
         return CombinationReferee(base, folders, recipe, names, _vocab(merged))
     return PeftReferee(base, folders, recipe, names, _vocab(merged))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from converter.engine.merging import merge
 from converter.engine.recipe import AdapterSpec, Recipe
-from converter.pipeline import verify_folder
+from converter.jobs.pipeline import verify_folder
 
 
 def build_demo_inputs(folder: Path) -> tuple[Path, Path]:

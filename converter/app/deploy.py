@@ -51,7 +51,7 @@ def deploy(
     from huggingface_hub import CommitOperationAdd, HfApi
 
     check_repo_id(repo_id)
-    source = Path(source) if source else Path(__file__).resolve().parent.parent
+    source = Path(source) if source else Path(__file__).resolve().parents[2]
     files = space_files(source)
     api = HfApi(token=token)
     hub.whoami(token)

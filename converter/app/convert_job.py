@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.app.jobs import check_namespace, public_paths, redactor
+from converter.app.merge_job import check_namespace, public_paths, redactor
 from converter.convert.core import FILE_TARGETS, TARGETS
 from converter.errors import ConverterError, UsageError
 from converter.io.scratch import make_temp

@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    from converter.batch import jobs as joblist
+    from converter.batch import job_list as joblist
     from converter.io.optional import require
 
     require("ray", "converter batch")  # before a job list, a state file or a report is written

@@ -17,7 +17,7 @@ from pathlib import Path
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import ConverterError, HubError, UsageError
 from converter.io.scratch import make_temp
-from converter.pipeline import STAGES as PUSH_STAGES
+from converter.jobs.pipeline import STAGES as PUSH_STAGES
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
@@ -217,7 +217,7 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
     from converter.app.check import check
     from converter.hub.sources import job_sources
     from converter.io.records import read_report
-    from converter.pipeline import push
+    from converter.jobs.pipeline import push
 
     repo_id = request.repo_id.strip()
     with job_sources(tmp / "hf-cache"):

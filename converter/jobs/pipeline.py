@@ -1,6 +1,6 @@
 """The whole job, as every front end runs it: merge → card → upload.
 
-A push that merges runs as a pipeline (converter.streaming): base shards download while the merge reads them,
+A push that merges runs as a pipeline (converter.jobs.streaming): base shards download while the merge reads them,
 output shards upload while it writes, and one commit at the end publishes them. It falls back to merging first
 and publishing after only where the target repo already holds a model and neither --create-pr nor --overwrite
 was given (then the result may be identical, a no-op, or must be refused before anything is uploaded).
@@ -140,7 +140,7 @@ def verify_folder(
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
     if recipe.base and is_training_checkpoint(Path(recipe.base)):
-        from converter.verify.training import verify_training
+        from converter.verify.training_merge import verify_training
 
         report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
     else:
@@ -169,7 +169,7 @@ def _push_streamed(
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
     is then proven tensor by tensor before its upload: verify.shards)."""
-    from converter.streaming import ScratchMeter, ShardUploader, StreamedBase
+    from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
 
     repo_id = publication.target.repo_id
     tmp = make_temp("push", workdir, log)

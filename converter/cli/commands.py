@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 
-from converter import quiet
+from converter.cli import quiet
 from converter.errors import BadInputError, ConverterError, UsageError
 
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_options(m)
     m.add_argument("--out", help="output folder (created atomically)")
     m.add_argument("--dry-run", action="store_true", help="print the plan; write nothing")
-    from converter.gguf.cli import merge_option
+    from converter.cli.gguf import merge_option
 
     merge_option(m)
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
@@ -74,13 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     _verify_options(v)
 
     _convert_parser(sub)
-    from converter.gguf.cli import add_parser as add_gguf_parser
+    from converter.cli.gguf import add_parser as add_gguf_parser
 
     add_gguf_parser(sub)
-    from converter.batch.command import add_parser as add_batch_parser
+    from converter.cli.batch import add_parser as add_batch_parser
 
     add_batch_parser(sub)
-    from converter.methods.cli import add_parsers
+    from converter.cli.methods import add_parsers
 
     add_parsers(sub)  # extract / resize / combine
 
@@ -339,7 +339,7 @@ def _training_base(base: str) -> bool:
     return is_training_base(base)
 
 
-_console: quiet.Console | None = None  # the running command's (converter.quiet.session)
+_console: quiet.Console | None = None  # the running command's (converter.cli.quiet.session)
 
 
 def _log(msg: str) -> None:
@@ -352,7 +352,7 @@ def _log(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
-        from converter.describe import inspect_path, render
+        from converter.jobs.describe import inspect_path, render
 
         info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
         _log(render(info, as_json=args.json))
@@ -367,28 +367,28 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        from converter.gguf.cli import check_merge_gguf
+        from converter.cli.gguf import check_merge_gguf
 
         gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
-            from converter.pipeline import check_extras
+            from converter.jobs.pipeline import check_extras
             from converter.verify.warmup import start
 
             check_extras(recipe, args.token)
             start()
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
         if settings is not None:
-            from converter.pipeline import verify_folder
+            from converter.jobs.pipeline import verify_folder
 
             verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
         if gguf_types:
-            from converter.gguf.cli import export_merged
+            from converter.cli.gguf import export_merged
 
             export_merged(result.out, gguf_types, log=_log)
         return 0
     if args.command == "verify":
         from converter.engine.recipe import recorded_recipe
-        from converter.pipeline import verify_folder
+        from converter.jobs.pipeline import verify_folder
 
         if args.adapter:
             if not args.base:
@@ -407,13 +407,13 @@ def run(args: argparse.Namespace) -> int:
                       **_verify_settings(args))  # fmt: skip
         return 0
     if args.command == "push":
-        from converter.pipeline import push
+        from converter.jobs.pipeline import push
 
         recipe = None if args.from_folder else _recipe_from_args(args)
         settings = None if args.no_verify else _verify_settings(args)
         gguf = None
         if args.gguf:
-            from converter.gguf.cli import prepare_push_gguf
+            from converter.cli.gguf import prepare_push_gguf
 
             gguf = prepare_push_gguf(args, log=_log)  # written and proven before anything is uploaded
         try:
@@ -430,38 +430,38 @@ def run(args: argparse.Namespace) -> int:
             )
             _log(result.summary())
             if gguf is not None:
-                from converter.gguf.cli import finish_push_gguf
+                from converter.cli.gguf import finish_push_gguf
 
                 finish_push_gguf(gguf, args, log=_log)
         finally:
             if gguf is not None:
-                from converter.gguf.cli import discard_push_gguf
+                from converter.cli.gguf import discard_push_gguf
 
                 discard_push_gguf(gguf)
         return 0
     if args.command == "convert":
-        from converter.convert import run_cli
+        from converter.cli.convert import run_cli
 
         return run_cli(args, log=_log)
     if args.command == "gguf":
-        from converter.gguf.cli import run as run_gguf
+        from converter.cli.gguf import run as run_gguf
 
         return run_gguf(args, log=_log)
     if args.command == "batch":
-        from converter.batch.command import run_cli as run_batch_cli
+        from converter.cli.batch import run_cli as run_batch_cli
 
         return run_batch_cli(args, log=_log)
     if args.command in ("extract", "resize", "combine"):
-        from converter.methods.cli import run as run_method
+        from converter.cli.methods import run as run_method
 
         return run_method(args, log=_log)
     if args.command == "demo":
-        from converter.demo import run_demo
+        from converter.jobs.demo import run_demo
 
         run_demo(args.dir, log=_log)
         return 0
     if args.command == "space":
-        from converter.space import deploy
+        from converter.app.deploy import deploy
 
         deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
         return 0
