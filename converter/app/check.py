@@ -14,8 +14,10 @@ from pathlib import Path
 
 from converter.engine.base_reader import open_base
 from converter.engine.checkpoint import Checkpoint
+from converter.engine.plan import plan_merge
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
+from converter.formats import load_adapter
 from converter.hub.remote_headers import hub_base_headers
 from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
 from converter.hub.sources import fetch, parse_source
@@ -126,8 +128,6 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
 
 def describe_adapter(spec: str, token: str | None) -> dict:
     """Fetch an adapter (small) and say what it is: format, rank, alpha, DoRA, tensors, trained-on base."""
-    from converter.formats import load_adapter
-
     fetched = fetch(spec, "adapter", token)
     adapter = load_adapter(fetched.local)
     s = adapter.summary
@@ -148,8 +148,6 @@ def describe_adapter(spec: str, token: str | None) -> dict:
 
 def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
     """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
-    from converter.engine.plan import plan_merge
-
     limits = limits or Limits.from_env()
     base = describe_base(recipe.base, token, workdir)
     if base["parameters"] > limits.max_params or base["download"] > limits.max_bytes:

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.app.merge_job import check_namespace, public_paths, redactor
-from converter.convert.core import FILE_TARGETS, TARGETS
+from converter.convert.core import FILE_TARGETS, TARGETS, convert
+from converter.convert.pr import push_pr
 from converter.errors import ConverterError, UsageError
+from converter.hub.publish import push_folder
+from converter.hub.sources import job_sources
 from converter.io.scratch import make_temp
 
 MODES = ("pr", "push")  # a PR on the adapter's repo, or a repo of one's own
@@ -95,11 +98,6 @@ def run_convert(
 
 
 def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[str]) -> ConvertJobResult:
-    from converter.convert.core import convert
-    from converter.convert.pr import push_pr
-    from converter.hub.publish import push_folder
-    from converter.hub.sources import job_sources
-
     adapter, base = request.adapter.strip(), request.base.strip() or None
     with job_sources(tmp / "hf-cache"):
         if request.mode == "pr":

@@ -14,7 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
+from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA, diffusion_repos
+from converter.errors import MissingExtraError
+from converter.io.optional import check
 from converter.io.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
 
@@ -218,7 +220,6 @@ def seed_demo(server: HubServer, workdir: Path, *, cache: Path | None = None, fa
         (adapter / "README.md").write_text(f"---\nbase_model: {BASE}\nlibrary_name: peft\n---\n# A demo LoRA\n")
     _trained_on(workdir / "wrong", "demo/smaller-llama")
     sd_base, sd_loras = _sd_repos(workdir)
-    from converter.app.demo_pipelines import diffusion_repos
 
     more = diffusion_repos(workdir / "diffusion")  # tiny SDXL and Flux pipelines with their kohya LoRAs
     for repo, folder in {**repos, WRONG: workdir / "wrong", SD_BASE: sd_base, SD_REPO: sd_loras, **more}.items():
@@ -231,8 +232,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=7860, help="port of the app on 127.0.0.1 (default 7860)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
-    from converter.errors import MissingExtraError
-    from converter.io.optional import check
 
     try:  # the app, and the demo's diffusion pipelines (not imported yet: the Hub's address is set below first)
         check("gradio", "the local app")

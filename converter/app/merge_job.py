@@ -14,10 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter.app.check import check
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import ConverterError, HubError, UsageError
+from converter.hub import client as hub
+from converter.hub.publish import check_repo_id
+from converter.hub.sources import job_sources
+from converter.io.records import read_report
 from converter.io.scratch import make_temp
 from converter.jobs.pipeline import STAGES as PUSH_STAGES
+from converter.jobs.pipeline import push
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
@@ -162,9 +168,6 @@ def check_namespace(repo_id: str, token: str) -> str:
     """The signed-in user's name; refuses a target namespace the user cannot write (before any work starts)."""
     from huggingface_hub import HfApi
 
-    from converter.hub import client as hub
-    from converter.hub.publish import check_repo_id
-
     check_repo_id(repo_id)
     me = hub.call("whoami", lambda: HfApi(token=token).whoami())
     namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
@@ -214,11 +217,6 @@ def run_job(
 
 def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
     """Check, then the pipelined push (download, merge and upload at once; verification; one commit)."""
-    from converter.app.check import check
-    from converter.hub.sources import job_sources
-    from converter.io.records import read_report
-    from converter.jobs.pipeline import push
-
     repo_id = request.repo_id.strip()
     with job_sources(tmp / "hf-cache"):
         stage("check")

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from converter.errors import ConverterError
+from converter.hub import client as hub
 from converter.io.units import parse_size
 
 KINDS = ("convert", "merge", "verify")
@@ -178,7 +179,6 @@ def jobs_from_search(
 
         api = HfApi()
     options: dict[str, Any] = {"to": to} | ({"base": base} if base else {})
-    from converter.hub import client as hub
 
     kwargs: dict[str, Any] = {"search": query or None, "limit": limit, "sort": "downloads"}
     if filters:

@@ -7,10 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.convert.names import BaseNames, base_names, collect
-from converter.convert.writers import write
+from converter.convert.proof import prove, prove_on_base
+from converter.convert.writers import DOTTED_PREFIX, write
+from converter.engine.family import identify
 from converter.engine.writer import check_output_target
-from converter.errors import ConverterError
+from converter.errors import ConverterError, VerificationFailed
 from converter.formats import Adapter, load_adapter
+from converter.hub.sources import HUB_SPEC, fetch
 from converter.io.scratch import temp_folder
 
 TARGETS = ("peft", "diffusers", "kohya", "comfyui")
@@ -45,12 +48,10 @@ def convert(
     """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically;
     then (`verify`) read it back and prove each module's ΔW equals the source's (VerificationFailed if not: the
     wrong output is removed)."""
-    from converter.hub.sources import fetch
-
     if to not in TARGETS:
         raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     out = Path(out)
-    _check_out(out, to, force)
+    check_output_path(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
     adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
     if not base:
@@ -82,9 +83,6 @@ def convert(
 def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
     """What a ComfyUI file puts before the denoiser's names: the family keymap's target spelling (the base's
     family, else the adapter's), ComfyUI's own `diffusion_model.` by default."""
-    from converter.convert.writers import DOTTED_PREFIX
-    from converter.engine.family import identify
-
     keymap = names.keymap if names is not None else getattr(identify(adapter), "family", None)
     kind, _ = keymap.target(to) if keymap is not None else (None, None)
     return DOTTED_PREFIX.get(kind or "comfyui", "diffusion_model.")
@@ -92,8 +90,6 @@ def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
 
 def _check_naming(adapter: Adapter, to: str) -> None:
     """Without a base, names are kept as they are: refuse when the target reads the family's other naming."""
-    from converter.engine.family import identify
-
     identity = identify(adapter)
     if identity is None or identity.family is None or identity.naming is None:
         return
@@ -111,9 +107,6 @@ def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[st
     fused or split), else module by module."""
     import shutil
 
-    from converter.convert.proof import prove, prove_on_base
-    from converter.errors import VerificationFailed
-
     try:
         log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
     except VerificationFailed as e:
@@ -123,15 +116,14 @@ def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[st
 
 def _public_base(base: str | None, adapter: Adapter) -> str | None:
     """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
-    from converter.hub.sources import HUB_SPEC
-
     for spec in (base, adapter.base_model):
         if spec and not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):
             return m["repo"]
     return None
 
 
-def _check_out(out: Path, to: str, force: bool) -> None:
+def check_output_path(out: Path, to: str, force: bool) -> None:
+    """Refuse an `--out` that does not suit the target format (a file or a folder), before any work is done."""
     if to in FILE_TARGETS and out.suffix != ".safetensors":
         raise ConverterError(f"--out {out}: a {to} LoRA is one file; give a path ending in .safetensors")
     if to not in FILE_TARGETS and out.suffix == ".safetensors":

@@ -8,9 +8,13 @@ import copy
 from pathlib import Path
 
 from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
+from converter.engine.base_reader import open_base
+from converter.engine.keymap import DiffusionResolver, keymap_for
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import ExpertLowRank
+from converter.hub.remote_headers import hub_base_headers
+from converter.hub.sources import parse_source
 
 # the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
 # `diffusion_model.` keeps the original model's names)
@@ -21,9 +25,6 @@ def base_names(spec: str, token: str | None, workdir: Path) -> Path:
     """A base to look names up in. Local: the path itself. Hub: only its configs and safetensors *headers*
     (converter.hub.remote_headers: sparse stand-ins in `workdir`), so a conversion against a 20 GB pipeline downloads
     a few kilobytes. A single file is `org/name[@rev]/file`."""
-    from converter.hub.remote_headers import hub_base_headers
-    from converter.hub.sources import parse_source
-
     source = parse_source(spec)
     if source.local is not None:
         return source.local
@@ -34,9 +35,6 @@ class BaseNames:
     """The base model's names: a resolver over its real keys, and which component each key belongs to."""
 
     def __init__(self, path: Path):
-        from converter.engine.base_reader import open_base
-        from converter.engine.keymap import keymap_for
-
         self.denoiser_as: str | None = None  # the component name the denoiser's modules are written under
         self.checkpoint = open_base(path)
         self.keymap = keymap_for(self.checkpoint.config)
@@ -124,8 +122,6 @@ class RelaidNames:
     rows of the fused original it takes. Only names and shapes: nothing is read. Other components are the base's."""
 
     def __init__(self, base: BaseNames, naming: str):
-        from converter.engine.keymap import DiffusionResolver
-
         self.base, self.naming, self.keymap = base, naming, base.keymap
         self.denoiser_as = "denoiser" if naming == "original" else None
         resolver = base.resolver

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from converter.convert.core import FILE_TARGETS, ConvertResult, convert
 from converter.errors import ConverterError
+from converter.hub import client as hub
+from converter.hub.publish import our_open_pr
+from converter.hub.sources import parse_source
 from converter.io.scratch import temp_folder
 
 PR_TITLE = "Add a {fmt} version of this adapter (converter)"
@@ -29,10 +32,6 @@ def push_pr(
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
-    from converter.hub import client as hub
-    from converter.hub.publish import our_open_pr
-    from converter.hub.sources import parse_source
-
     source = parse_source(adapter_spec)
     if source.repo_id is None:
         raise ConverterError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
@@ -101,8 +100,6 @@ def _pr_description(spec: str, to: str, sha: str, result: ConvertResult, base: s
 def _has_format(api, repo: str, sha: str, names: list[str], to: str) -> str | None:
     """The file that shows the repo already has format `to` (a PEFT adapter_config.json, or a safetensors file
     whose tensor names are kohya's or diffusers'), read from headers only."""
-    from converter.hub import client as hub
-
     if to == "peft":
         return next((n for n in names if n.rsplit("/", 1)[-1] == "adapter_config.json"), None)
     for name in [n for n in names if n.endswith(".safetensors")][:32]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from converter.errors import VerificationFailed
 from converter.formats import Adapter, load_adapter
+from converter.formats.patches import DeltaPatch, DoRA
 
 # ΔW = scale · up @ down in float32: the scale may be recomputed from a stored alpha (alpha / rank) and the
 # product taken in another order by another format's reader: a few float32 roundings.
@@ -152,8 +153,6 @@ def prove_on_base(source: Adapter, out: Path, base, svd: dict[str, float] | None
 
 
 def _plain(patch) -> bool:
-    from converter.formats.patches import DeltaPatch
-
     return isinstance(patch, DeltaPatch) and not getattr(patch, "flip", False)
 
 
@@ -184,8 +183,6 @@ def _summed(parts: list, shape: tuple[int, ...]):
 def _tensor(patch):
     """What defines the module: ΔW, and for DoRA ΔW and the magnitude vector side by side (None: not a delta)."""
     import torch
-
-    from converter.formats.patches import DeltaPatch, DoRA
 
     if isinstance(patch, DoRA):
         return torch.cat([patch.lora.delta(transposed=False).flatten(), patch.magnitude.load().flatten()])

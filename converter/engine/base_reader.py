@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleFileCheckpoint
+from converter.engine.keymap import all_keymaps, diffusion_family
 from converter.errors import ConverterError
 from converter.io.safetensors_file import SafetensorsFile
+from converter.training.locate import is_shard_file
 
 
 def open_base(
@@ -21,9 +23,6 @@ def open_base(
     training checkpoint from any folder of its run (verl, Megatron-LM, torchtitan, DCP; `lora_alpha` for the LoRA
     inside one, `config` the Hugging Face config it lacks: see converter.training). A folder that is none of them
     is refused in one line naming the layouts looked for."""
-    from converter.engine.keymap import diffusion_family
-    from converter.training.locate import is_shard_file
-
     path = Path(path)
     bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
     if bare or is_shard_file(path):
@@ -72,6 +71,4 @@ def open_base(
 
 
 def _families():
-    from converter.engine.keymap import all_keymaps
-
     return [k for k in all_keymaps() if k.is_diffusion]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from converter.engine.keymap import DiffusionResolver, Resolver
 from converter.errors import ConverterError
 from converter.io.lazy import torch
 from converter.io.safetensors_file import SafetensorsFile, TensorInfo
@@ -39,8 +40,6 @@ class Checkpoint:
     diffusion: str | None = None  # "diffusers" (pipeline folder) or "single_file"
 
     def make_resolver(self, keymap):
-        from converter.engine.keymap import Resolver
-
         shapes = {k: self.info(k).shape for k in self.names()} if keymap.experts else None
         return Resolver(keymap, self.config, set(self.names()), shapes)
 
@@ -174,8 +173,6 @@ class DiffusersCheckpoint(Checkpoint):
         return self.where[name].read_bytes(self._names[name])
 
     def make_resolver(self, keymap):
-        from converter.engine.keymap import DiffusionResolver
-
         keys = {k: self.info(k).shape for k in self.names()}
         parts = {p.subfolder: (p.prefix, {**keymap.defaults, **self.component_configs.get(p.subfolder, {})})
                  for p in self.parts}  # fmt: skip
@@ -200,8 +197,6 @@ class SingleFileCheckpoint(Checkpoint):
         self.parts = (Part("", "", self.path.stem, self.path.name, meta),)
 
     def make_resolver(self, keymap):
-        from converter.engine.keymap import DiffusionResolver
-
         keys = {k: self.info(k).shape for k in self.names()}
         parts = {}
         for component, prefixes in keymap.components.items():

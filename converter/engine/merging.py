@@ -22,6 +22,7 @@ from converter.engine.checkpoint import Checkpoint
 from converter.engine.keymap import keymap_for
 from converter.engine.plan import MergePlan, OutputTensor, plan_merge
 from converter.engine.recipe import Recipe
+from converter.engine.taskmerge import TaskMerge
 from converter.engine.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
 from converter.errors import ConverterError
 from converter.formats import Adapter, load_adapter
@@ -84,7 +85,6 @@ def merge(
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
     max_shard = parse_size(recipe.max_shard_size or DEFAULT_MAX_SHARD)
-    from converter.engine.taskmerge import TaskMerge
 
     task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched
     if not dry_run:
@@ -539,7 +539,6 @@ def _diffusion_record(checkpoint: Checkpoint) -> dict:
     """For a diffusion base: its layout, family and pipeline, so the card can say how to load the result."""
     if not checkpoint.diffusion:
         return {}
-    from converter.engine.keymap import keymap_for
 
     keymap = keymap_for(checkpoint.config)
     record = {"layout": checkpoint.diffusion, "family": keymap.name}

@@ -204,7 +204,7 @@ def _relative_to(spec: str, here: Path) -> str:
 
 
 def _is_training_checkpoint(base: str | None) -> bool:
-    from converter.training import is_training_base
+    from converter.training import is_training_base  # the readers bring numpy: a recipe alone stays light
 
     return is_training_base(base)
 

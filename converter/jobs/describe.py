@@ -7,7 +7,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
 from converter.engine.checkpoint import Checkpoint
+from converter.engine.family import convert_hint, identify
 from converter.engine.keymap import keymap_for
 from converter.errors import ConverterError
 from converter.formats import load_adapter
@@ -16,6 +18,7 @@ from converter.hub.remote_headers import hub_base_headers
 from converter.hub.sources import Source, fetch, parse_source
 from converter.io.scratch import temp_folder
 from converter.io.units import human_bytes
+from converter.training import is_training_checkpoint, open_training
 
 
 def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None, config: str | None = None) -> dict:
@@ -25,7 +28,6 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
     path = source.local
     if path.is_dir() and (path / "model_index.json").is_file():
         return inspect_diffusion(path)
-    from converter.training import is_training_checkpoint
 
     if is_training_checkpoint(path):
         return inspect_training(path, allow_pickle, config)
@@ -43,8 +45,6 @@ def inspect_path(spec: str, allow_pickle: bool = False, token: str | None = None
 
 def inspect_diffusion(path: Path) -> dict:
     """A diffusers pipeline folder or a single-file diffusion checkpoint: family, components, sizes."""
-    from converter.engine.base_reader import open_base
-
     ckpt = open_base(path)
     dtypes: Counter = Counter()
     components: Counter = Counter()
@@ -102,8 +102,6 @@ def inspect_model(path: Path) -> dict:
 
 def inspect_training(path: Path, allow_pickle: bool, config: str | None = None) -> dict:
     """A training checkpoint (verl, Megatron-LM, torchtitan, DCP): the model it holds, from the shards' metadata."""
-    from converter.training import open_training
-
     ckpt = open_training(path, allow_pickle=allow_pickle, config=config)
     dtypes = Counter()
     for key in ckpt.names():
@@ -163,8 +161,6 @@ def inspect_adapter(path: Path, allow_pickle: bool, shown: str | None = None) ->
 
 def _family(adapter, path: str) -> dict:
     """A diffusion LoRA's family and spelling, the tools that load it as it is, and the command for the others."""
-    from converter.engine.family import convert_hint, identify
-
     identity = identify(adapter)
     if identity is None or (identity.family is None and not identity.candidates):
         return {}

@@ -32,7 +32,10 @@ from converter.hub.sources import fetch, parse_source
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import parse_size
+from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
+from converter.training import is_training_checkpoint
 from converter.verify import require_pass, verify
+from converter.verify.warmup import wait
 
 
 def pipelined_shard_size(given: str | None, weights: int) -> str:
@@ -134,8 +137,6 @@ def verify_folder(
     Returns the VerificationReport. `shard_proof`: the tensor proof already run shard by shard (a pipelined
     push; see verify.shards)."""
     folder = Path(folder)
-    from converter.training import is_training_checkpoint
-    from converter.verify.warmup import wait
 
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
@@ -169,8 +170,6 @@ def _push_streamed(
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
     is then proven tensor by tensor before its upload: verify.shards)."""
-    from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
-
     repo_id = publication.target.repo_id
     tmp = make_temp("push", workdir, log)
     meter = ScratchMeter([tmp])

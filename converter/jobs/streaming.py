@@ -27,6 +27,7 @@ from converter.engine.writer import Shard
 from converter.errors import ConverterError, HubError
 from converter.hub import client as hub
 from converter.hub.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
+from converter.io.background import Worker
 from converter.io.safetensors_header import HeaderError, decode_header
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
@@ -348,8 +349,6 @@ class ShardUploader:
         meter: ScratchMeter | None = None,
         log: Callable[[str], None] = print,
     ):
-        from converter.io.background import Worker
-
         self.api, self.repo_id, self.spool = api, repo_id, spool
         spool.mkdir(parents=True, exist_ok=True)
         self.ensure_repo, self.revision, self.create_pr, self.keep = ensure_repo, revision, create_pr, keep

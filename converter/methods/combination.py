@@ -23,9 +23,15 @@ from pathlib import Path
 
 import torch
 
+from converter.convert.core import TARGETS, check_output_path
 from converter.convert.modules import LoraModule
+from converter.convert.names import BaseNames, base_names, collect
+from converter.convert.writers import write
 from converter.engine.ties_dare import combine_tensors, dare_mask
 from converter.errors import ConverterError
+from converter.formats import load_adapter
+from converter.hub.sources import fetch
+from converter.io.scratch import temp_folder
 from converter.methods.options import FACTOR_METHODS, METHODS, NEEDS_DENSITY, SVD_METHODS
 
 
@@ -156,9 +162,6 @@ def combine(
     log: Callable[[str], None] = print,
 ) -> CombineResult:
     """Combine `adapters` (local or Hub) with `weights` by `method` into one adapter written at `out` as `to`."""
-    from converter.convert.core import TARGETS, _check_out
-    from converter.convert.writers import write
-
     weights = list(weights) if weights else [1.0] * len(adapters)
     if len(weights) != len(adapters):
         raise ConverterError(f"{len(weights)} --weight for {len(adapters)} --adapter: give one per adapter")
@@ -168,7 +171,7 @@ def combine(
         raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_options(method, len(adapters), density, rank, svd_clamp)
     out = Path(out)
-    _check_out(out, to, force)
+    check_output_path(out, to, force)
     notes: list[str] = []
     if len(adapters) == 1 and method != "linear":
         notes.append(f"one adapter: combined with linear, as PEFT's add_weighted_adapter does (not {method})")
@@ -210,11 +213,6 @@ def combine(
 
 def _load_all(adapters, base, to, component, token, allow_pickle, log) -> tuple[list[list[LoraModule]], list[str]]:
     """Each adapter's modules named for the output (looked up on `base` when given), and a public name of each."""
-    from converter.convert.names import BaseNames, base_names, collect
-    from converter.formats import load_adapter
-    from converter.hub.sources import fetch
-    from converter.io.scratch import temp_folder
-
     loaded, sources = [], []
     with temp_folder("base-headers", log=log) as scratch:
         view = BaseNames(base_names(base, token, Path(scratch))) if base else None

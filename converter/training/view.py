@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, Part
+from converter.engine.keymap import keymap_for
 from converter.errors import ConverterError
 from converter.formats import patches
 from converter.formats.patches import lora_scale
@@ -263,8 +264,6 @@ class TrainingCheckpoint(Checkpoint):
     def _drop_tied_head(self) -> None:
         """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
         either side unties them (as PEFT's merge does): both are written and config.json says so."""
-        from converter.engine.keymap import keymap_for
-
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
         tied = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
         if not tied:

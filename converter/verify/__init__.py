@@ -21,16 +21,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.model_class import NoModelClass
 from converter.engine.recipe import Recipe
-from converter.errors import ConverterError
+from converter.errors import ConverterError, NotVerified, VerificationFailed
+from converter.hub.sources import fetch
 from converter.io.records import REPORT_FILE
 from converter.io.scratch import temp_folder
 from converter.verify.judge import judge
+from converter.verify.llm import LLMCheck, Settings
 from converter.verify.loading import PROMPTS, Offload, PeftRefused
 from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
+from converter.verify.prove import is_peft_folder, prove_tensors
 from converter.verify.referee import could_not
 from converter.verify.render import markdown
 from converter.verify.report import Clock, VerificationReport
+from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
+from converter.verify.warmup import wait
 
 MODES = ("quick", "full")
 PROOFS = ("tensors", "behaviour")
@@ -76,7 +82,6 @@ def verify(
     pipelined push): its verdict is the tensor proof, the files are not read again."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
-    from converter.verify.warmup import wait
 
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     started = time.time()
@@ -90,7 +95,6 @@ def verify(
     referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None
     if "tensors" not in proofs:
         report.tensors_skipped = "not asked for"
-    from converter.verify.llm import Settings
 
     settings = Settings(prompts, mode, max_new_tokens, memory, token)
     findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
@@ -126,16 +130,12 @@ class Job:
 
 def sources(recipe: Recipe, token: str | None, base: Path | None = None) -> tuple[Path, list[Path]]:
     """The base (fetched unless given) and the adapters of `recipe`, as local paths."""
-    from converter.hub.sources import fetch
-
     base = base or fetch(recipe.base, "model", token).local
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]
 
 
 def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
     """The tensor proof into the report; returns its referee (the diffusion images may use it)."""
-    from converter.verify.prove import prove_tensors
-
     finished = shard_proof.finish() if shard_proof is not None else None
     if finished is not None:
         report.tensors, referee = finished
@@ -173,7 +173,6 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
     """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
     task_check.py); None (with the reason) when it cannot run."""
     from converter.verify.llm import Skip
-    from converter.verify.prove import is_peft_folder
 
     if job.recipe.method not in (None, "sum"):
         report.behaviour_skipped = (f"a --method {job.recipe.method} merge has no unmerged PEFT forward to compare "
@@ -202,10 +201,6 @@ def _check_for(base: Path, adapters: list[Path]):
     """LLMCheck for a causal LM, TaskCheck (its class set) for the other models PEFT adapts; a string: why none."""
     from functools import partial
 
-    from converter.engine.model_class import NoModelClass
-    from converter.verify.llm import LLMCheck
-    from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
-
     try:
         name = trained_class(base, adapters)
     except NoModelClass as e:
@@ -232,8 +227,6 @@ def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_confi
 def require_pass(report: VerificationReport, then: str = "") -> None:
     """VerificationFailed on a fail; NotVerified when nothing could judge the merge (`then`: what became of the
     output, said after the reason)."""
-    from converter.errors import NotVerified, VerificationFailed
-
     if report.verdict == "fail":
         raise VerificationFailed("verification failed: " + "; ".join(report.problems), report=report)
     if report.verdict == "skipped":

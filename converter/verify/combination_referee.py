@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from converter.engine.recipe import Recipe
+from converter.engine.ties_dare import dare_mask
 from converter.verify.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
 from converter.verify.peft_referee import _tied_sources as tied_sources
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
@@ -80,8 +81,6 @@ class CombinationReferee:
         return rows
 
     def _mask(self, name: str, adapter: str, shape, density: float):
-        from converter.engine.ties_dare import dare_mask
-
         return dare_mask(tuple(shape), density, int(self.recipe.seed or 0), name, "delta", self.names.index(adapter))
 
 

@@ -15,7 +15,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
+from converter.engine.family import identify
+from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
+from converter.formats import load_adapter
+from converter.formats.components import component_folders
+from converter.io.safetensors_file import SafetensorsFile
+from converter.verify.diffusion import (
+    MODEL_PARTS,
+    LoaderRefused,
+    Unbuildable,
+    _apply_adapters,
+    _partial,
+    component_model,
+)
+from converter.verify.loading import peft_refusals
 from converter.verify.peft_referee import PeftLayers, hollow
 from converter.verify.referee import Expectation, RefereeInfo, RefereeUnavailable
 
@@ -26,7 +41,6 @@ def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str 
         return "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)"
     if not base.is_file() and not (base / "model_index.json").is_file():
         return "the base is neither a diffusers folder nor a single file"
-    from converter.formats.components import component_folders
 
     if folders := [a.name for a in adapters if component_folders(a)]:
         return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
@@ -41,9 +55,6 @@ def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str 
 def unread_spelling(sources: list[Path]) -> str | None:
     """The first adapter file whose family's keymap says diffusers' loader does not read its spelling, as a reason
     (its loaders table is what the family tests check against diffusers itself); None when none is such."""
-    from converter.engine.family import identify
-    from converter.formats import load_adapter
-
     for path in sources:
         if not (path.is_file() and path.suffix == ".safetensors"):
             continue
@@ -59,8 +70,6 @@ def unread_spelling(sources: list[Path]) -> str | None:
 
 def lycoris_dora(sources: list[Path]) -> str | None:
     """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
-    from converter.io.safetensors_file import SafetensorsFile
-
     for path in sources:
         is_file = path.is_file() and path.suffix == ".safetensors"
         if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
@@ -72,8 +81,6 @@ class DiffusersReferee:
     """diffusers' loader applying the adapters to a weightless copy of the base pipeline; PEFT's merge per layer."""
 
     def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
-        from converter.verify.diffusion import MODEL_PARTS, LoaderRefused, Unbuildable, _apply_adapters, _partial
-
         if base.is_file():
             raise RefereeUnavailable("a single-file base's tensors are not named as diffusers' modules")
         try:
@@ -107,8 +114,6 @@ class PeftComponentsReferee:
     injects each component's adapter into that component's weightless model and loads its weights."""
 
     def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
-        from converter.formats.components import component_folders
-
         if base.is_file() or not (base / "model_index.json").is_file():
             raise RefereeUnavailable("a multi-component PEFT folder needs a diffusers pipeline folder as its base")
         index = json.loads((base / "model_index.json").read_text())
@@ -155,8 +160,6 @@ class RenamedLayers:
 
 def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
     """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
-    from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
-
     ns = f"{component}/"
     try:
         names = loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
@@ -166,8 +169,6 @@ def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]
 
 
 def _component(base: Path, name: str, index: dict):
-    from converter.verify.diffusion import component_model
-
     if not (base / name / "config.json").is_file():
         raise RefereeUnavailable(f"the base has no {name} for the adapter's {name}/ folder")
     return component_model(base, name, index, empty=True)
@@ -179,8 +180,6 @@ def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, st
     are the model's by transformers' own renames (`renamed`: model name -> file key), which PEFT does not apply
     to models whose conversion transformers keys by class."""
     from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
-
-    from converter.verify.loading import peft_refusals
 
     modules = _module_paths(renamed)
     config = LoraConfig.from_pretrained(folder)
@@ -219,6 +218,4 @@ def _module_paths(renamed: dict[str, str]) -> dict[str, str]:
 
 
 def _base_names(base: Path) -> set[str]:
-    from converter.engine.base_reader import open_base
-
     return set(open_base(base).names())

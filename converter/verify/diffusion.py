@@ -22,8 +22,16 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
+from converter.engine.keymap import keymap_for
+from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
+from converter.io import dtypes
+from converter.io.safetensors_file import SafetensorsFile
+from converter.verify.judge import failing_components, judge_diffusion
+from converter.verify.peft_referee import hollow
 from converter.verify.report import Clock, DiffusionBehaviour
+from converter.verify.tensors import locations
 
 IMAGE_DIR = "verification"
 UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
@@ -84,7 +92,7 @@ class DiffusionCheck:
         return self.merged / self.base.name if self.single else self.merged
 
     def run(self) -> tuple[DiffusionBehaviour, tuple[list[str], list[str]]]:
-        from converter.verify.diffusers_referee import diffusers_declines
+        from converter.verify.diffusers_referee import diffusers_declines  # a cycle: that module imports this one
 
         if why := diffusers_declines(self.recipe, self.base, self.adapters):
             raise Skip(why)
@@ -129,8 +137,6 @@ class DiffusionCheck:
         return pipe
 
     def _judged(self, touched, inputs, ref, out, bare):
-        from converter.verify.judge import failing_components, judge_diffusion
-
         dtype = _single_file_dtype(self.merged_path()) if self.single else _stored_dtype(
             self.merged / _denoiser_folder(self.merged))  # fmt: skip
         tol = tolerance(dtype)
@@ -186,8 +192,6 @@ class DiffusionCheck:
         reference's images), then the merged pipeline's: one pipeline in memory at a time."""
         import torch
 
-        from converter.verify.tensors import locations
-
         pipe = _load(self.base)
         bare = _images(pipe)
         base = locations(open_base_checkpoint(self.base))
@@ -212,8 +216,6 @@ class DiffusionCheck:
 def _pipeline_params(pipe, file_names: set[str]) -> dict:
     """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
     own renames on load)."""
-    from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
-
     params: dict = {}
     for component in MODEL_PARTS:
         model = getattr(pipe, component, None)
@@ -231,20 +233,16 @@ def _pipeline_params(pipe, file_names: set[str]) -> dict:
 
 
 def open_base_checkpoint(base: Path):
-    from converter.engine.base_reader import open_base
-
     return open_base(base)
 
 
 def _read_float64(where):
     import torch
 
-    from converter.io.dtypes import ST_TO_TORCH
-
     with open(where.path, "rb") as f:
         f.seek(where.start)
         data = bytearray(f.read(where.end - where.start))
-    return torch.frombuffer(data, dtype=ST_TO_TORCH[where.dtype]).reshape(where.shape).to(torch.float64)
+    return torch.frombuffer(data, dtype=dtypes.ST_TO_TORCH[where.dtype]).reshape(where.shape).to(torch.float64)
 
 
 def _denoiser_folder(merged: Path) -> str:
@@ -265,9 +263,6 @@ def _load_single(file: Path, config: str | None):
     import diffusers
     import torch
     from diffusers.utils import logging as dlog
-
-    from converter.engine.base_reader import open_base
-    from converter.engine.keymap import keymap_for
 
     checkpoint = open_base(file)
     keymap = keymap_for(checkpoint.config)
@@ -292,8 +287,6 @@ def _load_single(file: Path, config: str | None):
 
 
 def _single_file_dtype(file: Path) -> str:
-    from converter.io.safetensors_file import SafetensorsFile
-
     tensors = SafetensorsFile(file).tensors
     first = next(iter(tensors.values())).dtype
     return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
@@ -366,8 +359,6 @@ def component_model(folder: Path, name: str, index: dict, empty: bool = False):
         return cls.from_pretrained(folder / name, torch_dtype=torch.float32).eval()
     from accelerate import init_empty_weights
 
-    from converter.verify.peft_referee import hollow
-
     with init_empty_weights():
         if library == "diffusers":
             model = cls.from_config(cls.load_config(folder / name))
@@ -438,8 +429,6 @@ def _dropped_factors(pipe, name: str, source: Path) -> str | None:
     import math
 
     from torch import nn
-
-    from converter.io.safetensors_file import SafetensorsFile
 
     file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
     if file.suffix != ".safetensors" or not file.is_file():

@@ -17,6 +17,9 @@ import json
 import math
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
+from converter.engine.plan import plan_merge
+from converter.formats import load_adapter
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 REFERENCE = "published formula"
@@ -194,10 +197,6 @@ class FormulaReferee:
     """Every planned tensor with patches, recomputed from the adapter files by the published formulas."""
 
     def __init__(self, recipe, base: Path, adapters: list[Path], reason: str):
-        from converter.engine.base_reader import open_base
-        from converter.engine.plan import plan_merge
-        from converter.formats import load_adapter
-
         specs = recipe.adapters
         loaded = [(load_adapter(path, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)
                   for path, s in zip(adapters, specs, strict=True)]  # fmt: skip

@@ -9,7 +9,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.merging import merge
+from converter.engine.plan import qlora_hint
 from converter.engine.recipe import Recipe
+from converter.formats import load_adapter
 from converter.io.records import PROVENANCE_FILE
 from converter.io.scratch import temp_folder
 from converter.verify.loading import load_model, load_reference, vocab_size
@@ -59,9 +63,6 @@ def four_bit_base(recipe: Recipe, base: Path) -> str | None:
 
 
 def is_qlora(recipe: Recipe, adapter_dirs: list[Path]) -> bool:
-    from converter.engine.plan import qlora_hint
-    from converter.formats import load_adapter
-
     if recipe.qlora or recipe.qlora_base == "dequantized":
         return True
     for folder in adapter_dirs:
@@ -89,8 +90,6 @@ def qlora_study(
     One of the two merges is `merged` (`runs` = its reference and its own run); the other is made here in a temp
     folder. Both are compared with the 4-bit reference and the full-precision one, and their perplexities reported
     (the claimed ~20% perplexity cost of merging onto dequantized weights is checked here, not assumed)."""
-    from converter.engine.merging import merge
-
     texts, ppl_ids, max_new_tokens = batch
     ref, out = runs
 
@@ -139,7 +138,6 @@ def qlora_quantization(recipe: Recipe, merged: Path, base: Path, dtype):
     (the targeted linear layers only, as they were merged) with the adapters on top."""
     if recipe.qlora_base != "dequantized":
         return None
-    from converter.engine.checkpoint import Checkpoint
 
     changed = set(json.loads((merged / PROVENANCE_FILE).read_text())["tensors"]["changed"])
     ckpt = Checkpoint(base)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.checkpoint import Checkpoint
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
 from converter.verify.referee import RefereeUnavailable
@@ -138,8 +139,6 @@ def own_dtype(folder: Path):
 
 def weights_summary(folder: Path) -> tuple[str, int]:
     """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
-    from converter.engine.checkpoint import Checkpoint
-
     ckpt = Checkpoint(folder)
     counts: dict[str, int] = {}
     for name in ckpt.names():
@@ -153,8 +152,6 @@ def upcast_working_set(folder: Path) -> int:
     buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
     ahead) plus the largest tensor (the embedding or the head), the 16-bit staging buffer of that largest tensor,
     and 1 GiB for activations, logits and the metrics."""
-    from converter.engine.checkpoint import Checkpoint
-
     ckpt = Checkpoint(folder)
     sizes = [ckpt.info(name).numel for name in ckpt.names()]
     config = json.loads((folder / "config.json").read_text())

@@ -19,7 +19,10 @@ import math
 from contextlib import contextmanager
 from pathlib import Path
 
+from converter.engine.model_class import NoModelClass, adapter_modules, folder_config, trained_model
 from converter.engine.recipe import Recipe
+from converter.io.safetensors_file import SafetensorsFile
+from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
 from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 PREFIX = "base_model.model."
@@ -210,9 +213,6 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     loaded onto it for real."""
     from peft import PeftModel
 
-    from converter.engine.model_class import NoModelClass, adapter_modules, folder_config, trained_model
-    from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
-
     try:
         config = folder_config(base)
         model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
@@ -252,8 +252,6 @@ def task_type(adapters: list[Path]) -> str | None:
 
 
 def adapter_keys(adapters: list[Path]) -> list[str]:
-    from converter.io.safetensors_file import SafetensorsFile
-
     files = [f for folder in adapters for f in folder.glob("adapter_model*.safetensors")]
     return [k for f in files for k in SafetensorsFile(f).tensors]
 
@@ -315,8 +313,6 @@ def hollow(model, written: set[str] = frozenset()) -> None:
 def _saved_base_weights(adapters: list[Path]) -> set[str]:
     """Base weights the adapter files hold whole (PEFT saves an adapted embedding's `base_layer.weight`), by
     their names in the model (read from the files' headers)."""
-    from converter.io.safetensors_file import SafetensorsFile
-
     names = set()
     for folder in adapters:
         for f in folder.glob("adapter_model*.safetensors"):
@@ -330,8 +326,6 @@ def _adapter_vocab(model, adapters: list[Path]) -> int | None:
     """The vocabulary the adapters were trained on, when their files hold the input embedding whole (PEFT saves
     it with a resized vocabulary: modules_to_save, or save_embedding_layers): its rows, from the files' headers.
     For an output not written yet (a pipelined push proves its shards as they come), whose config says nothing."""
-    from converter.io.safetensors_file import SafetensorsFile
-
     if _embedding_rows(model) is None:
         return None  # no token embedding (a vision or audio model)
     embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())

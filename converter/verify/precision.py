@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from converter.engine.checkpoint import Checkpoint
+from converter.io import dtypes
+
 LOW = ("bfloat16", "float16")
 # Linear layers with at least this many weights compute through oneDNN (below: LoRA factors, where its set-up costs more
 # than the product).
@@ -43,9 +46,6 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
     name, dtype (float32, bf16 or fp16) and shape; keyed by the parameter's id, which survives PEFT wrapping the
     model. Call it before
     anything changes the weights: a weight edited in memory after loading would be read back from the file."""
-    from converter.engine.checkpoint import Checkpoint
-    from converter.io.dtypes import TORCH_TO_ST
-
     ckpt = Checkpoint(folder)
     sources: dict[int, FileTensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: the first name wins
@@ -53,7 +53,7 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
         if where is None or id(param) in sources:
             continue
         info = where.tensors[name]
-        stored = TORCH_TO_ST.get(param.dtype)
+        stored = dtypes.TORCH_TO_ST.get(param.dtype)
         if stored in ("F32", "BF16", "F16") and stored == info.dtype and tuple(param.shape) == tuple(info.shape):
             sources[id(param)] = FileTensor(where.path, info.start, info.end, info.dtype)
     return sources
@@ -97,8 +97,6 @@ class _Buffers:
         """A float32 tensor holding the file's bytes for `src` (upcast exactly when stored in 16 bits)."""
         import torch
 
-        from converter.io.dtypes import ST_TO_TORCH
-
         out = self.take(shape)
         size = src.end - src.start
         if size == 0:
@@ -109,7 +107,7 @@ class _Buffers:
         if len(self.staging) < size:
             self.staging = bytearray(size)
         self._read_into(memoryview(self.staging)[:size], src)
-        stored = torch.frombuffer(self.staging, dtype=ST_TO_TORCH[src.dtype], count=out.numel()).view(shape)
+        stored = torch.frombuffer(self.staging, dtype=dtypes.ST_TO_TORCH[src.dtype], count=out.numel()).view(shape)
         out.copy_(stored)
         return out
 

@@ -12,8 +12,17 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
+from converter.engine.bnb4 import dequantize_folder, prequantized
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
+from converter.formats.components import component_folders
+from converter.io.dtypes import parse_user_dtype
+from converter.io.scratch import temp_folder
+from converter.verify.diffusers_referee import DiffusersReferee, PeftComponentsReferee, diffusers_declines
+from converter.verify.formula import FormulaReferee
+from converter.verify.fourbit import four_bit_config
+from converter.verify.peft_referee import PeftReferee
 from converter.verify.referee import JudgedByBehaviour, Referee, RefereeInfo, RefereeUnavailable, could_not
 from converter.verify.tensors import TensorProof, TensorProofResult, locations
 
@@ -22,9 +31,6 @@ def prove_tensors(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], log: Callable[[str], None] = print
 ) -> tuple[TensorProofResult | None, RefereeUnavailable | None, Referee | None]:
     """(the result, None, the referee), or (None, why the proof could not run, None)."""
-    from converter.engine.base_reader import open_base
-    from converter.io.scratch import temp_folder
-
     with temp_folder("proof", log=log) as scratch:
         try:
             proof, base = open_proof(merged, recipe, base, adapters, Path(scratch))
@@ -46,9 +52,6 @@ def open_proof(
 ) -> tuple[TensorProof, Path]:
     """A TensorProof of the output `merged` (which may not exist yet: a pipelined push proves its shards as they
     are written) and the base it reads (a 4-bit base dequantized into `scratch`); RefereeUnavailable: none can."""
-    from converter.engine.base_reader import open_base
-    from converter.io.dtypes import parse_user_dtype
-
     base, note = _plain_base(base, scratch, recipe)
     referee = choose_referee(merged, recipe, base, adapters)
     if note:
@@ -64,11 +67,8 @@ def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | 
         return base, None
     import json
 
-    from converter.engine.bnb4 import dequantize_folder, prequantized
-
     if not prequantized(json.loads((base / "config.json").read_text())):
         return base, None
-    from converter.engine.base_reader import open_base
 
     dequantize_folder(open_base(base), scratch)
     return scratch, "the base is bitsandbytes 4-bit: each weight dequantized by bitsandbytes first, as the merge does"
@@ -90,8 +90,6 @@ def one_torch_thread():
 
 def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path]) -> Referee:
     """The most independent referee that can judge this merge (RefereeUnavailable: none can)."""
-    from converter.verify.fourbit import four_bit_config
-
     if (merged / "config.json").is_file() and four_bit_config(merged):
         raise JudgedByBehaviour("a 4-bit output is judged by its behaviour against PEFT's own quantized merge; "
                                  "its packed weights are not compared tensor by tensor")  # fmt: skip
@@ -107,7 +105,6 @@ def choose_referee(merged: Path, recipe: Recipe, base: Path, adapters: list[Path
                 return referee
         except RefereeUnavailable as e:
             reasons.append(str(e))
-    from converter.verify.formula import FormulaReferee
 
     reason = "; ".join(reasons) or "no other referee reads these adapters"
     try:
@@ -153,8 +150,6 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
         return None
     if not (base / "config.json").is_file():
         return None
-    from converter.engine.base_reader import open_base
-    from converter.verify.peft_referee import PeftReferee
 
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())
     folders = [a if a.is_dir() else a.parent for a in adapters]
@@ -177,18 +172,13 @@ def _vocab(merged: Path) -> int | None:
 
 
 def _peft_components(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:
-    from converter.formats.components import component_folders
-
     if not adapters or not all(component_folders(a) for a in adapters):
         return None
-    from converter.verify.diffusers_referee import PeftComponentsReferee
 
     return PeftComponentsReferee(recipe, base, adapters)
 
 
 def _diffusers(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Referee | None:
-    from converter.verify.diffusers_referee import DiffusersReferee, diffusers_declines
-
     why = diffusers_declines(recipe, base, adapters)
     if why:
         raise RefereeUnavailable(why)

@@ -17,11 +17,17 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+from converter.engine.bnb4 import parse_output
 from converter.engine.recipe import Recipe
 from converter.engine.writer import Shard
 from converter.errors import VerificationFailed
+from converter.io.scratch import temp_folder
+from converter.training import is_training_checkpoint
+from converter.verify import sources
+from converter.verify.prove import open_proof
 from converter.verify.referee import Referee, RefereeUnavailable
 from converter.verify.tensors import TensorProof, TensorProofResult
+from converter.verify.warmup import wait
 
 
 class ShardProof:
@@ -79,10 +85,6 @@ class ShardProof:
     def _open(self) -> TensorProof | None:
         if self.proof is not None or self.declined is not None:
             return self.proof
-        from converter.io.scratch import temp_folder
-        from converter.verify import sources
-        from converter.verify.prove import open_proof
-        from converter.verify.warmup import wait
 
         wait()
         base, adapters = sources(self.recipe, self.token, base=self.base)
@@ -100,9 +102,6 @@ class ShardProof:
 
 def _declined(recipe: Recipe) -> str | None:
     """Why shards cannot be proven as they come (None: they can)."""
-    from converter.engine.bnb4 import parse_output
-    from converter.training import is_training_checkpoint
-
     if parse_output(recipe.dtype) is not None:
         return "a 4-bit output is judged by its behaviour"
     if recipe.base and is_training_checkpoint(Path(recipe.base)):

@@ -14,10 +14,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
+from converter.io.units import human_bytes
 from converter.verify.llm import LLMCheck, Skip
-from converter.verify.loading import PERPLEXITY_TEXT, build_inputs, choose_placement, load_model, load_tokenizer
+from converter.verify.loading import (
+    PERPLEXITY_TEXT,
+    available_memory,
+    build_inputs,
+    choose_placement,
+    load_model,
+    load_reference,
+    load_tokenizer,
+    weights_summary,
+)
 from converter.verify.metrics import Run
+from converter.verify.peft_referee import adapter_keys, task_type
 
 # Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
 CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
@@ -25,9 +37,6 @@ CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 
 def trained_class(base: Path, adapters: list[Path]) -> str:
     """The transformers class name the adapters were trained on (NoModelClass: transformers has none)."""
-    from converter.engine import model_class
-    from converter.verify.peft_referee import adapter_keys, task_type
-
     config = model_class.folder_config(base)
     return model_class.trained_class(config, task_type(adapters), model_class.adapter_modules(adapter_keys(adapters)))
 
@@ -57,9 +66,6 @@ class TaskCheck(LLMCheck):
 
     def _place(self) -> None:
         import torch
-
-        from converter.io.units import human_bytes
-        from converter.verify.loading import available_memory, weights_summary
 
         self.output_dtype, params = weights_summary(self.merged)
         self.stored_4bit, self.four_bit, self.own, self.offload = None, None, False, None
@@ -95,8 +101,6 @@ class TaskCheck(LLMCheck):
                  f"through PEFT ({self.compute} compute)")  # fmt: skip
 
     def _reference(self):
-        from converter.verify.loading import load_reference
-
         self.quantization = None
         model = load_reference(self.base, self.adapters, self.recipe, self.dtype, None, None, None,
                                model_class=self.model_class)  # fmt: skip

@@ -13,18 +13,17 @@ import copy
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine.base_reader import open_base
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.io.scratch import temp_folder
+from converter.training.unmerged import write_unmerged
+from converter.training.view import TrainingCheckpoint
 from converter.verify.render import markdown
 
 NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"
 
 
 def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Callable[[str], None] = print, **kw):
-    from converter.engine.base_reader import open_base
-    from converter.training.unmerged import write_unmerged
-    from converter.training.view import TrainingCheckpoint
-
     ckpt = open_base(
         Path(recipe.base),
         lora_alpha=recipe.base_lora_alpha,

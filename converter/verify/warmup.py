@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from converter.engine.model_class import WARMUP_THREAD
+
 _started: list[threading.Thread] = []
 
 
@@ -29,8 +31,6 @@ def start() -> threading.Thread:
     import huggingface_hub  # noqa: F401
     import torch  # noqa: F401
     import yaml  # noqa: F401
-
-    from converter.engine.model_class import WARMUP_THREAD
 
     thread = threading.Thread(target=_imports, name=WARMUP_THREAD, daemon=True)
     thread.start()
