@@ -43,7 +43,7 @@ from converter.app.merge_job import (  # noqa: E402
     redactor,
     run_job,
 )
-from converter.convert.core import TARGETS  # noqa: E402
+from converter.conversion.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
 from converter.hub.sources import job_sources  # noqa: E402
 from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402

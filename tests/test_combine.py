@@ -194,7 +194,7 @@ def test_dare_masks_are_seeded_per_module_and_keep_the_density():
 def test_dare_rescales_survivors_and_reproduces_by_seed(trio, tmp_path, cli):
     """One adapter kept with DARE density d: every value is 0 or value/d (PEFT switches one adapter to linear, so
     this goes through combine_module directly); the same seed gives the same file, another seed another."""
-    from converter.convert.modules import LoraModule
+    from converter.conversion.modules import LoraModule
     from converter.methods.combination import combine_module
 
     g = torch.Generator().manual_seed(0)

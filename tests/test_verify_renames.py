@@ -57,7 +57,7 @@ def test_every_file_key_maps_to_the_parameter_transformers_loads_it_into(kind, t
     from accelerate import init_empty_weights
 
     from converter.engine.model_class import loaded_names
-    from converter.verify.peft_referee import hollow
+    from converter.verification.peft_referee import hollow
 
     model = MODELS[kind]()
     model.save_pretrained(tmp_path)
@@ -88,8 +88,8 @@ def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_pat
     from peft import LoraConfig, get_peft_model
 
     from converter.engine.model_class import loaded_names
-    from converter.verify.diffusers_referee import _inject
-    from converter.verify.diffusion import component_model
+    from converter.verification.diffusers_referee import _inject
+    from converter.verification.diffusion import component_model
 
     model = qwen25_vl()
     model.save_pretrained(tmp_path / "pipe" / "text_encoder")

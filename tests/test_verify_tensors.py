@@ -30,7 +30,7 @@ WEIGHTS = "model.safetensors"
 def proof_only(folder: Path, recipe=None):
     """The tensor proof by itself (the report as verify returns it)."""
     from converter.engine.recipe import recorded_recipe
-    from converter.verify import verify
+    from converter.verification import verify
 
     return verify(folder, recipe or recorded_recipe(folder), log=lambda _line: None, proofs=("tensors",))
 
@@ -90,7 +90,7 @@ def test_our_right_merges_pass_within_one_rounding(ours, dtype):
 
 def test_right_bf16_merge_passes_both_proofs_and_the_card_says_so(ours):
     from converter.engine.recipe import recorded_recipe
-    from converter.verify import verify
+    from converter.verification import verify
 
     folder = ours("bf16")
     report = verify(folder, recorded_recipe(folder), log=lambda _line: None)
@@ -372,7 +372,7 @@ def test_shards_proven_before_the_output_exists_resized_vocabulary(tmp_path, cli
 
     from converter.engine.recipe import recorded_recipe
     from converter.engine.writer import Shard
-    from converter.verify.shards import ShardProof
+    from converter.verification.shards import ShardProof
 
     base = make_base(tmp_path / "base", "llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -405,7 +405,7 @@ def test_shards_of_a_4bit_output_are_left_to_the_finished_folder(tmp_path):
     read, no referee built) and verification judges the finished folder by its behaviour."""
     from converter.engine.recipe import AdapterSpec, Recipe
     from converter.engine.writer import Shard
-    from converter.verify.shards import ShardProof
+    from converter.verification.shards import ShardProof
 
     recipe = Recipe(base=str(tmp_path / "base"), adapters=[AdapterSpec(str(tmp_path / "lora"))], dtype="bnb-nf4")
     proof = ShardProof(recipe, log=lambda _line: None)

@@ -255,8 +255,8 @@ def test_the_referees_images_find_every_tensor_it_changes(merged):
     referee's tensors: each is found in the loaded pipeline by its file name (renamed on load included)."""
     from converter.engine.base_reader import open_base
     from converter.engine.recipe import recorded_recipe
-    from converter.verify.diffusion import _load, _pipeline_params
-    from converter.verify.prove import choose_referee
+    from converter.verification.diffusion import _load, _pipeline_params
+    from converter.verification.prove import choose_referee
 
     base, out = merged("sd15", "kohya")
     recipe = recorded_recipe(out)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.app.merge_job import check_namespace, public_paths, redactor
-from converter.convert.core import FILE_TARGETS, TARGETS, convert
-from converter.convert.pr import push_pr
+from converter.conversion.core import FILE_TARGETS, TARGETS, convert
+from converter.conversion.pr import push_pr
 from converter.errors import ConverterError, UsageError
 from converter.hub.publish import push_folder
 from converter.hub.sources import job_sources

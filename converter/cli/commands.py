@@ -372,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
         if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
             from converter.jobs.pipeline import check_extras
-            from converter.verify.warmup import start
+            from converter.verification.warmup import start
 
             check_extras(recipe, args.token)
             start()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from converter.convert.core import convert
-from converter.convert.pr import push_pr
+from converter.conversion.core import convert
+from converter.conversion.pr import push_pr
 from converter.errors import ConverterError
 
 

@@ -34,8 +34,8 @@ from converter.io.scratch import make_temp
 from converter.io.units import parse_size
 from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
-from converter.verify import require_pass, verify
-from converter.verify.warmup import wait
+from converter.verification import require_pass, verify
+from converter.verification.warmup import wait
 
 
 def pipelined_shard_size(given: str | None, weights: int) -> str:
@@ -141,7 +141,7 @@ def verify_folder(
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
 
     if recipe.base and is_training_checkpoint(Path(recipe.base)):
-        from converter.verify.training_merge import verify_training
+        from converter.verification.training_merge import verify_training
 
         report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
     else:
@@ -188,7 +188,7 @@ def _push_streamed(
             weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
-            from converter.verify.shards import ShardProof
+            from converter.verification.shards import ShardProof
 
             shard_proof = ShardProof(recipe, token=token, log=log, base=Path(base.local))
             check_shard = _checks(shard_proof.check, check_shard)
@@ -209,7 +209,7 @@ def _push_streamed(
         if base_stream is not None:
             base_stream.start()
         if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
-            from converter.verify.warmup import start
+            from converter.verification.warmup import start
 
             start()
         folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.core import TARGETS, check_output_path
-from converter.convert.modules import LoraModule
-from converter.convert.names import BaseNames, base_names, collect
-from converter.convert.writers import write
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.writers import write
 from converter.engine.ties_dare import combine_tensors, dare_mask
 from converter.errors import ConverterError
 from converter.formats import load_adapter

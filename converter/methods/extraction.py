@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.core import TARGETS, check_output_path
-from converter.convert.modules import LoraModule
-from converter.convert.writers import write, write_peft
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.writers import write, write_peft
 from converter.engine.base_reader import open_base
 from converter.engine.keymap import keymap_for
 from converter.engine.writer import atomic_folder

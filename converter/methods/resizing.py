@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.core import TARGETS, check_output_path
-from converter.convert.modules import LoraModule
-from converter.convert.names import BaseNames, base_names, collect
-from converter.convert.writers import write
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.writers import write
 from converter.errors import ConverterError
 from converter.formats import load_adapter
 from converter.hub.sources import fetch

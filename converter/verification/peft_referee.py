@@ -22,8 +22,8 @@ from pathlib import Path
 from converter.engine.model_class import NoModelClass, adapter_modules, folder_config, trained_model
 from converter.engine.recipe import Recipe
 from converter.io.safetensors_file import SafetensorsFile
-from converter.verify.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
-from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
+from converter.verification.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
+from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 PREFIX = "base_model.model."
 ROW_BLOCKED = ("Linear", "Embedding")  # PEFT layer classes whose rows can be merged a block at a time

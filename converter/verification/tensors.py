@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.verify.referee import Expectation, Referee, RefereeInfo, RefereeUnavailable, could_not
+from converter.verification.referee import Expectation, Referee, RefereeInfo, RefereeUnavailable, could_not
 
 UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
 # Half the spacing of the smallest (subnormal) numbers: rounding near zero is off by this much, not by u·|x|.

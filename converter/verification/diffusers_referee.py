@@ -22,7 +22,7 @@ from converter.engine.recipe import Recipe
 from converter.formats import load_adapter
 from converter.formats.components import component_folders
 from converter.io.safetensors_file import SafetensorsFile
-from converter.verify.diffusion import (
+from converter.verification.diffusion import (
     MODEL_PARTS,
     LoaderRefused,
     Unbuildable,
@@ -30,9 +30,9 @@ from converter.verify.diffusion import (
     _partial,
     component_model,
 )
-from converter.verify.loading import peft_refusals
-from converter.verify.peft_referee import PeftLayers, hollow
-from converter.verify.referee import Expectation, RefereeInfo, RefereeUnavailable
+from converter.verification.loading import peft_refusals
+from converter.verification.peft_referee import PeftLayers, hollow
+from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable
 
 
 def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str | None:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from converter.engine.recipe import Recipe
 from converter.io.units import human_bytes
-from converter.verify import fourbit
-from converter.verify.judge import judge_llm
-from converter.verify.loading import (
+from converter.verification import fourbit
+from converter.verification.judge import judge_llm
+from converter.verification.loading import (
     PERPLEXITY_TEXT,
     PROMPTS,
     available_memory,
@@ -37,10 +37,17 @@ from converter.verify.loading import (
     vocab_size,
     weights_summary,
 )
-from converter.verify.metrics import NOISE_MARGIN, compare, first_disagreement, mixed_batch, probe_modules, run_model
-from converter.verify.metrics import tolerance as rounding_tolerance
-from converter.verify.precision import float32_compute
-from converter.verify.report import Clock, LLMBehaviour
+from converter.verification.metrics import (
+    NOISE_MARGIN,
+    compare,
+    first_disagreement,
+    mixed_batch,
+    probe_modules,
+    run_model,
+)
+from converter.verification.metrics import tolerance as rounding_tolerance
+from converter.verification.precision import float32_compute
+from converter.verification.report import Clock, LLMBehaviour
 
 
 class Skip(Exception):
@@ -226,7 +233,7 @@ class LLMCheck:
 
     def _behaviour(self, tol, merged_vs_ref, base_vs_ref, culprit, runs, qlora) -> LLMBehaviour:
         from converter.io.dtypes import TORCH_TO_ST
-        from converter.verify.loading import side_by_side
+        from converter.verification.loading import side_by_side
 
         bare, ref, out = runs
         return LLMBehaviour(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.io.records import REPORT_FILE
-from converter.verify.tensors import TensorProofResult
+from converter.verification.tensors import TensorProofResult
 
 
 class Clock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from converter.verify.tensors import TensorProofResult
+from converter.verification.tensors import TensorProofResult
 
 EFFECT_SHARE = 0.25  # the merged model must sit this much closer to the reference than the bare base does
 MAX_LISTED = 5  # missing / extra tensor names listed one by one

@@ -17,7 +17,7 @@ from pathlib import Path
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
-from converter.verify.referee import RefereeUnavailable
+from converter.verification.referee import RefereeUnavailable
 
 PROMPTS = [
     "What is the capital of France?",
@@ -117,7 +117,7 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
         extra.update(offload.kwargs())
     model = cls.from_pretrained(folder, dtype=dtype, **extra).eval()
     if sources is not None:
-        from converter.verify.precision import file_sources
+        from converter.verification.precision import file_sources
 
         sources.update(file_sources(model, folder))
     return model

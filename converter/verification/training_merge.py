@@ -18,7 +18,7 @@ from converter.engine.recipe import AdapterSpec, Recipe
 from converter.io.scratch import temp_folder
 from converter.training.unmerged import write_unmerged
 from converter.training.view import TrainingCheckpoint
-from converter.verify.render import markdown
+from converter.verification.render import markdown
 
 NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"
 

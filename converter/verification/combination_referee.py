@@ -19,9 +19,9 @@ from pathlib import Path
 
 from converter.engine.recipe import Recipe
 from converter.engine.ties_dare import dare_mask
-from converter.verify.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
-from converter.verify.peft_referee import _tied_sources as tied_sources
-from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
+from converter.verification.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
+from converter.verification.peft_referee import _tied_sources as tied_sources
+from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
 
 # --method of the merge -> PEFT's merge_utils function
 PEFT_RULE = {"ties": "ties", "dare": "dare_linear", "dare_ties": "dare_ties", "magnitude_prune": "magnitude_prune"}

@@ -17,7 +17,7 @@ from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
 
 if TYPE_CHECKING:
-    from converter.convert.names import BaseNames
+    from converter.conversion.names import BaseNames
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from converter.convert.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
+from converter.conversion.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.engine.base_reader import open_base
 from converter.engine.keymap import DiffusionResolver, keymap_for
 from converter.errors import ConverterError

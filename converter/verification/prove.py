@@ -19,12 +19,12 @@ from converter.errors import ConverterError
 from converter.formats.components import component_folders
 from converter.io.dtypes import parse_user_dtype
 from converter.io.scratch import temp_folder
-from converter.verify.diffusers_referee import DiffusersReferee, PeftComponentsReferee, diffusers_declines
-from converter.verify.formula import FormulaReferee
-from converter.verify.fourbit import four_bit_config
-from converter.verify.peft_referee import PeftReferee
-from converter.verify.referee import JudgedByBehaviour, Referee, RefereeInfo, RefereeUnavailable, could_not
-from converter.verify.tensors import TensorProof, TensorProofResult, locations
+from converter.verification.diffusers_referee import DiffusersReferee, PeftComponentsReferee, diffusers_declines
+from converter.verification.formula import FormulaReferee
+from converter.verification.fourbit import four_bit_config
+from converter.verification.peft_referee import PeftReferee
+from converter.verification.referee import JudgedByBehaviour, Referee, RefereeInfo, RefereeUnavailable, could_not
+from converter.verification.tensors import TensorProof, TensorProofResult, locations
 
 
 def prove_tensors(
@@ -154,7 +154,7 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())
     folders = [a if a.is_dir() else a.parent for a in adapters]
     if recipe.method not in (None, "sum"):
-        from converter.verify.combination_referee import CombinationReferee
+        from converter.verification.combination_referee import CombinationReferee
 
         return CombinationReferee(base, folders, recipe, names, _vocab(merged))
     return PeftReferee(base, folders, recipe, names, _vocab(merged))

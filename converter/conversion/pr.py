@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.convert.core import FILE_TARGETS, ConvertResult, convert
+from converter.conversion.core import FILE_TARGETS, ConvertResult, convert
 from converter.errors import ConverterError
 from converter.hub import client as hub
 from converter.hub.publish import our_open_pr

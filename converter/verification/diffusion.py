@@ -28,10 +28,10 @@ from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
 from converter.io import dtypes
 from converter.io.safetensors_file import SafetensorsFile
-from converter.verify.judge import failing_components, judge_diffusion
-from converter.verify.peft_referee import hollow
-from converter.verify.report import Clock, DiffusionBehaviour
-from converter.verify.tensors import locations
+from converter.verification.judge import failing_components, judge_diffusion
+from converter.verification.peft_referee import hollow
+from converter.verification.report import Clock, DiffusionBehaviour
+from converter.verification.tensors import locations
 
 IMAGE_DIR = "verification"
 UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
@@ -92,7 +92,7 @@ class DiffusionCheck:
         return self.merged / self.base.name if self.single else self.merged
 
     def run(self) -> tuple[DiffusionBehaviour, tuple[list[str], list[str]]]:
-        from converter.verify.diffusers_referee import diffusers_declines  # a cycle: that module imports this one
+        from converter.verification.diffusers_referee import diffusers_declines  # a cycle: that module imports this one
 
         if why := diffusers_declines(self.recipe, self.base, self.adapters):
             raise Skip(why)

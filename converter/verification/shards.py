@@ -23,11 +23,11 @@ from converter.engine.writer import Shard
 from converter.errors import VerificationFailed
 from converter.io.scratch import temp_folder
 from converter.training import is_training_checkpoint
-from converter.verify import sources
-from converter.verify.prove import open_proof
-from converter.verify.referee import Referee, RefereeUnavailable
-from converter.verify.tensors import TensorProof, TensorProofResult
-from converter.verify.warmup import wait
+from converter.verification import sources
+from converter.verification.prove import open_proof
+from converter.verification.referee import Referee, RefereeUnavailable
+from converter.verification.tensors import TensorProof, TensorProofResult
+from converter.verification.warmup import wait
 
 
 class ShardProof:
@@ -63,7 +63,7 @@ class ShardProof:
                 return
             if all(c.ok for c in checks):
                 return
-            from converter.verify.judge import judge_tensors
+            from converter.verification.judge import judge_tensors
 
             problems = judge_tensors(proof.result())[0]
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -6,9 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.convert.names import BaseNames, base_names, collect
-from converter.convert.proof import prove, prove_on_base
-from converter.convert.writers import DOTTED_PREFIX, write
+from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.proof import prove, prove_on_base
+from converter.conversion.writers import DOTTED_PREFIX, write
 from converter.engine.family import identify
 from converter.engine.writer import check_output_target
 from converter.errors import ConverterError, VerificationFailed

@@ -27,16 +27,16 @@ from converter.errors import ConverterError, NotVerified, VerificationFailed
 from converter.hub.sources import fetch
 from converter.io.records import REPORT_FILE
 from converter.io.scratch import temp_folder
-from converter.verify.judge import judge
-from converter.verify.llm import LLMCheck, Settings
-from converter.verify.loading import PROMPTS, Offload, PeftRefused
-from converter.verify.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
-from converter.verify.prove import is_peft_folder, prove_tensors
-from converter.verify.referee import could_not
-from converter.verify.render import markdown
-from converter.verify.report import Clock, VerificationReport
-from converter.verify.task_check import TaskCheck, is_causal_lm, trained_class
-from converter.verify.warmup import wait
+from converter.verification.judge import judge
+from converter.verification.llm import LLMCheck, Settings
+from converter.verification.loading import PROMPTS, Offload, PeftRefused
+from converter.verification.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
+from converter.verification.prove import is_peft_folder, prove_tensors
+from converter.verification.referee import could_not
+from converter.verification.render import markdown
+from converter.verification.report import Clock, VerificationReport
+from converter.verification.task_check import TaskCheck, is_causal_lm, trained_class
+from converter.verification.warmup import wait
 
 MODES = ("quick", "full")
 PROOFS = ("tensors", "behaviour")
@@ -172,7 +172,7 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
 def _llm_behaviour(report: VerificationReport, job: Job, settings):
     """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
     task_check.py); None (with the reason) when it cannot run."""
-    from converter.verify.llm import Skip
+    from converter.verification.llm import Skip
 
     if job.recipe.method not in (None, "sum"):
         report.behaviour_skipped = (f"a --method {job.recipe.method} merge has no unmerged PEFT forward to compare "
@@ -212,7 +212,7 @@ def _check_for(base: Path, adapters: list[Path]):
 
 def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):
     """A diffusion merge's behaviour against diffusers' unmerged loader; images either way."""
-    from converter.verify.diffusion import DiffusionCheck, Skip
+    from converter.verification.diffusion import DiffusionCheck, Skip
 
     check = DiffusionCheck(job.merged, job.recipe, job.base, job.adapters, single_file_config, job.log, job.clock)
     findings = None

@@ -17,8 +17,8 @@ from pathlib import Path
 from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
 from converter.io.units import human_bytes
-from converter.verify.llm import LLMCheck, Skip
-from converter.verify.loading import (
+from converter.verification.llm import LLMCheck, Skip
+from converter.verification.loading import (
     PERPLEXITY_TEXT,
     available_memory,
     build_inputs,
@@ -28,8 +28,8 @@ from converter.verify.loading import (
     load_tokenizer,
     weights_summary,
 )
-from converter.verify.metrics import Run
-from converter.verify.peft_referee import adapter_keys, task_type
+from converter.verification.metrics import Run
+from converter.verification.peft_referee import adapter_keys, task_type
 
 # Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
 CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from converter.verify.judge import ratio_text
-from converter.verify.metrics import NOISE_MARGIN
-from converter.verify.report import DiffusionBehaviour, LLMBehaviour, VerificationReport
-from converter.verify.tensors import TensorProofResult
+from converter.verification.judge import ratio_text
+from converter.verification.metrics import NOISE_MARGIN
+from converter.verification.report import DiffusionBehaviour, LLMBehaviour, VerificationReport
+from converter.verification.tensors import TensorProofResult
 
 VERDICT = {"pass": "**Passed**", "fail": "**FAILED**", "skipped": "**Not verified**"}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from converter.engine.base_reader import open_base
 from converter.engine.plan import plan_merge
 from converter.formats import load_adapter
-from converter.verify.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
+from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 REFERENCE = "published formula"
 

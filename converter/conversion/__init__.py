@@ -25,11 +25,11 @@ The package: `core` (`convert()`), `names` (looking modules up on the base), `mo
 
 from __future__ import annotations
 
-from converter.convert.core import TARGETS, ConvertResult, convert
-from converter.convert.modules import LoraModule, svd_lowrank
-from converter.convert.names import base_names, collect
-from converter.convert.pr import push_pr
-from converter.convert.writers import write
+from converter.conversion.core import TARGETS, ConvertResult, convert
+from converter.conversion.modules import LoraModule, svd_lowrank
+from converter.conversion.names import base_names, collect
+from converter.conversion.pr import push_pr
+from converter.conversion.writers import write
 
 __all__ = ["TARGETS", "ConvertResult", "LoraModule", "base_names", "collect", "convert", "push_pr", "svd_lowrank",
            "write"]  # fmt: skip

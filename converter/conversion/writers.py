@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.modules import LoraModule
+from converter.conversion.modules import LoraModule
 from converter.engine.keymap import flatten
 from converter.engine.writer import atomic_folder, check_output_target
 from converter.errors import ConverterError

@@ -16,8 +16,8 @@ from converter.engine.recipe import Recipe
 from converter.formats import load_adapter
 from converter.io.records import PROVENANCE_FILE
 from converter.io.scratch import temp_folder
-from converter.verify.loading import load_model, load_reference, vocab_size
-from converter.verify.metrics import Run, compare, logits_of, probe_modules, run_model, summary
+from converter.verification.loading import load_model, load_reference, vocab_size
+from converter.verification.metrics import Run, compare, logits_of, probe_modules, run_model, summary
 
 
 def quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
