@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         from converter.cli.gguf import check_merge_gguf
 
         gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
-        if settings is not None:  # import transformers + PEFT beside the merge (verify/warmup.py)
+        if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
             from converter.jobs.pipeline import check_extras
             from converter.verification.warmup import start
 

@@ -33,7 +33,7 @@ TASK_MAPPINGS = {
 _PEFT_PARTS = (".lora_", ".base_layer", ".modules_to_save", ".original_module", ".trainable_tokens_", ".token_adapter")
 
 
-WARMUP_THREAD = "verify-imports"  # the thread importing transformers beside a verified merge (verify/warmup.py)
+WARMUP_THREAD = "verify-imports"  # the thread importing transformers beside a verified merge (verification/warmup.py)
 
 
 def wait_for_warmup() -> None:

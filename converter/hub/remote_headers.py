@@ -2,7 +2,7 @@
 
 Planning (the Space's Check), `inspect` and `convert --base` need names, shapes and byte ranges, never
 weights. Each weights file becomes a stand-in with its real header and its real length, the data left a
-hole (HTTP range reads of a few kilobytes; no disk used for the data), so `bases.open_base` sees
+hole (HTTP range reads of a few kilobytes; no disk used for the data), so `engine.base_reader.open_base` sees
 exactly what it would see after the download.
 """
 

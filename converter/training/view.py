@@ -43,7 +43,7 @@ UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vect
 
 
 class _RankFile:
-    """One weight file of the checkpoint, as `merge.write_weights` sees files: hashed for provenance."""
+    """One weight file of the checkpoint, as `engine.merging.write_weights` sees files: hashed for provenance."""
 
     def __init__(self, path: Path, owner: TrainingCheckpoint, tensors: dict[str, TensorInfo]):
         self.path = path

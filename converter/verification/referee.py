@@ -2,7 +2,7 @@
 
 A referee answers, per output tensor it changes, "given the base's rows, what must these rows be?", in float64,
 together with what a correct merge's own float32 arithmetic may add to that (the compute allowance). Tensors a
-referee does not name must be the base's, unchanged (or cast). The tensor proof (`verify/tensors.py`) asks the
+referee does not name must be the base's, unchanged (or cast). The tensor proof (`verification/tensors.py`) asks the
 questions and judges the answers; a referee never sees the merge's output, and the referees that carry the
 proof's independence (PEFT, diffusers) never see the merge's plan, keymaps or file readers either.
 
