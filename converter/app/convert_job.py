@@ -18,6 +18,7 @@ from converter.app.merge_job import check_namespace, public_paths, redactor
 from converter.conversion.core import FILE_TARGETS, TARGETS, convert
 from converter.conversion.pr import push_pr
 from converter.errors import ConverterError, UsageError
+from converter.hub import client as hub
 from converter.hub.publish import push_folder
 from converter.hub.sources import job_sources
 from converter.io.scratch import make_temp
@@ -106,8 +107,6 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
             if url:
                 say(f"pull request: {url}")
             return ConvertJobResult(url, "/".join(repo[:2]), _modules(lines), [], lines)
-        from converter.hub import client as hub
-
         repo_id = request.repo_id.strip() or default_convert_repo(hub.whoami(token), adapter, request.to)
         check_namespace(repo_id, token)
         folder = tmp / "out"

@@ -15,6 +15,7 @@ import torch
 from converter.errors import ConverterError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
+from converter.formats.peft import pattern_value
 
 if TYPE_CHECKING:
     from converter.conversion.names import BaseNames
@@ -50,14 +51,10 @@ def _alpha(adapter: Adapter, ap: AdapterPatch, lora: LowRank) -> float:
     if lora.alpha not in (None, 0.0):
         return float(lora.alpha)
     if adapter.format == "peft" and not adapter.config.get("use_rslora"):
-        from converter.formats.peft import pattern_value
-
         alpha = adapter.config.get("lora_alpha", 8)
         return float(pattern_value(adapter.config.get("alpha_pattern") or {}, ap.module, alpha))
     meta = adapter.config.get("metadata", {}).get("lora_adapter_metadata")
     if meta and not ap.flat:  # diffusers' saved LoraConfig, per component prefix (§4)
-        from converter.formats.peft import pattern_value
-
         config = json.loads(meta)
         prefix = (ap.native or "").split(".", 1)[0]
         get = lambda f: config.get(f"{prefix}.{f}", config.get(f))  # noqa: E731

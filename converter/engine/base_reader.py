@@ -13,7 +13,8 @@ from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleF
 from converter.engine.keymap import all_keymaps, diffusion_family
 from converter.errors import ConverterError
 from converter.io.safetensors_file import SafetensorsFile
-from converter.training.locate import is_shard_file
+from converter.training import open_training
+from converter.training.locate import NotFound, is_shard_file
 
 
 def open_base(
@@ -26,9 +27,6 @@ def open_base(
     path = Path(path)
     bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
     if bare or is_shard_file(path):
-        from converter.training import open_training
-        from converter.training.locate import NotFound
-
         try:
             return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
         except NotFound as e:

@@ -29,6 +29,7 @@ from converter.hub.publish import (
     push_folder,
 )
 from converter.hub.sources import fetch, parse_source
+from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import parse_size
@@ -252,8 +253,6 @@ def check_extras(recipe: Recipe, token: str | None) -> None:
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
-        from converter.io.optional import require
-
         require("diffusers", "verifying a diffusion merge")
 
 

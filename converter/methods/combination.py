@@ -33,6 +33,7 @@ from converter.formats import load_adapter
 from converter.hub.sources import fetch
 from converter.io.scratch import temp_folder
 from converter.methods.options import FACTOR_METHODS, METHODS, NEEDS_DENSITY, SVD_METHODS
+from converter.methods.resizing import lora_svd
 
 
 @dataclass
@@ -102,8 +103,6 @@ def combine_module(
         return out[0], out[1], None
     tail = first.down.shape[1:]
     if method == "svd":  # Σ wᵢ·ΔWᵢ has rank <= Σ rᵢ: its SVD from the stacked factors, exact and cheap
-        from converter.methods.resizing import lora_svd
-
         up = torch.cat([m.up.float().flatten(1) for _, _, m in parts], dim=1)
         down = torch.cat([m.down.float().flatten(1) * (w * m.alpha / m.rank) for _, w, m in parts])
         return svd_factors(up.double() @ down.double(), rank, tail, svd_clamp, lora_svd(up, down))

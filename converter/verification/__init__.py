@@ -25,6 +25,7 @@ from converter.engine.model_class import NoModelClass
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError, NotVerified, VerificationFailed
 from converter.hub.sources import fetch
+from converter.io.optional import require
 from converter.io.records import REPORT_FILE
 from converter.io.scratch import temp_folder
 from converter.verification.judge import judge
@@ -87,8 +88,6 @@ def verify(
     started = time.time()
     job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
     if job.diffusion:  # never a weaker referee because diffusers is missing: one line naming the extra
-        from converter.io.optional import require
-
         require("diffusers", "verifying a diffusion merge")
     report = VerificationReport("diffusion" if job.diffusion else "llm")
     log(f"verifying {job.merged.name}: {' and '.join(proofs)}")

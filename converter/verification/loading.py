@@ -17,6 +17,7 @@ from pathlib import Path
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
+from converter.verification.precision import file_sources
 from converter.verification.referee import RefereeUnavailable
 
 PROMPTS = [
@@ -117,8 +118,6 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
         extra.update(offload.kwargs())
     model = cls.from_pretrained(folder, dtype=dtype, **extra).eval()
     if sources is not None:
-        from converter.verification.precision import file_sources
-
         sources.update(file_sources(model, folder))
     return model
 

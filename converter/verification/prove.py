@@ -19,6 +19,7 @@ from converter.errors import ConverterError
 from converter.formats.components import component_folders
 from converter.io.dtypes import parse_user_dtype
 from converter.io.scratch import temp_folder
+from converter.verification.combination_referee import CombinationReferee
 from converter.verification.diffusers_referee import DiffusersReferee, PeftComponentsReferee, diffusers_declines
 from converter.verification.formula import FormulaReferee
 from converter.verification.fourbit import four_bit_config
@@ -154,8 +155,6 @@ def _peft(recipe: Recipe, base: Path, adapters: list[Path], merged: Path) -> Ref
     names = set(open_base(base, allow_pickle=recipe.allow_pickle).names())
     folders = [a if a.is_dir() else a.parent for a in adapters]
     if recipe.method not in (None, "sum"):
-        from converter.verification.combination_referee import CombinationReferee
-
         return CombinationReferee(base, folders, recipe, names, _vocab(merged))
     return PeftReferee(base, folders, recipe, names, _vocab(merged))
 

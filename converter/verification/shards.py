@@ -24,6 +24,7 @@ from converter.errors import VerificationFailed
 from converter.io.scratch import temp_folder
 from converter.training import is_training_checkpoint
 from converter.verification import sources
+from converter.verification.judge import judge_tensors
 from converter.verification.prove import open_proof
 from converter.verification.referee import Referee, RefereeUnavailable
 from converter.verification.tensors import TensorProof, TensorProofResult
@@ -63,8 +64,6 @@ class ShardProof:
                 return
             if all(c.ok for c in checks):
                 return
-            from converter.verification.judge import judge_tensors
-
             problems = judge_tensors(proof.result())[0]
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             self.declined = "a shard failed"
