@@ -10,14 +10,14 @@ replaces the function here.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from converter import errors
 from converter.errors import ConverterError, NotVerified, VerificationFailed
 
 __version__ = "0.1.0"
 
-# public name -> (module, attribute in it)
+# public name -> (module, attribute in it). Paths as strings: nothing is imported until asked for, and the
+# layers contract never sees this package as importing every layer (the engine reads `__version__` from here).
 _LAZY = {
     "AdapterSpec": ("converter.engine.recipe", "AdapterSpec"),
     "Recipe": ("converter.engine.recipe", "Recipe"),
@@ -37,19 +37,6 @@ __all__ = [
     "AdapterSpec", "ConverterError", "NotVerified", "Recipe", "VerificationFailed", "__version__", "combine", "convert",
     "deploy", "errors", "extract", "inspect", "merge", "push", "push_folder", "resize", "verify",
 ]  # fmt: skip
-
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these on first use
-    from converter.app.deploy import deploy
-    from converter.conversion.core import convert
-    from converter.engine.merging import merge
-    from converter.engine.recipe import AdapterSpec, Recipe
-    from converter.hub.publish import push_folder
-    from converter.jobs.describe import inspect_path as inspect
-    from converter.jobs.pipeline import push
-    from converter.jobs.pipeline import verify_folder as verify
-    from converter.methods.combination import combine
-    from converter.methods.extraction import extract
-    from converter.methods.resizing import resize
 
 
 def __getattr__(name: str):
