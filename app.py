@@ -2,7 +2,7 @@
 result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT, ComfyUI) to another format.
 
 A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
-`converter.app.jobs` runs it, `converter.app.convert` runs a conversion). Run it with `python app.py` (on a
+`converter.app.merge_job` runs it, `converter.app.convert_job` runs a conversion). Run it with `python app.py` (on a
 Space), or `make run` for the offline demo against a local Hub. Every Hub call of a job uses the signed-in user's
 token; the token never reaches a log.
 """
@@ -24,7 +24,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from converter.errors import MissingExtraError  # noqa: E402
-from converter.optional import require  # noqa: E402
+from converter.io.optional import require  # noqa: E402
 
 try:
     gr = require("gradio", "the converter app")
@@ -32,8 +32,8 @@ except MissingExtraError as e:  # run as a script: the one line, no traceback
     raise SystemExit(f"error: {e}") from None
 
 from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
-from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
-from converter.app.jobs import (  # noqa: E402
+from converter.app.convert_job import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
+from converter.app.merge_job import (  # noqa: E402
     DTYPES,
     STAGES,
     JobRequest,
@@ -43,11 +43,11 @@ from converter.app.jobs import (  # noqa: E402
     redactor,
     run_job,
 )
-from converter.convert.core import TARGETS  # noqa: E402
+from converter.conversion.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
-from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
-from converter.sources import job_sources  # noqa: E402
-from converter.units import human_bytes  # noqa: E402
+from converter.hub.sources import job_sources  # noqa: E402
+from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402
+from converter.io.units import human_bytes  # noqa: E402
 
 log = logging.getLogger("converter.app")
 CONCURRENCY = int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1"))

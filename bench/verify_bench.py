@@ -294,8 +294,8 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fil
 
     import torch
 
-    from converter.dtypes import ITEMSIZE, ST_TO_TORCH
-    from converter.safetensors_header import encode_header, entry
+    from converter.io.dtypes import ITEMSIZE, ST_TO_TORCH
+    from converter.io.safetensors_header import encode_header, entry
 
     entries, offset = {}, 0
     for name, shape, dtype in tensors:
@@ -429,7 +429,7 @@ def run_big(args, shape: Shape) -> int:
     """The default `converter merge` of an 8B-shaped model, once, and the tensor proof alone: does verification stay
     in memory (no offload), and what does the proof cost by itself? (`--shape tiny`: the same steps, a smoke run.)"""
     sys.path.insert(0, str(BENCH_DIR.parent))
-    from converter.verify.loading import available_memory
+    from converter.verification.loading import available_memory
 
     work = args.workdir.resolve() / "big"
     smoke = shape != BIG

@@ -215,7 +215,7 @@ def assert_matches(ours: dict, reference: dict, base: dict, atol: float = 2e-6) 
 @pytest.fixture(autouse=True)
 def few_images(monkeypatch):
     """One image of two steps per verification: enough to compare pictures, cheap on a CPU (import it to use)."""
-    import converter.verify.diffusion as diffusion
+    import converter.verification.diffusion as diffusion
 
     monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
     monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)

@@ -107,9 +107,9 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from converter.verify.loading import load_model
-    from converter.verify.metrics import logits_of
-    from converter.verify.precision import float32_compute
+    from converter.verification.loading import load_model
+    from converter.verification.metrics import logits_of
+    from converter.verification.precision import float32_compute
 
     base = make_base(tmp_path / "base", family, dtype=torch.bfloat16)
     lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
@@ -136,10 +136,10 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
 def test_reference_and_bare_base_in_one_mixed_batch_equal_two_forwards(llama):
     """PEFT's mixed-adapter batch (the adapter's row and a "__base__" row) gives the reference's and the bare
     base's logits of two separate forwards (disable_adapter for the bare base), to float32 rounding."""
-    from converter.recipe import AdapterSpec, Recipe
-    from converter.verify.loading import build_inputs, load_reference
-    from converter.verify.metrics import mixed_batch, run_model
-    from converter.verify.precision import float32_compute
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.verification.loading import build_inputs, load_reference
+    from converter.verification.metrics import mixed_batch, run_model
+    from converter.verification.precision import float32_compute
 
     base, lora = llama
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(source=str(lora))])
@@ -173,9 +173,9 @@ def test_streamed_float32_compute_leaves_the_mapped_weights_untouched(tmp_path):
     """transformers maps the safetensors file; reading each layer from the file (not through the mapping) keeps
     the model out of the process's memory: its mapping stays (nearly) non-resident. Upcasting from the mapped
     tensors instead pulls every page in, which is what the file reads avoid."""
-    from converter.verify.loading import load_model
-    from converter.verify.metrics import logits_of
-    from converter.verify.precision import float32_compute
+    from converter.verification.loading import load_model
+    from converter.verification.metrics import logits_of
+    from converter.verification.precision import float32_compute
 
     base = make_base(  # ~35 MB: the page or so the loader touches per tensor is small next to each tensor
         tmp_path / "base", "llama", dtype=torch.bfloat16, hidden_size=512, intermediate_size=2048, vocab_size=8192
@@ -458,8 +458,8 @@ def sabotaged(tmp_path_factory):
 
 def verdict_of(folder, memory=None, prompts=("a", "b"), proofs=("behaviour",)):
     """The behavioural comparison by itself (the tensor proof would stop every sabotage first)."""
-    from converter.merge import recorded_recipe
-    from converter.verify import verify
+    from converter.engine.recipe import recorded_recipe
+    from converter.verification import verify
 
     # Greedy continuations are reported, not judged: two short ones keep the matrix affordable (offloaded
     # generation reads every weight from disk per token).
@@ -515,7 +515,7 @@ def _module(value):
 def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, monkeypatch):
     """Too little disk for float32 offloading: bfloat16 compute, judged by bfloat16's rounding (not the float32
     output's), so a right float32 merge still passes and a sabotage still fails."""
-    from converter.verify import loading
+    from converter.verification import loading
 
     folders = sabotaged("llama", torch.float32)
     params = sum(t.numel() for t in load_file(folders["right"][0] / "model.safetensors").values())
@@ -528,7 +528,7 @@ def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, mo
 
 
 def tolerance_of(output, compute):
-    from converter.verify import tolerance
+    from converter.verification import tolerance
 
     return tolerance(output, compute)["mean_kl"]
 
@@ -536,7 +536,7 @@ def tolerance_of(output, compute):
 def llama_headers(folder, hidden=4096, layers=32, intermediate=14336, vocab=128256, kv=1024):
     """A Llama-3-8B-shaped folder (8.03 B parameters, bf16) whose safetensors file is all header: its data is a
     hole (a sparse file), which is all a placement decision reads."""
-    from converter.safetensors_header import encode_header, entry
+    from converter.io.safetensors_header import encode_header, entry
 
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     for i in range(layers):
@@ -572,8 +572,8 @@ def test_an_8b_bf16_model_verifies_in_memory_on_a_24gb_machine(tmp_path, monkeyp
     only their working set (two blocks and the 128256 x 4096 embedding in float32, a 16-bit staging copy, 1 GiB),
     well inside the ~21 GiB a 24 GB machine has, and inside 8 GiB too. Holding the bf16 weights as well would
     not fit 8 GiB, and a whole float32 copy does not fit even 21 GiB: both go to disk."""
-    from converter.verify import loading
-    from converter.verify.loading import choose_placement, upcast_working_set
+    from converter.verification import loading
+    from converter.verification.loading import choose_placement, upcast_working_set
 
     monkeypatch.setattr(loading, "_free_disk", lambda _folder: 2**40)  # offloading possible: the choice is memory's
     folder, params = llama_headers(tmp_path / "llama-8b")

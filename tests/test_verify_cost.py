@@ -24,7 +24,7 @@ def test_peft_imports_without_bitsandbytes_which_still_imports_when_needed():
     out = run(
         """
         import sys, torch
-        from converter.verify.warmup import import_peft
+        from converter.verification.warmup import import_peft
         import_peft()
         import peft, peft.helpers
         from peft import LoraConfig, inject_adapter_in_model
@@ -48,7 +48,7 @@ def test_reused_heap_serves_row_blocks_without_fresh_pages():
     out = run(
         """
         import resource, torch
-        from converter.verify.heap import reused_heap
+        from converter.verification.heap import reused_heap
 
         def faults(n=40):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

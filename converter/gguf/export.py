@@ -23,7 +23,7 @@ from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
 from converter.gguf.write import write_gguf
-from converter.optional import install_hint
+from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
 
@@ -45,7 +45,7 @@ def file_stem(name: str) -> str:
 
 def resolve_source(spec: str | Path, token: str | None = None) -> Path:
     """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
-    from converter.sources import fetch
+    from converter.hub.sources import fetch
 
     return Path(fetch(str(spec), "model", token).local)
 

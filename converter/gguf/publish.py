@@ -69,7 +69,7 @@ def card(result: GGUFResult, base_repo: str, gguf_repo_id: str) -> str:
 def push_gguf(result: GGUFResult, base_repo: str, *, token: str | None, private: bool,
               log: Callable[[str], None]):  # fmt: skip
     """Upload the exported folder (files, proof, card) to `<base_repo>-GGUF` in one commit."""
-    from converter.publish import push_folder
+    from converter.hub.publish import push_folder
 
     repo_id = gguf_repo(base_repo)
     folder = Path(result.out)

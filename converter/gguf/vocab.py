@@ -104,7 +104,7 @@ def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> Non
     try:
         from sentencepiece import SentencePieceProcessor
     except ImportError:
-        from converter.optional import install_hint
+        from converter.io.optional import install_hint
 
         raise BadInputError(
             f"{folder}: a SentencePiece tokenizer (tokenizer.model) needs sentencepiece: {install_hint('gguf')}"
