@@ -122,7 +122,7 @@ def test_progress_is_one_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
 def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(capfd):
     script = (
         "import os, sys, warnings\n"
-        "from converter import quiet\n"
+        "from converter.cli import quiet\n"
         "verbose = sys.argv[1] == '-v'\n"
         "with quiet.session(verbose) as console:\n"
         "    console.line('converter says this')\n"

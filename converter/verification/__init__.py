@@ -28,6 +28,7 @@ from converter.hub.sources import fetch
 from converter.io.optional import require
 from converter.io.records import REPORT_FILE
 from converter.io.scratch import temp_folder
+from converter.verification.heap import reused_heap
 from converter.verification.judge import judge
 from converter.verification.llm import LLMCheck, Settings
 from converter.verification.loading import PROMPTS, Offload, PeftRefused
@@ -37,7 +38,6 @@ from converter.verification.referee import could_not
 from converter.verification.render import markdown
 from converter.verification.report import Clock, VerificationReport
 from converter.verification.task_check import TaskCheck, is_causal_lm, trained_class
-from converter.verification.heap import reused_heap
 from converter.verification.warmup import import_peft, wait
 
 MODES = ("quick", "full")
