@@ -9,6 +9,7 @@ package converted by scripts/build_fixtures.py.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -18,14 +19,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # its own torch work on two cores, where spinning waiters took 4x the CPU (measured on SmolLM2 generation).
 # Set before torch loads its OpenMP runtime; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from model_helpers import run_cli  # noqa: E402
-
 # Under pytest-xdist (`make test` runs `-n 2`), each worker gets a temp folder of its own (TMPDIR, inherited by the
 # processes it starts): converter removes the temp folders of runs that are gone from the temp folder it uses, and
 # a test that kills a run and then sees its leftovers removed must not have the other worker's run remove them, nor
@@ -34,6 +27,16 @@ WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER:
     os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"cvt-{WORKER}-")  # short: AF_UNIX paths must fit 107 bytes
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+# With a worker per core, one torch thread each (subprocesses too): a second one mostly waits for a core the other
+# worker holds (test_smollm2.py on two busy cores: 45 s with one thread or two, 7% less CPU with one; measured).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from model_helpers import run_cli  # noqa: E402
 
 
 def pytest_unconfigure(config):
@@ -68,7 +71,6 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return _run
-
 
 
 @pytest.fixture
