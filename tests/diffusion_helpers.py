@@ -10,7 +10,6 @@ import json
 import logging
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -211,11 +210,3 @@ def assert_matches(ours: dict, reference: dict, base: dict, atol: float = 2e-6) 
     assert changed > 0
     return changed
 
-
-@pytest.fixture(autouse=True)
-def few_images(monkeypatch):
-    """One image of two steps per verification: enough to compare pictures, cheap on a CPU (import it to use)."""
-    import converter.verification.diffusion as diffusion
-
-    monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
-    monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)

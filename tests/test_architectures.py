@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from model_helpers import (
     load_merged,
     logits,
     make_adapter,

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import make_adapter, make_base
 from diffusion_helpers import TE_TARGETS, kohya_lora, kohya_modules, save, tiny_clip
+from model_helpers import make_adapter, make_base
 
 from converter.batch.job_list import Job, jobs_from_search, load_jobs
 from converter.batch.run import STOP_ENV

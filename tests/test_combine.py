@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 from safetensors.torch import load_file
 
 from converter.engine.ties_dare import dare_mask

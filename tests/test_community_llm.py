@@ -6,8 +6,8 @@ from __future__ import annotations
 import shutil
 
 import torch
-from conftest import make_adapter, make_base, peft_merged_fp64, read_tensors
 from diffusion_helpers import TE_TARGETS, kohya_lora, kohya_modules, save, tiny_clip
+from model_helpers import make_adapter, make_base, peft_merged_fp64, read_tensors
 
 
 def test_kohya_text_encoder_lora_into_a_clip_folder(tmp_path, cli):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import load_merged, logits, make_adapter, make_base, reference_model, token_ids
+from model_helpers import load_merged, logits, make_adapter, make_base, reference_model, token_ids
 from safetensors.torch import load_file, save_file
 
 from converter.methods.extraction import extract_factors

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
+from model_helpers import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
 
 
 def merge_and_compare(tmp_path, cli, base, adapters, weights=None, atol=2e-5, extra=()):

@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import make_adapter, make_base, run_cli
+from model_helpers import make_adapter, make_base, run_cli
 
 from converter.errors import BadInputError, MissingExtraError, VerificationFailed
 from converter.gguf import arch, export, llama, proof, write

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_adapter, make_base, read_tensors, run_cli
+from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
 from converter.testing.hub import HubServer, client_env, run_client
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_adapter, make_base, read_tensors, run_cli
+from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.jobs.pipeline import pipelined_shard_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 
 
 def test_inspect_adapter(tmp_path, cli):

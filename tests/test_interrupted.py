@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 
 from converter.errors import ConverterError
 from converter.io import scratch

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 from safetensors.torch import load_file, save_file
 
 from converter.testing.hub import HubServer, run_client

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from conftest import load_merged, logits, read_tensors, reference_model
+from model_helpers import load_merged, logits, read_tensors, reference_model
 from safetensors.torch import load_file, save_file
 
 E, R, ALPHA = 4, 2, 6

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
+from model_helpers import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
 
 
 def qlora_reference(base, adapter, quant="nf4", double_quant=True):

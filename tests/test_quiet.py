@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 
 from converter.cli import quiet
 from converter.io import progress

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 from safetensors.torch import load_file
 
 EPS32 = float(np.finfo(np.float32).eps)

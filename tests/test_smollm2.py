@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from model_helpers import run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from build_fixtures import cache_dir, is_complete  # noqa: E402

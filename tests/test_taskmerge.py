@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_adapter, make_base, read_tensors
+from model_helpers import make_adapter, make_base, read_tensors
 
 from converter.engine.ties_dare import dare_mask
 

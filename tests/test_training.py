@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_merged, logits, peft_merged_fp64, read_tensors, reference_model
+from model_helpers import load_merged, logits, peft_merged_fp64, read_tensors, reference_model
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -368,7 +368,7 @@ def test_push_publishes_a_training_checkpoint(ckpts, tmp_path):
         assert {"model.safetensors", "config.json", "README.md", "converter_provenance.json"} <= set(files)
         pushed = load(hub.read_file("alice/rl-run", "model.safetensors"))
         local = tmp_path / "local"
-        from conftest import run_cli
+        from model_helpers import run_cli
 
         assert run_cli("merge", "--base", ckpts / "lora/actor", "--out", local, "--no-verify") == 0
         assert (local / "model.safetensors").read_bytes() == hub.read_file("alice/rl-run", "model.safetensors")

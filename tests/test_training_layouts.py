@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_merged, logits, read_tensors, reference_model
+from model_helpers import load_merged, logits, read_tensors, reference_model
 
 pytest.importorskip("torch.distributed.fsdp")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 from safetensors.torch import load_file, save_file
 
 

@@ -13,13 +13,14 @@ import torch
 from diffusion_helpers import (
     TE_TARGETS,
     UNET_TARGETS,
-    few_images,  # noqa: F401 (autouse: one cheap image per check)
     kohya_lora,
     kohya_modules,
     make_pipeline,
     save,
 )
 from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.usefixtures("few_images")  # one cheap image per check (conftest)
 
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.{}.transformer_blocks.0.attn1.to_q.weight"

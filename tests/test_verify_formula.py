@@ -12,7 +12,6 @@ import pytest
 import torch
 from diffusion_helpers import (
     UNET_TARGETS,
-    few_images,  # noqa: F401 (autouse: one cheap image per check)
     kohya_lora,
     kohya_modules,
     make_pipeline,
@@ -22,6 +21,8 @@ from diffusion_helpers import (
 from safetensors.torch import load_file, save_file
 from test_community_lycoris import CASES
 from test_community_sd import sd15_lora, to_ldm
+
+pytestmark = pytest.mark.usefixtures("few_images")  # one cheap image per check (conftest)
 
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_adapter, make_base, peft_merged_fp64, read_tensors
+from model_helpers import make_adapter, make_base, peft_merged_fp64, read_tensors
 
 from converter.testing.hub import HubServer, client_env
 from converter.verification.judge import judge

@@ -37,6 +37,12 @@ def wheelhouse() -> Path:
     return folder
 
 
+def user_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) as a user's shell would have it: no PYTHONPATH, which would put this
+    checkout (or the test run's own packages) on the fresh venv's path and hide what the venv itself holds."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTHONPATH"}
+
+
 class Venv:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -58,14 +64,15 @@ class Venv:
                str(wheelhouse()), "--no-compile", "--disable-pip-version-check", "--no-input", *options]  # fmt: skip
         if constraints:
             cmd += ["-c", str(CONSTRAINTS)]
-        proc = subprocess.run([*cmd, *map(str, requirements)], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([*cmd, *map(str, requirements)], capture_output=True, text=True, timeout=900,
+                              env=user_env())  # fmt: skip
         assert proc.returncode == 0, f"{' '.join(cmd)} {requirements}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
     def run(self, *args: str | Path, env: dict[str, str], cwd: Path, timeout: float = 900):
         """A command of this venv (`converter`, `python`), with bytecode written: the first process compiles what it
         imports (nothing is compiled at install), the later ones and the copies made after it reuse that."""
-        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env = {k: v for k, v in user_env(env).items() if k != "PYTHONDONTWRITEBYTECODE"}
         command = [str(self.path / "bin" / str(args[0])), *map(str, args[1:])]
         return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
@@ -75,13 +82,14 @@ class Venv:
                 "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version "
                 "for d in m.distributions()}))")  # fmt: skip
         # run from the venv's folder: from a checkout, `-c` would also list the checkout's own converter.egg-info
-        out = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, check=True, cwd=self.path)
+        out = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True, check=True, cwd=self.path,
+                             env=user_env())  # fmt: skip
         return json.loads(out.stdout)
 
     def check(self) -> None:
         """pip check: every installed package's requirements are met."""
         proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(self.python), "check"],
-                              capture_output=True, text=True, cwd=self.path)  # fmt: skip
+                              capture_output=True, text=True, cwd=self.path, env=user_env())  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
     def size(self) -> int:

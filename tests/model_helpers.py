@@ -1,0 +1,136 @@
+"""Tiny causal LMs built from configs, PEFT adapters with non-zero weights, PEFT as the oracle, and the CLI
+in-process: the plain functions the LLM tests share (the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from converter.cli import main
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers as tf
+
+    if arch == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2, **overrides
+        )
+    cls = {
+        "llama": tf.LlamaConfig,
+        "mistral": tf.MistralConfig,
+        "qwen2": tf.Qwen2Config,
+        "qwen3": tf.Qwen3Config,
+        "gemma2": tf.Gemma2Config,
+        "gemma3_text": tf.Gemma3TextConfig,
+        "phi3": tf.Phi3Config,
+    }[arch]
+    extra = {"head_dim": 16} if arch in ("gemma2", "gemma3_text", "qwen3") else {}
+    if arch == "phi3":
+        extra["pad_token_id"] = 0
+    return cls(**{**SMALL, **extra, **overrides})
+
+
+def make_base(
+    folder: Path, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).to(dtype)
+    with torch.no_grad():  # norms start at 1 / 0: make them non-trivial so a wrong mapping shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_adapter(base: Path, folder: Path, seed: int = 1, **lora) -> Path:
+    """A PEFT adapter whose every trainable tensor is random and non-zero (so no part of the merge is a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora.setdefault("target_modules", "all-linear")
+    lora.setdefault("init_lora_weights", False)
+    peft_model = get_peft_model(model, LoraConfig(**lora))
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def reference_model(
+    base: Path, adapters: list[Path], weights: list[float] | None = None, dtype: torch.dtype = torch.float32
+):
+    """PEFT's own unmerged model: base + adapters (each scaled by its weight), all active."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    names = [f"a{i}" for i in range(len(adapters))]
+    model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+    for name, path in zip(names[1:], adapters[1:], strict=True):
+        model.load_adapter(path, adapter_name=name)
+    if len(names) > 1:
+        model.base_model.set_adapter(names)
+    for name, w in zip(names, weights or [1.0] * len(names), strict=True):
+        for module in model.modules():
+            if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+                module.set_scale(name, w)
+    return model.eval()
+
+
+def load_merged(folder: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def token_ids(vocab: int = 256, batch: int = 2, length: int = 16, seed: int = 3) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits.float()
+
+
+def peft_merged_fp64(base: Path, adapter: Path) -> dict[str, torch.Tensor]:
+    """PEFT's merge_and_unload done in float64: the exact reference, to be rounded once by the caller."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64), adapter)
+    return {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def run_cli(*args: str | Path) -> int:
+    return main([str(a) for a in args])
