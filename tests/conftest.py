@@ -42,9 +42,8 @@ def tiny_config(arch: str, **overrides):
     import transformers as tf
 
     if arch == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2, **overrides
-        )
+        small = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2)
+        return tf.GPT2Config(**{**small, **overrides})
     cls = {
         "llama": tf.LlamaConfig,
         "mistral": tf.MistralConfig,
