@@ -445,32 +445,90 @@ def test_a_hub_model_to_gguf_from_the_command_line_prints_only_its_own_lines(tin
     assert f"wrote {tmp_path / 'o' / 'tiny-llama-Q8_0.gguf'}" in proc.stdout
 
 
-def test_push_with_gguf_publishes_proven_files_to_repo_gguf_in_one_commit(tiny_llama, tmp_path):
+# The CLI in a subprocess: huggingface_hub reads HF_ENDPOINT when it is imported. A sabotaged run patches the writer
+# (Q/K rows not reordered) in that process before the CLI starts.
+SABOTAGED = """
+import sys
+from converter.gguf import arch
+arch.permute = lambda w, n: w
+from converter.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture
+def hub_cli(tmp_path):
     from converter.testing.hub import HubServer, client_env
 
     token = "hf_fake_alice_gguf_0123456789"
     server = HubServer(tmp_path / "hub").start()
-    try:
-        server.add_user("alice", token)
-        env = client_env(server, token)
+    server.add_user("alice", token)
+    env = client_env(server, token)
 
-        def converter(*args):
-            return subprocess.run([sys.executable, "-m", "converter", *map(str, args)], capture_output=True, text=True,
-                                  env=env, timeout=600)  # fmt: skip
+    def converter(*args, sabotaged: bool = False):
+        head = ["-c", SABOTAGED] if sabotaged else ["-m", "converter"]
+        return subprocess.run([sys.executable, *head, *map(str, args)], capture_output=True, text=True, env=env,
+                              timeout=600)  # fmt: skip
 
-        refused = converter("push", "--repo", "alice/tiny", "--base", tiny_llama, "--adapter", "x", "--gguf", "Q8_0")
-        assert refused.returncode == 2 and "push --gguf needs --from FOLDER" in refused.stderr
-        proc = converter("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0")
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        assert "GGUF: pushed: " in proc.stdout
-        assert set(server.files("alice/tiny-GGUF")) - {".gitattributes"} == {"README.md", "gguf-proof.json",
-                                                                              "tiny-Q8_0.gguf"}  # fmt: skip
-        readme = server.read_file("alice/tiny-GGUF", "README.md").decode()
-        assert "base_model: alice/tiny\n" in readme and "- gguf\n" in readme
-        assert "llama-cli -hf alice/tiny-GGUF:Q8_0" in readme
-        assert "| `tiny-Q8_0.gguf` | Q8_0 |" in readme and "behaviour: llama.cpp's logits differ" in readme
-        assert "config.json" in server.files("alice/tiny")  # the safetensors repo as a push makes it
-        titles = [c.title for c in server.repo("alice/tiny-GGUF").commits.values()]
-        assert titles.count("Upload GGUF files (converter)") == 1 and len(titles) <= 2  # (+ the Hub's initial commit)
-    finally:
-        server.stop()
+    converter.server = server
+    yield converter
+    server.stop()
+
+
+def assert_gguf_repo(server, repo: str, base_repo: str, stem: str) -> None:
+    """REPO-GGUF as a push makes it: the files, the proof and a card in the Hub's GGUF conventions, one commit."""
+    assert set(server.files(repo)) - {".gitattributes"} == {"README.md", "gguf-proof.json", f"{stem}-Q8_0.gguf"}
+    readme = server.read_file(repo, "README.md").decode()
+    assert f"base_model: {base_repo}\n" in readme and "- gguf\n" in readme
+    assert f"llama-cli -hf {repo}:Q8_0" in readme
+    assert f"| `{stem}-Q8_0.gguf` | Q8_0 |" in readme and "tensors: " in readme
+    titles = [c.title for c in server.repo(repo).commits.values()]
+    assert titles.count("Upload GGUF files (converter)") == 1 and len(titles) <= 2  # (+ the Hub's initial commit)
+
+
+def test_push_from_a_folder_with_gguf_publishes_proven_files_to_repo_gguf(tiny_llama, hub_cli):
+    proc = hub_cli("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "GGUF: pushed: " in proc.stdout
+    assert_gguf_repo(hub_cli.server, "alice/tiny-GGUF", "alice/tiny", "tiny")
+    readme = hub_cli.server.read_file("alice/tiny-GGUF", "README.md").decode()
+    assert ("behaviour: llama.cpp's logits differ" in readme) == llama.available()
+    assert "config.json" in hub_cli.server.files("alice/tiny")  # the safetensors repo as a push makes it
+
+
+def test_push_with_gguf_merges_verifies_proves_and_publishes_both_repos(tiny_llama, hub_cli, tmp_path):
+    """base + LoRA on the Hub to a verified safetensors repo and a proven GGUF repo in one command; the GGUF is the
+    merge's (its tensors are the merged ones), not the base's."""
+    adapter = make_adapter(tiny_llama, tmp_path / "lora", r=2)
+    hub_cli.server.seed_folder("alice/base", tiny_llama)
+    hub_cli.server.seed_folder("alice/lora", adapter)
+    proc = hub_cli("push", "--repo", "alice/merged", "--base", "alice/base", "--adapter", "alice/lora",
+                   "--gguf", "Q8_0")  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "  tensors: ok: " in proc.stdout and "GGUF: pushed: " in proc.stdout
+    assert "model.safetensors" in hub_cli.server.files("alice/merged")
+    assert_gguf_repo(hub_cli.server, "alice/merged-GGUF", "alice/merged", "merged")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (merged / name).write_bytes(hub_cli.server.read_file("alice/merged", name))
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(hub_cli.server.read_file("alice/merged-GGUF", "merged-Q8_0.gguf"))
+    family = arch.FAMILIES["llama"]
+    assert proof.prove_tensors(gguf.GGUFReader(gguf_file), export.open_source(merged), family, "Q8_0").passed
+    assert not proof.prove_tensors(gguf.GGUFReader(gguf_file), export.open_source(tiny_llama), family, "Q8_0").passed
+
+
+def test_push_with_gguf_whose_proof_fails_publishes_nothing(tiny_llama, hub_cli, tmp_path):
+    adapter = make_adapter(tiny_llama, tmp_path / "lora", r=2)
+    hub_cli.server.seed_folder("alice/base", tiny_llama)
+    hub_cli.server.seed_folder("alice/lora", adapter)
+    proc = hub_cli("push", "--repo", "alice/merged", "--base", "alice/base", "--adapter", "alice/lora", "--no-verify",
+                   "--gguf", "Q8_0", sabotaged=True)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "tensors proof failed: blk.0.attn_k.weight (model.layers.0.self_attn.k_proj.weight)" in proc.stderr
+    assert not hub_cli.server.exists("alice/merged") and not hub_cli.server.exists("alice/merged-GGUF")
+    proc = hub_cli("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0",
+                   sabotaged=True)  # fmt: skip
+    assert proc.returncode == 3 and "tensors proof failed" in proc.stderr
+    assert not hub_cli.server.exists("alice/tiny") and not hub_cli.server.exists("alice/tiny-GGUF")
