@@ -44,7 +44,10 @@ def file_stem(name: str) -> str:
 
 
 def resolve_source(spec: str | Path, token: str | None = None) -> Path:
-    """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
+    """A local folder as it is (also where only Hub sources are taken: the Space's merged folder); a Hub id fetched
+    (config, tokenizer, safetensors) into the HF cache."""
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser()
     from converter.sources import fetch
 
     return Path(fetch(str(spec), "model", token).local)

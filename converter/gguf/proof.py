@@ -19,6 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
 from converter.gguf.write import QTYPE, _stored_type
@@ -97,6 +98,10 @@ def reference(source: Source, with_logits: bool) -> Reference:
         texts.append(("chat template", tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                       False))  # fmt: skip
     ids = [tok(text, add_special_tokens=special)["input_ids"] for _, text, special in texts]
+    vocab_size = int(source.config.get("vocab_size") or 0)
+    if vocab_size and max(max(i, default=0) for i in ids) >= vocab_size:
+        raise BadInputError(f"{source.folder}: the tokenizer gives ids beyond the model's vocab_size {vocab_size}",
+                            file=source.folder)  # fmt: skip
     ref = Reference(texts, ids)
     if with_logits:
         import torch

@@ -29,12 +29,16 @@ def _pretokenizers() -> dict:
 
 
 def load_tokenizer(folder: Path):
+    """transformers' tokenizer of the folder; a folder without one (or one transformers cannot load) in one line."""
     from transformers import AutoTokenizer
 
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise BadInputError(f"{folder}: no tokenizer.json or tokenizer.model: a GGUF needs the tokenizer", file=folder)
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        raise BadInputError(f"{folder}: cannot load its tokenizer ({e})", file=folder) from None
+        reason = " ".join(str(e).split())
+        raise BadInputError(f"{folder}: cannot load its tokenizer ({reason})", file=folder) from None
 
 
 def pre_tokenizer(tokenizer, folder: object) -> str:
