@@ -52,10 +52,13 @@ def tiny_config(arch: str, **overrides):
         "gemma2": tf.Gemma2Config,
         "gemma3_text": tf.Gemma3TextConfig,
         "phi3": tf.Phi3Config,
+        "mixtral": tf.MixtralConfig,
     }[arch]
     extra = {"head_dim": 16} if arch in ("gemma2", "gemma3_text", "qwen3") else {}
     if arch == "phi3":
         extra["pad_token_id"] = 0
+    if arch == "mixtral":
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
     return cls(**{**SMALL, **extra, **overrides})
 
 

@@ -68,6 +68,7 @@ TINY = {
     "gemma3_text": lambda f: tiny(f, "gemma3_text", query_pre_attn_scalar=16),
     "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),
     "gpt2": lambda f: tiny(f, "gpt2", n_ctx=128),  # llama.cpp's converter reads n_ctx, as GPT-2's own config has it
+    "mixtral": lambda f: tiny(f, "mixtral"),  # 4 experts, 2 per token: saved one by one, stacked in the GGUF
 }
 
 
@@ -212,8 +213,9 @@ def test_the_q4_k_m_file_is_llama_cpps_quantization(exported):
 
 
 # (model_type, type) of the tiny models compared with llama.cpp's converter's files: each architecture in F32, and
-# in Q8_0 those whose tensors change shape or values on the way (GPT-2's transposed, Gemma's norms, Phi-3's fused)
-TINY_FILES = [(t, "F32") for t in TINY] + [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0")]
+# in Q8_0 those whose tensors change shape or values on the way (GPT-2's transposed, Gemma's norms, Phi-3's fused,
+# Mixtral's stacked experts)
+TINY_FILES = [(t, "F32") for t in TINY] + [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0"), ("mixtral", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +334,19 @@ def test_a_tensor_written_as_hugging_face_stores_it_fails_the_tensor_proof(model
     assert f"tensors proof failed: {named}: " in message and "as llama.cpp stores it" in message
 
 
+def test_a_moe_layer_missing_an_expert_is_refused_before_writing(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = TINY["mixtral"](tmp_path / "mixtral")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    wrong = r"layers.1.block_sparse_moe.experts.w3.weight has experts \[0, 1, 3\], config.json says 4 \(num_local"
+    with pytest.raises(BadInputError, match=wrong):
+        export.export(folder, ["F32"], tmp_path / "out", log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
 @needs_llama
 def test_unpermuted_rows_also_fail_the_behaviour_proof(merged, tmp_path, monkeypatch):
     """Even if the tensors were read back the same wrong way, llama.cpp's logits show it (on SmolLM2: a tiny random
@@ -376,7 +391,7 @@ def test_an_unsupported_architecture_is_one_line_before_anything_is_written(tmp_
     code, out, err = cli("gguf", folder, "--type", "Q8_0", "--out", tmp_path / "out")
     assert code == 2 and out == ""
     assert err == (f"error: {folder}: GGUF export does not support model_type 'gpt_neox' yet "
-                   "(supported: gemma2, gemma3_text, gpt2, llama, mistral, phi3, qwen2, qwen3)\n")  # fmt: skip
+                   "(supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3)\n")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 

@@ -11,7 +11,8 @@ line, before anything is written.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import gguf
@@ -90,6 +91,9 @@ def _llama_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
     rope = rope_parameters(config)
     if rope.get("rope_theta") is not None:
         w.add_rope_freq_base(float(rope["rope_theta"]))
+    if config.get("num_local_experts") is not None:
+        w.add_expert_count(int(config["num_local_experts"]))
+        w.add_expert_used_count(int(config["num_experts_per_tok"]))
     _head_length(w, config)
     if family.vocab_size_key:
         w.add_vocab_size(int(config["vocab_size"]))
@@ -170,11 +174,13 @@ class Family:
     norm_plus_one: bool = False  # Gemma's RMSNorm multiplies by (1 + weight): llama.cpp stores weight + 1
     transposed: tuple[str, ...] = ()  # GPT-2's Conv1D weights, stored (in, out): llama.cpp takes (out, in)
     tied_head: tuple[str, str] | None = None  # (head, embeddings): a head llama.cpp drops and takes from the embeddings
+    experts: bool = False  # a MoE layer's experts, saved one by one, are stacked per projection: (experts, out, in)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True, vocab_size_key=True, llama_hf_vocab=True),
     "mistral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True, vocab_size_key=True, llama_hf_vocab=True),
+    "mixtral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True, vocab_size_key=True, llama_hf_vocab=True, experts=True),
     "qwen2": Family(gguf.MODEL_ARCH.QWEN2),
     "qwen3": Family(gguf.MODEL_ARCH.QWEN3),
     "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, _gemma2_metadata, norm_plus_one=True,
@@ -253,6 +259,9 @@ def expected_metadata(config: dict, family: Family) -> dict[str, object]:
         want[f"{a}.rope.freq_base_swa"] = swa_rope_theta(c)
     if family.arch == gguf.MODEL_ARCH.PHI3:
         want[f"{a}.rope.dimension_count"] = rope_dimensions(c)
+    if family.experts:
+        want[f"{a}.expert_count"] = c["num_local_experts"]
+        want[f"{a}.expert_used_count"] = c["num_experts_per_tok"]
     return want
 
 
@@ -316,6 +325,33 @@ def transform(hf_name: str, config: dict, family: Family) -> Transform | None:
     else:
         return None
     return Transform(lambda w: permute(w, n), lambda w: unpermute(w, n))
+
+
+_EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<expert>\d+)\.(?P<part>[^.]+)\.weight$")
+
+
+def tensor_groups(names: Iterable[str], config: dict, family: Family, where: object) -> dict[str, tuple[str, ...]]:
+    """The source tensors as the GGUF holds them, in order: each on its own (name -> (name,)), except a MoE layer's
+    experts, stacked per projection into one tensor named as gguf's map knows it
+    (`...experts.w1.weight` -> (`...experts.0.w1.weight`, `...experts.1.w1.weight`, ...)); an expert missing from
+    a layer is named."""
+    out: dict[str, tuple[str, ...]] = {}
+    stacks: dict[str, dict[int, str]] = {}
+    for name in names:
+        match = _EXPERT.match(name) if family.experts else None
+        if match is None:
+            out[name] = (name,)
+            continue
+        key = f"{match['layer']}.{match['part']}.weight"
+        out.setdefault(key, ())
+        stacks.setdefault(key, {})[int(match["expert"])] = name
+    n = int(config.get("num_local_experts") or 0)
+    for key, members in stacks.items():
+        if sorted(members) != list(range(n)):
+            raise BadInputError(f"{where}: {key} has experts {sorted(members)}, config.json says {n} "
+                                "(num_local_experts)", file=where)  # fmt: skip
+        out[key] = tuple(members[e] for e in range(n))
+    return out
 
 
 SKIPPED = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias", ".attn.masked_bias", ".attn.bias")

@@ -134,7 +134,7 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
     tmap = gguf.get_tensor_name_map(family.arch, n)
     expected: set[str] = set()
     worst = (0.0, "")
-    for hf_name, entry in source.tensors.items():
+    for hf_name, members in arch.tensor_groups(source.tensors, source.config, family, source.folder).items():
         if hf_name.endswith(arch.SKIPPED):
             continue
         if family.tied_head and hf_name == family.tied_head[0]:
@@ -148,12 +148,14 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
         if name not in found:
             return Part("tensors", False, f"{name} ({hf_name}) is missing from the file")
         t = found[name]
-        transform = arch.transform(hf_name, source.config, family)
-        shape = transform.shape(entry.shape) if transform else entry.shape
+        stacked = members != (hf_name,)  # a MoE layer's experts, one (experts, out, in) tensor
+        transform = None if stacked else arch.transform(hf_name, source.config, family)
+        shape = (len(members), *source.tensors[members[0]].shape) if stacked else source.tensors[hf_name].shape
+        shape = transform.shape(shape) if transform else shape
         stored_shape = tuple(int(d) for d in reversed(t.shape))
         if stored_shape != shape:
             return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, expected {shape}")
-        src = source.read(hf_name)
+        src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
         got = _read_back(t).reshape(shape)
         order = "in Hugging Face row order"
         if transform and transform.to_hf:  # a row order: read back through its inverse, independent of the writer
