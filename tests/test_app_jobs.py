@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conftest import make_adapter, make_base
 from safetensors.torch import save_file
 
 from converter.app.check import Limits, _sparse_standin
@@ -235,7 +236,7 @@ work = Path({str(tmp_path)!r}) / "jobs"
 stages, lines = [], []
 try:
     r = run_job(JobRequest(**{request!r}), {token!r}, workroot=work, stage=stages.append, log=lines.append)
-    out = dict(url=r.url, pr=r.pr_url, changed=r.changed, card=r.card, report=r.report)
+    out = dict(url=r.url, pr=r.pr_url, changed=r.changed, card=r.card, report=r.report, gguf=r.gguf_url)
 except ConverterError as e:
     out = dict(error=str(e))
 result(dict(out, stages=stages, log=lines, left=[p.name for p in work.iterdir()] if work.exists() else []))
@@ -274,6 +275,34 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     assert not [line for line in first["log"] if "trained on" in line], first["log"]
     leaks = [x for x in first["log"] + second["log"] if str(tmp_path) in x or "converter-" in x or "/tmp" in x]
     assert not leaks and any(line.startswith("wrote jobs-pr ") for line in first["log"]), first["log"]
+
+
+def test_run_job_with_a_gguf_type_pushes_a_proven_gguf_repo_or_nothing(hub, tmp_path):
+    """The GGUF choice (off by default): the merged model also as a proven GGUF in REPO-GGUF, one commit there. A
+    base llama.cpp cannot take (the demo's tiny base has no tokenizer) fails before the commit: neither repo."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_fixtures import cache_dir
+
+    assert JobRequest(base="a/b", adapters="c/d").gguf == "none"
+    with pytest.raises(ConverterError, match="GGUF type 'Q9_X': choose one of none, F32, F16, BF16, Q8_0, "):
+        JobRequest(base="a/b", adapters="c/d", gguf="Q9_X").recipe()
+    base = make_base(tmp_path / "base", "llama", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((cache_dir() / "smollm2-135m-instruct" / name).read_bytes())
+    hub.seed_folder("demo/tiny-tokenized", base)
+    hub.seed_folder("demo/tiny-tokenized-lora", make_adapter(base, tmp_path / "lora", r=2))
+    out = _run_job(hub, tmp_path, MOCK_TOKEN, base="demo/tiny-tokenized", adapters="demo/tiny-tokenized-lora",
+                   repo_id="demo/jobs-gguf", verify=False, gguf="Q8_0")  # fmt: skip
+    assert out.get("error") is None and out["gguf"] == f"{hub.url}/demo/jobs-gguf-GGUF", out
+    assert set(hub.files("demo/jobs-gguf-GGUF")) - {".gitattributes"} == {"README.md", "gguf-proof.json",
+                                                                          "jobs-gguf-Q8_0.gguf"}  # fmt: skip
+    assert "model.safetensors" in hub.files("demo/jobs-gguf") and out["left"] == []
+    assert any(line.startswith("GGUF: pushed: ") for line in out["log"])
+    assert any(line.startswith("  tensors: ok: ") for line in out["log"])
+    failed = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=LORA, repo_id="demo/jobs-gguf-no", verify=False,
+                      gguf="Q8_0")  # fmt: skip
+    assert "no tokenizer.json or tokenizer.model: a GGUF needs the tokenizer" in failed["error"], failed
+    assert not hub.exists("demo/jobs-gguf-no") and not hub.exists("demo/jobs-gguf-no-GGUF") and failed["left"] == []
 
 
 def test_public_paths_show_repo_names_only(tmp_path):

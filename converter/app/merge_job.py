@@ -17,6 +17,7 @@ from pathlib import Path
 from converter.app.check import check
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import ConverterError, HubError, UsageError
+from converter.gguf.types import ALL_TYPES as ALL_GGUF_TYPES
 from converter.hub import client as hub
 from converter.hub.publish import check_repo_id
 from converter.hub.sources import job_sources
@@ -27,6 +28,7 @@ from converter.jobs.pipeline import push
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
+GGUF_CHOICES = ("none", *ALL_GGUF_TYPES)  # "none": no GGUF (the default)
 
 
 @dataclass
@@ -42,6 +44,7 @@ class JobRequest:
     prompts: str = ""
     private: bool = False
     create_pr: bool = False
+    gguf: str = "none"  # also a GGUF of this type, proven, in REPO-GGUF
 
     def recipe(self) -> Recipe:
         base = self.base.strip()
@@ -49,6 +52,8 @@ class JobRequest:
             raise UsageError("base model: give a Hub repo id like org/name")
         if self.dtype not in DTYPES:
             raise UsageError(f"output dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.gguf not in GGUF_CHOICES:
+            raise UsageError(f"GGUF type {self.gguf!r}: choose one of {', '.join(GGUF_CHOICES)}")
         return Recipe(
             base=base,
             adapters=parse_adapters(self.adapters),
@@ -71,6 +76,7 @@ class JobResult:
     card: str
     log: list[str] = field(default_factory=list)
     images: list[tuple[object, str]] = field(default_factory=list)  # (PIL image, caption): diffusion side by side
+    gguf_url: str | None = None  # REPO-GGUF, when a GGUF was asked for
 
 
 def report_images(folder: Path, report: dict | None) -> list[tuple[object, str]]:
@@ -229,11 +235,14 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         # The page shows the greedy continuations side by side: the full check (same verdict as quick)
         verify = {"prompts": request.prompt_list(), "mode": "full"} if request.verify else None
         published: dict = {}
+        gguf = _pending_gguf(request, repo_id, tmp, say)
 
         def finished(folder: Path) -> None:  # the job folder goes with the push: read what the page shows now
             published["report"] = read_report(folder) if request.verify else None
             published["card"] = (folder / "README.md").read_text()
             published["images"] = report_images(folder, published["report"])
+            if gguf is not None:  # written and proven before the commit: a failed proof commits nothing
+                gguf.export(folder)
 
         result = push(
             repo_id,
@@ -246,9 +255,25 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
             stage=stage,
             finished=finished,
             log=say,
+            keep_output=gguf is not None,
         )
-    say(result.summary())
+        say(result.summary())
+        if gguf is not None:
+            pushed = gguf.push(repo_id, token=token, private=request.private)
+            published["gguf_url"] = pushed.url
+            say(f"GGUF: {pushed.summary()}")
     return JobResult(
         repo_id, result.url, result.pr_url, result.commit, result.changed, published.get("report"),
-        published.get("card", ""), lines, published.get("images", []),
+        published.get("card", ""), lines, published.get("images", []), published.get("gguf_url"),
     )  # fmt: skip
+
+
+def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[str], None]):
+    """The GGUF choice: its type and the extra it needs checked before the job starts (the architecture when the
+    merged folder is there, still before the commit)."""
+    if request.gguf == "none":
+        return None
+    from converter.gguf.cli import check_merge_gguf
+    from converter.gguf.publish import PendingGGUF
+
+    return PendingGGUF(check_merge_gguf(request.gguf, None), repo_id.split("/")[1], say, workdir=tmp)

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_push.add_argument("--overwrite", action="store_true", help="replace the model already in the repo")
     p_push.add_argument("--no-verify", action="store_true", help="skip verification before the upload")
     p_push.add_argument("--gguf", metavar="TYPE[,TYPE...]",
-                        help="with --from: also GGUF files of these types, proven first, into the repo REPO-GGUF")
+                        help="also GGUF files of these types, proven before anything is committed, into the repo "
+                        "REPO-GGUF")  # fmt: skip
     _verify_options(p_push)
 
     v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
@@ -415,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
         if args.gguf:
             from converter.cli.gguf import prepare_push_gguf
 
-            gguf = prepare_push_gguf(args, log=_log)  # written and proven before anything is uploaded
+            gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
         try:
             result = push(
                 args.repo,
@@ -427,6 +428,8 @@ def run(args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 verify=settings,
                 log=_log,
+                finished=gguf.export if gguf and recipe else None,  # a merge's GGUF, proven before the commit
+                keep_output=gguf is not None,
             )
             _log(result.summary())
             if gguf is not None:

@@ -76,31 +76,26 @@ def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
 
 
-def prepare_push_gguf(args: argparse.Namespace, log: Callable[[str], None]):
-    """`push --from FOLDER --gguf TYPES`: export and prove into a temporary folder before any upload."""
-    import tempfile
-    from pathlib import Path
+def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
+    """`push --gguf TYPES`: types, extra and (for a local folder or base) architecture checked before anything
+    runs; from `--from FOLDER`, the files written and proven too (while merging: in the push, before its commit)."""
+    from converter.gguf.publish import PendingGGUF
 
-    from converter.errors import UsageError
-    from converter.gguf.export import export
+    gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base), args.repo.split("/")[-1], log)
+    if args.from_folder:
+        try:
+            gguf.export(args.from_folder)
+        except BaseException:
+            gguf.discard()
+            raise
+    return gguf
 
-    if not args.from_folder:
-        raise UsageError("push --gguf needs --from FOLDER (merge with --out first; merge --gguf writes GGUF locally)")
-    types = check_merge_gguf(args.gguf, args.from_folder)
-    folder = Path(args.from_folder)
-    out = Path(tempfile.mkdtemp(prefix="converter-gguf-push-")) / "gguf"
-    return export(folder, types, out, name=args.repo.split("/")[-1], log=log)
 
-
-def finish_push_gguf(result, args: argparse.Namespace, log: Callable[[str], None]) -> None:
-    from converter.gguf.publish import push_gguf
-
-    pushed = push_gguf(result, args.repo, token=args.token, private=args.private, log=log)
+def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    pushed = gguf.push(args.repo, token=args.token, private=args.private)
     log(f"GGUF: {pushed.summary()}")
 
 
-def discard_push_gguf(result) -> None:
-    import shutil
-
-    if result is not None:
-        shutil.rmtree(result.out.parent, ignore_errors=True)
+def discard_push_gguf(gguf) -> None:
+    if gguf is not None:
+        gguf.discard()

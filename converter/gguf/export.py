@@ -22,7 +22,7 @@ from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
-from converter.gguf.write import write_gguf
+from converter.gguf.write import plan, write_gguf
 from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
@@ -44,7 +44,10 @@ def file_stem(name: str) -> str:
 
 
 def resolve_source(spec: str | Path, token: str | None = None) -> Path:
-    """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
+    """A local folder as it is (also where only Hub sources are taken: the Space's merged folder); a Hub id fetched
+    (config, tokenizer, safetensors) into the HF cache."""
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser()
     from converter.hub.sources import fetch
 
     return Path(fetch(str(spec), "model", token).local)
@@ -58,6 +61,7 @@ def export(
     folder = resolve_source(source, token)
     src = open_source(folder)
     family = family_of(src.config, folder)
+    plan(src, family, "F32")  # every tensor has its place (headers only): refused before anything is loaded
     if needs_llama(types):
         llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
     out = Path(out)

@@ -66,6 +66,7 @@ def push(
     check_shard: Callable[[Shard], None] | None = None,
     stage: Callable[[str], None] = lambda name: None,
     finished: Callable[[Path], None] | None = None,
+    keep_output: bool = False,
 ) -> PushResult:
     """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
 
@@ -73,7 +74,8 @@ def push(
     recipe it was merged from) and nothing is committed when it fails. `check_shard` runs on every output shard
     before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
     each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
-    report written) just before the commit, while it still exists (a merging push's folder is temporary).
+    report written) just before the commit, while it still exists (a merging push's folder is temporary);
+    `keep_output` keeps every shard in it until then even without verification (`finished` reads them all).
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
@@ -88,7 +90,8 @@ def push(
         target = inspect_target(api, repo_id, token)
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
-            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log)
+            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,
+                                  keep_output)  # fmt: skip
     tmp = None
     try:
         if recipe is not None:
@@ -168,6 +171,7 @@ def _push_streamed(
     stage: Callable[[str], None],
     finished: Callable[[Path], None] | None,
     log: Callable[[str], None],
+    keep_output: bool = False,
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
     is then proven tensor by tensor before its upload: verify.shards)."""
@@ -200,7 +204,7 @@ def _push_streamed(
             ensure_repo=publication.ensure_repo,
             revision=publication.revision,
             create_pr=publication.new_pr,
-            keep=verify is not None,
+            keep=verify is not None or keep_output,
             check=check_shard,
             finished=base_stream.shard_done if base_stream else None,
             meter=meter,
