@@ -146,6 +146,7 @@ def test_a_built_wheel_ships_the_keymaps_inside_the_package(wheel, tmp_path):
 def test_space_deploy_uploads_the_keymaps_where_the_deployed_package_finds_them(tmp_path):
     files = space_files(ROOT)  # exactly what `converter space deploy` commits, path in the Space -> local file
     assert {f"converter/keymaps/{p.name}" for p in SHIPPED} <= set(files)
+    assert "converter/gguf/pretokenizers.json" in files  # the Space's GGUF choice names BPE pre-tokenizers by it
     space = tmp_path / "space"
     for name, local in files.items():
         (space / name).parent.mkdir(parents=True, exist_ok=True)

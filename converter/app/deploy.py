@@ -32,7 +32,7 @@ def space_files(source: Path) -> dict[str, Path]:
     files = {"app.py": app, "README.md": spaces / "README.md", "requirements.txt": spaces / "requirements.txt"}
     for path in sorted(package.rglob("*")):
         rel = path.relative_to(package).as_posix()
-        if path.is_file() and path.suffix in (".py", ".yaml") and not rel.startswith(SKIP) and rel not in SKIP:
+        if path.is_file() and path.suffix in (".py", ".yaml", ".json") and not rel.startswith(SKIP) and rel not in SKIP:
             files[f"converter/{rel}"] = path
     # where an installed wheel has them too: converter.engine.keymap.keymap_folder() finds them next to the package
     files.update({f"converter/keymaps/{path.name}": path for path in keymaps})

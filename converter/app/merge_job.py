@@ -273,7 +273,7 @@ def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[s
     merged folder is there, still before the commit)."""
     if request.gguf == "none":
         return None
-    from converter.gguf.cli import check_merge_gguf
+    from converter.gguf.export import check_merge_gguf
     from converter.gguf.publish import PendingGGUF
 
     return PendingGGUF(check_merge_gguf(request.gguf, None), repo_id.split("/")[1], say, workdir=tmp)

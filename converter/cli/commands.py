@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
             return _keep_adapter(args)
         recipe = _recipe_from_args(args)
         settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        from converter.cli.gguf import check_merge_gguf
+        from converter.gguf.export import check_merge_gguf
 
         gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
         if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)

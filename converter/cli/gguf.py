@@ -42,28 +42,6 @@ def merge_option(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
-    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
-    merge starts, so a refusal costs nothing."""
-    if not text:
-        return None
-    from pathlib import Path
-
-    from converter.gguf import llama
-    from converter.gguf.arch import family_of
-    from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types
-
-    types = parse_types(text)
-    if needs_llama(types):
-        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
-    config = Path(base or "") / "config.json"
-    if base and config.is_file():
-        import json
-
-        family_of(json.loads(config.read_text()), base)
-    return types
-
-
 def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
     """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF."""
     from pathlib import Path
@@ -79,6 +57,7 @@ def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
 def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
     """`push --gguf TYPES`: types, extra and (for a local folder or base) architecture checked before anything
     runs; from `--from FOLDER`, the files written and proven too (while merging: in the push, before its commit)."""
+    from converter.gguf.export import check_merge_gguf
     from converter.gguf.publish import PendingGGUF
 
     gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base), args.repo.split("/")[-1], log)

@@ -21,7 +21,7 @@ from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
-from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
+from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama, parse_types
 from converter.gguf.write import plan, write_gguf
 from converter.io.optional import install_hint
 
@@ -133,3 +133,17 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
         bad = next(p for p in fp.parts if not p.passed)
         raise VerificationFailed(f"{path.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
     return fp
+
+
+def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
+    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
+    merge starts, so a refusal costs nothing."""
+    if not text:
+        return None
+    types = parse_types(text)
+    if needs_llama(types):
+        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
+    config = Path(base or "") / "config.json"
+    if base and config.is_file():
+        family_of(json.loads(config.read_text()), base)
+    return types
