@@ -33,7 +33,8 @@ FILE_TYPE = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
 # llama.cpp keeps these in float32 whatever the file type (as its converter and its quantizer do)
-ALWAYS_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.TOKEN_TYPES)
+ALWAYS_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
+              gguf.MODEL_TENSOR.TOKEN_TYPES)  # fmt: skip
 
 
 @dataclass(frozen=True)
