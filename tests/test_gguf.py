@@ -58,6 +58,11 @@ def tiny(folder: Path, model_type: str, tokenizer_class: str | None = None, **ov
     return folder
 
 
+# Phi-3's long-context rope: one factor per rotary frequency (head_dim 16: 8), long and short. llama.cpp takes the
+# long ones when its context (a multiple of 256) exceeds the original one, transformers when the sequence does: with an
+# original context of 256 both take the short ones on the proof's texts.
+LONGROPE = {"type": "longrope", "long_factor": [1.0 + i / 2 for i in range(8)],
+            "short_factor": [1.0 + i / 8 for i in range(8)]}  # fmt: skip
 # A tiny model of each architecture, with a real tokenizer llama.cpp knows; Gemma's query_pre_attn_scalar as
 # llama.cpp computes it for models of this size (head_dim).
 TINY = {
@@ -68,6 +73,8 @@ TINY = {
     "gemma3_text": lambda f: tiny(f, "gemma3_text", query_pre_attn_scalar=16),
     "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),  # as Phi-4's (BPE)
     "phi3_spm": lambda f: tiny_llama_spm(f, "phi3"),  # as Phi-3's (SentencePiece)
+    "phi3_longrope": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer", max_position_embeddings=512,
+                                    original_max_position_embeddings=256, rope_scaling=LONGROPE),  # as Phi-3.5's
     "gpt2": lambda f: tiny(f, "gpt2", n_ctx=128),  # llama.cpp's converter reads n_ctx, as GPT-2's own config has it
     "mixtral": lambda f: tiny(f, "mixtral"),  # 4 experts, 2 per token: saved one by one, stacked in the GGUF
     "qwen2_moe": lambda f: tiny(f, "qwen2_moe"),  # + a shared expert and its gate

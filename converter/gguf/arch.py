@@ -128,17 +128,39 @@ def _gemma3_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
 
 
 def _phi3_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
-    """Phi-3: the rotary dimensions and the original context length; sliding window 0 where there is none."""
+    """Phi-3: the rotary dimensions and the original context length; sliding window 0 where there is none; for the
+    long-context models (longrope) the attention factor, their per-frequency factors being tensors
+    (`extra_tensors`)."""
     rope = rope_parameters(config)
-    if rope.get("long_factor") or (rope.get("rope_type") or "default").lower() != "default":
-        raise BadInputError("config.json: Phi-3's long-context rope scaling is not supported by GGUF export yet")
-    _sizes(w, config)
+    kind = (rope.get("rope_type") or "default").lower()
     original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if rope.get("long_factor"):
+        w.add_rope_scaling_attn_factors(_longrope_attention_factor(config, kind, original))
+    elif kind != "default":
+        raise BadInputError(f"config.json: Phi-3 with rope_type {kind!r} is not supported by GGUF export yet")
+    _sizes(w, config)
     if original is not None:
         w.add_rope_scaling_orig_ctx_len(int(original))
     w.add_rope_dimension_count(rope_dimensions(config))
     w.add_rope_freq_base(float(rope.get("rope_theta", ROPE_BASE_DEFAULT)))
     w.add_sliding_window(int(config.get("sliding_window") or 0))
+
+
+def _longrope_attention_factor(config: dict, kind: str, original: int | None) -> float:
+    """The attention scale of Phi-3's long-context rope, as llama.cpp's converter computes it from the context
+    lengths; its long and short factors must cover half the rotary dimensions."""
+    rope = rope_parameters(config)
+    if original is None:
+        raise BadInputError("config.json: Phi-3's long-context rope needs original_max_position_embeddings")
+    half = rope_dimensions(config) // 2
+    if len(rope["long_factor"]) != half or len(rope.get("short_factor") or []) != half:
+        raise BadInputError(f"config.json: Phi-3's long_factor and short_factor must have {half} values each")
+    scale = int(config["max_position_embeddings"]) / int(original)
+    if kind in ("su", "longrope"):
+        return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    raise BadInputError(f"config.json: Phi-3 with rope_type {kind!r} is not supported by GGUF export yet")
 
 
 def rope_dimensions(config: dict) -> int:
@@ -307,6 +329,21 @@ def rope_freqs(config: dict) -> np.ndarray | None:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+def extra_tensors(config: dict, family: Family) -> dict[str, np.ndarray]:
+    """Tensors llama.cpp takes that the model computes from its config: Llama 3's `rope_freqs`, Phi-3's long and
+    short rope factors (both float32, as llama.cpp's converter writes them)."""
+    out = {}
+    freqs = rope_freqs(config)
+    if freqs is not None:
+        out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = freqs
+    rope = rope_parameters(config)
+    if family.arch == gguf.MODEL_ARCH.PHI3 and rope.get("long_factor"):
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):  # fmt: skip
+            out[gguf.TENSOR_NAMES[tensor] + ".weight"] = np.asarray(rope[key], dtype=np.float32)
+    return out
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:

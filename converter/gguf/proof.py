@@ -182,12 +182,10 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
                 return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
                             f"(limit {limit})")  # fmt: skip
             worst = max(worst, (rel / limit, f"{name} {kind} {rel:.3g}"))
-    freqs = arch.rope_freqs(source.config)
-    if freqs is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    for name, made in arch.extra_tensors(source.config, family).items():
         expected.add(name)
-        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), freqs):
-            return Part("tensors", False, f"{name} (Llama 3 rope scaling) is missing or wrong")
+        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), made):
+            return Part("tensors", False, f"{name} (rope scaling, from config.json) is missing or wrong")
     extra = sorted(set(found) - expected)
     if extra:
         return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
