@@ -305,6 +305,17 @@ def test_tiny_architectures_match_llama_cpps_converter(model_type, kind, theirs,
     assert_same_file(result.files[0], theirs[f"{model_type}-{kind}"])
 
 
+@needs_llama
+def test_a_k_quant_of_a_moe_model_is_proven(tmp_path):
+    """llama.cpp's quantizer from our F32 file: stacked experts, the shared expert and its (1, n) gate, which the
+    quantizer stores as (n,)."""
+    folder = TINY["qwen2_moe"](tmp_path / "moe")
+    result = export.export(folder, ["Q4_K_M"], tmp_path / "out", name="tiny", log=lambda _: None)
+    assert result.proofs[0].passed and [p.name for p in result.proofs[0].parts][-1] == "behaviour"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(result.files[0]).tensors}
+    assert types["blk.0.ffn_gate_inp_shexp.weight"] == "F32" and types["blk.0.ffn_gate_exps.weight"] != "F32"
+
+
 def test_phi3_with_a_sentencepiece_tokenizer_is_written_as_llama_cpps_converter_writes_it(theirs, tmp_path):
     """Phi-3's own reading of tokenizer.model and the added tokens (added_tokens.json, tokenizer_config.json,
     tokenizer.json), key by key. Only written and compared here: with a SentencePiece tokenizer trained in the test,
