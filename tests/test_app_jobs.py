@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import make_adapter, make_base
+from model_helpers import make_adapter, make_base
 from safetensors.torch import save_file
 
 from converter.app.check import Limits, _sparse_standin

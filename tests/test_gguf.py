@@ -58,6 +58,11 @@ def tiny(folder: Path, model_type: str, tokenizer_class: str | None = None, **ov
     return folder
 
 
+# Phi-3's long-context rope: one factor per rotary frequency (head_dim 16: 8), long and short. llama.cpp takes the
+# long ones when its context (a multiple of 256) exceeds the original one, transformers when the sequence does: with an
+# original context of 256 both take the short ones on the proof's texts.
+LONGROPE = {"type": "longrope", "long_factor": [1.0 + i / 2 for i in range(8)],
+            "short_factor": [1.0 + i / 8 for i in range(8)]}  # fmt: skip
 # A tiny model of each architecture, with a real tokenizer llama.cpp knows; Gemma's query_pre_attn_scalar as
 # llama.cpp computes it for models of this size (head_dim).
 TINY = {
@@ -66,9 +71,14 @@ TINY = {
     "qwen3": lambda f: tiny(f, "qwen3"),
     "gemma2": lambda f: tiny_spm(f, "gemma2", query_pre_attn_scalar=16),
     "gemma3_text": lambda f: tiny(f, "gemma3_text", query_pre_attn_scalar=16),
-    "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),
+    "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),  # as Phi-4's (BPE)
+    "phi3_spm": lambda f: tiny_llama_spm(f, "phi3"),  # as Phi-3's (SentencePiece)
+    "phi3_longrope": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer", max_position_embeddings=512,
+                                    original_max_position_embeddings=256, rope_scaling=LONGROPE),  # as Phi-3.5's
     "gpt2": lambda f: tiny(f, "gpt2", n_ctx=128),  # llama.cpp's converter reads n_ctx, as GPT-2's own config has it
     "mixtral": lambda f: tiny(f, "mixtral"),  # 4 experts, 2 per token: saved one by one, stacked in the GGUF
+    "qwen2_moe": lambda f: tiny(f, "qwen2_moe"),  # + a shared expert and its gate
+    "qwen3_moe": lambda f: tiny(f, "qwen3_moe", norm_topk_prob=True),  # as Qwen3's MoE models (llama.cpp assumes it)
 }
 
 
@@ -108,6 +118,40 @@ def tiny_spm(folder: Path, model_type: str, **overrides) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     make_base(folder, model_type, vocab_size=len(tokenizer), bos_token_id=2, eos_token_id=1, pad_token_id=0,
               **overrides)  # fmt: skip
+    return folder
+
+
+def tiny_llama_spm(folder: Path, model_type: str, **overrides) -> Path:
+    """A tiny model with a Llama-style SentencePiece tokenizer (`<unk>`, `<s>`, `</s>`, a dummy prefix, byte
+    fallback) trained here, chat tokens added after it as Phi-3's are, and a vocab_size padded beyond them."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_TEXT * 20), model_writer=model, vocab_size=400, hard_vocab_limit=False,
+        model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+        add_dummy_prefix=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    size = spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size()
+    added = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok_config = {
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
+        "eos_token": "<|endoftext|>", "unk_token": "<unk>", "pad_token": "<|endoftext|>",
+        "added_tokens_decoder": {str(size + i): {"content": t, "special": True, "normalized": False, "lstrip": False,
+                                                 "rstrip": False, "single_word": False} for i, t in enumerate(added)},
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    make_base(folder, model_type, vocab_size=len(tokenizer) + 4, bos_token_id=1, eos_token_id=size,
+              pad_token_id=size, **overrides)  # fmt: skip
     return folder
 
 
@@ -214,8 +258,9 @@ def test_the_q4_k_m_file_is_llama_cpps_quantization(exported):
 
 # (model_type, type) of the tiny models compared with llama.cpp's converter's files: each architecture in F32, and
 # in Q8_0 those whose tensors change shape or values on the way (GPT-2's transposed, Gemma's norms, Phi-3's fused,
-# Mixtral's stacked experts)
-TINY_FILES = [(t, "F32") for t in TINY] + [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0"), ("mixtral", "Q8_0")]
+# the MoE models' stacked experts, Qwen2-MoE's shared expert gate kept F32)
+TINY_FILES = [(t, "F32") for t in TINY if t != "phi3_spm"]
+TINY_FILES += [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +269,7 @@ def theirs(merged, llama_converter, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("theirs")
     folders = {t: make(root / t) for t, make in TINY.items()}
     jobs = [("q8_0", root / "smol-Q8_0.gguf", merged)]
-    jobs += [(kind.lower(), root / f"{t}-{kind}.gguf", folders[t]) for t, kind in TINY_FILES]
+    jobs += [(kind.lower(), root / f"{t}-{kind}.gguf", folders[t]) for t, kind in [*TINY_FILES, ("phi3_spm", "F32")]]
     their_ggufs(llama_converter, jobs)
     files = {path.name.removesuffix(".gguf"): path for _, path, _ in jobs}
     return files | {f"{t}-model": folder for t, folder in folders.items()}
@@ -258,6 +303,31 @@ def test_tiny_architectures_match_llama_cpps_converter(model_type, kind, theirs,
     assert result.proofs[0].passed
     assert any(line.startswith("  behaviour: ok") for line in lines) == llama.available()
     assert_same_file(result.files[0], theirs[f"{model_type}-{kind}"])
+
+
+@needs_llama
+def test_a_k_quant_of_a_moe_model_is_proven(tmp_path):
+    """llama.cpp's quantizer from our F32 file: stacked experts, the shared expert and its (1, n) gate, which the
+    quantizer stores as (n,)."""
+    folder = TINY["qwen2_moe"](tmp_path / "moe")
+    result = export.export(folder, ["Q4_K_M"], tmp_path / "out", name="tiny", log=lambda _: None)
+    assert result.proofs[0].passed and [p.name for p in result.proofs[0].parts][-1] == "behaviour"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(result.files[0]).tensors}
+    assert types["blk.0.ffn_gate_inp_shexp.weight"] == "F32" and types["blk.0.ffn_gate_exps.weight"] != "F32"
+
+
+def test_phi3_with_a_sentencepiece_tokenizer_is_written_as_llama_cpps_converter_writes_it(theirs, tmp_path):
+    """Phi-3's own reading of tokenizer.model and the added tokens (added_tokens.json, tokenizer_config.json,
+    tokenizer.json), key by key. Only written and compared here: with a SentencePiece tokenizer trained in the test,
+    llama.cpp puts a space after each special token where transformers does not, and the tokenizer proof says so."""
+    folder = theirs["phi3_spm-model"]
+    src, family = export.open_source(folder), arch.FAMILIES["phi3"]
+    write.write_gguf(src, family, "F32", tmp_path / "tiny-F32.gguf", name="tiny")
+    assert_same_file(tmp_path / "tiny-F32.gguf", theirs["phi3_spm-F32"])
+    keys = fields(tmp_path / "tiny-F32.gguf")
+    types = dict(zip(keys["tokenizer.ggml.tokens"], keys["tokenizer.ggml.token_type"], strict=True))
+    assert keys["tokenizer.ggml.model"] == "llama" and types["<|end|>"] == gguf.TokenType.CONTROL
+    assert keys["tokenizer.ggml.tokens"][-1] == f"[PAD{src.config['vocab_size'] - 1}]"  # padded to vocab_size
 
 
 def test_qwen2_with_a_tokenizer_llama_cpp_does_not_know_is_refused_and_its_weights_run(tmp_path):
@@ -341,7 +411,7 @@ def test_a_moe_layer_missing_an_expert_is_refused_before_writing(tmp_path):
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    wrong = r"layers.1.block_sparse_moe.experts.w3.weight has experts \[0, 1, 3\], config.json says 4 \(num_local"
+    wrong = r"layers.1.block_sparse_moe.experts.w3.weight has experts \[0, 1, 3\], config.json says 4$"
     with pytest.raises(BadInputError, match=wrong):
         export.export(folder, ["F32"], tmp_path / "out", log=lambda _: None)
     assert not (tmp_path / "out").exists()
@@ -386,12 +456,21 @@ def test_a_gemma_whose_attention_scale_llama_cpp_would_not_use_is_refused(tmp_pa
                    "16: a GGUF of it would not compute what the model computes\n")  # fmt: skip
 
 
+def test_a_qwen3_moe_that_does_not_renormalize_its_experts_is_refused(tmp_path, cli):
+    folder = make_base(tmp_path / "moe", "qwen3_moe", norm_topk_prob=False)
+    code, out, err = cli("gguf", folder, "--type", "F32", "--out", tmp_path / "out")
+    assert code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err == (f"error: {folder}: norm_topk_prob is False, but llama.cpp's qwen3moe always renormalizes the chosen "
+                   "experts' weights: a GGUF of it would not compute what the model computes\n")  # fmt: skip
+
+
 def test_an_unsupported_architecture_is_one_line_before_anything_is_written(tmp_path, cli):
     folder = gpt_neox(tmp_path / "neox")
     code, out, err = cli("gguf", folder, "--type", "Q8_0", "--out", tmp_path / "out")
     assert code == 2 and out == ""
     assert err == (f"error: {folder}: GGUF export does not support model_type 'gpt_neox' yet "
-                   "(supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3)\n")  # fmt: skip
+                   "(supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, "
+                   "qwen3_moe)\n")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 

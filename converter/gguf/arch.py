@@ -91,9 +91,13 @@ def _llama_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
     rope = rope_parameters(config)
     if rope.get("rope_theta") is not None:
         w.add_rope_freq_base(float(rope["rope_theta"]))
-    if config.get("num_local_experts") is not None:
-        w.add_expert_count(int(config["num_local_experts"]))
+    if family.experts:
+        w.add_expert_count(expert_count(config))
         w.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size") is not None:
+            w.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        if config.get("shared_expert_intermediate_size") is not None:
+            w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
     _head_length(w, config)
     if family.vocab_size_key:
         w.add_vocab_size(int(config["vocab_size"]))
@@ -124,17 +128,39 @@ def _gemma3_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
 
 
 def _phi3_metadata(w: gguf.GGUFWriter, config: dict, family: Family) -> None:
-    """Phi-3: the rotary dimensions and the original context length; sliding window 0 where there is none."""
+    """Phi-3: the rotary dimensions and the original context length; sliding window 0 where there is none; for the
+    long-context models (longrope) the attention factor, their per-frequency factors being tensors
+    (`extra_tensors`)."""
     rope = rope_parameters(config)
-    if rope.get("long_factor") or (rope.get("rope_type") or "default").lower() != "default":
-        raise BadInputError("config.json: Phi-3's long-context rope scaling is not supported by GGUF export yet")
-    _sizes(w, config)
+    kind = (rope.get("rope_type") or "default").lower()
     original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if rope.get("long_factor"):
+        w.add_rope_scaling_attn_factors(_longrope_attention_factor(config, kind, original))
+    elif kind != "default":
+        raise BadInputError(f"config.json: Phi-3 with rope_type {kind!r} is not supported by GGUF export yet")
+    _sizes(w, config)
     if original is not None:
         w.add_rope_scaling_orig_ctx_len(int(original))
     w.add_rope_dimension_count(rope_dimensions(config))
     w.add_rope_freq_base(float(rope.get("rope_theta", ROPE_BASE_DEFAULT)))
     w.add_sliding_window(int(config.get("sliding_window") or 0))
+
+
+def _longrope_attention_factor(config: dict, kind: str, original: int | None) -> float:
+    """The attention scale of Phi-3's long-context rope, as llama.cpp's converter computes it from the context
+    lengths; its long and short factors must cover half the rotary dimensions."""
+    rope = rope_parameters(config)
+    if original is None:
+        raise BadInputError("config.json: Phi-3's long-context rope needs original_max_position_embeddings")
+    half = rope_dimensions(config) // 2
+    if len(rope["long_factor"]) != half or len(rope.get("short_factor") or []) != half:
+        raise BadInputError(f"config.json: Phi-3's long_factor and short_factor must have {half} values each")
+    scale = int(config["max_position_embeddings"]) / int(original)
+    if kind in ("su", "longrope"):
+        return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    if kind == "yarn":
+        return 0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0
+    raise BadInputError(f"config.json: Phi-3 with rope_type {kind!r} is not supported by GGUF export yet")
 
 
 def rope_dimensions(config: dict) -> int:
@@ -175,6 +201,7 @@ class Family:
     transposed: tuple[str, ...] = ()  # GPT-2's Conv1D weights, stored (in, out): llama.cpp takes (out, in)
     tied_head: tuple[str, str] | None = None  # (head, embeddings): a head llama.cpp drops and takes from the embeddings
     experts: bool = False  # a MoE layer's experts, saved one by one, are stacked per projection: (experts, out, in)
+    topk_norm: bool | None = None  # llama.cpp renormalizes the chosen experts' weights (Qwen3-MoE) or not (Qwen2-MoE)
 
 
 FAMILIES: dict[str, Family] = {
@@ -183,6 +210,8 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True, vocab_size_key=True, llama_hf_vocab=True, experts=True),
     "qwen2": Family(gguf.MODEL_ARCH.QWEN2),
     "qwen3": Family(gguf.MODEL_ARCH.QWEN3),
+    "qwen2_moe": Family(gguf.MODEL_ARCH.QWEN2MOE, experts=True, topk_norm=False),
+    "qwen3_moe": Family(gguf.MODEL_ARCH.QWEN3MOE, experts=True, topk_norm=True),
     "gemma2": Family(gguf.MODEL_ARCH.GEMMA2, _gemma2_metadata, norm_plus_one=True,
                      tied_head=("lm_head.weight", "model.embed_tokens.weight")),
     "gemma3_text": Family(gguf.MODEL_ARCH.GEMMA3, _gemma3_metadata, norm_plus_one=True),
@@ -204,7 +233,19 @@ def family_of(config: dict, where: object) -> Family:
     family = FAMILIES[model_type]
     if family.norm_plus_one:
         _check_gemma_attention_scale(config, where)
+    if family.topk_norm is not None and bool(config.get("norm_topk_prob")) != family.topk_norm:
+        raise BadInputError(
+            f"{where}: norm_topk_prob is {config.get('norm_topk_prob')}, but llama.cpp's {arch_name(family)} "
+            f"{'always' if family.topk_norm else 'never'} renormalizes the chosen experts' weights: a GGUF of it "
+            "would not compute what the model computes",
+            file=where,
+        )  # fmt: skip
     return family
+
+
+def expert_count(config: dict) -> int | None:
+    n = _get(config, "num_local_experts", "num_experts")
+    return None if n is None else int(n)
 
 
 def _check_gemma_attention_scale(config: dict, where: object) -> None:
@@ -260,8 +301,10 @@ def expected_metadata(config: dict, family: Family) -> dict[str, object]:
     if family.arch == gguf.MODEL_ARCH.PHI3:
         want[f"{a}.rope.dimension_count"] = rope_dimensions(c)
     if family.experts:
-        want[f"{a}.expert_count"] = c["num_local_experts"]
+        want[f"{a}.expert_count"] = expert_count(c)
         want[f"{a}.expert_used_count"] = c["num_experts_per_tok"]
+        if c.get("moe_intermediate_size") is not None:
+            want[f"{a}.expert_feed_forward_length"] = c["moe_intermediate_size"]
     return want
 
 
@@ -286,6 +329,21 @@ def rope_freqs(config: dict) -> np.ndarray | None:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+def extra_tensors(config: dict, family: Family) -> dict[str, np.ndarray]:
+    """Tensors llama.cpp takes that the model computes from its config: Llama 3's `rope_freqs`, Phi-3's long and
+    short rope factors (both float32, as llama.cpp's converter writes them)."""
+    out = {}
+    freqs = rope_freqs(config)
+    if freqs is not None:
+        out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = freqs
+    rope = rope_parameters(config)
+    if family.arch == gguf.MODEL_ARCH.PHI3 and rope.get("long_factor"):
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):  # fmt: skip
+            out[gguf.TENSOR_NAMES[tensor] + ".weight"] = np.asarray(rope[key], dtype=np.float32)
+    return out
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -345,11 +403,11 @@ def tensor_groups(names: Iterable[str], config: dict, family: Family, where: obj
         key = f"{match['layer']}.{match['part']}.weight"
         out.setdefault(key, ())
         stacks.setdefault(key, {})[int(match["expert"])] = name
-    n = int(config.get("num_local_experts") or 0)
+    n = expert_count(config) or 0
     for key, members in stacks.items():
         if sorted(members) != list(range(n)):
-            raise BadInputError(f"{where}: {key} has experts {sorted(members)}, config.json says {n} "
-                                "(num_local_experts)", file=where)  # fmt: skip
+            raise BadInputError(f"{where}: {key} has experts {sorted(members)}, config.json says {n}",
+                                file=where)  # fmt: skip
         out[key] = tuple(members[e] for e in range(n))
     return out
 

@@ -127,6 +127,12 @@ def _read_back(t) -> np.ndarray:
     return gguf.quants.dequantize(data, t.tensor_type)
 
 
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str) -> Part:
     """Part 1: every source tensor, read back from the file, against the reference cast / quantization."""
     found = {t.name: t for t in reader.tensors}
@@ -153,7 +159,7 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
         shape = (len(members), *source.tensors[members[0]].shape) if stacked else source.tensors[hf_name].shape
         shape = transform.shape(shape) if transform else shape
         stored_shape = tuple(int(d) for d in reversed(t.shape))
-        if stored_shape != shape:
+        if _squeezed(stored_shape) != _squeezed(shape):  # llama.cpp's quantizer drops outer 1s: (1, n) -> (n,)
             return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, expected {shape}")
         src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
         got = _read_back(t).reshape(shape)
@@ -182,12 +188,10 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
                 return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
                             f"(limit {limit})")  # fmt: skip
             worst = max(worst, (rel / limit, f"{name} {kind} {rel:.3g}"))
-    freqs = arch.rope_freqs(source.config)
-    if freqs is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    for name, made in arch.extra_tensors(source.config, family).items():
         expected.add(name)
-        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), freqs):
-            return Part("tensors", False, f"{name} (Llama 3 rope scaling) is missing or wrong")
+        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), made):
+            return Part("tensors", False, f"{name} (rope scaling, from config.json) is missing or wrong")
     extra = sorted(set(found) - expected)
     if extra:
         return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
