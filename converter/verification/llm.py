@@ -123,6 +123,13 @@ class LLMCheck:
         self.inputs, self.probe_ids, self.ppl_ids, self.template = build_inputs(
             self.tok, self.prompts, vocab_size(self.merged)
         )
+        # After a passed tensor proof the quick check is about the model as a whole (config, tokenizer, tied heads):
+        # the prompts' logits show that; the perplexity text, like the bare base, runs in the full check.
+        self.bare_base = self.settings.bare_base or self.four_bit or self.settings.mode == "full"
+        self.study = (fourbit.is_qlora(self.recipe, self.adapters) and not fourbit.four_bit_config(self.base)
+                      and not self.stored_4bit)  # fmt: skip
+        if not self.bare_base and not self.study:  # the QLoRA study compares perplexities
+            self.ppl_ids = None
         kind = f"{self.four_bit} 4-bit base" if self.four_bit else "base"
         self.log(f"comparing behaviour ({self.settings.mode}): reference = {kind} + {len(self.adapters)} adapter(s) "
                  f"through PEFT ({self.compute} compute)")  # fmt: skip
@@ -145,7 +152,7 @@ class LLMCheck:
         model, sources = self._load_reference()  # PeftRefused: the caller reports the behaviour as not run
         self.clock.lap("load reference")
         noise, self.one_batch = None, False
-        bare_base = self.settings.bare_base or self.four_bit or self.settings.mode == "full"
+        bare_base = self.bare_base
         with self._lean(model, sources):
             one = self.own and bare_base and len(self.adapters) == 1
             both = mixed_batch(model, self.inputs, self.ppl_ids) if one else None
@@ -160,7 +167,6 @@ class LLMCheck:
                 if bare_base:
                     with model.disable_adapter():
                         bare = run_model(model, self.inputs, None, self.ppl_ids, self.new_tokens)
-        self.bare_base = bare_base
         self.clock.lap("run reference and bare base" if bare_base else "run reference")
         self.reference = "the base + adapters applied unmerged through PEFT"
         if self.stored_4bit:
@@ -228,8 +234,7 @@ class LLMCheck:
         return first_disagreement(ref.probe, out.probe, tol["module_rel_err"], (noise or {}).get("module_rel_err", {}))
 
     def _qlora_study(self, ref, out) -> dict | None:
-        study = (fourbit.is_qlora(self.recipe, self.adapters) and not fourbit.four_bit_config(self.base)
-                 and not self.stored_4bit)  # fmt: skip
+        study = self.study
         if not self.own or study:  # streamed models hold little but mappings: no full collection needed
             gc.collect()
         if not study:

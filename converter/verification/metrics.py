@@ -131,7 +131,7 @@ def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: st
     when max_new_tokens > 0 (`--verify full`); the module probe only when probe_ids are given."""
     import torch
 
-    run = _scored(logits_of(model, [ppl_ids, *inputs]), ppl_ids)
+    run = _scored(logits_of(model, _rows(ppl_ids, inputs)), ppl_ids)
     if max_new_tokens > 0:
         run.generations = greedy(model, inputs, max_new_tokens)
     if probe_ids is not None:
@@ -143,7 +143,7 @@ def run_model(model, inputs, probe_ids, ppl_ids, max_new_tokens: int, prefix: st
 def run_variants(model, inputs, ppl_ids, variants: list[str]) -> list[Run]:
     """The quick check's runs of one PEFT model under several adapter settings (e.g. the adapter and "__base__",
     the bare base) in one forward: the weights are read once for all of them."""
-    return [_scored(logits, ppl_ids) for logits in logits_of(model, [ppl_ids, *inputs], variants)]
+    return [_scored(logits, ppl_ids) for logits in logits_of(model, _rows(ppl_ids, inputs), variants)]
 
 
 def mixed_batch(model, inputs, ppl_ids) -> tuple[Run, Run] | None:
@@ -175,9 +175,16 @@ def _drop_adapter_names_hooks(model) -> None:
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
+def _rows(ppl_ids, inputs: list) -> list:
+    """The packed rows: the perplexity text first (when it runs), then the prompts."""
+    return inputs if ppl_ids is None else [ppl_ids, *inputs]
+
+
 def _scored(logits: list, ppl_ids) -> Run:
     """A Run from packed logits: the perplexity text first (it is packed first, so it never depends on whether a
-    model's mask keeps the rows apart), then the prompts."""
+    model's mask keeps the rows apart), then the prompts; no perplexity (NaN) when the text did not run."""
+    if ppl_ids is None:
+        return Run(logits=list(logits))
     ppl_logits, *prompts = logits
     nll = -ppl_logits[:-1].log_softmax(-1).gather(-1, ppl_ids[0, 1:, None]).mean().item()
     return Run(logits=prompts, perplexity=math.exp(min(nll, 50.0)))

@@ -113,8 +113,8 @@ def _llm(b: LLMBehaviour) -> list[str]:
         *("| " + " | ".join(row if bare else (*row[:2], row[3])) + " |" for row in table),
     ]
     if not bare:
-        lines.append("\nThe bare base was not run: the tensor proof already shows what the adapters change, tensor by "
-                     "tensor (`--verify full` runs it too).")  # fmt: skip
+        lines.append("\nThe bare base and the perplexity text were not run: the tensor proof already shows what the "
+                     "adapters change, tensor by tensor (`--verify full` runs both).")  # fmt: skip
     if "kernel_noise_mean_kl" in tol:
         lines.append(
             f"\nThe reference runs bitsandbytes' 4-bit kernels, measured {tol['kernel_noise_mean_kl']:.3g} mean KL "
