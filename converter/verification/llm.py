@@ -62,7 +62,7 @@ class Settings:
     memory: int | None = None
     token: str | None = None
     # The bare base answers "was anything merged?"; a tensor proof that passed already has (what each changed
-    # tensor must be, element by element), so the quick check then leaves it out: a third of its forward tokens.
+    # tensor must be, element by element), so the quick check then leaves it out, and the perplexity text with it.
     bare_base: bool = True
 
 
@@ -152,9 +152,8 @@ class LLMCheck:
         model, sources = self._load_reference()  # PeftRefused: the caller reports the behaviour as not run
         self.clock.lap("load reference")
         noise, self.one_batch = None, False
-        bare_base = self.bare_base
         with self._lean(model, sources):
-            one = self.own and bare_base and len(self.adapters) == 1
+            one = self.own and self.bare_base and len(self.adapters) == 1
             both = mixed_batch(model, self.inputs, self.ppl_ids) if one else None
             if both:  # quick: reference and bare base in one forward, the base weights read once
                 (ref, bare), self.one_batch = both, True
@@ -164,10 +163,10 @@ class LLMCheck:
                 if self.four_bit:
                     noise = fourbit.kernel_noise(model, ref, self.inputs, self.ppl_ids, self.probe_ids)
                 bare = None
-                if bare_base:
+                if self.bare_base:
                     with model.disable_adapter():
                         bare = run_model(model, self.inputs, None, self.ppl_ids, self.new_tokens)
-        self.clock.lap("run reference and bare base" if bare_base else "run reference")
+        self.clock.lap("run reference and bare base" if self.bare_base else "run reference")
         self.reference = "the base + adapters applied unmerged through PEFT"
         if self.stored_4bit:
             ref = self._quantized_reference(model)
