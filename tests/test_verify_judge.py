@@ -118,6 +118,23 @@ def test_right_tensors_pass_shard_by_shard(files, monkeypatch, rows):
     assert r.worst.changed == 64 * 32 - r.worst.inexact or r.worst.changed > 0
 
 
+def test_the_verdict_does_not_depend_on_which_worker_finished_first(files):
+    """Workers append checks as they finish; two tensors changed alike tie, and the report must still be the
+    same run to run (a re-push compares it with the published one)."""
+    from converter.engine.checkpoint import Checkpoint
+
+    tmp_path, base, merged, delta = files
+    prove(tmp_path, base, merged, delta)  # writes the base folder
+    proof = TensorProof(locations(Checkpoint(tmp_path / "b")), Stated(delta), None)
+    a = TensorCheck("a", "LoRA", ratio=0.5, numel=10, changed=10)
+    b = TensorCheck("b", "LoRA", ratio=0.5, numel=10, changed=10)
+    results = []
+    for order in ([a, b], [b, a]):
+        proof.checks = list(order)
+        results.append(proof.result())
+    assert results[0] == results[1] and results[0].worst.name == results[0].weakest_effect.name == "a"
+
+
 def test_each_defect_fails_with_its_name(files):
     tmp_path, base, merged, delta = files
     doubled = {**merged, "w": (base["w"].double() + 2 * delta.double()).to(torch.bfloat16)}

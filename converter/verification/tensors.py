@@ -352,6 +352,9 @@ class TensorProof:
         return buf
 
     def result(self) -> TensorProofResult:
+        # Workers finish in any order: by name, ties (and so the report, and a re-push's "nothing changed") are
+        # the same run to run.
+        self.checks.sort(key=lambda c: c.name)
         failures = sorted((c for c in self.checks if not c.ok), key=lambda c: -c.ratio)
         for check in failures[:MAX_NAMED]:  # what the named failures look like: one more pass over each
             if check.name in self._failed:
