@@ -2,7 +2,7 @@
 result, push it to your account; or convert a LoRA (kohya, LyCORIS, diffusers, PEFT, ComfyUI) to another format.
 
 A thin Gradio front end: every decision lives in the `converter` package (`converter.app.check` plans a job,
-`converter.app.jobs` runs it, `converter.app.convert` runs a conversion). Run it with `python app.py` (on a
+`converter.app.merge_job` runs it, `converter.app.convert_job` runs a conversion). Run it with `python app.py` (on a
 Space), or `make run` for the offline demo against a local Hub. Every Hub call of a job uses the signed-in user's
 token; the token never reaches a log.
 """
@@ -24,7 +24,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from converter.errors import MissingExtraError  # noqa: E402
-from converter.optional import require  # noqa: E402
+from converter.io.optional import require  # noqa: E402
 
 try:
     gr = require("gradio", "the converter app")
@@ -32,9 +32,10 @@ except MissingExtraError as e:  # run as a script: the one line, no traceback
     raise SystemExit(f"error: {e}") from None
 
 from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
-from converter.app.convert import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
-from converter.app.jobs import (  # noqa: E402
+from converter.app.convert_job import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
+from converter.app.merge_job import (  # noqa: E402
     DTYPES,
+    GGUF_CHOICES,
     STAGES,
     JobRequest,
     default_repo,
@@ -43,11 +44,11 @@ from converter.app.jobs import (  # noqa: E402
     redactor,
     run_job,
 )
-from converter.convert.core import TARGETS  # noqa: E402
+from converter.conversion.core import TARGETS  # noqa: E402
 from converter.errors import ConverterError  # noqa: E402
-from converter.scratch import startup_cleanup, temp_folder  # noqa: E402
-from converter.sources import job_sources  # noqa: E402
-from converter.units import human_bytes  # noqa: E402
+from converter.hub.sources import job_sources  # noqa: E402
+from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402
+from converter.io.units import human_bytes  # noqa: E402
 
 log = logging.getLogger("converter.app")
 CONCURRENCY = int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1"))
@@ -142,7 +143,7 @@ def suggest_repo(base: str, adapters: str, profile: gr.OAuthProfile | None):
     return gr.update(placeholder=default_repo(user, base or "", adapters or ""))
 
 
-def _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, profile) -> JobRequest:
+def _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile) -> JobRequest:
     base, adapters, repo, prompts = (str(x or "") for x in (base, adapters, repo, prompts))  # empty boxes: None
     repo = repo.strip() or default_repo(profile.username, base, adapters)
     return JobRequest(
@@ -155,18 +156,19 @@ def _request(base, adapters, repo, dtype, qlora, verify, prompts, private, creat
         prompts=prompts,
         private=private,
         create_pr=create_pr,
+        gguf=gguf or "none",
     )
 
 
 def check_job(
-    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr,
+    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf,
     profile: gr.OAuthProfile | None, oauth_token: gr.OAuthToken | None,
 ) -> str:  # fmt: skip
     """The plan before the work: formats, coverage, bytes to download and write, warnings."""
     token = None
     try:
         token = _token(oauth_token)
-        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, profile)
+        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile)
         with temp_folder("check") as tmp, job_sources(Path(tmp) / "cache"):
             try:
                 report = check(request.recipe(), token, Path(tmp) / "standin", Limits.from_env())
@@ -180,14 +182,14 @@ def check_job(
 
 
 def run(
-    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr,
+    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf,
     profile: gr.OAuthProfile | None, oauth_token: gr.OAuthToken | None, progress=gr.Progress(),  # noqa: B008 - gradio's way
 ):  # fmt: skip
     """The job, as a generator: the live log streams while it runs; the result replaces it at the end."""
     token = None
     try:
         token = _token(oauth_token)
-        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, profile)
+        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile)
         request.recipe()  # bad input fails here, before the job takes a worker
     except Exception as e:  # noqa: BLE001
         raise _fail(e, token) from None
@@ -226,6 +228,8 @@ def run(
     summary = f"### ✅ {what}: [{html.escape(result.repo_id)}]({link})\n\n" + (
         f"commit `{result.commit}`" if result.commit else ""
     )
+    if result.gguf_url:
+        summary += f"\n\nGGUF ({html.escape(request.gguf)}, proven before it was pushed): {result.gguf_url}"
     report = result.report
     verification = report["markdown"] if report else "**Not verified** (verification was switched off)."
     generations = [[g["prompt"], g["base"], g["reference"], g["merged"]] for g in (report or {}).get("generations", [])]
@@ -312,6 +316,13 @@ def build() -> gr.Blocks:
                             prompts = gr.Textbox(
                                 label="Verification prompts, one per line (empty: built-in set)", lines=3
                             )
+                            gguf = gr.Dropdown(
+                                list(GGUF_CHOICES),
+                                value="none",
+                                label="Also a GGUF for llama.cpp, Ollama, LM Studio (proven before anything is "
+                                "pushed; into REPO-GGUF)",
+                                elem_id="gguf",
+                            )
                         with gr.Row():
                             check_btn = gr.Button("Check", elem_id="check")
                             run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
@@ -356,7 +367,7 @@ def build() -> gr.Blocks:
                     c_result = gr.Markdown(elem_id="convert-result")
                     c_log = gr.Textbox(label="Log", lines=10, max_lines=20, elem_id="convert-log")
 
-        form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr]
+        form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf]
         demo.load(show_user, outputs=user, queue=False)
         base.change(base_info, inputs=base, outputs=base_status, queue=False, api_visibility="private")
         adapters.change(adapters_info, inputs=adapters, outputs=adapter_status, queue=False, api_visibility="private")

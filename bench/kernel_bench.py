@@ -1,8 +1,8 @@
 """The merge's per-block math three ways, side by side: numpy passes, torch float64 ops, the compiled fused pass.
 
-Why: converter/npkernel.py is native code built at run time; it is kept only if it wins clearly over what the
+Why: converter/engine/npkernel.py is native code built at run time; it is kept only if it wins clearly over what the
 installed libraries do. One 5632x2048 bf16 weight plus a rank-16 LoRA product (the bench model's MLP shape), merged
-in blocks of 16 rows (the cache-sized blocks of converter/npmerge.py), on one thread; each way computes
+in blocks of 16 rows (the cache-sized blocks of converter/engine/npmerge.py), on one thread; each way computes
 out = bf16(W + scale * B @ A) with the float64 sum rounded once, and must give the same bits as the others:
 
   numpy:  BLAS product into a float64 block, then npmath's passes (widen, add, narrow with the tie fix, finite);
@@ -30,7 +30,7 @@ sys.path.insert(0, str(BENCH_DIR.parent))
 
 import numpy as np  # noqa: E402
 
-from converter import npkernel, npmath  # noqa: E402
+from converter.engine import npkernel, npmath  # noqa: E402
 
 ROWS, COLS, RANK, STEP = 5632, 2048, 16, 16
 

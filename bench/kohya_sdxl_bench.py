@@ -92,7 +92,7 @@ def build(work: Path, size: str) -> tuple[Path, Path, Path]:
     from diffusers import UNet2DConditionModel
     from safetensors.torch import save_file
 
-    from converter.keymap import DiffusionResolver, all_keymaps
+    from converter.engine.keymap import DiffusionResolver, all_keymaps
 
     t0 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)

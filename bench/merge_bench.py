@@ -39,7 +39,7 @@ TOOLS = {
     "converter": "(a) `converter merge`",
     "peft": "(b) PEFT `merge_and_unload`",
     "copy": "(c) `cp -r` base",
-    "imports": "(d) interpreter start: `python -c 'import converter.cli, converter.merge'`",
+    "imports": "(d) interpreter start: `python -c 'import converter.cli, converter.engine.merging'`",
 }
 # The floor for (a): copying the base's bytes plus starting an interpreter with what (a) imports, (c) + (d).
 # `converter merge` verifies its output by default (since the CLI has --no-verify): (a) is the merge alone, the
@@ -883,9 +883,9 @@ def main(argv: list[str] | None = None) -> int:
         "converter": merge_cmd(out_conv),
         "peft": peft_cmd(out_peft),
         "copy": ["cp", "-r", str(base), str(out_copy)],
-        "imports": [*converter_cmd[:-2], "-c", "import converter.cli, converter.merge"]
+        "imports": [*converter_cmd[:-2], "-c", "import converter.cli, converter.engine.merging"]
         if converter_cmd[-2:] == ["-m", "converter"]
-        else [sys.executable, "-c", "import converter.cli, converter.merge"],
+        else [sys.executable, "-c", "import converter.cli, converter.engine.merging"],
     }
     outputs = {"converter": out_conv, "peft": out_peft, "copy": out_copy, "imports": work / "out-none"}
     if args.baseline:
@@ -893,7 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         LABELS[BASELINE_RUN] = f"(e) `converter merge` of {args.baseline}"
         run_tree = f"import sys; sys.path.insert(0, {str(tree)!r}); from converter.cli import main; sys.exit(main())"
         old = [sys.executable, "-c", run_tree, *merge_cmd(work / "out-baseline")[len(converter_cmd) :]]
-        if "--no-verify" not in (tree / "converter" / "cli.py").read_text():  # a CLI from before verification
+        cli = tree / "converter" / "cli.py"
+        cli = cli if cli.is_file() else tree / "converter" / "cli" / "commands.py"
+        if "--no-verify" not in cli.read_text():  # a CLI from before verification
             old = [a for a in old if a != "--no-verify"]
         commands[BASELINE_RUN], outputs[BASELINE_RUN] = old, work / "out-baseline"
     out_verify = work / "out-converter-verify"
@@ -967,7 +969,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("comparing outputs tensor by tensor ...", flush=True)
     cmp = compare_outputs(out_conv, out_peft, base, adapter)
-    # The same merge on numpy alone (no compiled fused step, converter.npkernel): the output must be the same bytes.
+    # The same merge on numpy alone (no compiled fused step, converter.engine.npkernel): the output must be the
+    # same bytes.
     out_numpy = work / "out-converter-numpy"
     shutil.rmtree(out_numpy, ignore_errors=True)
     numpy_rc = subprocess.call([*merge_cmd(out_numpy)], env=os.environ | {"CONVERTER_NO_KERNEL": "1"},

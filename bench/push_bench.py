@@ -50,7 +50,7 @@ TARGET = 1.25
 DOWNLOAD = textwrap.dedent(
     """
     from huggingface_hub import snapshot_download
-    from converter.sources import MODEL_FILES, ADAPTER_FILES
+    from converter.hub.sources import MODEL_FILES, ADAPTER_FILES
     snapshot_download("alice/base", allow_patterns=MODEL_FILES)
     snapshot_download("alice/lora", allow_patterns=ADAPTER_FILES)
     """
@@ -209,7 +209,7 @@ def same_tensors(root: Path, repo: str, reference: Path) -> tuple[bool, int]:
 def tensor_proof_seconds(root: Path, repo: str) -> float | None:
     """The tensor proof's seconds, from the pushed repo's verification report (the published report keeps no
     other timings: a re-push of the same merge must be byte-identical)."""
-    from converter.records import REPORT_FILE
+    from converter.io.records import REPORT_FILE
     from converter.testing.hub import HubServer
 
     report = json.loads(HubServer(root).read_file(f"alice/{repo}", REPORT_FILE))

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         tools["baseline"] = (f"`converter merge` of {args.baseline.name} (before)", merge(work / "out-baseline"))
     cold = drop_caches()
     runs: dict[str, list] = {name: [] for name in tools}
-    reports: dict[str, dict] = {}
+    reports: dict[str, dict] = {}  # the last round's report of each verifying run
+    proof_cpu: list[float | None] = []  # the default run's tensor-proof CPU seconds, round by round
     for i in range(args.rounds):
         for name, (_label, cmd) in tools.items():
             env_path = str(args.baseline.resolve()) if name == "baseline" else str(Path(__file__).resolve().parents[1])
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             written = work / "proof.json" if name == "proof" else work / f"out-{name}" / "verification.json"
             if name not in ("peft", "merge"):  # read now: the proof-only run rewrites out-quick's report
                 reports[name] = json.loads(written.read_text())
+            if name == "quick":
+                proof_cpu.append((reports[name].get("phase_cpu_seconds") or {}).get("tensor proof"))
     mid = {n: _median_run(rs) for n, rs in runs.items()}
-    peft = mid["peft"]
     rows = []
     for name, (label, _cmd) in tools.items():
         m, rep = mid[name], reports.get(name)
@@ -144,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         walls = " / ".join(f"{r.wall_s:.1f}" for r in runs[name])
         cpus = " / ".join(f"{r.cpu_s:.1f}" for r in runs[name])
         loads = " / ".join(f"{r.load1:.1f}" for r in runs[name])
+        w, c, p = _round_ratios(runs[name], runs["peft"])
         rows.append(
             f"| {label}{verdict} | {m.wall_s:.1f} s ({walls}) | {m.cpu_s:.1f} s ({cpus}) | {m.peak_rss_mib:.0f} MiB | "
-            f"{m.wall_s / peft.wall_s:.2f}x / {m.cpu_s / peft.cpu_s:.2f}x / {m.peak_rss_mib / peft.peak_rss_mib:.2f}x "
-            f"| {loads} |"
+            f"{w:.2f}x / {c:.2f}x / {p:.2f}x | {loads} |"
         )
     quick = reports["quick"]
     proof = quick.get("tensors") or {}
@@ -162,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
             "min) at the start of each run: the machine may be shared, so compare runs of the same round, and CPU "
             "time before wall time.",
             "",
-            "| run | wall | CPU | peak RSS | vs PEFT (wall / CPU / peak) | load avg |",
+            "| run | wall | CPU | peak RSS | vs PEFT, same round (wall / CPU / peak) | load avg |",
             "|---|---|---|---|---|---|",
             *rows,
             "",
-            _ratio_line(mid["quick"], peft),
+            _ratio_line(runs["quick"], runs["peft"]),
             "",
             _phases_line("Quick verification phases", quick),
             "",
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             _proof_alone_line(reports["proof"].get("tensors") or {}, mid["proof"]),
             "",
-            _proof_vs_merge_line(quick, mid["merge"]),
+            _proof_vs_merge_line(proof_cpu, runs["merge"]),
             "",
         ]
     )
@@ -198,24 +200,42 @@ def _phases_line(title: str, report: dict) -> str:
     return f"{title}, wall s (CPU s): " + ", ".join(parts) + "."
 
 
-def _ratio_line(converter, peft) -> str:
-    """The target in one line: the default `converter merge` over PEFT's plain merge (below 1: converter is cheaper)."""
-    return (
-        f"**Default `converter merge` / PEFT's plain merge: wall {converter.wall_s / peft.wall_s:.2f}x, "
-        f"CPU {converter.cpu_s / peft.cpu_s:.2f}x, peak RSS {converter.peak_rss_mib / peft.peak_rss_mib:.2f}x** "
-        "(the target: all three at most 1)."
+def _round_ratios(runs: list, peft: list) -> tuple[float, float, float]:
+    """Median over the rounds of each run's wall, CPU and peak over PEFT's run of the same round: runs of one round
+    share the machine's conditions, so a ratio never pairs a quiet round with a busy one."""
+    import statistics
+
+    pairs = list(zip(runs, peft, strict=True))
+    return tuple(  # type: ignore[return-value]
+        statistics.median(getattr(r, key) / getattr(p, key) for r, p in pairs)
+        for key in ("wall_s", "cpu_s", "peak_rss_mib")
     )
 
 
-def _proof_vs_merge_line(quick: dict, merge) -> str:
-    """The tensor proof's CPU in the default run (referee built, every tensor read and checked) against the whole
-    `--no-verify` merge process's (start, imports, merge): the proof should cost no more than the merge it checks."""
-    proof_cpu = (quick.get("phase_cpu_seconds") or {}).get("tensor proof")
-    if proof_cpu is None:
-        return "The tensor proof's CPU time was not recorded."
+def _ratio_line(converter: list, peft: list) -> str:
+    """The target in one line: the default `converter merge` over PEFT's plain merge (below 1: converter is cheaper),
+    the median of the per-round ratios."""
+    wall, cpu, peak = _round_ratios(converter, peft)
     return (
-        f"**Tensor proof / merge, CPU: {proof_cpu / merge.cpu_s:.2f}x** ({proof_cpu:.1f} s in the default run's "
-        f"tensor proof phase against {merge.cpu_s:.1f} s for the whole `--no-verify` merge process)."
+        f"**Default `converter merge` / PEFT's plain merge (median of the rounds' ratios): wall {wall:.2f}x, "
+        f"CPU {cpu:.2f}x, peak RSS {peak:.2f}x** (the target: all three at most 1)."
+    )
+
+
+def _proof_vs_merge_line(proof_cpu: list[float | None], merges: list) -> str:
+    """The tensor proof's CPU in the default run (referee built, every tensor read and checked) against the whole
+    `--no-verify` merge process's (start, imports, merge) of the same round, the median over the rounds: the proof
+    should cost no more than the merge it checks."""
+    import statistics
+
+    if None in proof_cpu:
+        return "The tensor proof's CPU time was not recorded."
+    ratio = statistics.median(p / m.cpu_s for p, m in zip(proof_cpu, merges, strict=True))
+    proofs = " / ".join(f"{p:.1f}" for p in proof_cpu)
+    merged = " / ".join(f"{m.cpu_s:.1f}" for m in merges)
+    return (
+        f"**Tensor proof / merge, CPU: {ratio:.2f}x** (median of the rounds' ratios; the default run's tensor proof "
+        f"phase {proofs} s against {merged} s for the whole `--no-verify` merge process, round by round)."
     )
 
 
@@ -274,8 +294,8 @@ def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], fil
 
     import torch
 
-    from converter.dtypes import ITEMSIZE, ST_TO_TORCH
-    from converter.safetensors_header import encode_header, entry
+    from converter.io.dtypes import ITEMSIZE, ST_TO_TORCH
+    from converter.io.safetensors_header import encode_header, entry
 
     entries, offset = {}, 0
     for name, shape, dtype in tensors:
@@ -409,7 +429,7 @@ def run_big(args, shape: Shape) -> int:
     """The default `converter merge` of an 8B-shaped model, once, and the tensor proof alone: does verification stay
     in memory (no offload), and what does the proof cost by itself? (`--shape tiny`: the same steps, a smoke run.)"""
     sys.path.insert(0, str(BENCH_DIR.parent))
-    from converter.verify.loading import available_memory
+    from converter.verification.loading import available_memory
 
     work = args.workdir.resolve() / "big"
     smoke = shape != BIG

@@ -23,7 +23,7 @@ def _code(items: list[str]) -> str:
 def table() -> str:
     """The Markdown table: one row per diffusion keymap."""
     sys.path.insert(0, str(ROOT))
-    from converter.keymap import all_keymaps
+    from converter.engine.keymap import all_keymaps
 
     rows = [
         "| family (keymap) | diffusers classes | base layouts | adapter names | "

@@ -77,7 +77,7 @@ def cli(capsys):
 def few_images(monkeypatch):
     """One image of two steps per diffusion verification: enough to compare pictures, cheap on a CPU (modules whose
     every test wants it say `pytestmark = pytest.mark.usefixtures("few_images")`)."""
-    import converter.verify.diffusion as diffusion
+    import converter.verification.diffusion as diffusion
 
     monkeypatch.setattr(diffusion, "IMAGE_COUNT", 1)
     monkeypatch.setattr(diffusion, "IMAGE_STEPS", 2)

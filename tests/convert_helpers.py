@@ -11,11 +11,11 @@ import torch
 
 def deltas(adapter: Path, base: Path) -> dict[str, torch.Tensor]:
     """{base key: ΔW} for every tensor the adapter changes, each patch applied to zeros in float32."""
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
+    from converter.engine.keymap import keymap_for
+    from converter.engine.plan import build_plan
+    from converter.engine.recipe import AdapterSpec
     from converter.formats import load_adapter
-    from converter.keymap import keymap_for
-    from converter.plan import build_plan
-    from converter.recipe import AdapterSpec
 
     checkpoint = open_base(base)
     loaded = load_adapter(adapter)

@@ -23,7 +23,7 @@ import torch
 from diffusion_helpers import _perturb, peft_merge, save
 from torch import nn
 
-from converter.keymap import DiffusionResolver, Keymap, Placement, all_keymaps, flatten
+from converter.engine.keymap import DiffusionResolver, Keymap, Placement, all_keymaps, flatten
 
 RANK = 4
 ALPHA = 2.0  # scale 1/2: a power of two, so spellings that fold it into lora_B are exact

@@ -27,9 +27,8 @@ def tiny_config(arch: str, **overrides):
     import transformers as tf
 
     if arch == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2, **overrides
-        )
+        small = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=1, eos_token_id=2)
+        return tf.GPT2Config(**{**small, **overrides})
     cls = {
         "llama": tf.LlamaConfig,
         "mistral": tf.MistralConfig,
@@ -38,10 +37,21 @@ def tiny_config(arch: str, **overrides):
         "gemma2": tf.Gemma2Config,
         "gemma3_text": tf.Gemma3TextConfig,
         "phi3": tf.Phi3Config,
+        "mixtral": tf.MixtralConfig,
+        "qwen2_moe": tf.Qwen2MoeConfig,
+        "qwen3_moe": tf.Qwen3MoeConfig,
     }[arch]
     extra = {"head_dim": 16} if arch in ("gemma2", "gemma3_text", "qwen3") else {}
     if arch == "phi3":
         extra["pad_token_id"] = 0
+    if arch == "mixtral":
+        extra.update(num_local_experts=4, num_experts_per_tok=2)
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen2_moe":
+        extra["shared_expert_intermediate_size"] = 64
+    if arch == "qwen3_moe":
+        extra["head_dim"] = 16
     return cls(**{**SMALL, **extra, **overrides})
 
 

@@ -15,15 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from model_helpers import make_adapter, make_base
 from safetensors.torch import save_file
 
 from converter.app.check import Limits, _sparse_standin
 from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
-from converter.app.jobs import JobRequest, default_repo, parse_adapters, redactor, report_images
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
-from converter.checkpoint import SafetensorsFile
+from converter.app.merge_job import JobRequest, default_repo, parse_adapters, redactor, report_images
 from converter.errors import ConverterError
-from converter.sources import job_sources, parse_source
+from converter.hub.sources import job_sources, parse_source
+from converter.io.safetensors_file import SafetensorsFile
 from converter.testing.hub import HubServer, client_env, run_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,8 +164,8 @@ def test_check_plans_from_headers_like_a_dry_run(hub, tmp_path):
         f"""
 from pathlib import Path
 from converter.app.check import check
-from converter.recipe import Recipe, AdapterSpec
-from converter.sources import job_sources
+from converter.engine.recipe import Recipe, AdapterSpec
+from converter.hub.sources import job_sources
 recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r}), AdapterSpec({LORA_B!r}, 0.5)], dtype="float32")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
     report = check(recipe, {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin")
@@ -209,7 +210,7 @@ def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
         f"""
 from pathlib import Path
 from converter.app.check import check, Limits
-from converter.recipe import Recipe, AdapterSpec
+from converter.engine.recipe import Recipe, AdapterSpec
 errors = []
 for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
     try:
@@ -230,12 +231,12 @@ def _run_job(hub: HubServer, tmp_path: Path, token: str | None, **request) -> di
         hub,
         f"""
 from pathlib import Path
-from converter.app.jobs import JobRequest, run_job
+from converter.app.merge_job import JobRequest, run_job
 work = Path({str(tmp_path)!r}) / "jobs"
 stages, lines = [], []
 try:
     r = run_job(JobRequest(**{request!r}), {token!r}, workroot=work, stage=stages.append, log=lines.append)
-    out = dict(url=r.url, pr=r.pr_url, changed=r.changed, card=r.card, report=r.report)
+    out = dict(url=r.url, pr=r.pr_url, changed=r.changed, card=r.card, report=r.report, gguf=r.gguf_url)
 except ConverterError as e:
     out = dict(error=str(e))
 result(dict(out, stages=stages, log=lines, left=[p.name for p in work.iterdir()] if work.exists() else []))
@@ -276,8 +277,36 @@ def test_run_job_pushes_then_opens_a_pull_request(hub, tmp_path):
     assert not leaks and any(line.startswith("wrote jobs-pr ") for line in first["log"]), first["log"]
 
 
+def test_run_job_with_a_gguf_type_pushes_a_proven_gguf_repo_or_nothing(hub, tmp_path):
+    """The GGUF choice (off by default): the merged model also as a proven GGUF in REPO-GGUF, one commit there. A
+    base llama.cpp cannot take (the demo's tiny base has no tokenizer) fails before the commit: neither repo."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_fixtures import cache_dir
+
+    assert JobRequest(base="a/b", adapters="c/d").gguf == "none"
+    with pytest.raises(ConverterError, match="GGUF type 'Q9_X': choose one of none, F32, F16, BF16, Q8_0, "):
+        JobRequest(base="a/b", adapters="c/d", gguf="Q9_X").recipe()
+    base = make_base(tmp_path / "base", "llama", vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((cache_dir() / "smollm2-135m-instruct" / name).read_bytes())
+    hub.seed_folder("demo/tiny-tokenized", base)
+    hub.seed_folder("demo/tiny-tokenized-lora", make_adapter(base, tmp_path / "lora", r=2))
+    out = _run_job(hub, tmp_path, MOCK_TOKEN, base="demo/tiny-tokenized", adapters="demo/tiny-tokenized-lora",
+                   repo_id="demo/jobs-gguf", verify=False, gguf="Q8_0")  # fmt: skip
+    assert out.get("error") is None and out["gguf"] == f"{hub.url}/demo/jobs-gguf-GGUF", out
+    assert set(hub.files("demo/jobs-gguf-GGUF")) - {".gitattributes"} == {"README.md", "gguf-proof.json",
+                                                                          "jobs-gguf-Q8_0.gguf"}  # fmt: skip
+    assert "model.safetensors" in hub.files("demo/jobs-gguf") and out["left"] == []
+    assert any(line.startswith("GGUF: pushed: ") for line in out["log"])
+    assert any(line.startswith("  tensors: ok: ") for line in out["log"])
+    failed = _run_job(hub, tmp_path, MOCK_TOKEN, base=BASE, adapters=LORA, repo_id="demo/jobs-gguf-no", verify=False,
+                      gguf="Q8_0")  # fmt: skip
+    assert "no tokenizer.json or tokenizer.model: a GGUF needs the tokenizer" in failed["error"], failed
+    assert not hub.exists("demo/jobs-gguf-no") and not hub.exists("demo/jobs-gguf-no-GGUF") and failed["left"] == []
+
+
 def test_public_paths_show_repo_names_only(tmp_path):
-    from converter.app.jobs import public_paths
+    from converter.app.merge_job import public_paths
 
     job = tmp_path / "jobs" / "converter-job-abc"
     sha = "0123456789abcdef0123456789abcdef01234567"
@@ -293,7 +322,7 @@ def test_public_paths_show_repo_names_only(tmp_path):
 
 
 def test_same_base_is_decided_by_pinned_ids():
-    from converter.sources import same_hub_model
+    from converter.hub.sources import same_hub_model
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     assert same_hub_model("Org/Base", None, f"org/base@{sha}") is True  # Hub ids are case-insensitive
@@ -319,7 +348,7 @@ def test_space_deploy(hub, tmp_path):
         "app.py",
         "README.md",
         "requirements.txt",
-        "converter/app/jobs.py",
+        "converter/app/merge_job.py",
         "converter/keymaps/generic.yaml",
     } <= set(files)
     assert not any(f.startswith("converter/testing/") or "__pycache__" in f for f in files)
@@ -416,7 +445,7 @@ def test_make_run_seeds_smollm2_with_its_trained_loras(tmp_path):
 def test_trained_on_warning_compares_pinned_ids(tmp_path):
     """A Hub base lives in the cache under its commit sha: the warning compares the adapter's declared base with
     the pinned repo id (and a declared commit with the resolved one), never with that folder's name."""
-    from converter.plan import sanity_warnings
+    from converter.engine.plan import sanity_warnings
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     cached = SimpleNamespace(folder=tmp_path / sha, config={"_name_or_path": str(tmp_path / sha)})
@@ -444,8 +473,8 @@ def test_diffusion_merge_job_with_component_strengths(hub, tmp_path):
         f"""
 from pathlib import Path
 from converter.app.check import check
-from converter.app.jobs import JobRequest, run_job
-from converter.sources import job_sources
+from converter.app.merge_job import JobRequest, run_job
+from converter.hub.sources import job_sources
 request = JobRequest(base={SD_BASE!r}, adapters={SD_LORA + " unet=0.8,text_encoder=0.5"!r}, repo_id="demo/sd-job")
 with job_sources(Path({str(tmp_path)!r}) / "cache"):
     md = check(request.recipe(), {MOCK_TOKEN!r}, Path({str(tmp_path)!r}) / "standin").markdown()
@@ -478,7 +507,7 @@ def test_kohya_sdxl_and_flux_jobs_end_passed_with_images_in_the_card(hub, tmp_pa
         hub,
         f"""
 from pathlib import Path
-from converter.app.jobs import JobRequest, run_job
+from converter.app.merge_job import JobRequest, run_job
 r = run_job(JobRequest(base={base!r}, adapters={lora!r}, repo_id={repo!r}), {MOCK_TOKEN!r},
             workroot=Path({str(tmp_path)!r}) / "jobs")
 result(dict(report=r.report, card=r.card, captions=[c for _, c in r.images]))
@@ -500,7 +529,7 @@ def _convert(hub: HubServer, tmp_path: Path, **request) -> dict:
         hub,
         f"""
 from pathlib import Path
-from converter.app.convert import ConvertRequest, run_convert
+from converter.app.convert_job import ConvertRequest, run_convert
 work = Path({str(tmp_path)!r}) / "jobs"
 lines = []
 try:

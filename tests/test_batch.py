@@ -24,7 +24,7 @@ import yaml
 from diffusion_helpers import TE_TARGETS, kohya_lora, kohya_modules, save, tiny_clip
 from model_helpers import make_adapter, make_base
 
-from converter.batch.jobs import Job, jobs_from_search, load_jobs
+from converter.batch.job_list import Job, jobs_from_search, load_jobs
 from converter.batch.run import STOP_ENV
 from converter.cli import main
 from converter.testing.hub import HubServer, client_env, hub_env

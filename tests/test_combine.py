@@ -13,7 +13,7 @@ import torch
 from model_helpers import make_adapter, make_base
 from safetensors.torch import load_file
 
-from converter.methods.tensors import dare_mask
+from converter.engine.ties_dare import dare_mask
 
 EPS32 = torch.finfo(torch.float32).eps
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -194,7 +194,7 @@ def test_dare_masks_are_seeded_per_module_and_keep_the_density():
 def test_dare_rescales_survivors_and_reproduces_by_seed(trio, tmp_path, cli):
     """One adapter kept with DARE density d: every value is 0 or value/d (PEFT switches one adapter to linear, so
     this goes through combine_module directly); the same seed gives the same file, another seed another."""
-    from converter.convert.modules import LoraModule
+    from converter.conversion.modules import LoraModule
     from converter.methods.combination import combine_module
 
     g = torch.Generator().manual_seed(0)
@@ -245,6 +245,6 @@ def test_building_the_parser_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, converter.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, converter.cli.commands as c; c.build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -23,7 +23,7 @@ def test_the_committed_family_table_is_the_generated_one():
 
 
 def test_the_table_names_every_diffusion_keymap_and_what_diffusers_reads():
-    from converter.keymap import all_keymaps
+    from converter.engine.keymap import all_keymaps
 
     table = _script().table()
     for km in all_keymaps():
@@ -35,7 +35,7 @@ def test_the_table_names_every_diffusion_keymap_and_what_diffusers_reads():
 
 def test_a_changed_keymap_shows_in_the_table(monkeypatch):
     """The table is read from the keymaps, not written by hand: change a keymap and the row changes."""
-    import converter.keymap as keymap
+    import converter.engine.keymap as keymap
 
     script = _script()
     before = script.table()

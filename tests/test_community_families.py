@@ -160,7 +160,7 @@ def test_convert_to_every_target_reads_back_everywhere(built, name, to, cli, tmp
 
 def _tools(km, spelling: str) -> list[str]:
     """The tools the keymap says read `spelling` (for names several families share)."""
-    from converter.formats.family import Identity
+    from converter.engine.family import Identity
 
     prefix, _, naming = spelling.partition("/")
     return Identity(km, [km.name], prefix, naming or None).loads_in()

@@ -20,10 +20,10 @@ import torch
 from diffusion_helpers import save
 from family_cases import keymap, original_shapes
 
+from converter.engine.family import denoiser_patches, identify, naming_of
+from converter.engine.keymap import DiffusionResolver
 from converter.errors import AdapterFormatError
 from converter.formats import load_adapter
-from converter.formats.family import denoiser_patches, identify, naming_of
-from converter.keymap import DiffusionResolver
 
 DATA = json.loads((Path(__file__).parent / "data" / "real_lora_keys.json").read_text())
 SETS = {name: entry for name, entry in DATA.items() if not name.startswith("_")}
@@ -64,8 +64,8 @@ def _bases(family: str) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int
 def _shaped(key: str) -> bool:
     """Whether a keymap's shape rule reads this tensor's module (FLUX.1 and FLUX.2 share BFL's names): those keep
     their real shapes, in float16 zeros."""
-    from converter.formats.family import _flat
-    from converter.keymap import all_keymaps
+    from converter.engine.family import _flat
+    from converter.engine.keymap import all_keymaps
 
     stem = re.sub(r"^(diffusion_model\.|transformer\.|base_model\.model\.|lora_unet_|lora_transformer_|lycoris_)", "",
                   _LORA_KEY.sub("", key))  # fmt: skip

@@ -22,7 +22,7 @@ from diffusion_helpers import (
     save,
 )
 
-from converter.keymap import DiffusionResolver, all_keymaps
+from converter.engine.keymap import DiffusionResolver, all_keymaps
 
 
 @pytest.fixture(scope="module")

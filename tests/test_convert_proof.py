@@ -56,7 +56,7 @@ def test_multi_component_peft_folder_merges_like_the_kohya_file(sd15, tmp_path, 
 
 def corrupting_write(monkeypatch):
     """The real writer, then one lora_up tensor of the output scaled by 1.5 (a writer bug)."""
-    import converter.convert.core as core
+    import converter.conversion.core as core
 
     real = core.write
 

@@ -10,7 +10,7 @@ from convert_helpers import deltas
 from diffusion_helpers import save, tiny_clip
 from safetensors import safe_open
 
-from converter.keymap import flatten
+from converter.engine.keymap import flatten
 
 D = 24  # the tiny CLIP's width
 

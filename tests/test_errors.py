@@ -163,7 +163,7 @@ def test_warns_when_trained_on_another_base(llama, tmp_path, cli):
 
 def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
     """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft; a plain
-    LoRA merge without verification does not import torch either (converter.npmerge; torch costs ~1 s)."""
+    LoRA merge without verification does not import torch either (converter.engine.npmerge; torch costs ~1 s)."""
     bad = subprocess.run(
         [sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True, text=True
     )
@@ -188,7 +188,7 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
     from huggingface_hub.errors import OfflineModeIsEnabled
     from safetensors.torch import load_file, save_file
 
-    from converter import hub
+    from converter.engine.recipe import Recipe
     from converter.errors import (
         AdapterFormatError,
         BadInputError,
@@ -199,8 +199,8 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
         VerificationFailed,
     )
     from converter.formats import load_adapter
-    from converter.recipe import Recipe
-    from converter.sources import _check_names, parse_source
+    from converter.hub import client as hub
+    from converter.hub.sources import _check_names, parse_source
 
     broken = tmp_path / "broken"
     shutil.copytree(lora, broken)

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from converter import AdapterSpec, Recipe
-from converter.merge import merge
-from converter.verify import verify
+from converter.engine.merging import merge
+from converter.verification import verify
 
 DEC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from converter.checkpoint import SafetensorsFile
-from converter.dtypes import ITEMSIZE
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError, RecipeError
 from converter.formats import load_adapter
-from converter.patches import DeltaPatch
-from converter.recipe import Recipe
+from converter.formats.patches import DeltaPatch
+from converter.io.dtypes import ITEMSIZE
+from converter.io.safetensors_file import SafetensorsFile
 
 SETTINGS = dict(
     deadline=None,

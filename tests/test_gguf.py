@@ -8,6 +8,7 @@ pre-tokenizer, a dropped tensor) must each fail the proof, naming what is wrong,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,11 +47,111 @@ def smollm2() -> Path:
     return SMOLLM2
 
 
-def tiny(folder: Path, model_type: str, **overrides) -> Path:
+def tiny(folder: Path, model_type: str, tokenizer_class: str | None = None, **overrides) -> Path:
     """A tiny model of `model_type` with SmolLM2's tokenizer (so its vocab is a real BPE one llama.cpp knows)."""
     make_base(folder, model_type, vocab_size=49152, **overrides)
     for name in TOKENIZER_FILES:
         shutil.copy(smollm2() / name, folder / name)
+    if tokenizer_class:  # Phi-3's converter reads a BPE tokenizer only when its class says GPT-2
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
+    return folder
+
+
+# Phi-3's long-context rope: one factor per rotary frequency (head_dim 16: 8), long and short. llama.cpp takes the
+# long ones when its context (a multiple of 256) exceeds the original one, transformers when the sequence does: with an
+# original context of 256 both take the short ones on the proof's texts.
+LONGROPE = {"type": "longrope", "long_factor": [1.0 + i / 2 for i in range(8)],
+            "short_factor": [1.0 + i / 8 for i in range(8)]}  # fmt: skip
+# A tiny model of each architecture, with a real tokenizer llama.cpp knows; Gemma's query_pre_attn_scalar as
+# llama.cpp computes it for models of this size (head_dim).
+TINY = {
+    "llama": lambda f: tiny(f, "llama"),
+    "mistral": lambda f: tiny(f, "mistral"),
+    "qwen3": lambda f: tiny(f, "qwen3"),
+    "gemma2": lambda f: tiny_spm(f, "gemma2", query_pre_attn_scalar=16),
+    "gemma3_text": lambda f: tiny(f, "gemma3_text", query_pre_attn_scalar=16),
+    "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),  # as Phi-4's (BPE)
+    "phi3_spm": lambda f: tiny_llama_spm(f, "phi3"),  # as Phi-3's (SentencePiece)
+    "phi3_longrope": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer", max_position_embeddings=512,
+                                    original_max_position_embeddings=256, rope_scaling=LONGROPE),  # as Phi-3.5's
+    "gpt2": lambda f: tiny(f, "gpt2", n_ctx=128),  # llama.cpp's converter reads n_ctx, as GPT-2's own config has it
+    "mixtral": lambda f: tiny(f, "mixtral"),  # 4 experts, 2 per token: saved one by one, stacked in the GGUF
+    "qwen2_moe": lambda f: tiny(f, "qwen2_moe"),  # + a shared expert and its gate
+    "qwen3_moe": lambda f: tiny(f, "qwen3_moe", norm_topk_prob=True),  # as Qwen3's MoE models (llama.cpp assumes it)
+}
+
+
+SPM_TEXT = [*proof.PROMPTS, proof.MIXED_TEXT, "The quick brown fox jumps over the lazy dog. 0123456789",
+            "Sphinx of black quartz, judge my vow! Ça coûte 10€, naïve café, déjà vu."]  # fmt: skip
+
+
+def tiny_spm(folder: Path, model_type: str, **overrides) -> Path:
+    """A tiny Gemma-style model with a SentencePiece tokenizer (tokenizer.model with byte fallback, Gemma's special
+    ids and turn tokens, tokenizer.json beside it) trained here on a few lines: llama.cpp's converter reads Gemma 2's
+    tokenizer from tokenizer.model only."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_TEXT * 20), model_writer=model, vocab_size=400, hard_vocab_limit=False,
+        model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>", user_defined_symbols=specials[4:], split_digits=True,
+        add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        allow_whitespace_only_pieces=True, character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    tok_config = {
+        "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>",
+        "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>",
+        "added_tokens_decoder": {str(i): {"content": t, "special": True, "normalized": False, "lstrip": False,
+                                          "rstrip": False, "single_word": False} for i, t in enumerate(specials)},
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(folder)  # tokenizer.json, as a Gemma repository has it
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    make_base(folder, model_type, vocab_size=len(tokenizer), bos_token_id=2, eos_token_id=1, pad_token_id=0,
+              **overrides)  # fmt: skip
+    return folder
+
+
+def tiny_llama_spm(folder: Path, model_type: str, **overrides) -> Path:
+    """A tiny model with a Llama-style SentencePiece tokenizer (`<unk>`, `<s>`, `</s>`, a dummy prefix, byte
+    fallback) trained here, chat tokens added after it as Phi-3's are, and a vocab_size padded beyond them."""
+    import io
+
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_TEXT * 20), model_writer=model, vocab_size=400, hard_vocab_limit=False,
+        model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
+        add_dummy_prefix=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    size = spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size()
+    added = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    tok_config = {
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>",
+        "eos_token": "<|endoftext|>", "unk_token": "<unk>", "pad_token": "<|endoftext|>",
+        "added_tokens_decoder": {str(size + i): {"content": t, "special": True, "normalized": False, "lstrip": False,
+                                                 "rstrip": False, "single_word": False} for i, t in enumerate(added)},
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    make_base(folder, model_type, vocab_size=len(tokenizer) + 4, bos_token_id=1, eos_token_id=size,
+              pad_token_id=size, **overrides)  # fmt: skip
     return folder
 
 
@@ -160,17 +261,23 @@ def test_the_q4_k_m_file_is_llama_cpps_quantization(exported):
     assert {t.tensor_type.name for t in reader.tensors} >= {"Q4_K", "Q6_K"}
 
 
-TINY_TYPES = ["llama", "mistral", "qwen3"]
+# (model_type, type) of the tiny models compared with llama.cpp's converter's files: each architecture in F32, and
+# in Q8_0 those whose tensors change shape or values on the way (GPT-2's transposed, Gemma's norms, Phi-3's fused,
+# the MoE models' stacked experts, Qwen2-MoE's shared expert gate kept F32)
+TINY_FILES = [(t, "F32") for t in TINY if t != "phi3_spm"]
+TINY_FILES += [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0"), ("mixtral", "Q8_0"), ("qwen2_moe", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
 def theirs(merged, llama_converter, tmp_path_factory) -> dict[str, Path]:
-    """llama.cpp's files: the merged SmolLM2 as Q8_0, and a tiny model of each architecture as F32."""
+    """llama.cpp's files: the merged SmolLM2 as Q8_0, and the tiny models (their folders under `{type}-model`)."""
     root = tmp_path_factory.mktemp("theirs")
+    folders = {t: make(root / t) for t, make in TINY.items()}
     jobs = [("q8_0", root / "smol-Q8_0.gguf", merged)]
-    jobs += [("f32", root / f"{t}-F32.gguf", tiny(root / t, t)) for t in TINY_TYPES]
+    jobs += [(kind.lower(), root / f"{t}-{kind}.gguf", folders[t]) for t, kind in [*TINY_FILES, ("phi3_spm", "F32")]]
     their_ggufs(llama_converter, jobs)
-    return {path.name.rsplit("-", 1)[0]: path for _, path, _ in jobs} | {f"{t}-model": root / t for t in TINY_TYPES}
+    files = {path.name.removesuffix(".gguf"): path for _, path, _ in jobs}
+    return files | {f"{t}-model": folder for t, folder in folders.items()}
 
 
 @needs_llama
@@ -186,17 +293,46 @@ def test_llama_cpp_prints_nothing_of_its_own(exported, capfd):
 def test_our_q8_0_is_llama_cpps_own_conversion(exported, theirs):
     """llama.cpp's convert_hf_to_gguf.py on the same merged folder writes the same keys and tensor bytes."""
     result, _ = exported
-    assert_same_file(result.out / "smol-merged-Q8_0.gguf", theirs["smol"])
+    assert_same_file(result.out / "smol-merged-Q8_0.gguf", theirs["smol-Q8_0"])
 
 
 # Tiny models of each architecture: written, proven by llama.cpp, and identical to llama.cpp's converter's file.
 
 
-@pytest.mark.parametrize("model_type", TINY_TYPES)
-def test_tiny_architectures_match_llama_cpps_converter(model_type, theirs, tmp_path):
-    result = export.export(theirs[f"{model_type}-model"], ["F32"], tmp_path / "out", log=lambda _: None)
+@pytest.mark.parametrize(("model_type", "kind"), TINY_FILES)
+def test_tiny_architectures_match_llama_cpps_converter(model_type, kind, theirs, tmp_path):
+    """Written, proven (by llama.cpp too where it is installed), and key by key, tensor by tensor llama.cpp's own
+    converter's file. The name keeps clear of llama.cpp's special case for files it takes for Microsoft's Phi-3."""
+    lines: list[str] = []
+    result = export.export(theirs[f"{model_type}-model"], [kind], tmp_path / "out", name="tiny", log=lines.append)
     assert result.proofs[0].passed
-    assert_same_file(result.files[0], theirs[model_type])
+    assert any(line.startswith("  behaviour: ok") for line in lines) == llama.available()
+    assert_same_file(result.files[0], theirs[f"{model_type}-{kind}"])
+
+
+@needs_llama
+def test_a_k_quant_of_a_moe_model_is_proven(tmp_path):
+    """llama.cpp's quantizer from our F32 file: stacked experts, the shared expert and its (1, n) gate, which the
+    quantizer stores as (n,)."""
+    folder = TINY["qwen2_moe"](tmp_path / "moe")
+    result = export.export(folder, ["Q4_K_M"], tmp_path / "out", name="tiny", log=lambda _: None)
+    assert result.proofs[0].passed and [p.name for p in result.proofs[0].parts][-1] == "behaviour"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(result.files[0]).tensors}
+    assert types["blk.0.ffn_gate_inp_shexp.weight"] == "F32" and types["blk.0.ffn_gate_exps.weight"] != "F32"
+
+
+def test_phi3_with_a_sentencepiece_tokenizer_is_written_as_llama_cpps_converter_writes_it(theirs, tmp_path):
+    """Phi-3's own reading of tokenizer.model and the added tokens (added_tokens.json, tokenizer_config.json,
+    tokenizer.json), key by key. Only written and compared here: with a SentencePiece tokenizer trained in the test,
+    llama.cpp puts a space after each special token where transformers does not, and the tokenizer proof says so."""
+    folder = theirs["phi3_spm-model"]
+    src, family = export.open_source(folder), arch.FAMILIES["phi3"]
+    write.write_gguf(src, family, "F32", tmp_path / "tiny-F32.gguf", name="tiny")
+    assert_same_file(tmp_path / "tiny-F32.gguf", theirs["phi3_spm-F32"])
+    keys = fields(gguf.GGUFReader(tmp_path / "tiny-F32.gguf"))
+    types = dict(zip(keys["tokenizer.ggml.tokens"], keys["tokenizer.ggml.token_type"], strict=True))
+    assert keys["tokenizer.ggml.model"] == "llama" and types["<|end|>"] == gguf.TokenType.CONTROL
+    assert keys["tokenizer.ggml.tokens"][-1] == f"[PAD{src.config['vocab_size'] - 1}]"  # padded to vocab_size
 
 
 def test_the_proofs_reader_reads_what_ggufs_own_reader_reads(theirs):
@@ -269,6 +405,31 @@ def test_a_dropped_tensor_fails_the_tensor_proof(tiny_llama, tmp_path, monkeypat
     assert "blk.1.ffn_up.weight (model.layers.1.mlp.up_proj.weight) is missing from the file" in message
 
 
+@pytest.mark.parametrize(("model_type", "named"), [
+    ("gemma2", "blk.0.attn_norm.weight (model.layers.0.input_layernorm.weight)"),  # the + 1 forgotten
+    ("gpt2", "blk.0.attn_qkv.weight (transformer.h.0.attn.c_attn.weight)"),  # the transpose forgotten
+])  # fmt: skip
+def test_a_tensor_written_as_hugging_face_stores_it_fails_the_tensor_proof(model_type, named, tmp_path, monkeypatch):
+    """The writer forgets Gemma's norm shift or GPT-2's transpose; the proof applies them itself and says so."""
+    folder = TINY[model_type](tmp_path / model_type)
+    monkeypatch.setattr(write, "tensor_data", lambda source, p: source.read(p.hf_name))
+    message = failed_export(folder, tmp_path / "out")
+    assert f"tensors proof failed: {named}: " in message and "as llama.cpp stores it" in message
+
+
+def test_a_moe_layer_missing_an_expert_is_refused_before_writing(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = TINY["mixtral"](tmp_path / "mixtral")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    wrong = r"layers.1.block_sparse_moe.experts.w3.weight has experts \[0, 1, 3\], config.json says 4$"
+    with pytest.raises(BadInputError, match=wrong):
+        export.export(folder, ["F32"], tmp_path / "out", log=lambda _: None)
+    assert not (tmp_path / "out").exists()
+
+
 @needs_llama
 def test_unpermuted_rows_also_fail_the_behaviour_proof(merged, tmp_path, monkeypatch):
     """Even if the tensors were read back the same wrong way, llama.cpp's logits show it (on SmolLM2: a tiny random
@@ -288,12 +449,41 @@ def test_unpermuted_rows_also_fail_the_behaviour_proof(merged, tmp_path, monkeyp
 # The command line: refusals before anything is written.
 
 
+def gpt_neox(folder: Path) -> Path:
+    """A tiny model of an architecture llama.cpp runs but GGUF export does not write."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=128)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_gemma_whose_attention_scale_llama_cpp_would_not_use_is_refused(tmp_path, cli):
+    folder = make_base(tmp_path / "gemma", "gemma2")  # query_pre_attn_scalar 256, head_dim 16
+    code, out, err = cli("gguf", folder, "--type", "F32", "--out", tmp_path / "out")
+    assert code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err == (f"error: {folder}: query_pre_attn_scalar is 256, but llama.cpp scales this model's attention by "
+                   "16: a GGUF of it would not compute what the model computes\n")  # fmt: skip
+
+
+def test_a_qwen3_moe_that_does_not_renormalize_its_experts_is_refused(tmp_path, cli):
+    folder = make_base(tmp_path / "moe", "qwen3_moe", norm_topk_prob=False)
+    code, out, err = cli("gguf", folder, "--type", "F32", "--out", tmp_path / "out")
+    assert code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err == (f"error: {folder}: norm_topk_prob is False, but llama.cpp's qwen3moe always renormalizes the chosen "
+                   "experts' weights: a GGUF of it would not compute what the model computes\n")  # fmt: skip
+
+
 def test_an_unsupported_architecture_is_one_line_before_anything_is_written(tmp_path, cli):
-    folder = make_base(tmp_path / "gpt2", "gpt2")
+    folder = gpt_neox(tmp_path / "neox")
     code, out, err = cli("gguf", folder, "--type", "Q8_0", "--out", tmp_path / "out")
     assert code == 2 and out == ""
-    assert err == (f"error: {folder}: GGUF export does not support model_type 'gpt2' yet "
-                   "(supported: llama, mistral, qwen2, qwen3)\n")  # fmt: skip
+    assert err == (f"error: {folder}: GGUF export does not support model_type 'gpt_neox' yet "
+                   "(supported: gemma2, gemma3_text, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, "
+                   "qwen3_moe)\n")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 
@@ -335,10 +525,10 @@ def test_merge_with_gguf_writes_proven_files_beside_the_merge(tiny_llama, tmp_pa
 
 
 def test_merge_with_gguf_refuses_an_unsupported_base_before_merging(tmp_path, cli):
-    base = make_base(tmp_path / "gpt2", "gpt2")
-    adapter = make_adapter(base, tmp_path / "lora", r=2, target_modules=["c_attn"])
+    base = gpt_neox(tmp_path / "neox")
+    adapter = make_adapter(base, tmp_path / "lora", r=2, target_modules=["query_key_value"])
     code, _, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--gguf", "F16")
-    assert code == 2 and "GGUF export does not support model_type 'gpt2'" in err
+    assert code == 2 and "GGUF export does not support model_type 'gpt_neox'" in err
     assert not (tmp_path / "m").exists() and not (tmp_path / "m-GGUF").exists()
 
 
@@ -362,32 +552,91 @@ def test_a_hub_model_to_gguf_from_the_command_line_prints_only_its_own_lines(tin
     assert f"wrote {tmp_path / 'o' / 'tiny-llama-Q8_0.gguf'}" in proc.stdout
 
 
-def test_push_with_gguf_publishes_proven_files_to_repo_gguf_in_one_commit(tiny_llama, tmp_path):
+# The CLI in a subprocess: huggingface_hub reads HF_ENDPOINT when it is imported. A sabotaged run patches the writer
+# (Q/K rows not reordered) in that process before the CLI starts.
+SABOTAGED = """
+import sys
+from converter.gguf import arch
+arch.permute = lambda w, n: w
+from converter.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture
+def hub_cli(tmp_path):
     from converter.testing.hub import HubServer, client_env
 
     token = "hf_fake_alice_gguf_0123456789"
     server = HubServer(tmp_path / "hub").start()
-    try:
-        server.add_user("alice", token)
-        env = client_env(server, token)
+    server.add_user("alice", token)
+    env = client_env(server, token)
 
-        def converter(*args):
-            return subprocess.run([sys.executable, "-m", "converter", *map(str, args)], capture_output=True, text=True,
-                                  env=env, timeout=600)  # fmt: skip
+    def converter(*args, sabotaged: bool = False):
+        head = ["-c", SABOTAGED] if sabotaged else ["-m", "converter"]
+        return subprocess.run([sys.executable, *head, *map(str, args)], capture_output=True, text=True, env=env,
+                              timeout=600)  # fmt: skip
 
-        refused = converter("push", "--repo", "alice/tiny", "--base", tiny_llama, "--adapter", "x", "--gguf", "Q8_0")
-        assert refused.returncode == 2 and "push --gguf needs --from FOLDER" in refused.stderr
-        proc = converter("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0")
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        assert "GGUF: pushed: " in proc.stdout
-        assert set(server.files("alice/tiny-GGUF")) - {".gitattributes"} == {"README.md", "gguf-proof.json",
-                                                                              "tiny-Q8_0.gguf"}  # fmt: skip
-        readme = server.read_file("alice/tiny-GGUF", "README.md").decode()
-        assert "base_model: alice/tiny\n" in readme and "- gguf\n" in readme
-        assert "llama-cli -hf alice/tiny-GGUF:Q8_0" in readme
-        assert "| `tiny-Q8_0.gguf` | Q8_0 |" in readme and "behaviour: llama.cpp's logits differ" in readme
-        assert "config.json" in server.files("alice/tiny")  # the safetensors repo as a push makes it
-        titles = [c.title for c in server.repo("alice/tiny-GGUF").commits.values()]
-        assert titles.count("Upload GGUF files (converter)") == 1 and len(titles) <= 2  # (+ the Hub's initial commit)
-    finally:
-        server.stop()
+    converter.server = server
+    yield converter
+    server.stop()
+
+
+def assert_gguf_repo(server, repo: str, base_repo: str, stem: str) -> None:
+    """REPO-GGUF as a push makes it: the files, the proof and a card in the Hub's GGUF conventions, one commit."""
+    assert set(server.files(repo)) - {".gitattributes"} == {"README.md", "gguf-proof.json", f"{stem}-Q8_0.gguf"}
+    readme = server.read_file(repo, "README.md").decode()
+    assert f"base_model: {base_repo}\n" in readme and "- gguf\n" in readme
+    assert f"llama-cli -hf {repo}:Q8_0" in readme
+    assert f"| `{stem}-Q8_0.gguf` | Q8_0 |" in readme and "tensors: " in readme
+    titles = [c.title for c in server.repo(repo).commits.values()]
+    assert titles.count("Upload GGUF files (converter)") == 1 and len(titles) <= 2  # (+ the Hub's initial commit)
+
+
+def test_push_from_a_folder_with_gguf_publishes_proven_files_to_repo_gguf(tiny_llama, hub_cli):
+    proc = hub_cli("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "GGUF: pushed: " in proc.stdout
+    assert_gguf_repo(hub_cli.server, "alice/tiny-GGUF", "alice/tiny", "tiny")
+    readme = hub_cli.server.read_file("alice/tiny-GGUF", "README.md").decode()
+    assert ("behaviour: llama.cpp's logits differ" in readme) == llama.available()
+    assert "config.json" in hub_cli.server.files("alice/tiny")  # the safetensors repo as a push makes it
+
+
+def test_push_with_gguf_merges_verifies_proves_and_publishes_both_repos(tiny_llama, hub_cli, tmp_path):
+    """base + LoRA on the Hub to a verified safetensors repo and a proven GGUF repo in one command; the GGUF is the
+    merge's (its tensors are the merged ones), not the base's."""
+    adapter = make_adapter(tiny_llama, tmp_path / "lora", r=2)
+    hub_cli.server.seed_folder("alice/base", tiny_llama)
+    hub_cli.server.seed_folder("alice/lora", adapter)
+    proc = hub_cli("push", "--repo", "alice/merged", "--base", "alice/base", "--adapter", "alice/lora",
+                   "--gguf", "Q8_0")  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "  tensors: ok: " in proc.stdout and "GGUF: pushed: " in proc.stdout
+    assert "model.safetensors" in hub_cli.server.files("alice/merged")
+    assert_gguf_repo(hub_cli.server, "alice/merged-GGUF", "alice/merged", "merged")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (merged / name).write_bytes(hub_cli.server.read_file("alice/merged", name))
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(hub_cli.server.read_file("alice/merged-GGUF", "merged-Q8_0.gguf"))
+    family = arch.FAMILIES["llama"]
+    reader = gguf.GGUFReader(gguf_file)
+    assert proof.prove_tensors(reader, export.open_source(merged), family, "Q8_0").passed
+    assert not proof.prove_tensors(reader, export.open_source(tiny_llama), family, "Q8_0").passed
+
+
+def test_push_with_gguf_whose_proof_fails_publishes_nothing(tiny_llama, hub_cli, tmp_path):
+    adapter = make_adapter(tiny_llama, tmp_path / "lora", r=2)
+    hub_cli.server.seed_folder("alice/base", tiny_llama)
+    hub_cli.server.seed_folder("alice/lora", adapter)
+    proc = hub_cli("push", "--repo", "alice/merged", "--base", "alice/base", "--adapter", "alice/lora", "--no-verify",
+                   "--gguf", "Q8_0", sabotaged=True)  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert "tensors proof failed: blk.0.attn_k.weight (model.layers.0.self_attn.k_proj.weight)" in proc.stderr
+    assert not hub_cli.server.exists("alice/merged") and not hub_cli.server.exists("alice/merged-GGUF")
+    proc = hub_cli("push", "--repo", "alice/tiny", "--from", tiny_llama, "--no-verify", "--gguf", "Q8_0",
+                   sabotaged=True)  # fmt: skip
+    assert proc.returncode == 3 and "tensors proof failed" in proc.stderr
+    assert not hub_cli.server.exists("alice/tiny") and not hub_cli.server.exists("alice/tiny-GGUF")

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from converter.checkpoint import SafetensorsFile
 from converter.errors import ConverterError
-from converter.hub_headers import write_standin
-from converter.safetensors_header import HeaderError, decode_header, encode_header, entry
+from converter.hub.remote_headers import write_standin
+from converter.io.safetensors_file import SafetensorsFile
+from converter.io.safetensors_header import HeaderError, decode_header, encode_header, entry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +104,7 @@ def test_headers_are_encoded_and_decoded_only_by_the_codec():
     offenders = []
     for path in sorted((ROOT / "converter").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("converter/safetensors_header.py", "converter/testing/hub.py"):
+        if rel in ("converter/io/safetensors_header.py", "converter/testing/hub.py"):
             continue
         text = path.read_text()
         if ".to_bytes(8" in text or "int.from_bytes(" in text:
@@ -114,7 +114,7 @@ def test_headers_are_encoded_and_decoded_only_by_the_codec():
 
 def test_the_shard_writers_header_is_the_librarys():
     """A shard header (written before its data is streamed in) is what the library writes for the same tensors."""
-    from converter.writer import OutSpec, _header
+    from converter.engine.writer import OutSpec, _header
 
     tensors = {"a.wéight": torch.ones(3, 5), "b.bias": torch.zeros(7), "c": torch.ones(1)}
     blob = save(tensors, metadata={"format": "pt"})

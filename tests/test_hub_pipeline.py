@@ -420,7 +420,7 @@ def test_disk_space_is_checked_before_downloading(monkeypatch):
     from collections import namedtuple
 
     from converter.errors import ConverterError
-    from converter.sources import check_disk
+    from converter.hub.sources import check_disk
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage(10**12, 10**12 - 5 * 10**8, 5 * 10**8))

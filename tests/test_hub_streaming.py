@@ -16,8 +16,8 @@ import pytest
 import torch
 from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
-from converter.pipeline import pipelined_shard_size
-from converter.recipe import AdapterSpec, Recipe
+from converter.engine.recipe import AdapterSpec, Recipe
+from converter.jobs.pipeline import pipelined_shard_size
 from converter.testing.hub import HubServer, Link, client_env
 
 ALICE = "hf_fake_alice_0123456789"
@@ -175,8 +175,8 @@ def test_failed_shard_check_commits_nothing(hub, tmp_path):
     """A per-shard check runs on every shard before its upload; one that fails stops the job, no repo is left."""
     code = """
 from converter.errors import VerificationFailed
-from converter.pipeline import push
-from converter.recipe import AdapterSpec, Recipe
+from converter.jobs.pipeline import push
+from converter.engine.recipe import AdapterSpec, Recipe
 
 SABOTAGE = True
 seen = []
@@ -205,7 +205,7 @@ def test_a_wrong_module_stops_the_push_before_its_shard_leaves(hub, tmp_path):
     module and how far off it is; that shard is never uploaded, nothing is committed and the repo is deleted."""
     code = """
 import sys
-from converter import merge
+from converter.engine import merging as merge
 from converter.cli import main
 
 real = merge.plan_merge
@@ -335,7 +335,7 @@ class _SlowHub:
 
 
 def _shards(tmp_path: Path, n: int) -> list:
-    from converter.writer import Shard
+    from converter.engine.writer import Shard
 
     out = []
     for i in range(n):
@@ -349,7 +349,7 @@ def test_each_shard_is_proven_while_the_one_before_uploads(tmp_path):
     """The per-shard check (a CPU-bound tensor proof) and the uploads (network-bound) overlap: shard 2's check runs
     while shard 1 is still uploading; shard 1's upload only ends once shard 2's check has started, so taking turns
     would never finish (the fake upload fails after 10 s). Every shard is checked before its own upload."""
-    from converter.streaming import ShardUploader
+    from converter.jobs.streaming import ShardUploader
 
     api, shards, checked = _SlowHub(), _shards(tmp_path, 3), []
 
@@ -374,7 +374,7 @@ def test_a_failed_check_stops_the_uploads_and_nothing_queued_starts(tmp_path):
     """A check that fails is raised by `checked()`; its shard never uploads. `abort()` lets the upload in flight
     end and starts none of those queued behind it."""
     from converter.errors import VerificationFailed
-    from converter.streaming import ShardUploader
+    from converter.jobs.streaming import ShardUploader
 
     api, shards = _SlowHub(), _shards(tmp_path, 3)
 
@@ -396,7 +396,7 @@ def test_a_failed_check_stops_the_uploads_and_nothing_queued_starts(tmp_path):
 def test_with_keep_the_merge_runs_ahead_of_a_slow_upload(tmp_path):
     """A verified push keeps every shard on disk for the verification, so a slow upload does not hold the merge
     back: all shards are submitted and proven while the first upload is still stalled."""
-    from converter.streaming import ShardUploader
+    from converter.jobs.streaming import ShardUploader
 
     api, shards = _SlowHub(), _shards(tmp_path, 4)
     uploader = ShardUploader(api, "alice/x", tmp_path / "spool", ensure_repo=lambda: None, keep=True,

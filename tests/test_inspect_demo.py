@@ -45,7 +45,7 @@ def test_inspect_model(tmp_path, cli):
 
 
 def test_demo_runs_offline(tmp_path, capsys):
-    from converter.demo import run_demo
+    from converter.jobs.demo import run_demo
 
     run_demo(str(tmp_path / "demo"))
     out = capsys.readouterr().out

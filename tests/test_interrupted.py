@@ -1,7 +1,7 @@
 """Interrupted runs leave nothing behind: a real child process is killed (SIGKILL) at a known point, then the next
 run removes what it left and the folders look exactly as before (plus the result).
 
-The child stops itself at the point named by CONVERTER_TEST_STOP (`converter.scratch.stop_here`), so the kill
+The child stops itself at the point named by CONVERTER_TEST_STOP (`converter.io.scratch.stop_here`), so the kill
 lands mid-write every time, not by luck of timing.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 from model_helpers import make_adapter, make_base
 
-from converter import scratch
 from converter.errors import ConverterError
+from converter.io import scratch
 from converter.testing.hub import HubServer, client_env
 
 ALICE = "hf_alice_interrupted_token_0123456789"
@@ -296,7 +296,7 @@ def test_a_full_temp_disk_is_a_one_line_error_and_the_scratch_folder_goes(tmp_pa
 def test_two_runs_reaching_the_staging_step_together_let_the_older_folder_win(tmp_path, monkeypatch):
     """Both runs passed the early busy check at the same moment: each then sees the other's staging folder, and
     only the one whose folder was made first goes on (the names order by creation time)."""
-    from converter import writer
+    from converter.engine import writer
 
     out = tmp_path / "merged"
     monkeypatch.setattr(writer, "check_output_target", lambda out, force: None)  # both got past it

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from converter.app.deploy import space_files
+from converter.engine.keymap import all_keymaps, keymap_folder, load_keymap
+from converter.engine.keymap_schema import KeymapError
 from converter.errors import ConverterError
-from converter.keymap import all_keymaps, keymap_folder, load_keymap
-from converter.keymap_schema import KeymapError
-from converter.space import space_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "keymaps").glob("*.yaml"))
@@ -115,7 +115,7 @@ def test_a_bad_shipped_file_stops_loading(tmp_path, monkeypatch):
     for p in SHIPPED:
         shutil.copy(p, tmp_path / p.name)
     (tmp_path / "gpt2.yaml").write_text((tmp_path / "gpt2.yaml").read_text().replace("tied:", "tide:"))
-    monkeypatch.setattr("converter.keymap.keymap_folder", lambda: tmp_path)
+    monkeypatch.setattr("converter.engine.keymap.keymap_folder", lambda: tmp_path)
     with pytest.raises(KeymapError, match=r"keymaps/gpt2\.yaml: tide: unknown key \(did you mean 'tied'\?"):
         all_keymaps.__wrapped__()
 
@@ -123,7 +123,7 @@ def test_a_bad_shipped_file_stops_loading(tmp_path, monkeypatch):
 def _load_from(path: Path) -> str:
     """keymap_folder() and the keymap names as seen by a Python whose only converter is the one under `path`."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(path)}
-    code = "from converter.keymap import all_keymaps, keymap_folder; print(keymap_folder()); " \
+    code = "from converter.engine.keymap import all_keymaps, keymap_folder; print(keymap_folder()); " \
            "print(' '.join(k.name for k in all_keymaps()))"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=path, env=env, capture_output=True, text=True, check=True)
     return out.stdout
@@ -146,6 +146,7 @@ def test_a_built_wheel_ships_the_keymaps_inside_the_package(wheel, tmp_path):
 def test_space_deploy_uploads_the_keymaps_where_the_deployed_package_finds_them(tmp_path):
     files = space_files(ROOT)  # exactly what `converter space deploy` commits, path in the Space -> local file
     assert {f"converter/keymaps/{p.name}" for p in SHIPPED} <= set(files)
+    assert "converter/gguf/pretokenizers.json" in files  # the Space's GGUF choice names BPE pre-tokenizers by it
     space = tmp_path / "space"
     for name, local in files.items():
         (space / name).parent.mkdir(parents=True, exist_ok=True)

@@ -144,7 +144,7 @@ def _rank_major(a, b, experts):
 
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_rank_major_misreading_fails_the_oracle(moe, cli, tmp_path, monkeypatch, layout):
-    from converter import patches
+    from converter.formats import patches
 
     monkeypatch.setattr(patches, "expert_factors", _rank_major)
     out, _ = _merge(moe, cli, tmp_path, "qwen3_moe", layout, "parameters")
@@ -196,8 +196,8 @@ def test_an_adapter_for_another_expert_count_is_a_one_line_error(moe, cli, tmp_p
 def test_expert_rules_are_checked_as_data():
     import yaml
 
-    from converter.keymap import load_keymap
-    from converter.keymap_schema import KeymapError
+    from converter.engine.keymap import load_keymap
+    from converter.engine.keymap_schema import KeymapError
 
     rule = {"fused": "{layer}.e.gate_up", "split": ["{layer}.e.{expert}.w"]}
     good = {"name": "x", "model_types": [], "experts": [rule]}

@@ -1,4 +1,4 @@
-"""The torch-free merge path (converter.npmath, converter.npmerge) against torch and against exact arithmetic.
+"""The torch-free merge path (converter.engine.npmath, npmerge) against torch and against exact arithmetic.
 
 Conversions must give torch's bytes exactly, NaN/Inf/subnormals included. The merge math sums in float64 and
 rounds once: it must equal PEFT's float64 merge rounded once (computed here in rationals: each patch's delta
@@ -18,10 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from converter import npkernel, npmath, npmerge
-from converter.checkpoint import TensorInfo
-from converter.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
-from converter.plan import OutputTensor, PlannedPatch
+from converter.engine import npkernel, npmath, npmerge
+from converter.engine.plan import OutputTensor, PlannedPatch
+from converter.formats.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
+from converter.io.safetensors_file import TensorInfo
 
 TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BITS = {"F32": (np.uint32, 32), "F16": (np.uint16, 16), "BF16": (np.uint16, 16)}
@@ -197,7 +197,7 @@ def _exact(o: OutputTensor, base: np.ndarray, tensors) -> np.ndarray:
 
 @contextlib.contextmanager
 def _kernel(enabled: bool):
-    """The merge with the compiled fused step (converter.npkernel) or with numpy alone."""
+    """The merge with the compiled fused step (converter.engine.npkernel) or with numpy alone."""
     if enabled and npkernel.get() is None:
         pytest.skip("no C compiler here: the merge runs on numpy alone (tested by the other case)")
     saved = npkernel.get
@@ -284,7 +284,7 @@ def test_blocks_cover_every_row_with_several_patches():
 
 @pytest.mark.parametrize("kind", ["loha"])
 def test_patches_numpy_does_not_cover_go_through_torch(kind):
-    from converter.patches import LoHa
+    from converter.formats.patches import LoHa
 
     src = _Source({n: (np.ones((2, 2), np.float32), "F32") for n in ("a", "b", "c", "d")})
     loha = LoHa(*(Ref(src, n) for n in "abcd"), scale=1.0, shape=(2, 2))

@@ -85,8 +85,8 @@ def test_without_diffusers_a_diffusion_merge_is_refused_before_anything_is_writt
 
 def test_without_diffusers_verification_is_never_done_by_a_weaker_referee(sd, tmp_path, cli, without):
     """Verifying a merged folder: the published formula must not stand in for diffusers because it is missing."""
-    from converter.pipeline import verify_folder
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.jobs.pipeline import verify_folder
 
     base, lora = sd
     code, _, err = cli("merge", "--base", base, "--adapter", lora, "--out", tmp_path / "merged")
@@ -135,14 +135,13 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
 
 
 DOCUMENTED_API = {  # what the Python API page imports, module -> names
-    "converter": ["Recipe", "AdapterSpec", "ConverterError", "VerificationFailed", "__version__"],
-    "converter.describe": ["inspect_path", "render"],
-    "converter.merge": ["merge"],
-    "converter.pipeline": ["push", "verify_folder"],
-    "converter.publish": ["push_folder", "PushResult"],
-    "converter.convert": ["convert", "push_pr"],
-    "converter.methods": ["extract", "resize", "combine"],
-    "converter.space": ["deploy", "space_files"],
+    "converter": ["Recipe", "AdapterSpec", "merge", "push", "verify", "push_folder", "convert", "extract", "resize",
+                  "combine", "inspect", "deploy", "errors", "ConverterError", "VerificationFailed", "__version__"],
+    "converter.jobs.describe": ["render"],
+    "converter.jobs.pipeline": ["STAGES"],
+    "converter.hub.publish": ["PushResult"],
+    "converter.conversion": ["push_pr"],
+    "converter.jobs.demo": ["build_demo_inputs"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
                          "HubError", "VerificationFailed", "MissingExtraError"],  # fmt: skip
     "converter.testing.hub": ["HubServer", "run_client", "client_env", "hub_env"],
@@ -161,14 +160,6 @@ def test_the_python_api_offers_what_its_page_shows(module):
         assert set(DOCUMENTED_API[module]) <= set(exported) | {"__version__"}, f"{module}.__all__: {exported}"
 
 
-def test_the_merge_function_is_reliably_where_the_docs_say():
-    """`converter.merge` is the module, whatever was imported before; the function is `converter.merge.merge`."""
-    code = ("import converter.merge, converter; from converter.merge import merge; import converter.pipeline\n"
-            "print(callable(merge), type(converter.merge).__name__)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "module"]
-
-
 def test_without_diffusers_the_app_job_fails_with_the_readable_line_and_pushes_nothing(demo_hub, tmp_path):
     """The Space's job on a kohya SD merge, where diffusers is missing: the one line, nothing on the Hub."""
     from converter.app.local import MOCK_TOKEN, SD_BASE, SD_LORA
@@ -178,7 +169,7 @@ def test_without_diffusers_the_app_job_fails_with_the_readable_line_and_pushes_n
 import sys
 sys.modules["diffusers"] = None
 from pathlib import Path
-from converter.app.jobs import JobRequest, run_job
+from converter.app.merge_job import JobRequest, run_job
 from converter.errors import MissingExtraError
 try:
     run_job(JobRequest(base={SD_BASE!r}, adapters={SD_LORA!r}, repo_id="demo/no-diffusers"), {MOCK_TOKEN!r},

@@ -257,7 +257,7 @@ def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, 
 
     from safetensors.torch import load_file, save_file
 
-    from converter.verify import NOISE_MARGIN, tolerance
+    from converter.verification import NOISE_MARGIN, tolerance
 
     base = make_base(tmp_path / "base", "llama", hidden_size=128, intermediate_size=256)
     adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)

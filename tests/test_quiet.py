@@ -13,7 +13,8 @@ import sys
 import pytest
 from model_helpers import make_adapter, make_base
 
-from converter import progress, quiet
+from converter.cli import quiet
+from converter.io import progress
 
 # Markers of what the libraries print during a merge + verification on this stack (any one shows up in -v).
 THIRD_PARTY = ("Loading weights", "Warning", "warn", "gemm_4bit", "it/s]", "%|")
@@ -35,9 +36,9 @@ def converter(*args, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def own_lines(base, adapter, out) -> list[str]:
     """What converter itself says for this merge + verification: its `log` lines through the Python API."""
-    from converter.merge import merge
-    from converter.pipeline import verify_folder
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.engine.merging import merge
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.jobs.pipeline import verify_folder
 
     lines: list[str] = []
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter), 1.0)], out=str(out))
@@ -79,7 +80,7 @@ def test_an_error_stays_one_line(llm, tmp_path):
 
 
 def test_verbose_works_before_and_after_the_command():
-    from converter.cli import build_parser
+    from converter.cli.commands import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["-v", "inspect", "x"]).verbose
@@ -121,7 +122,7 @@ def test_progress_is_one_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
 def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(capfd):
     script = (
         "import os, sys, warnings\n"
-        "from converter import quiet\n"
+        "from converter.cli import quiet\n"
         "verbose = sys.argv[1] == '-v'\n"
         "with quiet.session(verbose) as console:\n"
         "    console.line('converter says this')\n"

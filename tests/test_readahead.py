@@ -1,4 +1,4 @@
-"""converter.readahead: the merge's reads on their own thread, in order, bounded, errors raised where consumed."""
+"""converter.io.readahead: the merge's reads on their own thread, in order, bounded, errors raised where consumed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from converter.readahead import ReadAhead
+from converter.io.readahead import ReadAhead
 
 
 def test_pieces_come_in_the_jobs_order():

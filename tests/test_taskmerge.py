@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_helpers import make_adapter, make_base, read_tensors
 
-from converter.methods.tensors import dare_mask
+from converter.engine.ties_dare import dare_mask
 
 EPS32 = torch.finfo(torch.float32).eps
 PEFT_METHOD = {"ties": "ties_svd", "dare": "dare_linear_svd", "dare_ties": "dare_ties_svd",

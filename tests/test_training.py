@@ -82,7 +82,7 @@ def test_lora_inside_is_fused_like_peft(ckpts, tmp_path, cli):
 
 
 def test_missing_lora_alpha_is_an_error_and_explicit_alpha_works(ckpts, tmp_path, cli):
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     actor = tmp_path / "actor"
     shutil.copytree(ckpts / "lora/actor", actor)
@@ -288,8 +288,8 @@ def test_megatron_core_names_in_a_dcp_checkpoint_map_to_transformers_names(ckpts
 def test_megatron_rename_rules_follow_the_keymap_schema():
     import yaml
 
-    from converter.keymap import load_keymap
-    from converter.keymap_schema import KeymapError
+    from converter.engine.keymap import load_keymap
+    from converter.engine.keymap_schema import KeymapError
 
     rule = {"from": "^a$", "to": ["x", "y"], "split": {"rows": [1, 1]}}
     km = load_keymap(
@@ -540,7 +540,7 @@ def test_lora_on_fused_moe_experts_matches_peft_forward(ckpts, tmp_path, cli):
 
 def test_scrambled_experts_are_caught_by_the_oracle(ckpts, tmp_path, cli, monkeypatch):
     """Unsloth's bug: reading A rank-major instead of expert-major permutes the experts' deltas; PEFT disagrees."""
-    from converter import patches
+    from converter.formats import patches
 
     def scrambled(a, b, experts):
         r = a.shape[0] // experts

@@ -260,7 +260,7 @@ def _rotary(x: torch.Tensor, theta: float = 10000.0) -> tuple[torch.Tensor, torc
 def test_torchtitan_rope_rows_are_reordered_the_way_attention_needs(built):
     """Independent of the name mapping: torchtitan's wq/wk with its pairwise RoPE give the same attention scores
     as the transformers q_proj/k_proj we write with transformers' half-split RoPE; unreordered rows do not."""
-    from converter.bases import open_base
+    from converter.engine.base_reader import open_base
 
     ckpt = open_base(built / "titan/step-20", config=built / LLAMA)
     raw = {k: ckpt.source.inner.read(k) for k in ("layers.0.attention.qkv_linear.wq.weight",
@@ -306,7 +306,7 @@ def test_square_experts_in_the_wrong_orientation_fail_the_oracle(built, tmp_path
     """down_proj is square (I = H): only the model type tells (E, in, out) from (E, out, in). Undoing the transpose
     for square deltas (the shape-only guess) is caught by PEFT's forward, and by the tensor proof (PEFT's own
     merge of the target_parameters LoRA) naming the expert tensor."""
-    from converter import patches
+    from converter.formats import patches
 
     real = patches.expert_delta
 

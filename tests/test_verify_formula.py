@@ -246,8 +246,8 @@ def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sab
 
 def verify_behaviour(folder, base, adapter, config):
     """The behavioural comparison by itself (diffusers' from_single_file and loader)."""
-    from converter.recipe import AdapterSpec, Recipe
-    from converter.verify import verify
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.verification import verify
 
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))])
     return verify(folder, recipe, single_file_config=str(config), log=lambda _line: None, proofs=("behaviour",))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from converter.verify.judge import judge, judge_llm, judge_tensors
-from converter.verify.referee import Expectation, Expected, RefereeInfo
-from converter.verify.tensors import TensorCheck, TensorProof, TensorProofResult, locations
+from converter.verification.judge import judge, judge_llm, judge_tensors
+from converter.verification.referee import Expectation, Expected, RefereeInfo
+from converter.verification.tensors import TensorCheck, TensorProof, TensorProofResult, locations
 
 TOL = {"mean_kl": 1e-3, "confident_top1_agreement": 0.99, "module_rel_err": 1e-2}
 
@@ -91,7 +91,7 @@ def files(tmp_path):
 
 
 def prove(tmp_path, base_tensors, merged, delta, out_dtype=None, rows=True, shards=1):
-    from converter.checkpoint import Checkpoint
+    from converter.engine.checkpoint import Checkpoint
 
     (tmp_path / "b").mkdir(exist_ok=True)
     save_file(base_tensors, tmp_path / "b" / "model.safetensors")
@@ -109,7 +109,7 @@ def prove(tmp_path, base_tensors, merged, delta, out_dtype=None, rows=True, shar
 
 @pytest.mark.parametrize("rows", [True, False], ids=["row-blocks", "whole"])
 def test_right_tensors_pass_shard_by_shard(files, monkeypatch, rows):
-    from converter.verify import tensors
+    from converter.verification import tensors
 
     monkeypatch.setattr(tensors, "BLOCK_ELEMENTS", 100)  # many row blocks
     tmp_path, base, merged, delta = files
@@ -149,8 +149,8 @@ def test_a_dtype_change_is_checked_as_the_exact_cast(files):
 
 
 def test_the_report_renders_both_proofs():
-    from converter.verify.render import markdown
-    from converter.verify.report import VerificationReport
+    from converter.verification.render import markdown
+    from converter.verification.report import VerificationReport
 
     r = result(tensors=3, changed=2, untouched=1, elements=100, inexact=1,
                worst=TensorCheck("w", "LoRA", ratio=0.5, numel=100, changed=90, inexact=1))  # fmt: skip

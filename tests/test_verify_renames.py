@@ -56,8 +56,8 @@ MODELS = {"clip": lambda: clip(False), "clip-projection": lambda: clip(True), "t
 def test_every_file_key_maps_to_the_parameter_transformers_loads_it_into(kind, tmp_path):
     from accelerate import init_empty_weights
 
-    from converter.model_class import loaded_names
-    from converter.verify.peft_referee import hollow
+    from converter.engine.model_class import loaded_names
+    from converter.verification.peft_referee import hollow
 
     model = MODELS[kind]()
     model.save_pretrained(tmp_path)
@@ -87,9 +87,9 @@ def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_pat
 
     from peft import LoraConfig, get_peft_model
 
-    from converter.model_class import loaded_names
-    from converter.verify.diffusers_referee import _inject
-    from converter.verify.diffusion import component_model
+    from converter.engine.model_class import loaded_names
+    from converter.verification.diffusers_referee import _inject
+    from converter.verification.diffusion import component_model
 
     model = qwen25_vl()
     model.save_pretrained(tmp_path / "pipe" / "text_encoder")

@@ -29,8 +29,8 @@ WEIGHTS = "model.safetensors"
 
 def proof_only(folder: Path, recipe=None):
     """The tensor proof by itself (the report as verify returns it)."""
-    from converter.merge import recorded_recipe
-    from converter.verify import verify
+    from converter.engine.recipe import recorded_recipe
+    from converter.verification import verify
 
     return verify(folder, recipe or recorded_recipe(folder), log=lambda _line: None, proofs=("tensors",))
 
@@ -89,8 +89,8 @@ def test_our_right_merges_pass_within_one_rounding(ours, dtype):
 
 
 def test_right_bf16_merge_passes_both_proofs_and_the_card_says_so(ours):
-    from converter.merge import recorded_recipe
-    from converter.verify import verify
+    from converter.engine.recipe import recorded_recipe
+    from converter.verification import verify
 
     folder = ours("bf16")
     report = verify(folder, recorded_recipe(folder), log=lambda _line: None)
@@ -107,7 +107,7 @@ def test_peft_merge_and_unload_in_bf16_passes(smol, tmp_path, safe_merge):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.engine.recipe import AdapterSpec, Recipe
 
     model = AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.bfloat16)
     peft_model = PeftModel.from_pretrained(model, smol)
@@ -200,8 +200,8 @@ def test_each_sabotage_exits_3_naming_the_tensor(ours, tmp_path, cli, kind):
 
 def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
     """`push` verifies before uploading: a wrong tensor stops it before any Hub call that writes."""
-    from converter import pipeline
     from converter.errors import VerificationFailed
+    from converter.jobs import pipeline
 
     folder = tmp_path / "sabotaged"
     _sabotage("one ΔW negated", ours("bf16"), folder)
@@ -261,7 +261,7 @@ def test_kohya_sdxl_sabotage_fails_naming_the_tensor(sdxl, tmp_path, kind):
 
 
 def _recipe_of(root: Path):
-    from converter.recipe import AdapterSpec, Recipe
+    from converter.engine.recipe import AdapterSpec, Recipe
 
     return Recipe(base=str(root / "base"), adapters=[AdapterSpec(str(root / "lora.safetensors"))])
 
@@ -370,9 +370,9 @@ def test_shards_proven_before_the_output_exists_resized_vocabulary(tmp_path, cli
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from converter.merge import recorded_recipe
-    from converter.verify.shards import ShardProof
-    from converter.writer import Shard
+    from converter.engine.recipe import recorded_recipe
+    from converter.engine.writer import Shard
+    from converter.verification.shards import ShardProof
 
     base = make_base(tmp_path / "base", "llama")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -403,9 +403,9 @@ def test_shards_proven_before_the_output_exists_resized_vocabulary(tmp_path, cli
 def test_shards_of_a_4bit_output_are_left_to_the_finished_folder(tmp_path):
     """A 4-bit output's packed weights are not proven tensor by tensor: the per-shard check steps aside (nothing
     read, no referee built) and verification judges the finished folder by its behaviour."""
-    from converter.recipe import AdapterSpec, Recipe
-    from converter.verify.shards import ShardProof
-    from converter.writer import Shard
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.engine.writer import Shard
+    from converter.verification.shards import ShardProof
 
     recipe = Recipe(base=str(tmp_path / "base"), adapters=[AdapterSpec(str(tmp_path / "lora"))], dtype="bnb-nf4")
     proof = ShardProof(recipe, log=lambda _line: None)

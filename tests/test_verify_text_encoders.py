@@ -253,10 +253,10 @@ def test_one_module_left_unmerged_exits_3_naming_it(merged, cli, tmp_path, kind,
 def test_the_referees_images_find_every_tensor_it_changes(merged):
     """Where the behaviour check cannot run, the card's reference images are the base pipeline holding the
     referee's tensors: each is found in the loaded pipeline by its file name (renamed on load included)."""
-    from converter.bases import open_base
-    from converter.merge import recorded_recipe
-    from converter.verify.diffusion import _load, _pipeline_params
-    from converter.verify.prove import choose_referee
+    from converter.engine.base_reader import open_base
+    from converter.engine.recipe import recorded_recipe
+    from converter.verification.diffusion import _load, _pipeline_params
+    from converter.verification.prove import choose_referee
 
     base, out = merged("sd15", "kohya")
     recipe = recorded_recipe(out)

@@ -19,7 +19,7 @@ import torch
 from model_helpers import make_adapter, make_base, peft_merged_fp64, read_tensors
 
 from converter.testing.hub import HubServer, client_env
-from converter.verify.judge import judge
+from converter.verification.judge import judge
 
 ALICE = "hf_fake_alice_0123456789"
 

@@ -1,6 +1,6 @@
 """The Space's "Check" step: what a job would do (formats, coverage, bytes, warnings) before any weight is fetched.
 
-A Hub base is planned from its safetensors headers alone (converter.hub_headers: sparse stand-in files of the
+A Hub base is planned from its safetensors headers alone (converter.hub.remote_headers: sparse stand-in files of the
 real size), so the merge planner sees exactly the names, shapes and byte ranges it will see after the download,
 while the disk holds only the headers. Adapters are small and are fetched.
 """
@@ -12,14 +12,16 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.bases import open_base
-from converter.checkpoint import Checkpoint
+from converter.engine.base_reader import open_base
+from converter.engine.checkpoint import Checkpoint
+from converter.engine.plan import plan_merge
+from converter.engine.recipe import Recipe
 from converter.errors import ConverterError
-from converter.hub_headers import hub_base_headers
-from converter.hub_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
-from converter.recipe import Recipe
-from converter.sources import fetch, parse_source
-from converter.units import human_bytes, parse_size
+from converter.formats import load_adapter
+from converter.hub.remote_headers import hub_base_headers
+from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
+from converter.hub.sources import fetch, parse_source
+from converter.io.units import human_bytes, parse_size
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,6 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
 
 def describe_adapter(spec: str, token: str | None) -> dict:
     """Fetch an adapter (small) and say what it is: format, rank, alpha, DoRA, tensors, trained-on base."""
-    from converter.formats import load_adapter
-
     fetched = fetch(spec, "adapter", token)
     adapter = load_adapter(fetched.local)
     s = adapter.summary
@@ -148,8 +148,6 @@ def describe_adapter(spec: str, token: str | None) -> dict:
 
 def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
     """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
-    from converter.merge import plan_merge
-
     limits = limits or Limits.from_env()
     base = describe_base(recipe.base, token, workdir)
     if base["parameters"] > limits.max_params or base["download"] > limits.max_bytes:

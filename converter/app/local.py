@@ -14,8 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
-from converter.scratch import temp_folder
+from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA, diffusion_repos
+from converter.errors import MissingExtraError
+from converter.io.optional import check
+from converter.io.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
 
 MOCK_TOKEN = "mock-oauth-token-for-local-dev"  # what gradio's local OAuth mock gives every handler
@@ -113,7 +115,7 @@ def _llm_repos(workdir: Path, cache: Path | None, fast: bool) -> dict[str, Path]
     if fast:
         from transformers import AutoModelForCausalLM
 
-        from converter.demo import build_demo_inputs
+        from converter.jobs.demo import build_demo_inputs
 
         base_dir, adapter_dir = build_demo_inputs(workdir)
         (base_dir / "README.md").write_text(BASE_CARD.format(name="Tiny Llama", what="A random 4-layer Llama."))
@@ -218,7 +220,6 @@ def seed_demo(server: HubServer, workdir: Path, *, cache: Path | None = None, fa
         (adapter / "README.md").write_text(f"---\nbase_model: {BASE}\nlibrary_name: peft\n---\n# A demo LoRA\n")
     _trained_on(workdir / "wrong", "demo/smaller-llama")
     sd_base, sd_loras = _sd_repos(workdir)
-    from converter.app.demo_pipelines import diffusion_repos
 
     more = diffusion_repos(workdir / "diffusion")  # tiny SDXL and Flux pipelines with their kohya LoRAs
     for repo, folder in {**repos, WRONG: workdir / "wrong", SD_BASE: sd_base, SD_REPO: sd_loras, **more}.items():
@@ -231,8 +232,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=7860, help="port of the app on 127.0.0.1 (default 7860)")
     p.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of SmolLM2 (fast; for tests)")
     args = p.parse_args(argv)
-    from converter.errors import MissingExtraError
-    from converter.optional import check
 
     try:  # the app, and the demo's diffusion pipelines (not imported yet: the Hub's address is set below first)
         check("gradio", "the local app")

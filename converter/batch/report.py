@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from converter.batch.state import Row
-from converter.units import human_bytes
+from converter.io.units import human_bytes
 
 COLUMNS = ("job", "source@sha", "result", "link", "verification", "time", "peak memory", "error")
 

@@ -25,9 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from converter.batch.jobs import Job, is_hub_id
+from converter.batch.job_list import Job, is_hub_id
 from converter.batch.state import State
 from converter.errors import ConverterError
+from converter.hub import client as hub
+from converter.io.optional import require
+from converter.io.progress import Progress
+from converter.io.scratch import temp_folder
 
 #: A `converter` process before its data. Measured peaks on tiny models: convert (torch imported) ~250 MB, merge +
 #: verify (transformers + peft too) ~440 MB; the reserve leaves room for real tokenizers and generation buffers.
@@ -60,7 +64,6 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
             raise HubFault(_redact(message)) from None
         return _outcome("failed", started, error=_redact(message))
     pinned = {s: pin(s, sha) for s, sha in sources.items() if sha}
-    from converter.scratch import temp_folder
 
     with temp_folder("batch", log=lambda _m: None) as scratch:
         argv = job.argv(pinned)
@@ -76,8 +79,6 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
 def resolve_sources(job: Job) -> dict[str, str | None]:
     """The commit each Hub source is at now (local sources: None); the job then runs on exactly these commits."""
     from huggingface_hub import HfApi
-
-    from converter import hub
 
     api = HfApi()
     shas: dict[str, str | None] = {}
@@ -105,8 +106,6 @@ def pin(source: str, sha: str) -> str:
 
 def _download(repo_id: str, sha: str | None, folder: Path) -> str:
     from huggingface_hub import snapshot_download
-
-    from converter import hub
 
     return hub.call(repo_id, lambda: snapshot_download(repo_id, revision=sha, local_dir=folder))
 
@@ -269,9 +268,6 @@ def run_batch(
 
 def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout, token_in_runtime_env, log):
     import logging
-
-    from converter.optional import require
-    from converter.progress import Progress
 
     ray = require("ray", "converter batch")
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.batch.jobs import Job
+from converter.batch.job_list import Job
 from converter.errors import ConverterError
 
 #: pending: never finished; running: submitted (a driver that died leaves this, the next run retries it);

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from converter.errors import AdapterFormatError, ConverterError
 from converter.formats import community, peft
-from converter.formats.base import Adapter, AdapterPatch
+from converter.formats.adapter import Adapter, AdapterPatch
+from converter.formats.components import component_folders, load_components
+from converter.io.safetensors_file import SafetensorsFile
 
 FORMATS = [peft, community]
 
@@ -27,7 +29,6 @@ def load_adapter(
         raise AdapterFormatError(
             f"{path}: adapter not found (give a folder with adapter_config.json or a file)", file=path
         )
-    from converter.formats.components import component_folders, load_components
 
     if folders := component_folders(path):  # unet/, text_encoder/: what `convert --to peft` writes for diffusion
         return load_components(
@@ -46,8 +47,6 @@ def load_adapter(
 
 def _sample(path: Path) -> str:
     """A few of the file's tensor names, so an unknown format can be recognised by whoever reads the error."""
-    from converter.checkpoint import SafetensorsFile
-
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
     if not files or files[0].suffix != ".safetensors":
         return ""

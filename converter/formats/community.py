@@ -17,9 +17,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
-from converter.formats.base import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
-from converter.lazy import torch
-from converter.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
+from converter.formats.adapter import Adapter, AdapterPatch, SafetensorsSource, open_tensor_file
+from converter.formats.patches import BiasDelta, DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank, Ref
+from converter.formats.peft import pattern_value
+from converter.io.lazy import torch
 
 NAME = "community"
 
@@ -217,8 +218,6 @@ def _diffusers_alphas(metadata: dict[str, str], where: Path) -> dict:
 
 def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: int, where: Path) -> float | None:
     """Scale from diffusers' saved LoraConfig (lora_alpha / r, rank/alpha patterns, rsLoRA), or None."""
-    from converter.formats.peft import pattern_value
-
     def get(field, default=None):
         if component_prefix and f"{component_prefix}.{field}" in meta:
             return meta[f"{component_prefix}.{field}"]

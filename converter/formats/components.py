@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
-from converter.formats.base import Adapter
-from converter.lazy import torch
+from converter.formats.adapter import Adapter
+from converter.io.lazy import torch
 
 DENOISERS = ("unet", "transformer")
 COMPONENTS = (*DENOISERS, "text_encoder", "text_encoder_2", "text_encoder_3")

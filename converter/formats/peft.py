@@ -14,8 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
-from converter.formats.base import Adapter, AdapterPatch, open_tensor_file
-from converter.patches import BiasDelta, DoRA, ExpertLowRank, LowRank, Ref, Replace, RowReplace, lora_scale
+from converter.formats.adapter import Adapter, AdapterPatch, open_tensor_file
+from converter.formats.patches import BiasDelta, DoRA, ExpertLowRank, LowRank, Ref, Replace, RowReplace, lora_scale
 
 NAME = "peft"
 SUPPORTED_TYPES = {"LORA", "TRAINABLE_TOKENS"}

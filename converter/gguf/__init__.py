@@ -10,5 +10,6 @@ match transformers' within a threshold per type.
 
 Modules: types (the type names), source (the safetensors, read one tensor at a time), arch (architectures:
 metadata and tensor names), vocab (the tokenizer's metadata), write (the streaming, atomic writer), llama
-(llama.cpp through llama-cpp-python, silenced), proof (the three proofs), export (all of it, per type), cli.
+(llama.cpp through llama-cpp-python, silenced), proof (the three proofs), export (all of it, per type),
+publish; the command is converter.cli.gguf.
 """

@@ -19,9 +19,9 @@ from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
-from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama
-from converter.gguf.write import write_gguf
-from converter.optional import install_hint
+from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama, parse_types
+from converter.gguf.write import plan, write_gguf
+from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
 
@@ -42,8 +42,11 @@ def file_stem(name: str) -> str:
 
 
 def resolve_source(spec: str | Path, token: str | None = None) -> Path:
-    """A local folder as it is; a Hub id fetched (config, tokenizer, safetensors) into the HF cache."""
-    from converter.sources import fetch
+    """A local folder as it is (also where only Hub sources are taken: the Space's merged folder); a Hub id fetched
+    (config, tokenizer, safetensors) into the HF cache."""
+    if Path(spec).expanduser().is_dir():
+        return Path(spec).expanduser()
+    from converter.hub.sources import fetch
 
     return Path(fetch(str(spec), "model", token).local)
 
@@ -56,6 +59,7 @@ def export(
     folder = resolve_source(source, token)
     src = open_source(folder)
     family = family_of(src.config, folder)
+    plan(src, family, "F32")  # every tensor has its place (headers only): refused before anything is loaded
     if needs_llama(types):
         llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
     out = Path(out)
@@ -127,3 +131,17 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
         bad = next(p for p in fp.parts if not p.passed)
         raise VerificationFailed(f"{path.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
     return fp
+
+
+def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
+    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
+    merge starts, so a refusal costs nothing."""
+    if not text:
+        return None
+    types = parse_types(text)
+    if needs_llama(types):
+        llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
+    config = Path(base or "") / "config.json"
+    if base and config.is_file():
+        family_of(json.loads(config.read_text()), base)
+    return types

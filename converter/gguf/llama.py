@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from converter.errors import BadInputError
-from converter.optional import require
+from converter.io.optional import require
 
 _keep: list = []  # the C callback must outlive every call into llama.cpp
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
 from converter.gguf.write import QTYPE, _stored_type
@@ -97,12 +98,18 @@ def reference(source: Source, with_logits: bool) -> Reference:
         texts.append(("chat template", tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                       False))  # fmt: skip
     ids = [tok(text, add_special_tokens=special)["input_ids"] for _, text, special in texts]
+    vocab_size = int(source.config.get("vocab_size") or 0)
+    if vocab_size and max(max(i, default=0) for i in ids) >= vocab_size:
+        raise BadInputError(f"{source.folder}: the tokenizer gives ids beyond the model's vocab_size {vocab_size}",
+                            file=source.folder)  # fmt: skip
     ref = Reference(texts, ids)
     if with_logits:
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
+        # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, attn_implementation="eager")
+        model.eval()
         with torch.no_grad():
             ref.logits = [model(torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
         del model
@@ -135,6 +142,12 @@ def _read_back(t) -> np.ndarray:
     return gguf.quants.dequantize(data, t.tensor_type)
 
 
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str) -> Part:
     """Part 1: every source tensor, read back from the file, against the reference cast / quantization."""
     found = {t.name: t for t in reader.tensors}
@@ -142,33 +155,47 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
     tmap = gguf.get_tensor_name_map(family.arch, n)
     expected: set[str] = set()
     worst = (0.0, "")
-    for hf_name, entry in source.tensors.items():
+    for hf_name, members in arch.tensor_groups(source.tensors, source.config, family, source.folder).items():
         if hf_name.endswith(arch.SKIPPED):
+            continue
+        if family.tied_head and hf_name == family.tied_head[0]:
+            embeddings = family.tied_head[1]
+            if embeddings not in source.tensors or not np.array_equal(source.read(hf_name), source.read(embeddings)):
+                return Part("tensors", False, f"{hf_name} differs from {embeddings}: llama.cpp's "
+                            f"{arch.arch_name(family)} takes its output head from the token embeddings")  # fmt: skip
             continue
         name = arch.gguf_name(hf_name, tmap, source.folder)
         expected.add(name)
         if name not in found:
             return Part("tensors", False, f"{name} ({hf_name}) is missing from the file")
         t = found[name]
+        stacked = members != (hf_name,)  # a MoE layer's experts, one (experts, out, in) tensor
+        transform = None if stacked else arch.transform(hf_name, source.config, family)
+        shape = (len(members), *source.tensors[members[0]].shape) if stacked else source.tensors[hf_name].shape
+        shape = transform.shape(shape) if transform else shape
         stored_shape = tuple(int(d) for d in reversed(t.shape))
-        if stored_shape != entry.shape:
-            return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, the source {entry.shape}")
-        src = source.read(hf_name)
-        _, to_hf = arch.row_transform(hf_name, source.config, family)
-        got = _read_back(t).reshape(entry.shape)
-        got = to_hf(got) if to_hf else got
+        if _squeezed(stored_shape) != _squeezed(shape):  # llama.cpp's quantizer drops outer 1s: (1, n) -> (n,)
+            return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, expected {shape}")
+        src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
+        got = _read_back(t).reshape(shape)
+        order = "in Hugging Face row order"
+        if transform and transform.to_hf:  # a row order: read back through its inverse, independent of the writer
+            got = transform.to_hf(got)
+        elif transform:  # a change of values or layout: the source as llama.cpp stores it
+            src, order = transform.to_gguf(src), "as llama.cpp stores it"
         kind = t.tensor_type.name
         if type_name in QTYPE:
-            want_type = _stored_type(name, entry.shape, QTYPE[type_name], n)
+            want_type = _stored_type(name, shape, QTYPE[type_name], n)
             if t.tensor_type != want_type:
                 return Part("tensors", False, f"{name} is stored as {kind}, expected {want_type.name}")
         if kind in EXACT:
             want = gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type) if kind != "F32" \
                 else src
-            if not np.array_equal(got, want.reshape(entry.shape), equal_nan=True):
-                bad = int(np.sum(got != want.reshape(entry.shape)))
+            want = want.reshape(got.shape)
+            if not np.array_equal(got, want, equal_nan=True):
+                bad = int(np.sum(got != want))
                 return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
-                            "(in Hugging Face row order)")  # fmt: skip
+                            f"({order})")  # fmt: skip
         else:
             limit = TENSOR_LIMIT.get(kind)
             rel = _rel(got, src)
@@ -176,12 +203,10 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
                 return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
                             f"(limit {limit})")  # fmt: skip
             worst = max(worst, (rel / limit, f"{name} {kind} {rel:.3g}"))
-    freqs = arch.rope_freqs(source.config)
-    if freqs is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+    for name, made in arch.extra_tensors(source.config, family).items():
         expected.add(name)
-        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), freqs):
-            return Part("tensors", False, f"{name} (Llama 3 rope scaling) is missing or wrong")
+        if name not in found or not np.array_equal(_read_back(found[name]).ravel(), made):
+            return Part("tensors", False, f"{name} (rope scaling, from config.json) is missing or wrong")
     extra = sorted(set(found) - expected)
     if extra:
         return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
@@ -198,18 +223,7 @@ def prove_metadata(reader: gguf.GGUFReader, source: Source, family: arch.Family)
         f = reader.get_field(key)
         return None if f is None else f.contents()
 
-    rope = arch.rope_parameters(c)
-    want = {
-        "general.architecture": a,
-        f"{a}.block_count": c["num_hidden_layers"],
-        f"{a}.context_length": c["max_position_embeddings"],
-        f"{a}.embedding_length": c["hidden_size"],
-        f"{a}.feed_forward_length": c["intermediate_size"],
-        f"{a}.attention.head_count": c["num_attention_heads"],
-        f"{a}.attention.head_count_kv": c.get("num_key_value_heads", c["num_attention_heads"]),
-        f"{a}.rope.freq_base": rope.get("rope_theta", 10000.0),
-        f"{a}.attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
-    }
+    want = {"general.architecture": a, **arch.expected_metadata(c, family)}
     for key, expected in want.items():
         got = value(key)
         if got is None or (isinstance(expected, float) and not np.isclose(got, expected, rtol=1e-6)) or \

@@ -1,5 +1,5 @@
-"""`push --from FOLDER --gguf TYPES`: the proven GGUF files in a repo of their own, `<repo>-GGUF`, in one commit,
-with a card in the Hub's GGUF conventions.
+"""`push --gguf TYPES` (and the Space's GGUF choice): the proven GGUF files in a repo of their own, `<repo>-GGUF`,
+in one commit, with a card in the Hub's GGUF conventions.
 
 Why a separate repo: that is where the Hub and its users look for GGUF files of a model (the `gguf` tag, a
 `base_model` pointing at the safetensors repo, one file per type), and it keeps the safetensors repo loadable by
@@ -10,10 +10,12 @@ nothing.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.gguf.export import PROOF_FILE, GGUFResult
+from converter.gguf.export import PROOF_FILE, GGUFResult, export
 
 
 def gguf_repo(repo_id: str) -> str:
@@ -69,7 +71,7 @@ def card(result: GGUFResult, base_repo: str, gguf_repo_id: str) -> str:
 def push_gguf(result: GGUFResult, base_repo: str, *, token: str | None, private: bool,
               log: Callable[[str], None]):  # fmt: skip
     """Upload the exported folder (files, proof, card) to `<base_repo>-GGUF` in one commit."""
-    from converter.publish import push_folder
+    from converter.hub.publish import push_folder
 
     repo_id = gguf_repo(base_repo)
     folder = Path(result.out)
@@ -77,3 +79,27 @@ def push_gguf(result: GGUFResult, base_repo: str, *, token: str | None, private:
     json.loads((folder / PROOF_FILE).read_text())  # written by export: present and whole
     return push_folder(folder, repo_id, token=token, private=private, overwrite=True,
                        message="Upload GGUF files (converter)", log=log)  # fmt: skip
+
+
+class PendingGGUF:
+    """The files for `<repo>-GGUF`, written and proven in a temporary folder before anything is committed.
+
+    A merging push has its merged folder only inside the push: `export` runs there, as the push's `finished` hook
+    just before its commit, so a failed proof raises and neither repo gets a commit. `push` after the model's own
+    push; `discard` in every case."""
+
+    def __init__(self, types: list[str], name: str, log: Callable[[str], None], workdir: str | Path | None = None):
+        self.types, self.name, self.log = types, name, log
+        self.out = Path(tempfile.mkdtemp(prefix="converter-gguf-push-", dir=workdir)) / "gguf"
+        self.result: GGUFResult | None = None
+
+    def export(self, folder: str | Path) -> None:
+        self.result = export(folder, self.types, self.out, name=self.name, log=self.log)
+
+    def push(self, base_repo: str, *, token: str | None, private: bool):
+        if self.result is None:
+            raise RuntimeError("GGUF files pushed before they were written")
+        return push_gguf(self.result, base_repo, token=token, private=private, log=self.log)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.out.parent, ignore_errors=True)

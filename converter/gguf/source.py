@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from converter.errors import BadInputError
-from converter.safetensors_header import HeaderError, decode_header
+from converter.io.safetensors_header import HeaderError, decode_header
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 

@@ -29,12 +29,16 @@ def _pretokenizers() -> dict:
 
 
 def load_tokenizer(folder: Path):
+    """transformers' tokenizer of the folder; a folder without one (or one transformers cannot load) in one line."""
     from transformers import AutoTokenizer
 
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise BadInputError(f"{folder}: no tokenizer.json or tokenizer.model: a GGUF needs the tokenizer", file=folder)
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        raise BadInputError(f"{folder}: cannot load its tokenizer ({e})", file=folder) from None
+        reason = " ".join(str(e).split())
+        raise BadInputError(f"{folder}: cannot load its tokenizer ({reason})", file=folder) from None
 
 
 def pre_tokenizer(tokenizer, folder: object) -> str:
@@ -100,11 +104,13 @@ def _special_vocab(folder: Path, *, tokenizer=None, **kwargs) -> gguf.SpecialVoc
     return special
 
 
-def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int, *, phi3: bool = False) -> None:
+    """tokenizer.model's pieces, scores and types, then the added tokens over them (Phi-3's converter reads
+    them a little differently, and its files are read as it does)."""
     try:
         from sentencepiece import SentencePieceProcessor
     except ImportError:
-        from converter.optional import install_hint
+        from converter.io.optional import install_hint
 
         raise BadInputError(
             f"{folder}: a SentencePiece tokenizer (tokenizer.model) needs sentencepiece: {install_hint('gguf')}"
@@ -120,16 +126,25 @@ def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> Non
             else gguf.TokenType.UNUSED if sp.IsUnused(i) else gguf.TokenType.BYTE if sp.IsByte(i)
             else gguf.TokenType.NORMAL
         )  # fmt: skip
+    added_file = folder / "added_tokens.json"
+    for token, i in (json.loads(added_file.read_text()) if added_file.is_file() else {}).items():
+        if i < vocab_size:
+            tokens[i], scores[i], types[i] = token.encode(), -1000.0, gguf.TokenType.USER_DEFINED
     config_file = folder / "tokenizer_config.json"
     decoder = json.loads(config_file.read_text()).get("added_tokens_decoder", {}) if config_file.is_file() else {}
-    for key, data in decoder.items():
-        i, token = int(key), data["content"]
+    added = [(int(key), data) for key, data in decoder.items()]
+    if phi3:  # Phi-3's converter: tokenizer.json's added tokens too, and only the special flag makes a control token
+        tokenizer_file = folder / "tokenizer.json"
+        listed = json.loads(tokenizer_file.read_text()).get("added_tokens", []) if tokenizer_file.is_file() else []
+        added += [(int(data["id"]), data) for data in listed]
+    for i, data in added:
+        token = data["content"]
         if i >= vocab_size:
             continue
-        if data.get("special") or _looks_special(token):
+        if data.get("special") or (not phi3 and _looks_special(token)):
             types[i] = gguf.TokenType.CONTROL
         else:
-            token, types[i] = token.replace("\u2581", " "), gguf.TokenType.USER_DEFINED
+            token, types[i] = (token if phi3 else token.replace("\u2581", " ")), gguf.TokenType.USER_DEFINED
         scores[i], tokens[i] = -1000.0, token.encode()
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -162,8 +177,15 @@ def add_vocab(w: gguf.GGUFWriter, folder: Path, config: dict, family: Family, *,
     tok_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if family.llama_hf_vocab and tok_config.get("add_prefix_space") is not None:
         w.add_add_space_prefix(tok_config["add_prefix_space"])
+    if family.vocab == "phi3" and tok_config.get("tokenizer_class") != "GPT2Tokenizer":  # Phi-4's is GPT-2's BPE
+        if not (folder / "tokenizer.model").is_file():
+            raise BadInputError(f"{folder}: no tokenizer.model: llama.cpp reads a Phi-3 tokenizer from it", file=folder)
+        _add_sentencepiece(w, folder, vocab_size, phi3=True)
+        return
     if family.spm_first and (folder / "tokenizer.model").is_file():
         _add_sentencepiece(w, folder, vocab_size)
+        if family.norm_plus_one:  # Gemma: llama.cpp's converter says so explicitly
+            w.add_add_space_prefix(False)
         return
     if family.llama_hf_vocab and _add_llama_hf(w, folder):
         return

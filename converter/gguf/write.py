@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
@@ -34,19 +33,21 @@ FILE_TYPE = {
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
 # llama.cpp keeps these in float32 whatever the file type (as its converter and its quantizer do)
-ALWAYS_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.POS_EMBD, gguf.MODEL_TENSOR.TOKEN_TYPES)
+ALWAYS_F32 = (gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_INP_SHEXP, gguf.MODEL_TENSOR.POS_EMBD,
+              gguf.MODEL_TENSOR.TOKEN_TYPES)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Planned:
-    """One tensor of the file: where it comes from, its stored type, and its row transform both ways."""
+    """One tensor of the file: where it comes from, its shape and type as stored, and how it is transformed."""
 
     name: str
-    hf_name: str | None  # None: made here (Llama 3's rope_freqs)
+    hf_name: str | None  # None: made from the config (arch.extra_tensors); stacked experts: gguf's name for them
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
-    to_gguf: Callable[[np.ndarray], np.ndarray] | None = None
-    to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+    transform: arch.Transform | None = None
+    parts: tuple[str, ...] = ()  # the experts stacked into this tensor, in order (else empty)
+    made: np.ndarray | None = field(default=None, compare=False)  # hf_name None: its values
 
 
 def _stored_type(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, block_count: int):
@@ -64,17 +65,19 @@ def plan(source: Source, family: arch.Family, type_name: str) -> list[Planned]:
     config, n = source.config, arch.block_count(source.config)
     tmap = gguf.get_tensor_name_map(family.arch, n)
     out = []
-    freqs = arch.rope_freqs(config)
-    if freqs is not None:
-        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-        out.append(Planned(name, None, freqs.shape, gguf.GGMLQuantizationType.F32))
-    for hf_name, entry in source.tensors.items():
-        if hf_name.endswith(arch.SKIPPED):
+    for name, data in arch.extra_tensors(config, family).items():
+        out.append(Planned(name, None, data.shape, gguf.GGMLQuantizationType.F32, made=data))
+    for hf_name, members in arch.tensor_groups(source.tensors, config, family, source.folder).items():
+        if hf_name.endswith(arch.SKIPPED) or (family.tied_head and hf_name == family.tied_head[0]):
             continue
         name = arch.gguf_name(hf_name, tmap, source.folder)
-        to_gguf, to_hf = arch.row_transform(hf_name, config, family)
-        qtype = _stored_type(name, entry.shape, QTYPE[type_name], n)
-        out.append(Planned(name, hf_name, entry.shape, qtype, to_gguf, to_hf))
+        if members != (hf_name,):  # stacked experts
+            shape = (len(members), *source.tensors[members[0]].shape)
+            out.append(Planned(name, hf_name, shape, _stored_type(name, shape, QTYPE[type_name], n), parts=members))
+            continue
+        t = arch.transform(hf_name, config, family)
+        shape = t.shape(source.tensors[hf_name].shape) if t else source.tensors[hf_name].shape
+        out.append(Planned(name, hf_name, shape, _stored_type(name, shape, QTYPE[type_name], n), t))
     return out
 
 
@@ -88,9 +91,11 @@ def stored(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
 def tensor_data(source: Source, p: Planned) -> np.ndarray:
     """The float32 values of one planned tensor in GGUF row order (before quantization)."""
     if p.hf_name is None:
-        return arch.rope_freqs(source.config)
+        return p.made
+    if p.parts:
+        return np.stack([source.read(part) for part in p.parts])
     data = source.read(p.hf_name)
-    return p.to_gguf(data) if p.to_gguf else data
+    return p.transform.to_gguf(data) if p.transform else data
 
 
 def write_gguf(source: Source, family: arch.Family, type_name: str, path: Path, *, name: str,

@@ -1,12 +1,12 @@
 """Beyond a plain sum: extract a LoRA from a fine-tune, resize a LoRA, combine several LoRAs into one.
 
 Each is a per-module job over adapter factors (or, for `extract`, one base/tuned tensor pair at a time):
-`options` (the names the CLI offers), `ranks` (how many singular values a module keeps), `tensors` (TIES / DARE /
-magnitude pruning on one tensor), `combination` (`add_weighted_adapter`'s methods), `extraction`, `resizing`,
-`taskmerge` (`converter merge --method`), `cli` (the three subcommands). The modules are not named after the
-functions, so `from converter.methods import combine` is always the function. The math runs in float32 (full
-SVDs too; the small SVDs of stacked LoRA factors in float64). Submodules load on first use, so building the
-command line does not import torch.
+`options` (the names the CLI offers), `ranks` (how many singular values a module keeps), `combination`
+(`add_weighted_adapter`'s methods), `extraction`, `resizing`. TIES / DARE on tensors and `converter merge --method`
+are the engine's (converter.engine.ties_dare, taskmerge); the subcommands are converter.cli.methods. The modules are
+not named after the functions, so `from converter.methods import combine` is always the function. The math runs in
+float32 (full SVDs too; the small SVDs of stacked LoRA factors in float64). Submodules load on first use, so
+building the command line does not import torch.
 """
 
 from __future__ import annotations

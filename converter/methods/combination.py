@@ -3,7 +3,7 @@
 For each module, with wᵢ the adapter weight and sᵢ = alphaᵢ / rankᵢ its own scale:
 - `cat`: downs wᵢ·sᵢ·Aᵢ stacked, ups Bᵢ side by side: ΔW = Σ wᵢ·ΔWᵢ exactly (rank = Σ ranks).
 - `linear`, `ties`, `dare_linear`, `dare_ties`, `magnitude_prune`: the A's and the B's are merged separately
-  (converter.methods.tensors) with weights ±√|wᵢsᵢ| on A and √|wᵢsᵢ| on B; every adapter's module needs the same
+  (converter.engine.ties_dare) with weights ±√|wᵢsᵢ| on A and √|wᵢsᵢ| on B; every adapter's module needs the same
   rank. These act on factors, so ΔW is not the weighted sum: a cheap approximation, as in PEFT.
 - `svd` and `<method>_svd`: the method applied to the full ΔWᵢ = sᵢ·Bᵢ·Aᵢ, then an SVD truncated to --rank (default:
   the largest input rank), U·S in B and Vh in A, optionally clamped at a quantile of their values (PEFT's svd_clamp).
@@ -23,10 +23,17 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.modules import LoraModule
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.writers import write
+from converter.engine.ties_dare import combine_tensors, dare_mask
 from converter.errors import ConverterError
+from converter.formats import load_adapter
+from converter.hub.sources import fetch
+from converter.io.scratch import temp_folder
 from converter.methods.options import FACTOR_METHODS, METHODS, NEEDS_DENSITY, SVD_METHODS
-from converter.methods.tensors import combine_tensors, dare_mask
+from converter.methods.resizing import lora_svd
 
 
 @dataclass
@@ -96,8 +103,6 @@ def combine_module(
         return out[0], out[1], None
     tail = first.down.shape[1:]
     if method == "svd":  # Σ wᵢ·ΔWᵢ has rank <= Σ rᵢ: its SVD from the stacked factors, exact and cheap
-        from converter.methods.resizing import lora_svd
-
         up = torch.cat([m.up.float().flatten(1) for _, _, m in parts], dim=1)
         down = torch.cat([m.down.float().flatten(1) * (w * m.alpha / m.rank) for _, w, m in parts])
         return svd_factors(up.double() @ down.double(), rank, tail, svd_clamp, lora_svd(up, down))
@@ -156,9 +161,6 @@ def combine(
     log: Callable[[str], None] = print,
 ) -> CombineResult:
     """Combine `adapters` (local or Hub) with `weights` by `method` into one adapter written at `out` as `to`."""
-    from converter.convert.core import TARGETS, _check_out
-    from converter.convert.writers import write
-
     weights = list(weights) if weights else [1.0] * len(adapters)
     if len(weights) != len(adapters):
         raise ConverterError(f"{len(weights)} --weight for {len(adapters)} --adapter: give one per adapter")
@@ -168,7 +170,7 @@ def combine(
         raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_options(method, len(adapters), density, rank, svd_clamp)
     out = Path(out)
-    _check_out(out, to, force)
+    check_output_path(out, to, force)
     notes: list[str] = []
     if len(adapters) == 1 and method != "linear":
         notes.append(f"one adapter: combined with linear, as PEFT's add_weighted_adapter does (not {method})")
@@ -210,11 +212,6 @@ def combine(
 
 def _load_all(adapters, base, to, component, token, allow_pickle, log) -> tuple[list[list[LoraModule]], list[str]]:
     """Each adapter's modules named for the output (looked up on `base` when given), and a public name of each."""
-    from converter.convert.names import BaseNames, base_names, collect
-    from converter.formats import load_adapter
-    from converter.scratch import temp_folder
-    from converter.sources import fetch
-
     loaded, sources = [], []
     with temp_folder("base-headers", log=log) as scratch:
         view = BaseNames(base_names(base, token, Path(scratch))) if base else None

@@ -20,8 +20,14 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.modules import LoraModule
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.writers import write, write_peft
+from converter.engine.base_reader import open_base
+from converter.engine.keymap import keymap_for
+from converter.engine.writer import atomic_folder
 from converter.errors import ConverterError
+from converter.hub.sources import HUB_SPEC, fetch
 from converter.methods.ranks import check_rule, choose_rank, retained_energy
 
 # module names that are embeddings (a lookup table, not a linear map): token and position tables
@@ -80,10 +86,6 @@ def extract(
     log: Callable[[str], None] = print,
 ) -> ExtractResult:
     """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
-    from converter.bases import open_base
-    from converter.convert.core import TARGETS, _check_out
-    from converter.sources import fetch
-
     if rank < 1:
         raise ConverterError(f"--rank {rank}: give a positive rank")
     if to not in TARGETS:
@@ -91,7 +93,7 @@ def extract(
     check_rule(rule, param)
     keep = _filter(include or [], exclude or [])
     out = Path(out)
-    _check_out(out, to, force)
+    check_output_path(out, to, force)
     fetched = {}
     for role, spec in (("base", base), ("tuned", tuned)):
         fetched[role] = fetch(spec, "model", token)
@@ -146,7 +148,6 @@ def _refuse_transposed(b, keys: list[str]) -> None:
     """Weights stored (in, out) (GPT-2's Conv1D) would need PEFT's fan_in_fan_out, which no writer produces."""
     if b.diffusion:
         return
-    from converter.keymap import keymap_for
 
     keymap = keymap_for(b.config)
     transposed = [k for k in keys if keymap.is_stored_transposed(k)]
@@ -192,9 +193,6 @@ def _whole_modules(b, t, keys: list[str]) -> dict[tuple, str]:
 
 
 def _write(modules, saved, to, out, force, fetched, report, base_spec) -> list[str]:
-    from converter.convert.writers import write, write_peft
-    from converter.writer import atomic_folder
-
     source = {"extracted_from": {r: (f.pinned if f.sha else Path(f.local).name) for r, f in fetched.items()}}
     svd = {k: v["relative_error"] for k, v in report.items()}
     base_model = _public_base(base_spec)
@@ -209,8 +207,6 @@ def _write(modules, saved, to, out, force, fetched, report, base_spec) -> list[s
 
 def _public_base(spec: str) -> str | None:
     """The base to record in adapter_config.json: a Hub id, never a local path (outputs may be published)."""
-    from converter.sources import HUB_SPEC
-
     if not Path(spec).expanduser().exists() and (m := HUB_SPEC.match(spec)):
         return m["repo"]
     return None

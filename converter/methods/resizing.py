@@ -16,8 +16,14 @@ from pathlib import Path
 
 import torch
 
-from converter.convert.modules import LoraModule
+from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.modules import LoraModule
+from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.writers import write
 from converter.errors import ConverterError
+from converter.formats import load_adapter
+from converter.hub.sources import fetch
+from converter.io.scratch import temp_folder
 from converter.methods.ranks import check_rule, choose_rank, retained_energy
 
 
@@ -70,20 +76,13 @@ def resize(
     log: Callable[[str], None] = print,
 ) -> ResizeResult:
     """Resize every module of the adapter at `adapter` (local or Hub) and write it at `out` as `to`."""
-    from converter.convert.core import TARGETS, _check_out
-    from converter.convert.names import BaseNames, base_names, collect
-    from converter.convert.writers import write
-    from converter.formats import load_adapter
-    from converter.scratch import temp_folder
-    from converter.sources import fetch
-
     if rank < 1:
         raise ConverterError(f"--rank {rank}: give a positive rank")
     if to not in TARGETS:
         raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_rule(rule, param)
     out = Path(out)
-    _check_out(out, to, force)
+    check_output_path(out, to, force)
     fetched = fetch(adapter, "adapter", token)
     loaded = load_adapter(fetched.local, allow_pickle=allow_pickle)
     with temp_folder("base-headers", log=log) as scratch:

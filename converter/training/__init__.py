@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from converter.engine.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.training.locate import Located, NotFound, config_candidates, is_shard_file, locate
 from converter.training.view import TrainingCheckpoint
@@ -82,6 +83,7 @@ def open_training(
     cfg = read_json(config_file)
     folder = located.weights
     adapter = config_file.parent / "adapter" / "adapter_config.json"
+    # Each reader imports torch, so only the one for the layout found is imported (a plain merge needs none).
     if located.layout == "Megatron mp_rank":
         from converter.training.legacy import LegacySource
 
@@ -121,8 +123,6 @@ def open_training(
 
 def _hf_export(folder: Path, located: Located, why: str):
     """verl with Megatron-Bridge saves the weights as a Hugging Face folder and only training state as shards."""
-    from converter.checkpoint import Checkpoint
-
     ckpt = Checkpoint(folder)
     ckpt.notes = [*located.notes, f"weights read from {folder} (the shards in {located.weights} hold no model: {why})"]
     return ckpt

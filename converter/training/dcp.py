@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from converter.dtypes import TORCH_TO_ST
 from converter.errors import ConverterError
+from converter.io.dtypes import TORCH_TO_ST
 
 ALLOWED = {
     "torch.distributed.checkpoint.metadata": {

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from converter.dtypes import TORCH_TO_ST
 from converter.errors import ConverterError
+from converter.io.dtypes import TORCH_TO_ST
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 MESHES = {("fsdp",), ("ddp", "fsdp")}  # what verl itself accepts

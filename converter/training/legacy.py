@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from converter.engine.keymap import eval_expr
 from converter.errors import ConverterError
-from converter.keymap import eval_expr
 from converter.training.fsdp import Piece, load_meta, piece_of, read_piece
 from converter.training.megatron import megatron_keymap, rule_for
 

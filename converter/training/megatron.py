@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from converter.engine.keymap import Keymap, RenameRule, all_keymaps, eval_expr
 from converter.errors import ConverterError
-from converter.keymap import Keymap, RenameRule, all_keymaps, eval_expr
 
 NAME = "megatron"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from converter.engine.keymap import Keymap, all_keymaps, eval_expr
 from converter.errors import ConverterError
-from converter.keymap import Keymap, all_keymaps, eval_expr
 from converter.training.mcore_dist import TRAINING_STATE
 from converter.training.megatron import rule_for
 

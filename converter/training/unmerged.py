@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from converter.engine.base_reader import open_base
+from converter.engine.writer import OutSpec, ShardedWriter, atomic_folder
 from converter.errors import UsageError
+from converter.io.units import human_bytes
 from converter.training.view import TrainingCheckpoint
-from converter.units import human_bytes
-from converter.writer import OutSpec, ShardedWriter, atomic_folder
 
 PEFT_PREFIX = "base_model.model."
 
@@ -92,8 +93,6 @@ def keep_adapter(
 ) -> tuple[Path, Path]:  # fmt: skip
     """`converter merge --keep-adapter`: the training checkpoint's base weights as stored in `out/base` (a model
     folder) and its LoRA as a PEFT folder in `out/adapter`, both appearing at once (one rename) or not at all."""
-    from converter.bases import open_base
-
     ckpt = open_base(Path(base), lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
     if not isinstance(ckpt, TrainingCheckpoint):
         raise UsageError(f"--keep-adapter is for training checkpoints with a LoRA inside; {base} is not one")

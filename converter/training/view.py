@@ -12,12 +12,15 @@ import json
 import re
 from pathlib import Path
 
-from converter import dtypes, patches
-from converter.checkpoint import Checkpoint, Part, TensorInfo, file_sha256
-from converter.dtypes import ITEMSIZE
+from converter.engine.checkpoint import Checkpoint, Part
+from converter.engine.keymap import keymap_for
 from converter.errors import ConverterError
-from converter.lazy import torch
-from converter.patches import lora_scale
+from converter.formats import patches
+from converter.formats.patches import lora_scale
+from converter.io import dtypes
+from converter.io.dtypes import ITEMSIZE
+from converter.io.lazy import torch
+from converter.io.safetensors_file import TensorInfo, file_sha256
 
 PEFT_PREFIX = "base_model.model."
 # trl's AutoModelForCausalLMWithValueHead holds the causal LM as `pretrained_model` beside its `v_head.summary`;
@@ -40,7 +43,7 @@ UNSUPPORTED_LORA = ("lora_embedding_A", "lora_embedding_B", "lora_magnitude_vect
 
 
 class _RankFile:
-    """One weight file of the checkpoint, as `merge.write_weights` sees files: hashed for provenance."""
+    """One weight file of the checkpoint, as `engine.merging.write_weights` sees files: hashed for provenance."""
 
     def __init__(self, path: Path, owner: TrainingCheckpoint, tensors: dict[str, TensorInfo]):
         self.path = path
@@ -261,8 +264,6 @@ class TrainingCheckpoint(Checkpoint):
     def _drop_tied_head(self) -> None:
         """transformers saves a tied head once (the embedding); the training state lists both names. A LoRA on
         either side unties them (as PEFT's merge does): both are written and config.json says so."""
-        from converter.keymap import keymap_for
-
         text = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else {}
         tied = self.config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
         if not tied:

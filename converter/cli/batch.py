@@ -1,0 +1,84 @@
+"""`converter batch`: its arguments and what the command prints. Ray is imported only when jobs run."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.errors import ConverterError
+
+#: Exit code when the batch ran but some jobs failed (the report says which and why).
+SOME_FAILED = 4
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("batch", help="run many convert / merge / verify jobs on Ray (resumable, with a report)")
+    b.add_argument("jobs", nargs="?", help="job list YAML (see docs/batch.md: the job list)")
+    b.add_argument("--from-hub-search", metavar="TEXT",
+                   help="build the job list from a Hub search instead: repos whose id contains TEXT")  # fmt: skip
+    b.add_argument("--filter", action="append", default=[], metavar="TAG",
+                   help="with --from-hub-search: only repos with this tag (repeatable), e.g. lora")  # fmt: skip
+    b.add_argument("--limit", type=int, default=20, help="how many search results (default 20)")
+    b.add_argument("--to", default="diffusers", choices=["peft", "diffusers", "kohya"],
+                   help="target format of search-built convert jobs (default diffusers)")  # fmt: skip
+    b.add_argument("--base", help="base model for search-built convert jobs (kohya names are looked up in it)")
+    b.add_argument("--state", help="state file (default: JOBS.state.sqlite next to the job list)")
+    b.add_argument("--report", help="Markdown report (default: JOBS.report.md next to the job list)")
+    b.add_argument("--address", help="join this Ray cluster (ray://HOST:10001 or HOST:6379; default RAY_ADDRESS, "
+                   "else start a local one)")  # fmt: skip
+    b.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: all of this machine)")
+    b.add_argument("--cpus-per-job", type=float, default=1.0, help="CPUs each job reserves (default 1)")
+    b.add_argument("--retries", type=int, default=3, help="retries per job for Hub faults and lost workers")
+    b.add_argument("--job-timeout", type=float, help="seconds before a job is killed (default: none)")
+    b.add_argument(
+        "--token-in-runtime-env",
+        action="store_true",
+        help="send HF_TOKEN to an existing cluster's workers in Ray's runtime_env (Ray logs it there)",
+    )
+
+
+def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+    from converter.batch import job_list as joblist
+    from converter.io.optional import require
+
+    require("ray", "converter batch")  # before a job list, a state file or a report is written
+
+    searching = args.from_hub_search is not None
+    if bool(args.jobs) == searching:
+        raise ConverterError("give a job list JOBS.yaml or --from-hub-search TEXT (one of them)")
+    if searching:
+        if args.limit < 1:
+            raise ConverterError(f"--limit {args.limit}: give a positive number")
+        jobs = joblist.jobs_from_search(
+            args.from_hub_search, args.limit, filters=args.filter, to=args.to, base=args.base
+        )
+        if not jobs:
+            raise ConverterError(f"the Hub search {args.from_hub_search!r} found no models")
+        stem = Path(args.state or "batch").with_suffix("")
+        jobs_file = stem.with_name(stem.name + ".jobs.yaml")
+        joblist.write_jobs(jobs, jobs_file)
+        log(f"{len(jobs)} jobs from the search, saved to {jobs_file} (re-run with that file to resume)")
+    else:
+        jobs_file = Path(args.jobs)
+        jobs = joblist.load_jobs(jobs_file)
+    state = Path(args.state) if args.state else jobs_file.with_suffix(".state.sqlite")
+    report_path = Path(args.report) if args.report else jobs_file.with_suffix(".report.md")
+    from converter.batch import report
+    from converter.batch.run import run_batch
+    from converter.batch.state import State
+
+    _, skipped, elapsed = run_batch(
+        jobs, state, address=args.address, num_cpus=args.num_cpus, cpus_per_job=args.cpus_per_job,
+        retries=args.retries, job_timeout=args.job_timeout, token_in_runtime_env=args.token_in_runtime_env,
+        log=log,
+    )  # fmt: skip
+    db = State(state)
+    try:
+        rows = db.rows([j.id for j in jobs])
+    finally:
+        db.close()
+    report.write_markdown(report_path, report.markdown(rows, set(skipped), elapsed))
+    log(report.terminal(rows, set(skipped)))
+    log(f"report: {report_path}  state: {state}")
+    return SOME_FAILED if any(r.status != "done" for r in rows) else 0

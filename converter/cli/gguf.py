@@ -1,0 +1,80 @@
+"""`converter gguf SOURCE --type TYPE[,TYPE...] --out DIR`: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from converter.gguf.types import ALL_TYPES
+
+TYPE_HELP = (
+    f"GGUF types, comma-separated: {', '.join(ALL_TYPES[:4])} (written in Python) or llama.cpp's quantizations "
+    f"({', '.join(ALL_TYPES[4:])}; need converter[gguf])"
+)
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("gguf", help="write a model folder or Hub model as GGUF files for llama.cpp, proven")
+    g.add_argument("source", help="a model folder (a merge's output, any Hugging Face model folder) or a Hub id")
+    g.add_argument("--type", required=True, help=TYPE_HELP)
+    g.add_argument("--out", required=True, help="folder for the .gguf files (created if missing)")
+    g.add_argument("--name", help="file name stem (default: the source folder's name)")
+    g.add_argument("--force", action="store_true", help="replace .gguf files of the same names in --out")
+    g.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    from converter.gguf.export import PROOF_FILE, export
+    from converter.gguf.types import parse_types
+
+    types = parse_types(args.type)
+    result = export(args.source, types, args.out, name=args.name, force=args.force, token=args.token, log=log)
+    for path in result.files:
+        log(f"wrote {path}")
+    log(f"proof: {result.out / PROOF_FILE}")
+    return 0
+
+
+def merge_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gguf", metavar="TYPE[,TYPE...]",
+        help="also write the merged model as GGUF files of these types, proven, into the folder OUT-GGUF; " + TYPE_HELP,
+    )  # fmt: skip
+
+
+def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
+    """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF."""
+    from pathlib import Path
+
+    from converter.gguf.export import PROOF_FILE, export
+
+    folder = Path(folder)
+    out = folder.with_name(f"{folder.name}-GGUF")
+    result = export(folder, types, out, name=folder.name, force=True, log=log)
+    log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
+
+
+def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
+    """`push --gguf TYPES`: types, extra and (for a local folder or base) architecture checked before anything
+    runs; from `--from FOLDER`, the files written and proven too (while merging: in the push, before its commit)."""
+    from converter.gguf.export import check_merge_gguf
+    from converter.gguf.publish import PendingGGUF
+
+    gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base), args.repo.split("/")[-1], log)
+    if args.from_folder:
+        try:
+            gguf.export(args.from_folder)
+        except BaseException:
+            gguf.discard()
+            raise
+    return gguf
+
+
+def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+    pushed = gguf.push(args.repo, token=args.token, private=args.private)
+    log(f"GGUF: {pushed.summary()}")
+
+
+def discard_push_gguf(gguf) -> None:
+    if gguf is not None:
+        gguf.discard()

@@ -1,0 +1,72 @@
+"""Open any base: a transformers folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
+training checkpoint. The one place that picks the reader, in front of the engine: `converter.engine.checkpoint` reads
+safetensors layouts and knows nothing of training layouts (`converter.training` builds on it), so the choice
+between them is made here, above both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleFileCheckpoint
+from converter.engine.keymap import all_keymaps, diffusion_family
+from converter.errors import ConverterError
+from converter.io.safetensors_file import SafetensorsFile
+from converter.training import open_training
+from converter.training.locate import NotFound, is_shard_file
+
+
+def open_base(
+    path: Path, *, lora_alpha: float | None = None, allow_pickle: bool = False, config: str | Path | None = None
+) -> Checkpoint:
+    """A transformers-style model folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
+    training checkpoint from any folder of its run (verl, Megatron-LM, torchtitan, DCP; `lora_alpha` for the LoRA
+    inside one, `config` the Hugging Face config it lacks: see converter.training). A folder that is none of them
+    is refused in one line naming the layouts looked for."""
+    path = Path(path)
+    bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
+    if bare or is_shard_file(path):
+        try:
+            return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
+        except NotFound as e:
+            if (path / "adapter_config.json").is_file():
+                raise ConverterError(
+                    f"{path}: an adapter (adapter_config.json), not a model: give it as --adapter, with the model it "
+                    "was trained on as --base"
+                ) from None
+            if not any(path.glob("*.safetensors")):
+                raise ConverterError(f"{e}; nor a model folder: no config.json") from None
+    if config is not None:
+        raise ConverterError(
+            f"--config {config}: it is for training checkpoints without a Hugging Face config; {path} is not one"
+        )
+    if path.is_dir() and (path / "model_index.json").is_file():
+        try:
+            index = json.loads((path / "model_index.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConverterError(f"{path / 'model_index.json'}: invalid JSON ({e.msg})") from None
+        pipeline = index.get("_class_name")
+        denoiser = next((v[1] for k, v in index.items() if k in ("transformer", "unet") and isinstance(v, list)), None)
+        family = diffusion_family(pipeline, []) or diffusion_family(None, [], denoiser)
+        if family is None:
+            raise ConverterError(
+                f"{path}: diffusers pipeline {pipeline} has no keymap yet (supported: "
+                f"{', '.join(sorted(p for k in _families() for p in k.pipelines))})"
+            )
+        return DiffusersCheckpoint(path, family.name)
+    if path.is_file() and path.suffix == ".safetensors":
+        f = SafetensorsFile(path)
+        family = diffusion_family(None, list(f.tensors))
+        if family is None:
+            sample = ", ".join(list(f.tensors)[:4])
+            raise ConverterError(
+                f"{path}: a single-file checkpoint of no known family (keys like {sample}); known: "
+                f"{', '.join(k.name for k in _families())}"
+            )
+        return SingleFileCheckpoint(path, family)
+    return Checkpoint(path)
+
+
+def _families():
+    return [k for k in all_keymaps() if k.is_diffusion]

@@ -1,0 +1,288 @@
+"""The whole job, as every front end runs it: merge → card → upload.
+
+A push that merges runs as a pipeline (converter.jobs.streaming): base shards download while the merge reads them,
+output shards upload while it writes, and one commit at the end publishes them. It falls back to merging first
+and publishing after only where the target repo already holds a model and neither --create-pr nor --overwrite
+was given (then the result may be identical, a no-op, or must be refused before anything is uploaded).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.engine.merging import merge
+from converter.engine.recipe import Recipe, recorded_recipe
+from converter.engine.writer import Shard
+from converter.errors import ConverterError
+from converter.hub import client as hub
+from converter.hub.card import public_records, write_card
+from converter.hub.publish import (
+    Publication,
+    PushResult,
+    additions,
+    check_repo_id,
+    inspect_target,
+    local_files,
+    push_folder,
+)
+from converter.hub.sources import fetch, parse_source
+from converter.io.optional import require
+from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
+from converter.io.scratch import make_temp
+from converter.io.units import parse_size
+from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
+from converter.training import is_training_checkpoint
+from converter.verification import require_pass, verify
+from converter.verification.warmup import wait
+
+
+def pipelined_shard_size(given: str | None, weights: int) -> str:
+    """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
+    of the weights, 256 MiB to 2 GiB, so that the first upload starts early and the last one (which nothing
+    overlaps) is short."""
+    return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
+
+
+TRANSFER, VERIFY, COMMIT = STAGES = ("download, merge, upload", "verify", "commit")  # `push(stage=...)`, in order
+
+__all__ = ["STAGES", "push", "verify_folder"]  # the Python API of the whole job (docs/python-api.md)
+
+
+def push(
+    repo_id: str,
+    *,
+    recipe: Recipe | None = None,
+    folder: str | Path | None = None,
+    token: str | None = None,
+    private: bool = False,
+    create_pr: bool = False,
+    overwrite: bool = False,
+    workdir: str | Path | None = None,
+    verify: dict | None = None,
+    log: Callable[[str], None] = print,
+    check_shard: Callable[[Shard], None] | None = None,
+    stage: Callable[[str], None] = lambda name: None,
+    finished: Callable[[Path], None] | None = None,
+    keep_output: bool = False,
+) -> PushResult:
+    """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
+
+    With `verify` (settings for `verify_folder`, {} for the defaults) the folder is verified first (against the
+    recipe it was merged from) and nothing is committed when it fails. `check_shard` runs on every output shard
+    before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
+    each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
+    report written) just before the commit, while it still exists (a merging push's folder is temporary);
+    `keep_output` keeps every shard in it until then even without verification (`finished` reads them all).
+    """
+    check_repo_id(repo_id)
+    if (recipe is None) == (folder is None):
+        raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
+    hub.whoami(token)  # a missing or refused token fails now, not after the merge
+    if recipe is not None and verify is not None:
+        check_extras(recipe, token)
+    if recipe is not None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        target = inspect_target(api, repo_id, token)
+        if create_pr or overwrite or not target.has_model:
+            publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
+            return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,
+                                  keep_output)  # fmt: skip
+    tmp = None
+    try:
+        if recipe is not None:
+            tmp = make_temp("push", workdir, log)
+            recipe.out = str(tmp / repo_id.split("/")[1])
+            stage(TRANSFER)
+            folder = merge(recipe, token=token, log=log).out
+        folder = Path(folder)
+        if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
+            stage(VERIFY)
+            verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, publishing=True, **verify)
+        replace = {}
+        if (folder / PROVENANCE_FILE).is_file():
+            write_card(folder, load_name=repo_id)
+            replace = public_records(folder)
+        if finished is not None:
+            finished(folder)
+        stage(COMMIT)
+        return push_folder(
+            folder,
+            repo_id,
+            token=token,
+            private=private,
+            create_pr=create_pr,
+            overwrite=overwrite,
+            replace=replace,
+            log=log,
+        )
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify_folder(
+    folder: str | Path,
+    recipe: Recipe,
+    *,
+    token: str | None = None,
+    report_path: str | Path | None = None,
+    log: Callable[[str], None] = print,
+    shard_proof=None,
+    publishing: bool = False,
+    **settings,
+):
+    """Verify, record the report next to the model, refresh the card; VerificationFailed on a fail, NotVerified
+    when no proof could judge it (the folder is kept, its card says so; `publishing`: nothing is pushed).
+    Returns the VerificationReport. `shard_proof`: the tensor proof already run shard by shard (a pipelined
+    push; see verify.shards)."""
+    folder = Path(folder)
+
+    wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
+
+    if recipe.base and is_training_checkpoint(Path(recipe.base)):
+        from converter.verification.training_merge import verify_training
+
+        report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
+    else:
+        report = verify(folder, recipe, token=token, log=log, shard_proof=shard_proof, **settings)
+    if report_path:
+        Path(report_path).write_text(report.to_json())
+    if (folder / PROVENANCE_FILE).is_file():
+        write_card(folder, load_name=f"./{folder.name}")
+    log(report.markdown)
+    then = ("; nothing was pushed (--no-verify pushes it unproven)" if publishing else
+            f"; {folder} is kept, its card says not verified (--no-verify skips verification)")  # fmt: skip
+    require_pass(report, then)
+    return report
+
+
+def _push_streamed(
+    publication: Publication,
+    recipe: Recipe,
+    token: str | None,
+    workdir: str | Path | None,
+    verify: dict | None,
+    check_shard: Callable[[Shard], None] | None,
+    stage: Callable[[str], None],
+    finished: Callable[[Path], None] | None,
+    log: Callable[[str], None],
+    keep_output: bool = False,
+) -> PushResult:
+    """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
+    is then proven tensor by tensor before its upload: verify.shards)."""
+    repo_id = publication.target.repo_id
+    tmp = make_temp("push", workdir, log)
+    meter = ScratchMeter([tmp])
+    base_stream = uploader = shard_proof = None
+    try:
+        recipe = copy.deepcopy(recipe)
+        recipe.out = str(tmp / "out" / repo_id.split("/")[1])
+        if parse_source(recipe.base).repo_id:
+            # Shards not already cached stream in while the merge reads them: for this job only, or, when
+            # verification reads the base again after the merge, into the HF cache as a download would.
+            base_stream = StreamedBase.open(recipe.base, token, tmp / "base", meter, keep=verify is not None)
+            base = base_stream.fetched
+            weights = sum(f["size"] or 0 for f in base.files if f["name"].endswith(".safetensors"))
+        else:
+            base = fetch(recipe.base, "model", token)
+            weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
+        recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
+        if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
+            from converter.verification.shards import ShardProof
+
+            shard_proof = ShardProof(recipe, token=token, log=log, base=Path(base.local))
+            check_shard = _checks(shard_proof.check, check_shard)
+        uploader = ShardUploader(
+            publication.api,
+            repo_id,
+            tmp / "upload",
+            ensure_repo=publication.ensure_repo,
+            revision=publication.revision,
+            create_pr=publication.new_pr,
+            keep=verify is not None or keep_output,
+            check=check_shard,
+            finished=base_stream.shard_done if base_stream else None,
+            meter=meter,
+            log=log,
+        )
+        stage(TRANSFER)
+        if base_stream is not None:
+            base_stream.start()
+        if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
+            from converter.verification.warmup import start
+
+            start()
+        folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
+        uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
+        if base_stream is not None:
+            base_stream.close()
+        if verify is not None:
+            stage(VERIFY)
+            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True,
+                          **verify)
+        uploaded = uploader.close()
+        write_card(folder, load_name=repo_id)
+        sent = {op.path_in_repo for op in uploaded}
+        names = local_files(folder)
+        operations = uploaded + additions(folder, [n for n in names if n not in sent], public_records(folder))
+        meter.sample()
+        log(
+            f"scratch disk peak: {meter.peak / 2**20:.1f} MiB (weights {weights / 2**20:.1f} MiB, output shards of "
+            f"{parse_size(recipe.max_shard_size) / 2**20:.1f} MiB)"
+        )
+        if finished is not None:
+            finished(folder)
+        stage(COMMIT)
+        return publication.commit(operations, sorted(sent | set(names)))
+    except BaseException:
+        if uploader is not None:
+            uploader.abort()
+        publication.abandon()
+        raise
+    finally:
+        if base_stream is not None:
+            base_stream.close()
+        if shard_proof is not None:
+            shard_proof.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_extras(recipe: Recipe, token: str | None) -> None:
+    """Before anything is merged or written: verifying a diffusion merge needs diffusers (converter[diffusion])."""
+    import importlib.util
+
+    if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
+        require("diffusers", "verifying a diffusion merge")
+
+
+def _diffusion_base(spec: str, token: str | None) -> bool:
+    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
+    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
+    source = parse_source(spec)
+    if source.local is not None:
+        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
+    if source.path is not None:
+        return source.path.endswith(".safetensors")
+    from huggingface_hub import file_exists
+
+    try:
+        return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
+                                                  token=token))  # fmt: skip
+    except ConverterError:
+        return False
+
+
+def _checks(*checks: Callable[[Shard], None] | None) -> Callable[[Shard], None]:
+    """One per-shard check that runs each of `checks` in turn."""
+
+    def check(shard: Shard) -> None:
+        for c in checks:
+            if c is not None:
+                c(shard)
+
+    return check

@@ -1,0 +1,421 @@
+"""The Hub job as a pipeline: base weights stream in while the merge reads them, output shards stream out as soon
+as the merge finishes each, and one commit publishes them all at the end.
+
+Three things run at once. A download thread fills each base weight file that the HF cache does not already have
+into a job-owned file, front to back; before any data arrives that file is a stand-in with the real header
+(fetched byte for byte) and the real length, so the whole plan (and every error) exists first, and the merge reads
+each tensor as soon as its bytes are there. The merge itself writes output shards; each one, once durable, goes to
+an upload thread that runs the per-shard check (when one is given), then `preupload_lfs_files` with the sha256
+the writer took as it wrote (no second read). Files fetched only for this job are deleted once merged (after the
+output shard holding their last tensor is finished), output shards once uploaded unless verification still
+needs them, so the scratch disk holds a few shards, whatever the model's size. Files already in the user's HF
+cache are read from there and left alone. A verified push reads the base again, so there its files fill in the HF
+cache instead and enter it when complete (`StreamedBase(keep=True)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.engine.writer import Shard
+from converter.errors import ConverterError, HubError
+from converter.hub import client as hub
+from converter.hub.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
+from converter.io.background import Worker
+from converter.io.safetensors_header import HeaderError, decode_header
+
+LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
+
+
+def _disk_bytes(folders: list[Path]) -> int:
+    """Bytes the files under `folders` take on disk (holes of stand-ins not counted)."""
+    total = 0
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):  # deleted by another thread meanwhile
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+class ScratchMeter:
+    """The largest disk use of the job's own folders seen at the pipeline's events (shards in and out)."""
+
+    def __init__(self, folders: list[Path]):
+        self.folders, self.peak = folders, 0
+        self._lock = threading.Lock()
+
+    def sample(self) -> None:
+        used = _disk_bytes(self.folders)
+        with self._lock:
+            self.peak = max(self.peak, used)
+
+
+class _Download:
+    """One base file, filled front to back; `have` bytes from the start are on disk. `blob`: where it goes in the
+    HF cache when the job keeps the base (the file then fills beside it and `path` links to it)."""
+
+    def __init__(self, index: int, name: str, path: Path, size: int, blob: Path | None = None):
+        self.index, self.name, self.path, self.size, self.blob = index, name, path, size, blob
+        self.have = 0
+        self.started = self.deleted = False
+        self.after: str | None = None  # released after this output tensor's shard is finished
+
+    @property
+    def partial(self) -> Path:
+        return self.blob.with_name(f"{self.blob.name}.converter-{os.getpid()}.incomplete")
+
+
+class StreamedBase:
+    """A Hub base for one job: side files from the HF cache, weights from the cache where they already are,
+    the rest downloaded by one thread into files that the merge reads as they arrive.
+
+    Those files are the job's own, deleted once merged, unless `keep`: a verified push reads the base again after
+    the merge, so each file fills in the HF cache's blob folder and enters the cache when complete, as
+    `hf_hub_download` would have put it there (verification then finds it cached; nothing is downloaded twice)."""
+
+    def __init__(
+        self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None, keep: bool = False
+    ):
+        self.remote, self.folder, self.token, self.meter, self.keep = remote, folder, token, meter, keep
+        self.downloads: list[_Download] = []
+        self._cond = threading.Condition()
+        self._demand = -1
+        self._error: BaseException | None = None
+        self._stop = False
+        self._finished: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def open(
+        cls, spec: str, token: str | None, folder: Path, meter: ScratchMeter | None = None, *, keep: bool = False
+    ) -> StreamedBase:
+        """Resolve the base, link its side files and cached weights into `folder`, stand-ins for the rest (in the
+        HF cache's blob folder with `keep`)."""
+        from huggingface_hub import hf_hub_download
+
+        source = parse_source(spec)
+        remote = resolve(source, "model", token)
+        self = cls(remote, folder, token, meter, keep)
+        weights = sorted(n for n in remote.wanted if n.endswith(".safetensors"))
+        blobs = _blob_folder(source.repo_id) if keep else None
+        if keep:
+            missing = sum(remote.siblings[n].size or 0 for n in weights if not remote.cached(n))
+            check_disk(remote.where, missing, "the base's download")
+        for name in remote.wanted:
+            target = folder / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            cached = remote.cached(name)
+            sha256 = getattr(remote.siblings[name].lfs, "sha256", None)
+            if name in weights and cached is None and (sha256 or not keep):
+                size = remote.siblings[name].size or 0
+                d = _Download(len(self.downloads), name, target, size, blobs / sha256 if keep else None)
+                if keep:
+                    blobs.mkdir(parents=True, exist_ok=True)
+                    os.symlink(d.partial, target)
+                self.downloads.append(d)
+                continue
+            if cached is None:  # a side file (config, tokenizer, card): small, into the HF cache as usual
+                cached = hub.call(
+                    f"{remote.where}/{name}",
+                    lambda n=name: hf_hub_download(
+                        remote.source.repo_id, n, revision=remote.sha, token=token, cache_dir=cache_dir()
+                    ),
+                )
+            os.symlink(os.path.realpath(cached), target)
+        for d in self.downloads:
+            self._standin(d)
+        return self
+
+    @property
+    def fetched(self) -> Fetched:
+        """The base as `merge` takes it; its job-owned files carry their arrival and release hooks."""
+        source = self.remote.source
+        local = self.folder / source.path if source.path else self.folder
+        card = (local.parent if local.is_file() else local) / "README.md"
+        streams = {d.path: self for d in self.downloads}
+        text = card.read_text(errors="replace") if card.is_file() else None
+        return Fetched(source, local, self.remote.sha, self.remote.records(), text, streams)
+
+    # -- HTTP --------------------------------------------------------------------------------------------------------
+
+    def _get(self, name: str, start: int, end: int, sink: Callable[[bytes], None]) -> None:
+        """Bytes [start, end) of `name` at the pinned commit, passed to `sink` as they arrive."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        url = hf_hub_url(self.remote.source.repo_id, name, revision=self.remote.sha)
+        headers = {**build_hf_headers(token=self.token), "Range": f"bytes={start}-{end - 1}"}
+        with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=60) as r:
+            if r.status_code >= 400:
+                r.read()
+                hf_raise_for_status(r)
+            if r.status_code != 206 and start > 0:
+                raise HubError(f"{self.remote.where}/{name}: the server ignored a Range request", repo_id=None)
+            for chunk in r.iter_bytes():  # as received: a dropped connection loses nothing already read
+                sink(chunk)
+
+    def _range(self, name: str, start: int, end: int) -> bytes:
+        def get() -> bytes:
+            buf = bytearray()
+            self._get(name, start, end, buf.extend)
+            return bytes(buf)
+
+        return hub.call(f"{self.remote.where}/{name}", get)
+
+    def _standin(self, d: _Download) -> None:
+        """The file with its real header bytes and its real length, the data a hole until it arrives."""
+        head = _RangeReader(self, d.name)
+        try:
+            decode_header(head, d.size)  # two range reads: the length, then the header it announces
+        except HeaderError as e:
+            raise ConverterError(f"{self.remote.where}/{d.name}: {e}") from None
+        with open(d.path, "wb") as f:
+            f.write(head.seen)
+            f.truncate(d.size)
+        d.have = len(head.seen)
+
+    # -- the download thread -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="converter-download", daemon=True)
+        self._thread.start()
+
+    def _present(self) -> int:
+        return sum(d.started and not d.deleted for d in self.downloads)
+
+    def _run(self) -> None:
+        try:
+            for d in self.downloads:
+                with self._cond:
+                    while not self.keep and not self._stop and self._present() >= LOOKAHEAD and self._demand < d.index:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    d.started = True
+                self._fill(d)
+                if self.keep:
+                    self._into_cache(d)
+        except BaseException as e:  # noqa: BLE001 - handed to the readers
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _fill(self, d: _Download) -> None:
+        where = f"{self.remote.where}/{d.name}"
+        with open(d.path, "r+b", buffering=0) as f:
+            metered = [d.have]
+
+            def sink(chunk: bytes) -> None:
+                if self._stop:
+                    raise _Stopped
+                f.seek(d.have)
+                f.write(chunk)
+                with self._cond:
+                    d.have += len(chunk)
+                    self._cond.notify_all()
+                if self.meter is not None and d.have - metered[0] >= 64 * 2**20:
+                    metered[0] = d.have
+                    self.meter.sample()
+
+            while d.have < d.size:  # each try resumes where the last one stopped
+                hub.call(where, lambda: self._get(d.name, d.have, d.size, sink))
+        if self.meter is not None:
+            self.meter.sample()
+
+    def _into_cache(self, d: _Download) -> None:
+        """A complete file enters the HF cache as `hf_hub_download` lays it out: the blob named by its sha256, the
+        snapshot's link to it. The job's link moves to the blob before the partial name goes (no moment without
+        a path for a reader); an open file stays the same file."""
+        remote = self.remote
+        with contextlib.suppress(FileExistsError):  # another process cached the same content meanwhile
+            os.link(d.partial, d.blob)
+        snapshot = d.blob.parent.parent / "snapshots" / remote.sha / d.name
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.symlink(os.path.relpath(d.blob, snapshot.parent), snapshot)
+        relink = d.path.with_name(d.path.name + ".relink")
+        os.symlink(d.blob, relink)
+        os.replace(relink, d.path)
+        d.partial.unlink()
+
+    # -- the merge's side ----------------------------------------------------------------------------------------------
+
+    def wait(self, path: Path, end: int) -> None:
+        """Block until bytes [0, end) of `path` are on disk (the merge reads as the file arrives)."""
+        d = self._by_path(path)
+        with self._cond:
+            if self._demand < d.index:  # a reader ahead of the look-ahead (a tensor read out of order)
+                self._demand = d.index
+                self._cond.notify_all()
+            while d.have < end and self._error is None:
+                self._cond.wait()
+            if d.have < end:
+                if isinstance(self._error, ConverterError):
+                    raise self._error
+                raise ConverterError(f"{self.remote.where}/{d.name}: download failed ({self._error})")
+
+    def release(self, path: Path, after: str) -> None:
+        """The merge has read all it needs from `path`; delete it once tensor `after` is in a finished shard."""
+        d = self._by_path(path)
+        with self._cond:
+            d.after = after
+            if after in self._finished:
+                self._delete(d)
+
+    def shard_done(self, tensors: tuple[str, ...]) -> None:
+        """An output shard is finished (and checked): base files whose last tensor it holds can go."""
+        with self._cond:
+            self._finished.update(tensors)
+            for d in self.downloads:
+                if d.after in self._finished and not d.deleted:
+                    self._delete(d)
+
+    def _delete(self, d: _Download) -> None:
+        if not self.keep:
+            d.path.unlink(missing_ok=True)
+        d.deleted = True
+        self._cond.notify_all()
+
+    def _by_path(self, path: Path) -> _Download:
+        return next(d for d in self.downloads if d.path == Path(path))
+
+    def close(self) -> None:
+        """Stop downloading and delete every job-owned file (the folder itself is the caller's)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+        for d in self.downloads:
+            d.path.unlink(missing_ok=True)
+            if d.blob is not None:  # what did not complete leaves the HF cache; what did stays, as a download would
+                d.partial.unlink(missing_ok=True)
+            d.deleted = True
+
+
+def _blob_folder(repo_id: str) -> Path:
+    """The HF cache's blob folder of a model repo."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(cache_dir() or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
+
+
+class _RangeReader:
+    """A Hub file read from its start by HTTP ranges, one per `read` (what the header codec asks for)."""
+
+    def __init__(self, base: StreamedBase, name: str):
+        self.base, self.name, self.seen = base, name, bytearray()
+
+    def read(self, n: int) -> bytes:
+        start = len(self.seen)
+        data = self.base._range(self.name, start, start + n) if n > 0 else b""
+        self.seen += data
+        return data
+
+
+class _Stopped(Exception):
+    """The job ended while a download was running."""
+
+
+class ShardUploader:
+    """Uploads each finished output shard (`preupload_lfs_files`) on its own thread while the merge goes on;
+    `operations` are what the one commit at the end names. A shard's `check` (the tensor proof) runs on a thread
+    of its own, before that shard's upload and during the previous one's, so a CPU-bound proof and a network-bound
+    upload overlap instead of taking turns. Without `keep`, at most one shard waits at each step: a slower upload
+    holds the merge back instead of filling the disk. With `keep` (a verified push) every shard stays on disk for
+    the verification anyway, so nothing holds the merge back: it runs ahead of a slow upload, and the behaviour
+    check after it runs while the uploads finish."""
+
+    def __init__(
+        self,
+        api,
+        repo_id: str,
+        spool: Path,
+        *,
+        ensure_repo: Callable[[], None],
+        revision: str | None = None,
+        create_pr: bool = False,
+        keep: bool = False,
+        check: Callable[[Shard], None] | None = None,
+        finished: Callable[[tuple[str, ...]], None] | None = None,
+        meter: ScratchMeter | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.api, self.repo_id, self.spool = api, repo_id, spool
+        spool.mkdir(parents=True, exist_ok=True)
+        self.ensure_repo, self.revision, self.create_pr, self.keep = ensure_repo, revision, create_pr, keep
+        self.check, self.finished, self.meter, self.log = check, finished, meter, log
+        self.operations: list = []
+        self.uploaded = 0
+        self._worker_items = 0
+        waiting = 0 if keep else 1  # 0: no limit
+        self._worker = Worker(self._upload, maxsize=waiting, name="converter-upload")
+        self._checker = Worker(self._check, maxsize=waiting, name="converter-check") if check is not None else None
+
+    def submit(self, shard: Shard) -> None:
+        """Called by the writer thread with each durable shard; without `keep`, blocks while the uploader is a
+        shard behind.
+
+        The shard is hard-linked into the spool folder first: the merge's output folder is renamed into place
+        when the merge ends, and without `keep` the shard leaves it at once (the spool's link is uploaded)."""
+        link = self.spool / f"{self._worker_items:05d}-{shard.path.name}"
+        self._worker_items += 1
+        os.link(shard.path, link)
+        if not self.keep:
+            shard.path.unlink()
+        (self._checker or self._worker).put(dataclasses.replace(shard, path=link))
+
+    def _check(self, shard: Shard) -> None:
+        self.check(shard)
+        self._worker.put(shard)
+
+    def _upload(self, shard: Shard) -> None:
+        from huggingface_hub import CommitOperationAdd
+        from huggingface_hub.lfs import UploadInfo
+
+        if self.finished is not None:
+            self.finished(shard.tensors)
+        if self.meter is not None:
+            self.meter.sample()
+        self.ensure_repo()
+        name = shard.name
+        op = CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(shard.path))  # reads 512 bytes, no hash
+        op.upload_info = UploadInfo(size=shard.size, sample=shard.sample, sha256=bytes.fromhex(shard.sha256))
+        started = time.monotonic()
+        hub.call(
+            self.repo_id,
+            lambda: self.api.preupload_lfs_files(
+                self.repo_id, [op], revision=self.revision, create_pr=self.create_pr or None
+            ),
+        )
+        self.operations.append(op)
+        self.uploaded += shard.size
+        shard.path.unlink()
+        self.log(f"  uploaded {name} ({shard.size / 1e9:.2f} GB, {time.monotonic() - started:.1f} s)")
+
+    def checked(self) -> None:
+        """Wait until every submitted shard has passed its check (uploads may still be running); re-raise a
+        failed check."""
+        if self._checker is not None:
+            self._checker.close()
+            self._checker = None
+
+    def close(self) -> list:
+        """Wait for the last upload; the operations, in upload order."""
+        self.checked()
+        self._worker.close()
+        return self.operations
+
+    def abort(self) -> None:
+        """Stop: the upload in flight ends, nothing queued starts (checks first: they feed the uploads)."""
+        if self._checker is not None:
+            self._checker.abort()
+        self._worker.abort()

@@ -1,0 +1,221 @@
+"""diffusers as the referee of a diffusion merge's tensors, and PEFT itself for multi-component PEFT folders.
+
+diffusers' own loader (`load_lora_weights`: its key conversion of kohya / LyCORIS / ai-toolkit files, its alphas,
+`set_adapters` for per-component strengths) injects PEFT layers into a pipeline whose models are module trees
+without weights (peft_referee.hollow): the denoiser and the text encoders it loads a LoRA for. Each layer's merge
+is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the tensor named by the component and
+the file key the model's parameter is loaded from (model_class.loaded_names: transformers' own renames on load,
+such as a CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all
+(include/exclude, LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose
+tensor names are not diffusers' module names), it declines and the published formula referees.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from converter.engine.base_reader import open_base
+from converter.engine.family import identify
+from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
+from converter.engine.recipe import Recipe
+from converter.formats import load_adapter
+from converter.formats.components import component_folders
+from converter.io.safetensors_file import SafetensorsFile
+from converter.verification.diffusion import (
+    MODEL_PARTS,
+    LoaderRefused,
+    Unbuildable,
+    _apply_adapters,
+    _partial,
+    component_model,
+)
+from converter.verification.loading import peft_refusals
+from converter.verification.peft_referee import PeftLayers, hollow
+from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable
+
+
+def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str | None:
+    """Why diffusers' loader cannot stand for these adapters (None: it can). Asked, not caught."""
+    if any(spec.include or spec.exclude for spec in recipe.adapters):
+        return "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)"
+    if not base.is_file() and not (base / "model_index.json").is_file():
+        return "the base is neither a diffusers folder nor a single file"
+
+    if folders := [a.name for a in adapters if component_folders(a)]:
+        return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
+    if folders := [a.name for a in adapters if (a / "adapter_config.json").is_file()]:
+        return (f"diffusers' loader takes a LoRA's scale from the file's own metadata, not from a PEFT folder's "
+                f"adapter_config.json ({', '.join(folders)})")  # fmt: skip
+    if dora := lycoris_dora(adapters):
+        return f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
+    return unread_spelling(adapters)
+
+
+def unread_spelling(sources: list[Path]) -> str | None:
+    """The first adapter file whose family's keymap says diffusers' loader does not read its spelling, as a reason
+    (its loaders table is what the family tests check against diffusers itself); None when none is such."""
+    for path in sources:
+        if not (path.is_file() and path.suffix == ".safetensors"):
+            continue
+        identity = identify(load_adapter(path, require_scale=False))
+        if identity is None or identity.family is None:
+            continue
+        table = identity.family.lokr_loaders if identity.lokr else identity.family.loaders
+        if "diffusers" in table and "diffusers" not in identity.loads_in():
+            return (f"diffusers' loader does not read {path.name} as it is spelt ({identity.spelling} names of "
+                    f"{identity.family.title}, by the keymap's loaders)")  # fmt: skip
+    return None
+
+
+def lycoris_dora(sources: list[Path]) -> str | None:
+    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
+    for path in sources:
+        is_file = path.is_file() and path.suffix == ".safetensors"
+        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
+            return path.name
+    return None
+
+
+class DiffusersReferee:
+    """diffusers' loader applying the adapters to a weightless copy of the base pipeline; PEFT's merge per layer."""
+
+    def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
+        if base.is_file():
+            raise RefereeUnavailable("a single-file base's tensors are not named as diffusers' modules")
+        try:
+            pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
+        except Unbuildable as e:
+            raise RefereeUnavailable(str(e)) from None
+        names = _base_names(base)
+        parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}
+        renamed = {c: _loaded_names(model, c, names) for c, model in parts.items()}  # asked before PEFT wraps them
+        try:
+            wrong = _apply_adapters(pipe, recipe, adapters)
+        except LoaderRefused as e:
+            raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
+        if wrong:
+            raise RefereeUnavailable(wrong)
+        adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
+        self.parts = [RenamedLayers(model, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, model in parts.items()]  # fmt: skip
+        self.info = RefereeInfo(
+            "diffusers",
+            "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
+            "PEFT's merge of each layer it injected, in float64 (float32 for 16-bit outputs)",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        return {k: v for part in self.parts for k, v in part.expectations().items()}
+
+
+class PeftComponentsReferee:
+    """Multi-component PEFT folders (`unet/`, `text_encoder/` ... each with its adapter_config.json): PEFT itself
+    injects each component's adapter into that component's weightless model and loads its weights."""
+
+    def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
+        if base.is_file() or not (base / "model_index.json").is_file():
+            raise RefereeUnavailable("a multi-component PEFT folder needs a diffusers pipeline folder as its base")
+        index = json.loads((base / "model_index.json").read_text())
+        names = _base_names(base)
+        adapter_names = [f"adapter{i}" for i in range(len(adapters))]
+        models: dict[str, object] = {}
+        renamed: dict[str, dict[str, str]] = {}
+        for name, spec, folder in zip(adapter_names, recipe.adapters, adapters, strict=True):
+            for sub in component_folders(folder):
+                if sub.name not in models:
+                    models[sub.name] = _component(base, sub.name, index)
+                    renamed[sub.name] = _loaded_names(models[sub.name], sub.name, names)  # before PEFT wraps it
+                _inject(models[sub.name], sub, name, spec.weight_for(sub.name), renamed[sub.name])
+        self.parts = [RenamedLayers(m, c, renamed[c], adapter_names, recipe.adapters, names)
+                      for c, m in models.items()]  # fmt: skip
+        self.info = RefereeInfo(
+            "PEFT",
+            "PEFT's own adapter per component (inject_adapter_in_model, its weights loaded by PEFT), PEFT's merge "
+            "of each layer, in float64 (float32 for 16-bit outputs)",
+        )
+
+    def expectations(self) -> dict[str, Expectation]:
+        return {k: v for part in self.parts for k, v in part.expectations().items()}
+
+
+class RenamedLayers:
+    """The PEFT layers of one pipeline component whose parameters transformers renames on load (a CLIPTextModel
+    without the `text_model.` of its files): PEFT's modules are located by the model's own names, their
+    expectations named by the base's files (what the merge writes). `renamed`: model name -> file key."""
+
+    def __init__(self, model, component: str, renamed: dict[str, str], adapter_names: list[str], specs: list,
+                 base_names: set[str]):  # fmt: skip
+        ns = f"{component}/"
+        self.to_file = {ns + k: ns + v for k, v in renamed.items() if k != v}
+        to_model = {v: k for k, v in self.to_file.items()}
+        self.layers = PeftLayers(model, "", ns, adapter_names, specs, {to_model.get(n, n) for n in base_names})
+
+    def expectations(self) -> dict[str, Expectation]:
+        from dataclasses import replace
+
+        return {self.to_file.get(name, name): replace(rule, base_name=self.to_file.get(rule.base_name, rule.base_name))
+                for name, rule in self.layers.expectations().items()}  # fmt: skip
+
+
+def _loaded_names(model, component: str, base_names: set[str]) -> dict[str, str]:
+    """The component's parameter names -> the base's file keys they load from, by transformers' own rules."""
+    ns = f"{component}/"
+    try:
+        names = loaded_names(model, [n[len(ns) :] for n in base_names if n.startswith(ns)])
+        return {k: v for k, v in names.items() if v is not None}  # a fused weight has no one file key
+    except LoadingRulesUnreadable as e:
+        raise RefereeUnavailable(f"{component}: {e}") from None
+
+
+def _component(base: Path, name: str, index: dict):
+    if not (base / name / "config.json").is_file():
+        raise RefereeUnavailable(f"the base has no {name} for the adapter's {name}/ folder")
+    return component_model(base, name, index, empty=True)
+
+
+def _inject(model, folder: Path, name: str, weight: float, renamed: dict[str, str]) -> None:
+    """PEFT's adapter from `folder` into `model` as `name`, scaled by the recipe's weight (PEFT's set_scale). Its
+    module paths as the files spell them (saved before transformers 5: `text_model.encoder...` of a CLIPTextModel)
+    are the model's by transformers' own renames (`renamed`: model name -> file key), which PEFT does not apply
+    to models whose conversion transformers keys by class."""
+    from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
+
+    modules = _module_paths(renamed)
+    config = LoraConfig.from_pretrained(folder)
+    if modules and isinstance(config.target_modules, list | set):
+        config.target_modules = sorted({modules.get(t, t) for t in config.target_modules})
+    with peft_refusals():
+        inject_adapter_in_model(config, model, adapter_name=name)
+        weights = _model_paths(load_peft_weights(str(folder), device="cpu"), renamed)
+        result = set_peft_model_state_dict(model, weights, adapter_name=name)
+    unplaced = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unplaced:
+        raise RefereeUnavailable(f"PEFT places {len(unplaced)} tensors of {folder} nowhere, e.g. {unplaced[0]}")
+    hollow(model)
+    for module in model.modules():
+        if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
+            module.set_scale(name, weight)
+
+
+def _model_paths(weights: dict, renamed: dict[str, str]) -> dict:
+    """PEFT's saved keys (`base_model.model.<module>.lora_A.weight`, a modules_to_save module's own
+    `<module>.weight`) as PEFT looks them up in a model it injected into (no `base_model.model.`), each path the
+    files spell as the model's (`renamed`: model name -> file key)."""
+    params, modules = {f: m for m, f in renamed.items() if m != f}, _module_paths(renamed)
+    out = {}
+    for key, value in weights.items():
+        path = key.removeprefix("base_model.model.")
+        module, sep, tail = path.partition(".lora_")
+        out[f"{modules.get(module, module)}{sep}{tail}" if sep else params.get(path, path)] = value
+    return out
+
+
+def _module_paths(renamed: dict[str, str]) -> dict[str, str]:
+    """File module path -> the model's, for the modules whose weight transformers renames on load."""
+    return {f.removesuffix(".weight"): m.removesuffix(".weight") for m, f in renamed.items()
+            if m != f and f.endswith(".weight") and m.endswith(".weight")}  # fmt: skip
+
+
+def _base_names(base: Path) -> set[str]:
+    return set(open_base(base).names())

@@ -1,0 +1,712 @@
+"""Prove a diffusion merge: the merged pipeline must behave like the base with the adapters applied *unmerged* by
+diffusers' own loader (`load_lora_weights` + `set_adapters`, per-component strengths honoured), never by our code.
+
+Three models, one pipeline in memory at a time: the reference (base + adapters through diffusers), the bare base
+(the same pipeline with its LoRA layers disabled: a merge that changed nothing fails) and the merged folder. Each
+touched component is run on fixed seeded inputs: the denoiser (UNet) at a few timesteps across the schedule, the
+text encoders on fixed token ids. Its relative error against the reference must stay within what rounding the
+merged weights to their dtype can explain, and far below the adapter's own effect (base vs reference); hooks on
+every Linear/Conv name the first module that disagrees (run only after a fail: both models once more on the
+first input, as the hooks cost about three forwards). A few small images (fixed seed, few steps) are made by
+each model and saved next to the report with PSNR / max pixel difference: shown, not judged (a few sampler steps
+amplify rounding unevenly; the components' check is the verdict). Where diffusers cannot be the referee (it
+refuses or would misread the file, include/exclude, a base it cannot load), `formula.py` is.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from converter.engine.base_reader import open_base
+from converter.engine.keymap import keymap_for
+from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
+from converter.engine.recipe import Recipe
+from converter.io import dtypes
+from converter.io.safetensors_file import SafetensorsFile
+from converter.verification.judge import failing_components, judge_diffusion
+from converter.verification.peft_referee import hollow
+from converter.verification.report import Clock, DiffusionBehaviour
+from converter.verification.tensors import locations
+
+IMAGE_DIR = "verification"
+UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+# A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
+# u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
+# On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
+# up to 15 u_f32 at the tiny SD 1.5 UNet's output: 256 u_f32 allowed (64 per module).
+OUTPUT_ROUNDING_FACTOR = 8.0
+MODULE_ROUNDING_FACTOR = 4.0
+COMPUTE_FLOOR = 256 * 2.0**-24
+MODULE_COMPUTE_FLOOR = 64 * 2.0**-24
+UPSTREAM_GAIN = 2.0  # a right module may amplify the relative error it inherits (norms, attention): 2x allowed
+EFFECT_SHARE = 0.25  # merged must be this much closer to the reference than the bare base is
+TIMESTEP_FRACTIONS = (0.9, 0.5, 0.1)
+IMAGE_COUNT = 2
+IMAGE_STEPS = 4
+
+
+def is_diffusion(folder: Path) -> bool:
+    return (Path(folder) / "model_index.json").is_file()
+
+
+def tolerance(output_dtype: str) -> dict:
+    u = UNIT_ROUNDOFF.get(output_dtype, 2.0**-8)
+    return {
+        "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
+        "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
+    }
+
+
+class LoaderRefused(Exception):
+    """diffusers' LoRA loader cannot read an adapter: its refusals are ValueErrors, but its converters from other
+    spellings also fail with KeyError or shape errors on files that lack modules or widths they expect."""
+
+
+class Unbuildable(Exception):
+    """A pipeline class that cannot be built from a folder's model components here."""
+
+
+class Skip(Exception):
+    """The behavioural comparison cannot run with diffusers here (the reason is reported)."""
+
+
+class DiffusionCheck:
+    """One diffusion merge's behaviour against diffusers' unmerged loader, and the images shown beside it."""
+
+    def __init__(self, merged: Path, recipe: Recipe, base: Path, adapters: list[Path], single_file_config: str | None,
+                 log: Callable[[str], None], clock: Clock):  # fmt: skip
+        self.merged, self.recipe, self.base, self.adapters = Path(merged), recipe, Path(base), adapters
+        self.config, self.log, self.clock = single_file_config, log, clock
+        self.single = not is_diffusion(self.base)
+        self.made: tuple[list, list, list] | None = None  # reference, merged, bare images
+
+    def load(self, which: Path):
+        return _load_single(which, self.config) if self.single else _load(which)
+
+    def merged_path(self) -> Path:
+        return self.merged / self.base.name if self.single else self.merged
+
+    def run(self) -> tuple[DiffusionBehaviour, tuple[list[str], list[str]]]:
+        from converter.verification.diffusers_referee import diffusers_declines  # a cycle: that module imports this one
+
+        if why := diffusers_declines(self.recipe, self.base, self.adapters):
+            raise Skip(why)
+        self.log(f"comparing behaviour: reference = base + {len(self.adapters)} adapter(s) through diffusers' "
+                 "LoRA loader")  # fmt: skip
+        pipe = self._reference_pipeline()
+        touched = sorted(pipe.get_list_adapters())
+        inputs = _inputs(pipe, touched)
+        images_here = _can_make_images(pipe)
+        ref, ref_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
+        pipe.disable_lora()
+        bare, bare_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
+        self.clock.lap("run reference and bare base")
+        del pipe
+        gc.collect()
+        pipe = self.load(self.merged_path())
+        out, out_images = _run(pipe, inputs, touched, hooks=False), _images(pipe) if images_here else []
+        del pipe
+        gc.collect()
+        self.clock.lap("run merged")
+        self.made = (ref_images, out_images, bare_images)
+        return self._judged(touched, inputs, ref, out, bare)
+
+    def _reference_pipeline(self):
+        """The base pipeline with the adapters applied unmerged by diffusers; Skip where it cannot be."""
+        try:
+            pipe = self.load(self.base)
+        except (OSError, ValueError, Unbuildable) as e:  # offline, no config, a pipeline it cannot build
+            how = "from_single_file" if self.single else "from_pretrained"
+            raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
+        try:
+            wrong = _apply_adapters(pipe, self.recipe, self.adapters)
+        except LoaderRefused as e:
+            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})") from None
+        if wrong:
+            raise Skip(wrong)
+        self.clock.lap("load reference")
+        denoiser = _denoiser_name(pipe)
+        if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
+            kind = type(getattr(pipe, denoiser or "unet", None)).__name__
+            raise Skip(f"the generation check has no fixed inputs for a {kind} yet")
+        return pipe
+
+    def _judged(self, touched, inputs, ref, out, bare):
+        dtype = _single_file_dtype(self.merged_path()) if self.single else _stored_dtype(
+            self.merged / _denoiser_folder(self.merged))  # fmt: skip
+        tol = tolerance(dtype)
+        components = {name: {"merged_vs_reference": _compare(ref[name]["outputs"], out[name]["outputs"]),
+                             "base_vs_reference": _compare(ref[name]["outputs"], bare[name]["outputs"])}
+                      for name in touched}  # fmt: skip
+        failing = failing_components(components, tol)
+        culprits = self._probe(failing, inputs, tol) if failing else []
+        behaviour = DiffusionBehaviour(
+            reference="the base + adapters applied unmerged by diffusers' load_lora_weights / set_adapters"
+            + (" (base and merge loaded by from_single_file)" if self.single else ""),
+            compute_dtype="float32",
+            output_dtype=dtype,
+            tolerance=tol,
+            inputs={"timesteps": inputs["timesteps"], "components": touched, "image_steps": IMAGE_STEPS},
+            components=components,
+            first_disagreeing_module=culprits[0] if culprits else None,
+        )
+        return behaviour, judge_diffusion(components, tol, culprits)
+
+    def _probe(self, failing: list[str], inputs: dict, tol: dict) -> list[dict]:
+        """Only on a failure: hooks on every Linear/Conv (~3x a forward), both models once more, first input."""
+        self.log(f"locating the first disagreeing module of {', '.join(failing)} (both models again, with hooks)")
+        probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
+        pipe = self.load(self.base)
+        _apply_adapters(pipe, self.recipe, self.adapters)
+        ref_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        pipe = self.load(self.merged_path())
+        out_probe = _run(pipe, probe_inputs, failing, hooks=True)
+        del pipe
+        gc.collect()
+        self.clock.lap("module probe")
+        culprits = []
+        for name in failing:
+            first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
+            if first:
+                culprits.append({**first, "module": f"{name}.{first['module']}"})
+        return culprits
+
+    def images(self, referee=None) -> list[dict]:
+        """The base / reference / merged images (saved next to the report): those the behaviour made, else, for a
+        complete pipeline folder, the reference as the base pipeline holding the referee's tensors."""
+        if self.made is None and referee is not None and is_diffusion(self.base) and _complete(self.base):
+            self.made = self._referee_images(referee)
+        if not self.made or not self.made[0]:
+            return []
+        return _save_images(self.merged, *self.made)
+
+    def _referee_images(self, referee) -> tuple[list, list, list] | None:
+        """Base images, then the same pipeline holding each changed tensor as the referee computes it (the
+        reference's images), then the merged pipeline's: one pipeline in memory at a time."""
+        import torch
+
+        pipe = _load(self.base)
+        bare = _images(pipe)
+        base = locations(open_base_checkpoint(self.base))
+        params = _pipeline_params(pipe, set(base))
+        for name, rule in referee.expectations().items():
+            param, where = params.get(name), base.get(rule.base_name or name)
+            if param is None or where is None:
+                return None
+            value = rule.rows(_read_float64(where), 0, where.shape[0] if where.shape else 1).value
+            if value.shape != param.shape:
+                return None
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
+        ref = _images(pipe)
+        del pipe
+        gc.collect()
+        out = _images(_load(self.merged))
+        self.clock.lap("images (referee's reference)")
+        return ref, out, bare
+
+
+def _pipeline_params(pipe, file_names: set[str]) -> dict:
+    """The "component/key" of a checkpoint tensor -> the pipeline's parameter (loaded from it, by transformers'
+    own renames on load)."""
+    params: dict = {}
+    for component in MODEL_PARTS:
+        model = getattr(pipe, component, None)
+        if model is None:
+            continue
+        ns = f"{component}/"
+        try:
+            to_file = loaded_names(model, [n[len(ns) :] for n in file_names if n.startswith(ns)])
+            to_file = {k: v for k, v in to_file.items() if v is not None}  # a fused weight has no one file key
+        except LoadingRulesUnreadable:  # the names as they are: a renamed tensor is then not found (no images)
+            to_file = {}
+        for key, param in model.named_parameters():
+            params[f"{ns}{to_file.get(key, key)}"] = param
+    return params
+
+
+def open_base_checkpoint(base: Path):
+    return open_base(base)
+
+
+def _read_float64(where):
+    import torch
+
+    with open(where.path, "rb") as f:
+        f.seek(where.start)
+        data = bytearray(f.read(where.end - where.start))
+    return torch.frombuffer(data, dtype=dtypes.ST_TO_TORCH[where.dtype]).reshape(where.shape).to(torch.float64)
+
+
+def _denoiser_folder(merged: Path) -> str:
+    return next((n for n in ("unet", "transformer") if (merged / n).is_dir()), "unet")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:120]}{'...' if len(text) > 120 else ''}"
+
+
+def _load_single(file: Path, config: str | None):
+    """A single-file checkpoint as its family's diffusers pipeline (`from_single_file`). Parts the file does not
+    carry and the pipeline can go without (tokenizers, safety checker) are None; a VAE missing from the file is
+    the config folder's, when that is a local folder holding one."""
+    import inspect
+
+    import diffusers
+    import torch
+    from diffusers.utils import logging as dlog
+
+    checkpoint = open_base(file)
+    keymap = keymap_for(checkpoint.config)
+    if not keymap.pipelines:
+        raise ValueError(f"no diffusers pipeline for the {keymap.name} family")
+    cls = getattr(diffusers, keymap.pipelines[0])
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = {"torch_dtype": torch.float32, **{k: None for k in OPTIONAL if k in params}}
+    if config:
+        kwargs["config"] = str(config)
+        vae = Path(config) / "vae"
+        if vae.is_dir() and not any(k.startswith("first_stage_model.") for k in checkpoint.names()):
+            kwargs["vae"] = diffusers.AutoencoderKL.from_pretrained(vae, torch_dtype=torch.float32)
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        pipe = cls.from_single_file(str(file), **kwargs)
+    finally:
+        dlog.set_verbosity(level)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _single_file_dtype(file: Path) -> str:
+    tensors = SafetensorsFile(file).tensors
+    first = next(iter(tensors.values())).dtype
+    return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
+
+
+def _load(folder: Path):
+    """The whole pipeline when its folder has one (UNet, VAE, scheduler: images can be made), else the pipeline
+    class built from the model components the folder holds (None for the rest), enough for diffusers' loader."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as dlog
+
+    index = json.loads((folder / "model_index.json").read_text())
+    level = dlog.get_verbosity()
+    dlog.set_verbosity_error()
+    try:
+        if _complete(folder):
+            absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
+            pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return _partial(folder, index)
+    finally:
+        dlog.set_verbosity(level)
+
+
+def _complete(folder: Path) -> bool:
+    """A pipeline folder that can make images: a denoiser, a VAE and a scheduler."""
+    denoiser = any((folder / c).is_dir() for c in ("unet", "transformer"))
+    return denoiser and all((folder / c).is_dir() for c in ("vae", "scheduler"))
+
+
+OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
+MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _partial(folder: Path, index: dict, empty: bool = False):
+    """The pipeline class built from the model components the folder holds (None for the rest): enough for
+    diffusers' loader. `empty`: each model's module tree without weights (peft_referee.hollow)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, index["_class_name"])
+    parts = {name: component_model(folder, name, index, empty) for name in MODEL_PARTS
+             if (folder / name / "config.json").is_file()}  # fmt: skip
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    if missing := [p for p in parts if p not in params]:
+        raise Unbuildable(f"diffusers' {cls.__name__} takes no {', '.join(missing)} when built (a modular pipeline)")
+    try:
+        return cls(**{p: parts.get(p) for p in params})
+    except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
+        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({_first_line(e)})") from None
+
+
+def component_model(folder: Path, name: str, index: dict, empty: bool = False):
+    """One model component of a pipeline folder, loaded in float32, or (`empty`) its module tree only."""
+    import diffusers
+    import torch
+    import transformers
+
+    cfg = json.loads((folder / name / "config.json").read_text())
+    library, class_name = (index.get(name) or [None, None])[:2]
+    if not class_name:
+        library, class_name = (
+            ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
+        )
+    cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    if not empty:
+        return cls.from_pretrained(folder / name, torch_dtype=torch.float32).eval()
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(folder / name))
+        else:
+            model = cls._from_config(transformers.AutoConfig.from_pretrained(folder / name), dtype=torch.float32)
+    hollow(model)
+    return model.eval()
+
+
+def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
+    """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns why the
+    pipeline's forward is not the adapters as trained (None: it is), from what diffusers said while loading."""
+    ignored, left_out, names = 0, [], []
+    said, library = _Said(), logging.getLogger("diffusers")
+    level = library.level
+    library.addHandler(said)
+    library.setLevel(min(level or logging.WARNING, logging.WARNING))  # its warnings reach the handler
+    try:
+        for i, local in enumerate(sources):
+            name = f"adapter_{i}"
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:  # only diffusers' own code runs in here
+                    if local.is_dir():
+                        pipe.load_lora_weights(str(local), adapter_name=name)
+                    else:
+                        pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
+                except Exception as e:  # noqa: BLE001 - see LoaderRefused
+                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {_first_line(e)}") from None
+            for w in caught:
+                text = str(w.message)
+                if "alpha_pattern keys did not match" in text:
+                    ignored += text.count("', '") + 1
+            names.append(name)
+    finally:
+        library.removeHandler(said)
+        library.setLevel(level)
+    for text in said.lines:
+        for marker in ("led to unexpected keys found in the model:", "led to missing keys in the model:"):
+            if marker in text:
+                left_out += [k.strip() for k in text.split(marker, 1)[1].split(". ")[0].split(",")]
+    if ignored:
+        return (f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its "
+                "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+    if left_out:
+        return (f"diffusers' loader leaves {len(left_out)} LoRA tensor(s) of the file out ({', '.join(left_out[:2])}"
+                f"{', ...' if len(left_out) > 2 else ''}), so its forward is not the adapter as trained")  # fmt: skip
+    per_component = pipe.get_list_adapters()
+    present = {n for adapters in per_component.values() for n in adapters}
+    if nothing := [local.name for local, n in zip(sources, names, strict=True) if n not in present]:
+        return f"diffusers' loader applies nothing of {', '.join(nothing)} to this pipeline"
+    for local, name in zip(sources, names, strict=True):
+        if dropped := _dropped_factors(pipe, name, local):
+            return dropped
+    weights = [{c: spec.weight_for(c) for c in per_component} for spec in recipe.adapters]
+    pipe.set_adapters(names, adapter_weights=weights)
+    return None
+
+
+UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight")
+
+
+def _dropped_factors(pipe, name: str, source: Path) -> str | None:
+    """Why diffusers' forward is not all of the file: its converters drop modules they do not know without a word
+    (a kohya Flux file's T5 `lora_te3_` modules). Counted without any name mapping: the elements of the file's LoRA
+    up factors (read from its header) against those of the up factors diffusers loaded as `name` (a fused module
+    it splits keeps its rows); None when they agree or the file is not a safetensors file of such factors."""
+    import math
+
+    from torch import nn
+
+    file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
+    if file.suffix != ".safetensors" or not file.is_file():
+        return None
+    ups = [t for k, t in SafetensorsFile(file).tensors.items() if k.endswith(UP_FACTORS)]
+    in_file = sum(math.prod(t.shape) for t in ups)
+    loaded = 0
+    for model in (m for m in pipe.components.values() if isinstance(m, nn.Module)):
+        for module in model.modules():
+            for factors in (getattr(module, "lora_B", None), getattr(module, "lora_embedding_B", None)):
+                if factors is not None and name in factors:
+                    up = factors[name]
+                    loaded += (up.weight if isinstance(up, nn.Module) else up).numel()
+    if loaded >= in_file:
+        return None
+    return (f"diffusers' loader leaves part of {source.name} out without a word: it loads {loaded} of the "
+            f"{in_file} elements of the file's {len(ups)} LoRA up factors, so its forward is not the adapter as "
+            "trained")  # fmt: skip
+
+
+class _Said(logging.Handler):
+    """What diffusers' logger says while attached (its loader reports the keys it left out there)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _denoiser_name(pipe) -> str | None:
+    return next((n for n in ("unet", "transformer") if getattr(pipe, n, None) is not None), None)
+
+
+def _can_make_images(pipe) -> bool:
+    if not all(getattr(pipe, c, None) is not None for c in ("vae", "scheduler")):
+        return False
+    if getattr(pipe, "unet", None) is not None:
+        return True
+    kind = type(getattr(pipe, "transformer", None)).__name__
+    return kind == "FluxTransformer2DModel" and all(getattr(pipe, c, None) is not None for c in _text_encoders(pipe))
+
+
+def _inputs(pipe, touched: list[str]) -> dict:
+    """Seeded latents, timesteps across the schedule, token ids and text embeddings for every run."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    denoiser = getattr(pipe, _denoiser_name(pipe))
+    scheduler = getattr(pipe, "scheduler", None)
+    steps = int(scheduler.config.get("num_train_timesteps", 1000)) if scheduler is not None else 1000
+    timesteps = [int(f * steps) for f in TIMESTEP_FRACTIONS]
+    make = DENOISER_INPUTS[type(denoiser).__name__]
+    inputs = {"timesteps": timesteps, "tokens": {}, "calls": [make(denoiser.config, t, g) for t in timesteps]}
+    for name in _text_encoders(pipe):
+        te = getattr(pipe, name)
+        length = min(int(getattr(te.config, "max_position_embeddings", 16)), 16)
+        inputs["tokens"][name] = torch.randint(0, te.config.vocab_size, (IMAGE_COUNT, length), generator=g)
+    return inputs
+
+
+def _unet(cfg, t: int, g) -> dict:
+    import torch
+
+    size = min(int(cfg.sample_size), 32)
+    g.manual_seed(0)  # the same latents and context at every timestep
+    kw = {
+        "sample": torch.randn(1, cfg.in_channels, size, size, generator=g),
+        "timestep": t,
+        "encoder_hidden_states": torch.randn(1, 8, cfg.cross_attention_dim, generator=g),
+    }
+    if cfg.addition_embed_type == "text_time":
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        kw["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(1, pooled, generator=g),
+            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
+        }
+    return kw
+
+
+def _flux(cfg, t: int, g) -> dict:
+    """FluxPipeline's call: packed latents (4x4 tokens), their (0, row, col) ids, text ids 0, t / 1000."""
+    import torch
+
+    g.manual_seed(0)
+    side, text = 4, 8
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    kw = {
+        "hidden_states": torch.randn(1, side * side, cfg.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g),
+        "timestep": torch.tensor([t / 1000.0]),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(text, 3),
+    }
+    if cfg.guidance_embeds:
+        kw["guidance"] = torch.tensor([3.5])
+    return kw
+
+
+def _wan(cfg, t: int, g) -> dict:
+    import torch
+
+    g.manual_seed(0)
+    _, ph, pw = cfg.patch_size
+    return {
+        "hidden_states": torch.randn(1, cfg.in_channels, 1, 4 * ph, 4 * pw, generator=g),
+        "timestep": torch.tensor([t]),
+        "encoder_hidden_states": torch.randn(1, 8, cfg.text_dim, generator=g),
+    }
+
+
+DENOISER_INPUTS = {"UNet2DConditionModel": _unet, "FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan}
+
+
+def _text_encoders(pipe) -> list[str]:
+    return [n for n in MODEL_PARTS[2:] if getattr(pipe, n, None) is not None]
+
+
+def _run(pipe, inputs: dict, touched: list[str], hooks: bool) -> dict:
+    """Outputs of every touched component on the fixed inputs; with `hooks`, every Linear/Conv's output on the
+    first input (execution order), for locating the first module that disagrees."""
+    import torch
+
+    results = {}
+    for name in touched:
+        model = getattr(pipe, name)
+        probe: dict[str, torch.Tensor] = {}
+        handles = _hook(model, probe) if hooks else []
+        outputs = []
+        with torch.no_grad():
+            if name == _denoiser_name(pipe):
+                for kwargs in inputs["calls"]:
+                    outputs.append(model(**kwargs, return_dict=False)[0].double())
+                    for h in handles:
+                        h.remove()
+                    handles = []
+            else:
+                result = model(inputs["tokens"][name], output_hidden_states=True)
+                outputs.append(result.hidden_states[-1].double())
+                for h in handles:
+                    h.remove()
+        results[name] = {"outputs": outputs, "probe": probe}
+    return results
+
+
+def _hook(model, probe: dict) -> list:
+    from torch import nn
+
+    handles = []
+    for path, module in model.named_modules():
+        if ".base_layer" in path or ".lora_" in path:
+            continue
+        if not (isinstance(module, nn.Linear | nn.Conv2d) or _is_lora_wrapper(module)):
+            continue
+
+        def keep(_m, _i, output, path=path):
+            if path not in probe:
+                probe[path] = output.detach().double().clone()
+
+        handles.append(module.register_forward_hook(keep))
+    return handles
+
+
+def _is_lora_wrapper(module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - diffusers' loader needs peft
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
+def _compare(ref: list, other: list) -> dict:
+    import torch
+
+    diff = torch.cat([(r - o).flatten() for r, o in zip(ref, other, strict=True)])
+    norm = torch.cat([r.flatten() for r in ref]).norm().clamp_min(1e-30)
+    return {
+        "rel_err": (diff.norm() / norm).item(),
+        "max_abs": diff.abs().max().item(),
+        "mean_abs": diff.abs().mean().item(),
+    }
+
+
+def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
+    """The first module (execution order) off by more than its rounding on top of UPSTREAM_GAIN x what it inherits."""
+    upstream = 0.0
+    for name, r in ref.items():
+        m = merged.get(name)
+        if m is None or m.shape != r.shape:
+            continue
+        err = ((m - r).norm() / r.norm().clamp_min(1e-30)).item()
+        if err > tol + UPSTREAM_GAIN * upstream:
+            return {"module": name, "relative_error": err}
+        upstream = max(upstream, err)
+    return None
+
+
+def _images(pipe) -> list:
+    """IMAGE_COUNT small images, fixed seed, IMAGE_STEPS steps, from text embeddings made by the pipeline's own
+    text encoders on fixed token ids (their LoRA, if any, takes part): uint8 HxWx3 arrays."""
+    import numpy as np
+    import torch
+
+    if getattr(pipe, "unet", None) is not None:
+        size = pipe.vae_scale_factor * min(int(pipe.unet.config.sample_size), 32)
+    else:  # Flux: latents packed 2x2 into tokens, an 8x8-token image
+        size = pipe.vae_scale_factor * 2 * 8
+    kwargs = _prompt_embeds(pipe)
+    with torch.no_grad():
+        out = pipe(
+            **kwargs,
+            num_inference_steps=IMAGE_STEPS,
+            height=size,
+            width=size,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+            guidance_scale=1.0,
+        )
+    return [(np.clip(img, 0, 1) * 255).round().astype("uint8") for img in out.images]
+
+
+def _prompt_embeds(pipe) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    encoders = _text_encoders(pipe)
+    ids = {
+        n: torch.randint(
+            0,
+            getattr(pipe, n).config.vocab_size,
+            (IMAGE_COUNT, min(int(getattr(getattr(pipe, n).config, "max_position_embeddings", 16)), 16)),
+            generator=g,
+        )
+        for n in encoders
+    }
+    with torch.no_grad():
+        if getattr(pipe, "transformer", None) is not None:  # Flux: T5's hidden states, CLIP's pooled output
+            return {
+                "prompt_embeds": pipe.text_encoder_2(ids["text_encoder_2"]).last_hidden_state,
+                "pooled_prompt_embeds": pipe.text_encoder(ids["text_encoder"]).pooler_output,
+            }
+        if len(encoders) == 1:
+            return {"prompt_embeds": getattr(pipe, encoders[0])(ids[encoders[0]]).last_hidden_state}
+        hidden, pooled = [], None
+        for n in encoders:  # SDXL: penultimate hidden states of both, pooled projection of the second
+            result = getattr(pipe, n)(ids[n], output_hidden_states=True)
+            hidden.append(result.hidden_states[-2])
+            pooled = result[0]
+        return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
+
+
+def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
+    import numpy as np
+    from PIL import Image
+
+    folder = merged / IMAGE_DIR
+    folder.mkdir(exist_ok=True)
+    rows = []
+    for i, (r, o, b) in enumerate(zip(ref, out, bare, strict=True)):
+        paths = {}
+        for role, img in (("base", b), ("reference", r), ("merged", o)):
+            Image.fromarray(img).save(folder / f"{role}-{i}.png")
+            paths[role] = f"{IMAGE_DIR}/{role}-{i}.png"
+        diff = np.abs(r.astype(np.int32) - o.astype(np.int32))
+        mse = float((diff.astype(np.float64) ** 2).mean())
+        psnr = 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))  # 99: identical (JSON has no inf)
+        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2), "max_abs": int(diff.max())})
+    return rows
+
+
+def _stored_dtype(component: Path) -> str:
+    from safetensors import safe_open
+
+    for f in sorted(component.glob("*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                return fh.get_slice(key).get_dtype()
+    return "F32"

@@ -1,0 +1,47 @@
+"""Keep freed blocks in the process's heap while verification runs, and hand them back when it ends.
+
+Why: the tensor proof and the behaviour check allocate and free the same few tens of megabytes over and over (a
+row block's float32 values, PEFT's ΔW for it, a layer's float32 weights). glibc serves blocks that large from fresh
+memory maps, or returns them to the system as soon as they are freed, so every block costs thousands of page faults:
+system time that does nothing. Within `reused_heap()`, blocks below `MMAP_THRESHOLD` come from the heap and freed
+ones are kept for the next block; on leaving, free memory goes back to the system as before (the threshold stays:
+glibc has no way to restore its adaptive one). Elsewhere than glibc this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 64 * 2**20  # above the proof's row blocks (16 MiB in float32, 32 in float64); else ignored
+TRIM_THRESHOLD = 256 * 2**20  # free memory kept at the heap's top before it is returned
+_DEFAULT_TRIM = 128 * 2**10  # glibc's default
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+@contextmanager
+def reused_heap() -> Iterator[None]:
+    """Large blocks reused from the heap inside; on exit, what is free is returned to the system (malloc_trim)."""
+    libc = _libc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM)
+        libc.malloc_trim(0)
