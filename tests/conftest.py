@@ -1,4 +1,4 @@
-"""Shared fixtures, used as fixtures (a test names them as arguments; nothing imports this module). The plain
+"""Shared fixtures, used as fixtures (a test names them as arguments; no test module imports this one). The plain
 functions the tests share are helper modules beside it: model_helpers.py (tiny LLMs, PEFT adapters, PEFT as the
 oracle), diffusion_helpers.py, convert_helpers.py, family_cases.py, venvs.py.
 

@@ -20,23 +20,34 @@ GROUPS = {
 }
 GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 
-# The slowest units, slowest first (from `--durations` and per-file timings on 2 cores); the rest follow in
-# collection order. A file missing here only starts later than it could.
+# The slowest units, slowest first (per-file times of a full run on two workers; `pytest --durations=0` shows
+# them); the rest follow in collection order. A file missing here only starts later than it could.
 SLOWEST = (
-    "venvs",
-    "training",
-    "test_training_layouts.py",
     "test_gguf.py",
     "test_hub_pipeline.py",
-    "test_community_families.py",
+    "venvs",
     "test_app_jobs.py",
+    "test_community_families.py",
     "test_batch.py",
-    "test_app_browser.py",
-    "test_smollm2.py",
+    "test_verify_diffusion.py",
+    "training",
     "test_hub_streaming.py",
-    "test_malformed.py",
-    "test_false_alarms.py",
     "test_verify.py",
+    "test_app_browser.py",
+    "test_verify_formula.py",
+    "test_quiet.py",
+    "test_verify_text_encoders.py",
+    "test_smollm2.py",
+    "test_interrupted.py",
+    "test_community_sd.py",
+    "test_convert.py",
+    "test_qlora.py",
+    "test_hub_server.py",
+    "test_convert_hub.py",
+    "test_false_alarms.py",
+    "test_fuzz.py",
+    "test_verify_unavailable.py",
+    "test_training_layouts.py",
 )
 
 

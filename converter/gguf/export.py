@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
-
 from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
@@ -116,7 +114,7 @@ def _write_python_types(src: Source, family, types: list[str], staging: Path, st
 def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFResult, log, have_llama: bool,
            record: bool = True) -> proof.FileProof:  # fmt: skip
     fp = proof.FileProof(path.name, type_name)
-    reader = gguf.GGUFReader(path)  # slow to open (it parses the whole vocabulary): once for both parts
+    reader = proof.Reader(path)  # it parses the whole vocabulary when it opens: once for both parts
     fp.parts.append(proof.prove_metadata(reader, src, family))
     if fp.passed:
         fp.parts.append(proof.prove_tensors(reader, src, family, type_name))
