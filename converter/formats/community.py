@@ -308,26 +308,68 @@ def parse(
     if weights is None:
         raise AdapterFormatError(f"{path}: not a single .safetensors adapter file", file=path)
     tensors = open_tensor_file(weights, allow_pickle)
-    meta = _diffusers_alphas(tensors.metadata, weights)
-    # our own ComfyUI-style files carry their scale in lora_B (convert --to comfyui): scale 1 is the file's word
-    folded = tensors.metadata.get("converter_alphas", "").startswith("folded into lora_B")
+    reading = _Reading(
+        tensors,
+        weights,
+        meta=_diffusers_alphas(tensors.metadata, weights),
+        # our own ComfyUI-style files carry their scale in lora_B (convert --to comfyui): scale 1 is the file's word
+        folded=tensors.metadata.get("converter_alphas", "").startswith("folded into lora_B"),
+        lora_alpha=lora_alpha,
+    )
+    groups = _group_modules(tensors, weights)
+    for stem, roles in groups.items():
+        _read_module(reading, stem, roles)
+    summary = _summary(reading)
+    warnings = _scale_checks(reading, summary, _peft_style(weights, groups), require_scale)
+    if reading.split_qkv:
+        summary["split_qkv_modules"] = len(reading.split_qkv)
+        warnings.append(
+            f"{weights}: {len(reading.split_qkv)} fused modules (e.g. {reading.split_qkv[0]}) look like kohya's "
+            "split_qkv layout (block-diagonal lora_up); merged with alpha / lora_down rows like every loader does, "
+            "which is 1/3 (1/4 for linear1) of the scale used in training (sd-scripts issue 2204)"
+        )
+    md = tensors.metadata
+    # kohya records the base checkpoint's file name it trained on; a family tag alone is no base model
+    base_model = md.get("ss_sd_model_name")
+    return Adapter(
+        path=path,
+        format=summary["flavour"],
+        tensors=tensors,
+        patches=reading.patches,
+        config={"metadata": dict(md)},
+        base_model=None if base_model is None else str(base_model),
+        summary={k: v for k, v in summary.items() if v not in (None, [], {})},
+        files=[weights],
+        warnings=warnings,
+    )
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One file as its modules are read: what every module's handler needs, and what the summary and the
+    warnings count over all modules."""
+
+    tensors: object
+    weights: Path
+    meta: dict  # lora_adapter_metadata (diffusers' saved LoraConfig), {} when none
+    folded: bool  # scales already folded into lora_B: no alpha means scale 1, said by the file itself
+    lora_alpha: float | None  # the user's word for PEFT-style files without alphas
+    patches: list[AdapterPatch] = dataclasses.field(default_factory=list)
+    split_qkv: list[str] = dataclasses.field(default_factory=list)
+    no_alpha: int = 0  # lora_A/lora_B modules whose scale nothing states
+    stated: int = 0  # modules scaled by the user's lora_alpha
+    flavours: set[str] = dataclasses.field(default_factory=set)
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    alphas: set[float] = dataclasses.field(default_factory=set)
+    components: set[str] = dataclasses.field(default_factory=set)
+
+
+def _group_modules(tensors, weights: Path) -> dict[str, dict[str, str]]:
+    """Every tensor name split into (module stem, role): {stem: {role: tensor name}}. A tensor that is no part of a
+    format we can merge is refused here, by name, before anything is read."""
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
-        if key.endswith(("query_norm.scale", "key_norm.scale")):  # BFL's control LoRAs (docs/FORMATS.md §12)
-            raise AdapterFormatError(
-                f"{weights}: {key} is a norm scale: this is a FLUX control LoRA (BFL's Canny/Depth), which replaces "
-                "norm weights and widens img_in to take the control image, making a FLUX.1-Canny/Depth-dev model; "
-                "merging it is not supported (load it with diffusers' FluxControlPipeline)",
-                file=weights,
-                tensor=key,
-            )
-        for suffix, algo in UNSUPPORTED.items():
-            if key.endswith(suffix):
-                raise AdapterFormatError(
-                    f"{weights}: {key} is a LyCORIS {algo} tensor; {algo} cannot be merged yet",
-                    file=weights,
-                    tensor=key,
-                )
+        _refuse_unmergeable(key, weights)
         split = _split_suffix(key)
         if split is None:
             raise AdapterFormatError(
@@ -344,149 +386,195 @@ def parse(
                 tensor=key,
             )
         groups[stem][role] = key
+    return groups
 
-    patches: list[AdapterPatch] = []
-    split_qkv: list[str] = []
-    no_alpha = stated = 0
-    flavours: set[str] = set()
-    ranks: set[int] = set()
-    alphas: set[float] = set()
-    components: set[str] = set()
-    for stem, roles in groups.items():
-        _check_factor_shapes(tensors, roles, weights)
-        processor = any(k.endswith(("_lora.down.weight", "_lora.up.weight")) for k in roles.values())
-        component, module, flat = _name(stem, weights, processor)
-        components.add(component or "?")
-        flavours.add(_flavour(stem, roles))
-        delta: DeltaPatch | None = None
-        if "down" in roles or "up" in roles:
-            _need(roles, ("down", "up"), stem, weights)
-            down, up = Ref(tensors, roles["down"]), Ref(tensors, roles["up"])
-            mid = _ref(tensors, roles, "mid")
-            rank = down.shape[0]
-            if up.shape[1] != rank or (mid is None and len(down.shape) != len(up.shape)):
-                raise AdapterFormatError(
-                    f"{weights}: {roles['up']} has shape {list(up.shape)} but {roles['down']} has "
-                    f"{list(down.shape)}: their ranks (up dim 1, down dim 0) must agree",
-                    file=weights,
-                    tensor=roles["up"],
-                )
-            alpha = _alpha(tensors, roles)
-            scale = _scale(alpha, rank)
-            if alpha is None and meta:
-                prefix = stem.split(".", 1)[0] if not flat else None
-                scale = _config_scale(meta, prefix, module, rank, weights) or scale
-            elif alpha is None and not folded and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
-                if lora_alpha is None:
-                    no_alpha += 1
-                else:  # the user's word: lora_alpha over the factors' own rank (PEFT's rule without rsLoRA)
-                    alpha, scale, stated = float(lora_alpha), float(lora_alpha) / rank, stated + 1
-            ranks.add(rank)
-            if alpha is not None:
-                alphas.add(alpha)
-            delta = LowRank(down, up, scale, mid=mid, alpha=alpha)
-            if flat and _split_qkv(module, tensors, roles, rank):
-                split_qkv.append(stem)
-        elif "hada_w1_a" in roles or "hada_w1_b" in roles:
-            delta = _loha(tensors, roles, stem, weights)
-            ranks.add(delta.rank)
-        elif any(r.startswith("lokr_") for r in roles):
-            delta = _lokr(tensors, roles, stem, weights)
-        elif "diff" in roles:
-            delta = FullDelta(Ref(tensors, roles["diff"]))
-        if delta is None and not ({"diff_b"} & roles.keys()):
+
+def _refuse_unmergeable(key: str, weights: Path) -> None:
+    """Tensors of adapters we recognise but cannot merge: a clear refusal beats a silent skip."""
+    if key.endswith(("query_norm.scale", "key_norm.scale")):  # BFL's control LoRAs (docs/FORMATS.md §12)
+        raise AdapterFormatError(
+            f"{weights}: {key} is a norm scale: this is a FLUX control LoRA (BFL's Canny/Depth), which replaces "
+            "norm weights and widens img_in to take the control image, making a FLUX.1-Canny/Depth-dev model; "
+            "merging it is not supported (load it with diffusers' FluxControlPipeline)",
+            file=weights,
+            tensor=key,
+        )
+    for suffix, algo in UNSUPPORTED.items():
+        if key.endswith(suffix):
             raise AdapterFormatError(
-                f"{weights}: module {stem} has only {', '.join(sorted(roles))} and no weights to merge "
-                "(an alpha or dora_scale without its lora_down/lora_up? incomplete file)",
+                f"{weights}: {key} is a LyCORIS {algo} tensor; {algo} cannot be merged yet",
                 file=weights,
-                tensor=next(iter(roles.values())),
+                tensor=key,
             )
-        if delta is not None:
-            _check_delta(delta, tensors, weights, stem)
-            patch = delta
-            if "dora" in roles:
-                patch = DoRA(delta, Ref(tensors, roles["dora"]), style="lycoris")
-            elif "magnitude" in roles:
-                patch = DoRA(delta, Ref(tensors, roles["magnitude"]), style="peft")
-            patches.append(AdapterPatch(module, "weight", patch, component=component, flat=flat, native=stem))
-        if "up_bias" in roles and isinstance(delta, LowRank):
-            patches.append(
-                AdapterPatch(
-                    module,
-                    "bias",
-                    BiasDelta(Ref(tensors, roles["up_bias"]), delta.scale),
-                    component=component,
-                    flat=flat,
-                    native=stem,
-                )
-            )
-        if "diff_b" in roles:
-            bias = BiasDelta(Ref(tensors, roles["diff_b"]), 1.0)
-            patches.append(AdapterPatch(module, "bias", bias, component=component, flat=flat, native=stem))
 
-    md = tensors.metadata
-    # kohya records the base checkpoint's file name it trained on; a family tag alone is no base model
-    base_model = md.get("ss_sd_model_name")
-    fmt = "+".join(sorted(flavours))
+
+def _read_module(reading: _Reading, stem: str, roles: dict[str, str]) -> None:
+    """One module's tensors -> its weight patch (the handler of its first role in _DELTA_BY_ROLE) and bias
+    patches, each checked on shapes now rather than failing in the middle of a merge."""
+    tensors, weights = reading.tensors, reading.weights
+    _check_factor_shapes(tensors, roles, weights)
+    processor = any(k.endswith(("_lora.down.weight", "_lora.up.weight")) for k in roles.values())
+    component, module, flat = _name(stem, weights, processor)
+    reading.components.add(component or "?")
+    reading.flavours.add(_flavour(stem, roles))
+    handler = next((h for role, h in _DELTA_BY_ROLE.items() if role in roles), None)
+    delta = None if handler is None else handler(reading, stem, roles, module, flat)
+    if delta is None and "diff_b" not in roles:
+        raise AdapterFormatError(
+            f"{weights}: module {stem} has only {', '.join(sorted(roles))} and no weights to merge "
+            "(an alpha or dora_scale without its lora_down/lora_up? incomplete file)",
+            file=weights,
+            tensor=next(iter(roles.values())),
+        )
+
+    def add(param: str, patch) -> None:
+        reading.patches.append(AdapterPatch(module, param, patch, component=component, flat=flat, native=stem))
+
+    if delta is not None:
+        _check_delta(delta, tensors, weights, stem)
+        add("weight", _with_magnitude(delta, tensors, roles))
+    for role, bias in _BIAS_BY_ROLE.items():
+        if role in roles and (patch := bias(Ref(tensors, roles[role]), delta)) is not None:
+            add("bias", patch)
+
+
+def _with_magnitude(delta: DeltaPatch, tensors, roles: dict[str, str]):
+    """DoRA: the delta under a magnitude, LyCORIS' dora_scale or PEFT's (ai-toolkit's) magnitude vector."""
+    for role, style in _DORA_STYLE.items():
+        if role in roles:
+            return DoRA(delta, Ref(tensors, roles[role]), style=style)
+    return delta
+
+
+def _lowrank_delta(reading: _Reading, stem: str, roles: dict[str, str], module: str, flat: bool) -> DeltaPatch:
+    """kohya/LoCon lora_down/lora_up (lora_mid: Tucker), diffusers/PEFT-style lora_A/lora_B."""
+    tensors, weights = reading.tensors, reading.weights
+    _need(roles, ("down", "up"), stem, weights)
+    down, up = Ref(tensors, roles["down"]), Ref(tensors, roles["up"])
+    mid = _ref(tensors, roles, "mid")
+    rank = down.shape[0]
+    if up.shape[1] != rank or (mid is None and len(down.shape) != len(up.shape)):
+        raise AdapterFormatError(
+            f"{weights}: {roles['up']} has shape {list(up.shape)} but {roles['down']} has "
+            f"{list(down.shape)}: their ranks (up dim 1, down dim 0) must agree",
+            file=weights,
+            tensor=roles["up"],
+        )
+    alpha, scale = _lowrank_scale(reading, stem, roles, module, flat, rank)
+    reading.ranks.add(rank)
+    if alpha is not None:
+        reading.alphas.add(alpha)
+    delta = LowRank(down, up, scale, mid=mid, alpha=alpha)
+    if flat and _split_qkv(module, tensors, roles, rank):
+        reading.split_qkv.append(stem)
+    return delta
+
+
+def _lowrank_scale(
+    reading: _Reading, stem: str, roles: dict[str, str], module: str, flat: bool, rank: int
+) -> tuple[float | None, float]:
+    """(alpha, scale) of a low-rank module: its .alpha tensor, else lora_adapter_metadata, else (lora_A/lora_B
+    files) the user's lora_alpha, else scale 1 and counted in `no_alpha` for the warning or refusal."""
+    alpha = _alpha(reading.tensors, roles)
+    scale = _scale(alpha, rank)
+    if alpha is None and reading.meta:
+        prefix = stem.split(".", 1)[0] if not flat else None
+        scale = _config_scale(reading.meta, prefix, module, rank, reading.weights) or scale
+    elif alpha is None and not reading.folded and roles["down"].endswith(("lora_A.weight", "lora_A.default.weight")):
+        if reading.lora_alpha is None:
+            reading.no_alpha += 1
+        else:  # the user's word: lora_alpha over the factors' own rank (PEFT's rule without rsLoRA)
+            alpha, scale = float(reading.lora_alpha), float(reading.lora_alpha) / rank
+            reading.stated += 1
+    return alpha, scale
+
+
+def _loha_delta(reading: _Reading, stem: str, roles: dict[str, str], module: str, flat: bool) -> DeltaPatch:
+    """LyCORIS LoHa (hada_*)."""
+    delta = _loha(reading.tensors, roles, stem, reading.weights)
+    reading.ranks.add(delta.rank)
+    return delta
+
+
+def _lokr_delta(reading: _Reading, stem: str, roles: dict[str, str], module: str, flat: bool) -> DeltaPatch:
+    """LyCORIS LoKr (lokr_*)."""
+    return _lokr(reading.tensors, roles, stem, reading.weights)
+
+
+def _full_delta(reading: _Reading, stem: str, roles: dict[str, str], module: str, flat: bool) -> DeltaPatch:
+    """LyCORIS full: the delta itself (diff)."""
+    return FullDelta(Ref(reading.tensors, roles["diff"]))
+
+
+# Key role -> the handler that builds its module's weight delta. A module's first role in this order decides (one
+# with lora_down/lora_up is a LoRA whatever else it holds); a module with none of them has no weight delta.
+_DELTA_BY_ROLE = {
+    "down": _lowrank_delta,
+    "up": _lowrank_delta,
+    "hada_w1_a": _loha_delta,
+    "hada_w1_b": _loha_delta,
+    **{role: _lokr_delta for role in SUFFIXES.values() if role.startswith("lokr_")},
+    "diff": _full_delta,
+}
+# Key role -> the DoRA style of the magnitude it holds (the first present wins).
+_DORA_STYLE = {"dora": "lycoris", "magnitude": "peft"}
+# Key role -> its bias patch, given the module's weight delta (None: no bias patch).
+_BIAS_BY_ROLE = {
+    "up_bias": lambda ref, delta: BiasDelta(ref, delta.scale) if isinstance(delta, LowRank) else None,
+    "diff_b": lambda ref, delta: BiasDelta(ref, 1.0),
+}
+
+
+def _summary(reading: _Reading) -> dict:
+    """What `inspect` shows and the provenance records about the file: writers, ranks, alphas, kohya's metadata."""
+    md = reading.tensors.metadata
     summary = {
-        "flavour": fmt,
-        "ranks": sorted(ranks),
-        "alphas": sorted(alphas)[:8],
-        "components": sorted(components),
+        "flavour": "+".join(sorted(reading.flavours)),
+        "ranks": sorted(reading.ranks),
+        "alphas": sorted(reading.alphas)[:8],
+        "components": sorted(reading.components),
         "network_module": md.get("ss_network_module"),
         "base_model_version": md.get("ss_base_model_version") or md.get("modelspec.architecture"),
         "network_args": md.get("ss_network_args"),
     }
-    if meta:
+    if reading.meta:
         summary["lora_adapter_metadata"] = True
-    if lora_alpha is not None and not stated:
+    return summary
+
+
+def _scale_checks(reading: _Reading, summary: dict, peft_style: bool, require_scale: bool) -> list[str]:
+    """A stated lora_alpha must be needed, and PEFT weights need one (unless only inspected); returns the
+    warnings about scales nothing states. Records the user's lora_alpha in `summary`."""
+    weights, lora_alpha = reading.weights, reading.lora_alpha
+    if lora_alpha is not None and not reading.stated:
         raise AdapterFormatError(
             f"{weights}: every module's scale is already known from the file (.alpha tensors, kohya's alpha = rank "
             "rule, or lora_adapter_metadata); drop lora_alpha for this adapter",
             file=weights,
         )
-    if stated:
+    if reading.stated:
         summary["lora_alpha"] = float(lora_alpha)
         summary["lora_alpha_from"] = "stated by the user"
-    peft_style = _peft_style(weights, groups)
-    if no_alpha and peft_style and require_scale:
+    if reading.no_alpha and peft_style and require_scale:
         raise AdapterFormatError(
             f"{weights}: PEFT weights without their adapter_config.json, so lora_alpha (and with it the scale "
             "lora_alpha / r) is unknown; put adapter_config.json beside them, or state it with --lora-alpha N "
             "(recipe: lora_alpha: N per adapter; r is each module's rank)",
             file=weights,
         )
-    warnings = []
-    if no_alpha and peft_style:  # only when require_scale is False (inspect)
+    if reading.no_alpha and peft_style:  # only when require_scale is False (inspect)
         summary["lora_alpha"] = "unknown (no adapter_config.json; merging needs it or --lora-alpha)"
-        warnings.append(
+        return [
             f"{weights}: PEFT weights without adapter_config.json: lora_alpha unknown, shown at scale 1; merging "
             "needs adapter_config.json or --lora-alpha"
-        )
-    elif no_alpha:
-        warnings.append(
-            f"{weights}: {no_alpha} lora_A/lora_B pairs and no alpha anywhere (no .alpha tensors, no "
+        ]
+    if reading.no_alpha:
+        return [
+            f"{weights}: {reading.no_alpha} lora_A/lora_B pairs and no alpha anywhere (no .alpha tensors, no "
             "lora_adapter_metadata): merged with scale 1 as diffusers does; if it was trained with lora_alpha != r, "
             "merge its PEFT folder (with adapter_config.json) instead"
-        )
-    if split_qkv:
-        summary["split_qkv_modules"] = len(split_qkv)
-        warnings.append(
-            f"{weights}: {len(split_qkv)} fused modules (e.g. {split_qkv[0]}) look like kohya's split_qkv layout "
-            "(block-diagonal lora_up); merged with alpha / lora_down rows like every loader does, which is 1/3 "
-            "(1/4 for linear1) of the scale used in training (sd-scripts issue 2204)"
-        )
-    return Adapter(
-        path=path,
-        format=fmt,
-        tensors=tensors,
-        patches=patches,
-        config={"metadata": dict(md)},
-        base_model=None if base_model is None else str(base_model),
-        summary={k: v for k, v in summary.items() if v not in (None, [], {})},
-        files=[weights],
-        warnings=warnings,
-    )
+        ]
+    return []
 
 
 class _Shapes:
