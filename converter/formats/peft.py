@@ -11,6 +11,7 @@ import json
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.errors import AdapterFormatError
@@ -176,6 +177,30 @@ def parse(
     path: Path, *, allow_pickle: bool = False, lora_alpha: float | None = None, require_scale: bool = True
 ) -> Adapter:
     config_path, weights_path = _paths(path)  # type: ignore[misc]
+    config = _read_config(config_path, lora_alpha)
+    tensors = open_tensor_file(weights_path, allow_pickle)
+    reading = _Reading(tensors, config, weights_path, config_path)
+    for module, roles in _group_modules(tensors, weights_path).items():
+        _read_module(reading, module, roles)
+    folder = weights_path.parent
+    model_config = _model_config(folder)
+    return Adapter(
+        path=path,
+        format=NAME,
+        tensors=tensors,
+        patches=reading.patches,
+        config=config,
+        base_model=config.get("base_model_name_or_path"),
+        summary=_summary(config, reading.ranks),
+        tokenizer_dir=folder if any((folder / n).is_file() for n in TOKENIZER_FILES) else None,
+        files=[config_path, weights_path],
+        model_config=model_config,
+    )
+
+
+def _read_config(config_path: Path, lora_alpha: float | None) -> dict:
+    """adapter_config.json's LoraConfig fields; refused when unreadable, when a stated lora_alpha contradicts it
+    (the config is what the adapter was trained with) or when its PEFT type is one we cannot merge."""
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -194,14 +219,21 @@ def parse(
             "given; drop the stated value (the config is what the adapter was trained with)",
             file=config_path,
         )
-    peft_type = str(config.get("peft_type", "LORA")).upper()
+    peft_type = _peft_type(config)
     if peft_type not in SUPPORTED_TYPES:
         raise AdapterFormatError(
             f"{config_path}: PEFT type {peft_type} is not supported yet (supported: LORA, TRAINABLE_TOKENS)",
             file=config_path,
         )
-    tensors = open_tensor_file(weights_path, allow_pickle)
+    return config
 
+
+def _peft_type(config: dict) -> str:
+    return str(config.get("peft_type", "LORA")).upper()
+
+
+def _group_modules(tensors, weights_path: Path) -> dict[str, dict[str, str]]:
+    """Every tensor name as (module, role): {module: {role: tensor name}}; two names for one role are refused."""
     groups: dict[str, dict[str, str]] = defaultdict(dict)
     for key in tensors.names():
         module, role = _split(key)
@@ -213,103 +245,147 @@ def parse(
                 tensor=key,
             )
         groups[module][role] = key
+    return groups
 
-    rslora = bool(config.get("use_rslora", False))
-    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
-    patches: list[AdapterPatch] = []
-    ranks: set[int] = set()
-    for module, roles in groups.items():
 
-        def ref(role: str, roles=roles) -> Ref:
-            return Ref(tensors, roles[role])
+@dataclass
+class _Reading:
+    """One adapter as its modules are read: what each module's reading needs, and the patches and ranks found."""
 
-        for role in ("base_weight", "base_bias"):
-            if role in roles:
-                patches.append(AdapterPatch(module, role.split("_")[1], Replace(ref(role))))
-        params = {r.split(":", 1)[1] for r in roles if ":" in r}
-        for param in sorted(params):
-            # The module's own key holds the trained copy; `modules_to_save.` repeats it, `original_module.` is
-            # the untrained layer. Both extra copies are accounted for but not used.
-            variants = [f"{kind}:{param}" for kind in ("full", "copy", "original") if f"{kind}:{param}" in roles]
-            if variants[0].startswith("original"):
-                raise AdapterFormatError(
-                    f"{weights_path}: {roles[variants[0]]} has no trained copy beside it",
-                    file=weights_path,
-                    tensor=roles[variants[0]],
-                )
-            value, *rest = (roles[v] for v in variants)
-            patches.append(AdapterPatch(module, param, Replace(Ref(tensors, value), tuple(rest))))
+    tensors: object
+    config: dict
+    weights_path: Path
+    config_path: Path
+    patches: list[AdapterPatch] = field(default_factory=list)
+    ranks: set[int] = field(default_factory=set)
 
-        pair = ("A", "B") if "A" in roles or "B" in roles else ("emb_A", "emb_B")
-        if pair[0] in roles or pair[1] in roles:
-            if pair[0] not in roles or pair[1] not in roles:
-                missing = pair[1] if pair[0] in roles else pair[0]
-                raise AdapterFormatError(
-                    f"{weights_path}: module {module} has only half a LoRA pair "
-                    f"({'lora_B' if missing.endswith('B') else 'lora_A'} is missing)",
-                    file=weights_path,
-                    tensor=roles[pair[0] if pair[0] in roles else pair[1]],
-                )
-            down, up = ref(pair[0]), ref(pair[1])
-            r = down.shape[0]
-            if (wrapped := _wrapped_parameters(module, config)) and "base_weight" not in roles and pair[0] == "A":
-                patches.append(_parameter_lora(module, wrapped, down, up, config, weights_path, config_path))
-                ranks.add(patches[-1].patch.rank)
-                continue
-            if len(up.shape) < 2 or up.shape[1] != r:
-                raise AdapterFormatError(
-                    f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: "
-                    "their ranks (lora_B dim 1, lora_A dim 0) must agree (damaged or hand-edited file)",
-                    file=weights_path,
-                    tensor=up.name,
-                )
-            ranks.add(r)
-            r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8), config_path)
-            if r_cfg != r:
-                raise AdapterFormatError(
-                    f"{weights_path}: {down.name} has rank {r} but adapter_config.json says r={r_cfg} for {module}",
-                    file=weights_path,
-                    tensor=down.name,
-                )
-            alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8), config_path)
-            alpha = _number(alpha, f"lora_alpha for {module}", config_path)
-            scale = lora_scale(alpha, r, rslora)
-            lora = LowRank(down, up, scale, flip=pair[0] == "emb_A")
-            patch = DoRA(lora, ref("magnitude")) if "magnitude" in roles else lora
-            patches.append(AdapterPatch(module, "weight", patch, stored_transposed=fan_in_fan_out or None))
-            if "B_bias" in roles:
-                patches.append(AdapterPatch(module, "bias", BiasDelta(ref("B_bias"), scale)))
-        elif "magnitude" in roles or "B_bias" in roles:
+    def ref(self, roles: dict[str, str], role: str) -> Ref:
+        return Ref(self.tensors, roles[role])
+
+
+def _read_module(reading: _Reading, module: str, roles: dict[str, str]) -> None:
+    """One module's tensors -> its patches: whole tensors first, then its LoRA, then trainable tokens."""
+    _saved_whole(reading, module, roles)
+    if _lora(reading, module, roles):
+        return  # a target_parameters LoRA is all such a module holds
+    if "tokens" in roles:
+        _trainable_tokens(reading, module, roles)
+
+
+def _saved_whole(reading: _Reading, module: str, roles: dict[str, str]) -> None:
+    """Tensors saved whole: a wrapped layer's own base weight/bias, and modules_to_save copies (of each parameter
+    the trained copy is used; the `modules_to_save.` repeat and the untrained `original_module.` are accounted
+    for but not used)."""
+    for role in ("base_weight", "base_bias"):
+        if role in roles:
+            reading.patches.append(AdapterPatch(module, role.split("_")[1], Replace(reading.ref(roles, role))))
+    params = {r.split(":", 1)[1] for r in roles if ":" in r}
+    for param in sorted(params):
+        variants = [f"{kind}:{param}" for kind in ("full", "copy", "original") if f"{kind}:{param}" in roles]
+        if variants[0].startswith("original"):
+            raise AdapterFormatError(
+                f"{reading.weights_path}: {roles[variants[0]]} has no trained copy beside it",
+                file=reading.weights_path,
+                tensor=roles[variants[0]],
+            )
+        value, *rest = (roles[v] for v in variants)
+        reading.patches.append(AdapterPatch(module, param, Replace(Ref(reading.tensors, value), tuple(rest))))
+
+
+def _lora(reading: _Reading, module: str, roles: dict[str, str]) -> bool:
+    """The module's LoRA pair (lora_A/lora_B or lora_embedding_A/B) as patches; True when it is a
+    target_parameters LoRA (PEFT's wrapper around one of the module's parameters)."""
+    weights_path = reading.weights_path
+    pair = ("A", "B") if "A" in roles or "B" in roles else ("emb_A", "emb_B")
+    if pair[0] not in roles and pair[1] not in roles:
+        if "magnitude" in roles or "B_bias" in roles:
             raise AdapterFormatError(
                 f"{weights_path}: module {module} has DoRA/bias tensors but no lora_A/lora_B", file=weights_path
             )
-        if "tokens" in roles:
-            indices = tuple(_token_indices(config, module))
-            rows = ref("tokens")
-            if rows.shape[0] != len(indices):
-                raise AdapterFormatError(
-                    f"{weights_path}: {rows.name} has {rows.shape[0]} rows "
-                    f"but trainable_token_indices lists {len(indices)}",
-                    file=weights_path,
-                    tensor=rows.name,
-                )
-            patches.append(AdapterPatch(module, "weight", RowReplace(rows, indices), follows_tie=True))
+        return False
+    if pair[0] not in roles or pair[1] not in roles:
+        missing = pair[1] if pair[0] in roles else pair[0]
+        raise AdapterFormatError(
+            f"{weights_path}: module {module} has only half a LoRA pair "
+            f"({'lora_B' if missing.endswith('B') else 'lora_A'} is missing)",
+            file=weights_path,
+            tensor=roles[pair[0] if pair[0] in roles else pair[1]],
+        )
+    down, up = reading.ref(roles, pair[0]), reading.ref(roles, pair[1])
+    config = reading.config
+    if (wrapped := _wrapped_parameters(module, config)) and "base_weight" not in roles and pair[0] == "A":
+        reading.patches.append(_parameter_lora(module, wrapped, down, up, config, weights_path, reading.config_path))
+        reading.ranks.add(reading.patches[-1].patch.rank)
+        return True
+    _module_lora(reading, module, roles, down, up, embedding=pair[0] == "emb_A")
+    return False
 
-    folder = weights_path.parent
-    model_config = None
+
+def _module_lora(reading: _Reading, module: str, roles: dict[str, str], down: Ref, up: Ref, embedding: bool) -> None:
+    """An ordinary LoRA on a module's weight (DoRA with a magnitude, a lora_B bias): its rank must be the one
+    adapter_config.json gives; scale lora_alpha / r (rsLoRA: / sqrt(r))."""
+    weights_path, config, config_path = reading.weights_path, reading.config, reading.config_path
+    r = down.shape[0]
+    if len(up.shape) < 2 or up.shape[1] != r:
+        raise AdapterFormatError(
+            f"{weights_path}: {up.name} has shape {list(up.shape)} but {down.name} has {list(down.shape)}: "
+            "their ranks (lora_B dim 1, lora_A dim 0) must agree (damaged or hand-edited file)",
+            file=weights_path,
+            tensor=up.name,
+        )
+    reading.ranks.add(r)
+    r_cfg = pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8), config_path)
+    if r_cfg != r:
+        raise AdapterFormatError(
+            f"{weights_path}: {down.name} has rank {r} but adapter_config.json says r={r_cfg} for {module}",
+            file=weights_path,
+            tensor=down.name,
+        )
+    alpha = pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8), config_path)
+    alpha = _number(alpha, f"lora_alpha for {module}", config_path)
+    scale = lora_scale(alpha, r, bool(config.get("use_rslora", False)))
+    lora = LowRank(down, up, scale, flip=embedding)
+    patch = DoRA(lora, reading.ref(roles, "magnitude")) if "magnitude" in roles else lora
+    fan_in_fan_out = bool(config.get("fan_in_fan_out", False))
+    reading.patches.append(AdapterPatch(module, "weight", patch, stored_transposed=fan_in_fan_out or None))
+    if "B_bias" in roles:
+        reading.patches.append(AdapterPatch(module, "bias", BiasDelta(reading.ref(roles, "B_bias"), scale)))
+
+
+def _trainable_tokens(reading: _Reading, module: str, roles: dict[str, str]) -> None:
+    """PEFT's trainable tokens: new rows for the embedding's listed token ids (and a tied head's)."""
+    indices = tuple(_token_indices(reading.config, module))
+    rows = reading.ref(roles, "tokens")
+    if rows.shape[0] != len(indices):
+        raise AdapterFormatError(
+            f"{reading.weights_path}: {rows.name} has {rows.shape[0]} rows "
+            f"but trainable_token_indices lists {len(indices)}",
+            file=reading.weights_path,
+            tensor=rows.name,
+        )
+    reading.patches.append(AdapterPatch(module, "weight", RowReplace(rows, indices), follows_tie=True))
+
+
+def _model_config(folder: Path) -> dict | None:
+    """The config.json some trainers save beside the adapter (the base's, for the sanity check), if readable."""
     if (folder / "config.json").is_file():
         try:
-            model_config = json.loads((folder / "config.json").read_text())
+            return json.loads((folder / "config.json").read_text())
         except json.JSONDecodeError:
-            model_config = None
-    summary = {
-        "peft_type": peft_type,
+            return None
+    return None
+
+
+def _summary(config: dict, ranks: set[int]) -> dict:
+    """What `inspect` shows and the provenance records: the LoraConfig fields that decide the merge."""
+    return {
+        "peft_type": _peft_type(config),
         "r": config.get("r"),
         "lora_alpha": config.get("lora_alpha"),
         "ranks": sorted(ranks),
-        "use_rslora": rslora,
+        "use_rslora": bool(config.get("use_rslora", False)),
         "use_dora": bool(config.get("use_dora", False)),
-        "fan_in_fan_out": fan_in_fan_out,
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out", False)),
         "target_modules": config.get("target_modules"),
         "modules_to_save": config.get("modules_to_save"),
         "trainable_token_indices": config.get("trainable_token_indices"),
@@ -317,15 +393,3 @@ def parse(
         "alpha_pattern": config.get("alpha_pattern") or {},
         "task_type": config.get("task_type"),
     }
-    return Adapter(
-        path=path,
-        format=NAME,
-        tensors=tensors,
-        patches=patches,
-        config=config,
-        base_model=config.get("base_model_name_or_path"),
-        summary=summary,
-        tokenizer_dir=folder if any((folder / n).is_file() for n in TOKENIZER_FILES) else None,
-        files=[config_path, weights_path],
-        model_config=model_config,
-    )
