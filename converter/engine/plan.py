@@ -18,7 +18,7 @@ from converter.engine.keymap import Keymap, Resolver, keymap_for
 from converter.engine.model_class import Converted, LoadedNames
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.engine.writer import OutSpec
-from converter.errors import ConverterError
+from converter.errors import BadInputError, UsageError
 from converter.formats import Adapter
 from converter.formats.adapter import AdapterPatch
 from converter.formats.patches import DeltaPatch, DoRA, LowRank, Replace, Requantize, RowReplace, rows_of
@@ -124,103 +124,160 @@ def build_plan(
 ) -> MergePlan:
     keys = checkpoint.names()
     resolver = checkpoint.make_resolver(keymap) if hasattr(checkpoint, "make_resolver") else None
-    resolver = resolver or Resolver(keymap, checkpoint.config, set(keys))
-    by_key: dict[str, list[PlannedPatch]] = {}
-    coverage: list[Coverage] = []
-    notes: list[str] = []
-    tokenizer_from: Path | None = None
+    placing = _Placing(checkpoint, keymap, resolver or Resolver(keymap, checkpoint.config, set(keys)), keys)
+    coverage = [
+        _place_adapter(placing, i, adapter, spec, allow_unmatched) for i, (adapter, spec) in enumerate(adapters)
+    ]
+    _order_patches(placing.by_key, keymap, requantize)
+    outputs = [_output(key, checkpoint.info(key), placing.by_key.get(key, []), out_dtype, adapters) for key in keys]
+    config_updates: dict = {}
+    _untie_heads(placing, outputs, out_dtype, adapters, config_updates)
+    tokenizer_from = _resized_vocab(placing, outputs, adapters, config_updates)
+    if out_dtype is not None:
+        config_updates["dtype"] = out_dtype
+    return MergePlan(outputs, coverage, config_updates, tokenizer_from, placing.notes)
 
-    for i, (adapter, spec) in enumerate(adapters):
-        total = sum(len(ap.patch.sources) for ap in adapter.patches)
-        used = excluded = 0
-        unmatched: list[str] = []
-        whole: list[str] = []  # modules the adapter saves whole that the base lacks
-        loaded = LoadedNames(checkpoint.config, keys, adapter.config.get("task_type"),
-                             {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
-        for ap in adapter.patches:
-            ap = _chosen(resolver, checkpoint, ap, spec) if ap.either else ap
-            places = _places(resolver, ap, spec) or _loaded_places(loaded, resolver, ap, spec)
-            if not places:
-                unmatched.extend(ap.patch.sources)
-                whole.extend([ap.module] if isinstance(ap.patch, Replace) else [])
-                continue
-            if not all(spec.admits(place.key) for place in places):
-                excluded += len(ap.patch.sources)
-                continue
-            ap.patch.set_weight(spec.weight_for(_component_of(places[0].key, ap.component)))
-            for place in places:
-                layout = keymap.is_stored_transposed(place.key)
-                transposed = bool(ap.stored_transposed) if layout is None else layout
-                patch = ap.patch if place.src is None else rows_of(ap.patch, *place.src, place.src_expert)
-                planned = PlannedPatch(i, patch, place.rows, transposed, place.expert)
-                by_key.setdefault(place.key, []).append(planned)
-                if ap.follows_tie:
-                    for head, emb in resolver.tied_heads.items():
-                        if emb == place.key:
-                            by_key.setdefault(head, []).append(planned)
-            used += len(ap.patch.sources)
-        if (
-            isinstance(spec.weight, int | float)
-            and spec.weight != 1.0  # per-component dict weights are checked in AdapterSpec
-            and any(isinstance(ap.patch, Replace | RowReplace) for ap in adapter.patches)
-        ):
-            notes.append(f"{spec.source}: weight {spec.weight} does not apply to its full replacement tensors")
-        coverage.append(Coverage(spec.source, total, used, excluded, unmatched))
-        if unmatched and not allow_unmatched and len(whole) == len(unmatched):  # only whole tensors are missing
-            saved_as = ", ".join(checkpoint.config.get("architectures") or []) or "another model"
-            raise ConverterError(
-                f"{spec.source}: the adapter saves {', '.join(sorted(set(whole)))} whole (modules_to_save, such as "
-                f"a task head), but the base has no such tensor: it was saved as {saved_as}; merge onto a base "
-                "saved with that head (PEFT's own merge would add it)"
-            )
-        if unmatched and not allow_unmatched:
-            raise ConverterError(
-                f"{spec.source}: {len(unmatched)} adapter tensors land on no base tensor, e.g. {unmatched[0]} "
-                "(wrong base model? use --allow-unmatched to merge the rest anyway)"
-            )
-        if unmatched:
-            notes.append(f"{spec.source}: {len(unmatched)} unmatched adapter tensors ignored (--allow-unmatched)")
 
+@dataclass
+class _Placing:
+    """What placing the adapters on the base builds up: each base key's planned patches, and notes for the user."""
+
+    checkpoint: Checkpoint
+    keymap: Keymap
+    resolver: Resolver
+    keys: list[str]
+    by_key: dict[str, list[PlannedPatch]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, key: str, planned: PlannedPatch) -> None:
+        self.by_key.setdefault(key, []).append(planned)
+
+
+def _place_adapter(placing: _Placing, i: int, adapter: Adapter, spec: AdapterSpec, allow_unmatched: bool) -> Coverage:
+    """Every patch of adapter `i` onto the base keys it lands on (include/exclude applied); its coverage."""
+    checkpoint = placing.checkpoint
+    total = sum(len(ap.patch.sources) for ap in adapter.patches)
+    used = excluded = 0
+    unmatched: list[str] = []
+    whole: list[str] = []  # modules the adapter saves whole that the base lacks
+    loaded = LoadedNames(checkpoint.config, placing.keys, adapter.config.get("task_type"),
+                         {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
+    for ap in adapter.patches:
+        ap = _chosen(placing.resolver, checkpoint, ap, spec) if ap.either else ap
+        places = _places(placing.resolver, ap, spec) or _loaded_places(loaded, placing.resolver, ap, spec)
+        if not places:
+            unmatched.extend(ap.patch.sources)
+            whole.extend([ap.module] if isinstance(ap.patch, Replace) else [])
+            continue
+        if not all(spec.admits(place.key) for place in places):
+            excluded += len(ap.patch.sources)
+            continue
+        _place_patch(placing, i, ap, spec, places)
+        used += len(ap.patch.sources)
+    if (
+        isinstance(spec.weight, int | float)
+        and spec.weight != 1.0  # per-component dict weights are checked in AdapterSpec
+        and any(isinstance(ap.patch, Replace | RowReplace) for ap in adapter.patches)
+    ):
+        placing.notes.append(f"{spec.source}: weight {spec.weight} does not apply to its full replacement tensors")
+    _check_unmatched(placing, spec, unmatched, whole, allow_unmatched)
+    return Coverage(spec.source, total, used, excluded, unmatched)
+
+
+def _place_patch(placing: _Placing, i: int, ap: AdapterPatch, spec: AdapterSpec, places: list) -> None:
+    """One adapter patch, weighted, on each of its places (as stored: transposed or not; a fused module's rows);
+    a patch that follows a tie lands on the tied head too."""
+    ap.patch.set_weight(spec.weight_for(_component_of(places[0].key, ap.component)))
+    for place in places:
+        layout = placing.keymap.is_stored_transposed(place.key)
+        transposed = bool(ap.stored_transposed) if layout is None else layout
+        patch = ap.patch if place.src is None else rows_of(ap.patch, *place.src, place.src_expert)
+        planned = PlannedPatch(i, patch, place.rows, transposed, place.expert)
+        placing.add(place.key, planned)
+        if ap.follows_tie:
+            for head, emb in placing.resolver.tied_heads.items():
+                if emb == place.key:
+                    placing.add(head, planned)
+
+
+def _check_unmatched(
+    placing: _Placing, spec: AdapterSpec, unmatched: list[str], whole: list[str], allow_unmatched: bool
+) -> None:
+    """Adapter tensors that land on no base tensor fail the plan (another base?), unless allowed: then a note."""
+    if unmatched and not allow_unmatched and len(whole) == len(unmatched):  # only whole tensors are missing
+        saved_as = ", ".join(placing.checkpoint.config.get("architectures") or []) or "another model"
+        raise BadInputError(
+            f"{spec.source}: the adapter saves {', '.join(sorted(set(whole)))} whole (modules_to_save, such as "
+            f"a task head), but the base has no such tensor: it was saved as {saved_as}; merge onto a base "
+            "saved with that head (PEFT's own merge would add it)",
+            file=spec.source,
+            tensor=unmatched[0],
+        )
+    if unmatched and not allow_unmatched:
+        raise BadInputError(
+            f"{spec.source}: {len(unmatched)} adapter tensors land on no base tensor, e.g. {unmatched[0]} "
+            "(wrong base model? use --allow-unmatched to merge the rest anyway)",
+            file=spec.source,
+            tensor=unmatched[0],
+        )
+    if unmatched:
+        placing.notes.append(f"{spec.source}: {len(unmatched)} unmatched adapter tensors ignored (--allow-unmatched)")
+
+
+def _order_patches(by_key: dict[str, list[PlannedPatch]], keymap: Keymap, requantize: Requantize | None) -> None:
+    """Each key's patches in adapter order, replacements before deltas before row edits; a QLoRA merge into the
+    dequantized base rounds a quantized weight through 4 bits before its first delta."""
     for key, planned in by_key.items():
         planned.sort(key=lambda p: (p.adapter, ROLE_ORDER.get(type(p.patch), 1)))
         if requantize is not None and _quantized_in_training(key, planned, keymap):
             first_delta = next(i for i, p in enumerate(planned) if not isinstance(p.patch, Replace))
             planned.insert(first_delta, PlannedPatch(planned[first_delta].adapter, requantize, None, False))
 
-    config_updates: dict = {}
-    outputs: list[OutputTensor] = []
-    for key in keys:
-        info = checkpoint.info(key)
-        outputs.append(_output(key, info, by_key.get(key, []), out_dtype, adapters))
 
-    # Tied heads: keep the tie when the head would get exactly what the embedding gets; else write the head.
-    for head, emb in resolver.tied_heads.items():
-        head_patches = by_key.get(head, [])
+def _untie_heads(
+    placing: _Placing,
+    outputs: list[OutputTensor],
+    out_dtype: str | None,
+    adapters: list[tuple[Adapter, AdapterSpec]],
+    config_updates: dict,
+) -> None:
+    """Tied heads: keep the tie when the head would get exactly what the embedding gets; else write the head."""
+    for head, emb in placing.resolver.tied_heads.items():
+        head_patches = placing.by_key.get(head, [])
         emb_out = next(o for o in outputs if o.name == emb)
         follows = [p for p in emb_out.patches if any(p is q for q in head_patches)]
         own = [p for p in head_patches if not any(p is q for q in emb_out.patches)]
         resized = emb_out.shape != emb_out.source.shape
         if own or (emb_out.patches and len(follows) != len(emb_out.patches) and not resized):
-            outputs.append(_output(head, checkpoint.info(emb), head_patches, out_dtype, adapters))
+            outputs.append(_output(head, placing.checkpoint.info(emb), head_patches, out_dtype, adapters))
             config_updates["tie_word_embeddings"] = False
-            notes.append(f"{head} written untied from {emb} (the adapter changes one side of the tie)")
+            placing.notes.append(f"{head} written untied from {emb} (the adapter changes one side of the tie)")
         elif resized and emb_out.patches:
-            notes.append(f"{head} stays tied to the resized {emb}")
+            placing.notes.append(f"{head} stays tied to the resized {emb}")
 
-    # Resized vocabulary: the embedding (and an untied head) carry the new row count.
-    for head, emb in keymap.tied.items():
+
+def _resized_vocab(
+    placing: _Placing, outputs: list[OutputTensor], adapters: list[tuple[Adapter, AdapterSpec]], config_updates: dict
+) -> Path | None:
+    """Resized vocabulary: the embedding (and an untied head) carry the new row count, and the tokenizer comes
+    from the adapter that resized it. Returns that tokenizer's folder (None: the base's)."""
+    tokenizer_from: Path | None = None
+    for head, emb in placing.keymap.tied.items():
         out = {o.name: o for o in outputs}
         if emb in out and out[emb].shape[0] != out[emb].source.shape[0]:
             rows = out[emb].shape[0]
+            resizers = [p.adapter for p in out[emb].patches if isinstance(p.patch, Replace)]
             if head in out and out[head].shape[0] != rows:
-                raise ConverterError(
+                raise BadInputError(
                     f"adapter resizes {emb} to {rows} rows but {head} keeps {out[head].shape[0]}; "
-                    f"the adapter must carry {head} too (modules_to_save)"
+                    f"the adapter must carry {head} too (modules_to_save)",
+                    file=adapters[resizers[0]][1].source if resizers else None,
+                    tensor=head,
                 )
             config_updates["vocab_size"] = rows
-            for i in {p.adapter for p in out[emb].patches if isinstance(p.patch, Replace)}:
+            for i in set(resizers):
                 tokenizer_from = adapters[i][0].tokenizer_dir or tokenizer_from
-            notes.append(
+            placing.notes.append(
                 f"vocabulary resized to {rows} rows"
                 + (
                     f"; tokenizer taken from {tokenizer_from}"
@@ -228,9 +285,7 @@ def build_plan(
                     else "; the adapter has no tokenizer files"
                 )
             )
-    if out_dtype is not None:
-        config_updates["dtype"] = out_dtype
-    return MergePlan(outputs, coverage, config_updates, tokenizer_from, notes)
+    return tokenizer_from
 
 
 def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpec) -> AdapterPatch:
@@ -246,12 +301,18 @@ def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpe
         return fits[0]
     params = ", ".join(f"{ap.module}.{p}" for p, _ in ap.either)
     if fits:
-        raise ConverterError(f"{spec.source}: LoRA {ap.patch.sources[0]} fits several base tensors ({params})")
+        raise BadInputError(
+            f"{spec.source}: LoRA {ap.patch.sources[0]} fits several base tensors ({params})",
+            file=spec.source,
+            tensor=ap.patch.sources[0],
+        )
     if found:
         shapes = ", ".join(f"{p} {list(c.natural_shape())}" for p, c in ap.either)
-        raise ConverterError(
+        raise BadInputError(
             f"{spec.source}: LoRA {ap.patch.sources[0]} fits none of {params} in this base (as (experts, out, in) it "
-            f"would be {shapes}; another model size or expert count?)"
+            f"would be {shapes}; another model size or expert count?)",
+            file=spec.source,
+            tensor=ap.patch.sources[0],
         )
     return replace(ap, either=())  # nowhere to land: reported as unmatched, like any adapter tensor
 
@@ -278,9 +339,11 @@ def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
         place = resolver.resolve(ap.module, ap.param, ap.component, ap.flat)
         places = [] if place is None else [place]
     if not places and ap.param == "bias" and _places(resolver, replace(ap, param="weight"), spec):
-        raise ConverterError(
+        raise BadInputError(
             f"{spec.source}: {ap.patch.sources[0]} is a bias delta but base module {ap.module} has no bias "
-            "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)"
+            "(PEFT cannot merge it either; retrain without lora_bias or use a base with biases)",
+            file=spec.source,
+            tensor=ap.patch.sources[0],
         )
     if not check:
         return places
@@ -288,23 +351,29 @@ def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:
         experts, rows = ap.patch.natural_shape()[:2]
         ends = {(p.src_expert, p.src[1]) for p in places}
         if {e for e, _ in ends} != set(range(experts)) or {e for e, end in ends if end == rows} != set(range(experts)):
-            raise ConverterError(
+            raise BadInputError(
                 f"{spec.source}: {ap.patch.sources[0]} holds {experts} experts of {rows} rows but the base's "
-                f"{places[0].key} ... {places[-1].key} hold {len({e for e, _ in ends})} (another model size?)"
+                f"{places[0].key} ... {places[-1].key} hold {len({e for e, _ in ends})} (another model size?)",
+                file=spec.source,
+                tensor=ap.patch.sources[0],
             )
         return places
     if any(p.src is not None for p in places):
         if not isinstance(ap.patch, DeltaPatch) and not (isinstance(ap.patch, DoRA) and ap.patch.per_output_row()):
-            raise ConverterError(
+            raise BadInputError(
                 f"{spec.source}: {ap.patch.sources[0]} ({type(ap.patch).__name__}) is on a fused module that this "
                 "base keeps as separate tensors; only plain deltas and DoRA with one magnitude per output row "
-                "can be split by rows"
+                "can be split by rows",
+                file=spec.source,
+                tensor=ap.patch.sources[0],
             )
         rows = getattr(ap.patch, "lora", ap.patch).natural_shape()[0]  # a DoRA's: its delta's
         if places[-1].src[1] != rows:
-            raise ConverterError(
+            raise BadInputError(
                 f"{spec.source}: {ap.patch.sources[0]} has {rows} output rows but the base's "
-                f"{', '.join(p.key for p in places)} have {places[-1].src[1]} together (another model size?)"
+                f"{', '.join(p.key for p in places)} have {places[-1].src[1]} together (another model size?)",
+                file=spec.source,
+                tensor=ap.patch.sources[0],
             )
     return places
 
@@ -317,10 +386,12 @@ def _loaded_places(loaded: LoadedNames, resolver, ap, spec: AdapterSpec) -> list
     try:
         key = loaded.key(f"{ap.module}.{ap.param}")
     except Converted:
-        raise ConverterError(
+        raise BadInputError(
             f"{spec.source}: {ap.patch.sources[0]} is on {ap.module}.{ap.param}, which transformers builds when it "
             "loads the model from checkpoint tensors by more than a rename (fused or split); converter cannot place "
-            "it on the checkpoint's tensors"
+            "it on the checkpoint's tensors",
+            file=spec.source,
+            tensor=ap.patch.sources[0],
         ) from None
     if key is None:
         return []
@@ -353,22 +424,32 @@ def _output(
     adapters: list[tuple[Adapter, AdapterSpec]],
 ) -> OutputTensor:
     if patches and info.dtype not in FLOATING:
-        raise ConverterError(f"base tensor {name} is {info.dtype}; adapters can only change floating-point tensors")
+        raise BadInputError(
+            f"base tensor {name} is {info.dtype}; adapters can only change floating-point tensors", tensor=name
+        )
     shape = info.shape
     for p in patches:
         expected = p.patch.target_shape(p.transposed)
         inner = shape if p.expert is None else shape[1:]
         if p.expert is not None and p.expert >= shape[0]:
-            raise ConverterError(f"base tensor {name} holds {shape[0]} experts; a LoRA is for expert {p.expert}")
+            raise BadInputError(
+                f"base tensor {name} holds {shape[0]} experts; a LoRA is for expert {p.expert}",
+                file=adapters[p.adapter][1].source,
+                tensor=name,
+            )
         target = inner if p.rows is None else (p.rows[1] - p.rows[0], *inner[1:])
         if p.rows is not None and p.rows[1] > inner[0]:
-            raise ConverterError(f"base tensor {name} has {inner[0]} rows; the keymap places a slice at {p.rows}")
+            raise BadInputError(
+                f"base tensor {name} has {inner[0]} rows; the keymap places a slice at {p.rows}", tensor=name
+            )
         if expected is not None and not p.patch.fits(target, p.transposed):
             where = name if p.expert is None else f"{name}[{p.expert}]"
             where = where if p.rows is None else f"{where}[{p.rows[0]}:{p.rows[1]}]"
-            raise ConverterError(
+            raise BadInputError(
                 f"{adapters[p.adapter][1].source}: tensor {p.patch.sources[0]} implies shape {list(expected)} "
-                f"but base tensor {where} has shape {list(target)} (adapter trained on a different model size?)"
+                f"but base tensor {where} has shape {list(target)} (adapter trained on a different model size?)",
+                file=adapters[p.adapter][1].source,
+                tensor=p.patch.sources[0],
             )
         shape = _shape_after(shape, p)
     dtype = out_dtype if (out_dtype and info.dtype in FLOATING) else info.dtype
@@ -472,14 +553,14 @@ def plan_merge(
 def plan_4bit(plan: MergePlan, keymap: Keymap, quant: Quant4) -> set[str]:
     """The tensors a 4-bit output stores quantized; records quantization_config for config.json."""
     if keymap.stored_transposed:
-        raise ConverterError(
+        raise UsageError(
             f"--dtype bnb-{quant.quant_type}: {keymap.name} models store linear weights transposed (Conv1D), which "
             "transformers' 4-bit loader does not take from a checkpoint; use a float dtype"
         )
     specs = [o.spec for o in plan.outputs]
     quantized = quantized_names(specs, keymap.keeps_precision)
     if not quantized:
-        raise ConverterError(f"--dtype bnb-{quant.quant_type}: the base has no linear weights to quantize")
+        raise UsageError(f"--dtype bnb-{quant.quant_type}: the base has no linear weights to quantize")
     kept = {s.name for s in specs if len(s.shape) == 2 and s.name not in quantized} | set(keymap.tied)
     dtypes = [s.dtype for s in specs if s.name in quantized]
     compute = max(set(dtypes), key=dtypes.count)
