@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 from converter.cli import quiet
 from converter.errors import BadInputError, ConverterError, UsageError
@@ -352,123 +353,175 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.command == "inspect":
-        from converter.jobs.describe import inspect_path, render
+    """Run the parsed command (COMMANDS: its handler); its exit code."""
+    handler = COMMANDS.get(args.command)
+    if handler is None:
+        raise AssertionError(args.command)
+    return handler(args)
 
-        info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
-        _log(render(info, as_json=args.json))
-        return 0
-    if args.command in ("merge", "push"):
-        # Before numpy loads: the merge's BLAS products are small; BLAS threads would spin next to ours.
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if args.command == "merge":
-        from converter.engine.merging import merge
 
-        if args.keep_adapter:
-            return _keep_adapter(args)
-        recipe = _recipe_from_args(args)
-        settings = None if args.no_verify or args.dry_run else _verify_settings(args)
-        from converter.gguf.export import check_merge_gguf
+def _one_blas_thread() -> None:
+    """Before numpy loads: the merge's BLAS products are small; BLAS threads would spin next to ours."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-        gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
-        if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
-            from converter.jobs.pipeline import check_extras
-            from converter.verification.warmup import start
 
-            check_extras(recipe, args.token)
-            start()
-        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
-        if settings is not None:
-            from converter.jobs.pipeline import verify_folder
+def _run_inspect(args: argparse.Namespace) -> int:
+    from converter.jobs.describe import inspect_path, render
 
-            verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
-        if gguf_types:
-            from converter.cli.gguf import export_merged
+    info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
+    _log(render(info, as_json=args.json))
+    return 0
 
-            export_merged(result.out, gguf_types, log=_log)
-        return 0
-    if args.command == "verify":
-        from converter.engine.recipe import recorded_recipe
+
+def _run_merge(args: argparse.Namespace) -> int:
+    """Merge, then verify (unless --no-verify or --dry-run) and export GGUF files when asked; the checks that
+    can fail early (verification's extras, the GGUF types) run before the merge."""
+    _one_blas_thread()
+    from converter.engine.merging import merge
+
+    if args.keep_adapter:
+        return _keep_adapter(args)
+    recipe = _recipe_from_args(args)
+    settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+    from converter.gguf.export import check_merge_gguf
+
+    gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
+    if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
+        from converter.jobs.pipeline import check_extras
+        from converter.verification.warmup import start
+
+        check_extras(recipe, args.token)
+        start()
+    result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
+    if settings is not None:
         from converter.jobs.pipeline import verify_folder
 
-        if args.adapter:
-            if not args.base:
-                raise UsageError("give --base with --adapter (or neither: the folder's recipe says both)")
-            from converter.engine.recipe import Recipe
+        verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+    if gguf_types:
+        from converter.cli.gguf import export_merged
 
-            recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
-        else:
-            recipe = recorded_recipe(args.folder)
-            if args.base:
-                recipe.base = args.base
-        if args.config:
-            recipe.base_config = args.config
-        proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
-        verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
-                      **_verify_settings(args))  # fmt: skip
-        return 0
-    if args.command == "push":
-        from converter.jobs.pipeline import push
+        export_merged(result.out, gguf_types, log=_log)
+    return 0
 
-        recipe = None if args.from_folder else _recipe_from_args(args)
-        settings = None if args.no_verify else _verify_settings(args)
-        gguf = None
-        if args.gguf:
-            from converter.cli.gguf import prepare_push_gguf
 
-            gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
-        try:
-            result = push(
-                args.repo,
-                recipe=recipe,
-                folder=args.from_folder,
-                token=args.token,
-                private=args.private,
-                create_pr=args.create_pr,
-                overwrite=args.overwrite,
-                verify=settings,
-                log=_log,
-                finished=gguf.export if gguf and recipe else None,  # a merge's GGUF, proven before the commit
-                keep_output=gguf is not None,
-            )
-            _log(result.summary())
-            if gguf is not None:
-                from converter.cli.gguf import finish_push_gguf
+def _run_verify(args: argparse.Namespace) -> int:
+    """Verify a merged folder against --base/--adapter, or against the recipe recorded in it."""
+    from converter.engine.recipe import recorded_recipe
+    from converter.jobs.pipeline import verify_folder
 
-                finish_push_gguf(gguf, args, log=_log)
-        finally:
-            if gguf is not None:
-                from converter.cli.gguf import discard_push_gguf
+    if args.adapter:
+        if not args.base:
+            raise UsageError("give --base with --adapter (or neither: the folder's recipe says both)")
+        from converter.engine.recipe import Recipe
 
-                discard_push_gguf(gguf)
-        return 0
-    if args.command == "convert":
-        from converter.cli.convert import run_cli
+        recipe = Recipe(base=args.base, adapters=_adapter_specs(args))
+    else:
+        recipe = recorded_recipe(args.folder)
+        if args.base:
+            recipe.base = args.base
+    if args.config:
+        recipe.base_config = args.config
+    proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
+    verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
+                  **_verify_settings(args))  # fmt: skip
+    return 0
 
-        return run_cli(args, log=_log)
-    if args.command == "gguf":
-        from converter.cli.gguf import run as run_gguf
 
-        return run_gguf(args, log=_log)
-    if args.command == "batch":
-        from converter.cli.batch import run_cli as run_batch_cli
+def _run_push(args: argparse.Namespace) -> int:
+    """Merge (or take --from FOLDER) and publish; --gguf files are proven before the commit and pushed after it,
+    and their scratch copies go whatever happens."""
+    _one_blas_thread()
+    from converter.jobs.pipeline import push
 
-        return run_batch_cli(args, log=_log)
-    if args.command in ("extract", "resize", "combine"):
-        from converter.cli.methods import run as run_method
+    recipe = None if args.from_folder else _recipe_from_args(args)
+    settings = None if args.no_verify else _verify_settings(args)
+    gguf = None
+    if args.gguf:
+        from converter.cli.gguf import prepare_push_gguf
 
-        return run_method(args, log=_log)
-    if args.command == "demo":
-        from converter.jobs.demo import run_demo
+        gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
+    try:
+        result = push(
+            args.repo,
+            recipe=recipe,
+            folder=args.from_folder,
+            token=args.token,
+            private=args.private,
+            create_pr=args.create_pr,
+            overwrite=args.overwrite,
+            verify=settings,
+            log=_log,
+            finished=gguf.export if gguf and recipe else None,  # a merge's GGUF, proven before the commit
+            keep_output=gguf is not None,
+        )
+        _log(result.summary())
+        if gguf is not None:
+            from converter.cli.gguf import finish_push_gguf
 
-        run_demo(args.dir, log=_log)
-        return 0
-    if args.command == "space":
-        from converter.app.deploy import deploy
+            finish_push_gguf(gguf, args, log=_log)
+    finally:
+        if gguf is not None:
+            from converter.cli.gguf import discard_push_gguf
 
-        deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
-        return 0
-    raise AssertionError(args.command)
+            discard_push_gguf(gguf)
+    return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from converter.cli.convert import run_cli
+
+    return run_cli(args, log=_log)
+
+
+def _run_gguf(args: argparse.Namespace) -> int:
+    from converter.cli.gguf import run as run_gguf
+
+    return run_gguf(args, log=_log)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from converter.cli.batch import run_cli as run_batch_cli
+
+    return run_batch_cli(args, log=_log)
+
+
+def _run_method(args: argparse.Namespace) -> int:
+    """extract / resize / combine (converter.cli.methods)."""
+    from converter.cli.methods import run as run_method
+
+    return run_method(args, log=_log)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from converter.jobs.demo import run_demo
+
+    run_demo(args.dir, log=_log)
+    return 0
+
+
+def _run_space(args: argparse.Namespace) -> int:
+    """`space deploy`, the one space command."""
+    from converter.app.deploy import deploy
+
+    deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
+    return 0
+
+
+# Command name -> its handler, which returns the exit code (failures raise: see main).
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": _run_inspect,
+    "merge": _run_merge,
+    "verify": _run_verify,
+    "push": _run_push,
+    "convert": _run_convert,
+    "gguf": _run_gguf,
+    "batch": _run_batch,
+    "extract": _run_method,
+    "resize": _run_method,
+    "combine": _run_method,
+    "demo": _run_demo,
+    "space": _run_space,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
