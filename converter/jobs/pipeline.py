@@ -16,7 +16,7 @@ from pathlib import Path
 from converter.engine.merging import merge
 from converter.engine.recipe import Recipe, recorded_recipe
 from converter.engine.writer import Shard
-from converter.errors import ConverterError
+from converter.errors import ConverterError, UsageError
 from converter.hub import client as hub
 from converter.hub.card import public_records, write_card
 from converter.hub.publish import (
@@ -28,7 +28,7 @@ from converter.hub.publish import (
     local_files,
     push_folder,
 )
-from converter.hub.sources import fetch, parse_source
+from converter.hub.sources import Fetched, fetch, parse_source
 from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
@@ -79,7 +79,7 @@ def push(
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
-        raise ConverterError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
+        raise UsageError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
     hub.whoami(token)  # a missing or refused token fails now, not after the merge
     if recipe is not None and verify is not None:
         check_extras(recipe, token)
@@ -182,54 +182,23 @@ def _push_streamed(
     try:
         recipe = copy.deepcopy(recipe)
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
-        if parse_source(recipe.base).repo_id:
-            # Shards not already cached stream in while the merge reads them: for this job only, or, when
-            # verification reads the base again after the merge, into the HF cache as a download would.
-            base_stream = StreamedBase.open(recipe.base, token, tmp / "base", meter, keep=verify is not None)
-            base = base_stream.fetched
-            weights = sum(f["size"] or 0 for f in base.files if f["name"].endswith(".safetensors"))
-        else:
-            base = fetch(recipe.base, "model", token)
-            weights = sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
+        base_stream = _stream_base(recipe.base, token, tmp, meter, keep=verify is not None)
+        base, weights = _base_and_weights(recipe.base, base_stream, token)
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
             from converter.verification.shards import ShardProof
 
             shard_proof = ShardProof(recipe, token=token, log=log, base=Path(base.local))
             check_shard = _checks(shard_proof.check, check_shard)
-        uploader = ShardUploader(
-            publication.api,
-            repo_id,
-            tmp / "upload",
-            ensure_repo=publication.ensure_repo,
-            revision=publication.revision,
-            create_pr=publication.new_pr,
-            keep=verify is not None or keep_output,
-            check=check_shard,
-            finished=base_stream.shard_done if base_stream else None,
-            meter=meter,
-            log=log,
-        )
+        keep = verify is not None or keep_output
+        uploader = _shard_uploader(publication, tmp, meter, check_shard, base_stream, keep, log)
         stage(TRANSFER)
-        if base_stream is not None:
-            base_stream.start()
-        if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
-            from converter.verification.warmup import start
-
-            start()
-        folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
-        uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
-        if base_stream is not None:
-            base_stream.close()
+        folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log)
         if verify is not None:
             stage(VERIFY)
             verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True,
                           **verify)
-        uploaded = uploader.close()
-        write_card(folder, load_name=repo_id)
-        sent = {op.path_in_repo for op in uploaded}
-        names = local_files(folder)
-        operations = uploaded + additions(folder, [n for n in names if n not in sent], public_records(folder))
+        operations, paths = _commit_contents(folder, repo_id, uploader)
         meter.sample()
         log(
             f"scratch disk peak: {meter.peak / 2**20:.1f} MiB (weights {weights / 2**20:.1f} MiB, output shards of "
@@ -238,7 +207,7 @@ def _push_streamed(
         if finished is not None:
             finished(folder)
         stage(COMMIT)
-        return publication.commit(operations, sorted(sent | set(names)))
+        return publication.commit(operations, paths)
     except BaseException:
         if uploader is not None:
             uploader.abort()
@@ -250,6 +219,84 @@ def _push_streamed(
         if shard_proof is not None:
             shard_proof.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _stream_base(spec: str, token: str | None, tmp: Path, meter: ScratchMeter, keep: bool) -> StreamedBase | None:
+    """A Hub base's shards not already cached stream in while the merge reads them: for this job only, or (`keep`:
+    verification reads the base again after the merge) into the HF cache as a download would. None: a local base."""
+    if not parse_source(spec).repo_id:
+        return None
+    return StreamedBase.open(spec, token, tmp / "base", meter, keep=keep)
+
+
+def _base_and_weights(spec: str, base_stream: StreamedBase | None, token: str | None) -> tuple[Fetched, int]:
+    """The base as the merge opens it, and its weights' size in bytes (which sizes the output shards)."""
+    if base_stream is not None:
+        base = base_stream.fetched
+        return base, sum(f["size"] or 0 for f in base.files if f["name"].endswith(".safetensors"))
+    base = fetch(spec, "model", token)
+    return base, sum(p.stat().st_size for p in Path(base.local).rglob("*.safetensors"))
+
+
+def _shard_uploader(
+    publication: Publication,
+    tmp: Path,
+    meter: ScratchMeter,
+    check_shard: Callable[[Shard], None] | None,
+    base_stream: StreamedBase | None,
+    keep: bool,
+    log: Callable[[str], None],
+) -> ShardUploader:
+    """Uploads each output shard once it is written and checked (`keep`: its file stays for verification); a
+    streamed base hears of each finished shard."""
+    return ShardUploader(
+        publication.api,
+        publication.target.repo_id,
+        tmp / "upload",
+        ensure_repo=publication.ensure_repo,
+        revision=publication.revision,
+        create_pr=publication.new_pr,
+        keep=keep,
+        check=check_shard,
+        finished=base_stream.shard_done if base_stream else None,
+        meter=meter,
+        log=log,
+    )
+
+
+def _merge_overlapped(
+    recipe: Recipe,
+    token: str | None,
+    base: Fetched,
+    base_stream: StreamedBase | None,
+    shard_proof,
+    uploader: ShardUploader,
+    log: Callable[[str], None],
+) -> Path:
+    """The merge with both ends overlapped: the base's bytes arrive as it reads, its shards upload as it writes.
+    Returns the merged folder once every shard is proven (the last uploads may still be running)."""
+    if base_stream is not None:
+        base_stream.start()
+    if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
+        from converter.verification.warmup import start
+
+        start()
+    folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
+    uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
+    if base_stream is not None:
+        base_stream.close()
+    return folder
+
+
+def _commit_contents(folder: Path, repo_id: str, uploader: ShardUploader) -> tuple[list, list[str]]:
+    """The one commit's operations (the uploaded shards, then the card and every other file, records made
+    public) and every path the published model has."""
+    uploaded = uploader.close()
+    write_card(folder, load_name=repo_id)
+    sent = {op.path_in_repo for op in uploaded}
+    names = local_files(folder)
+    operations = uploaded + additions(folder, [n for n in names if n not in sent], public_records(folder))
+    return operations, sorted(sent | set(names))
 
 
 def check_extras(recipe: Recipe, token: str | None) -> None:
