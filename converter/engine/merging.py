@@ -24,7 +24,7 @@ from converter.engine.plan import MergePlan, OutputTensor, plan_merge
 from converter.engine.recipe import Recipe
 from converter.engine.taskmerge import TaskMerge
 from converter.engine.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
-from converter.errors import ConverterError
+from converter.errors import BadInputError, ConverterError, UsageError
 from converter.formats import Adapter, load_adapter
 from converter.formats.patches import Replace, Requantize, all_finite
 from converter.hub.card import INHERITED, card_metadata, write_card
@@ -89,7 +89,7 @@ def merge(
     task_merge = TaskMerge.from_recipe(recipe)  # a bad --method/--density fails before anything is fetched
     if not dry_run:
         if not recipe.out:
-            raise ConverterError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
+            raise UsageError("no output folder: give --out (or 'out:' in the recipe), or use --dry-run")
         check_output_target(Path(recipe.out), force)
 
     base = base or fetch(recipe.base, "model", token)
@@ -111,43 +111,20 @@ def _merge(
     task_merge=None,
     on_shard: Callable[[Shard], None] | None = None,
 ) -> MergeResult:
-    original = checkpoint = open_base(
-        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
-    )
-    for f in checkpoint.files:  # a base still arriving (converter.jobs.streaming): reads wait for their bytes
-        if (stream := base.streams.get(f.path)) is not None:
-            f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
-    if quant and checkpoint.diffusion:
-        raise ConverterError(
+    original = _open_arriving_base(recipe, base)
+    if quant and original.diffusion:
+        raise UsageError(
             f"--dtype {recipe.dtype}: bitsandbytes 4-bit outputs are for transformers models; "
             "a diffusion base takes float32, float16 or bfloat16"
         )
-    warnings = []
-    if prequant := prequantized(checkpoint.config):
-        where = card_metadata(base.card).get("base_model")
-        warnings.append(
-            f"{recipe.base} is a bitsandbytes {prequant.quant_type.upper()} 4-bit checkpoint: dequantizing it to "
-            "merge; the original full-precision weights would be better"
-            + (f" (probably {where}, this checkpoint's base_model)" if where else "")
-        )
-        dequantize_folder(checkpoint, scratch)
-        checkpoint = Checkpoint(scratch)
+    warnings: list[str] = []
+    checkpoint, prequant = _dequantized_if_4bit(recipe, base, original, scratch, warnings)
     adapters = [
         (load_adapter(f.local, allow_pickle=recipe.allow_pickle, lora_alpha=s.lora_alpha), s)
         for f, s in zip(fetched, recipe.adapters, strict=True)
     ]
-    cards = [f.card for f in fetched]
-    base_id = base.pinned if base.source.repo_id else None
-    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
+    plan, quantized = _planned(recipe, base, fetched, original, checkpoint, prequant, adapters, warnings, log)
     plan.task_merge = task_merge
-    warnings += more
-    plan.notes[:0] = getattr(checkpoint, "notes", [])  # what reading a training checkpoint did (LoRA fused...)
-    for w in warnings:
-        log(f"warning: {w}")
-    if original is not checkpoint:
-        plan.notes.append(
-            f"the base was bitsandbytes {prequant.quant_type.upper()} 4-bit; merged into its dequantization"
-        )
     check_finite(adapters)
     if dry_run:
         log(plan.describe())
@@ -156,13 +133,7 @@ def _merge(
     for note in plan.notes:
         log(f"note: {note}")
     out = Path(recipe.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free
-    if free < plan.bytes_to_write:
-        raise ConverterError(
-            f"{out.parent}: not enough disk space: the output needs {human_bytes(plan.bytes_to_write)}, "
-            f"{human_bytes(free)} free ({human_bytes(plan.bytes_to_write - free)} missing)"
-        )
+    _check_disk_space(out, plan.bytes_to_write)
     log(
         f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap_for(checkpoint.config).name} keymap): "
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
@@ -174,13 +145,96 @@ def _merge(
             known = hub_hashes(base)
             hashes = {f.path.name: known.get(f.path.name) or file_sha256(f.path) for f in original.files}
         write_side_files(checkpoint, plan, tmp)
-        (tmp / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
-        provenance = build_provenance(recipe, base, fetched, original, adapters, plan, hashes)
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        write_card(tmp, load_name=f"./{out.name}")
+        _write_records(tmp, out.name, recipe, base, fetched, original, adapters, plan, hashes)
         files = sorted(p.name for p in tmp.iterdir())
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
     return MergeResult(out, plan, files, warnings)
+
+
+def _open_arriving_base(recipe: Recipe, base: Fetched) -> Checkpoint:
+    """The base checkpoint; for a base still arriving (converter.jobs.streaming), reads wait for their bytes and
+    say when a file is no longer needed."""
+    checkpoint = open_base(
+        base.local, lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle, config=recipe.base_config
+    )
+    for f in checkpoint.files:
+        if (stream := base.streams.get(f.path)) is not None:
+            f.arrival, f.release = functools.partial(stream.wait, f.path), functools.partial(stream.release, f.path)
+    return checkpoint
+
+
+def _dequantized_if_4bit(
+    recipe: Recipe, base: Fetched, checkpoint: Checkpoint, scratch: Path, warnings: list[str]
+) -> tuple[Checkpoint, Quant4 | None]:
+    """A bitsandbytes 4-bit base is merged into its dequantization (written to `scratch`), with a warning that
+    the full-precision original would be better: (the checkpoint to merge into, its 4-bit settings or None)."""
+    if not (prequant := prequantized(checkpoint.config)):
+        return checkpoint, prequant
+    where = card_metadata(base.card).get("base_model")
+    warnings.append(
+        f"{recipe.base} is a bitsandbytes {prequant.quant_type.upper()} 4-bit checkpoint: dequantizing it to "
+        "merge; the original full-precision weights would be better"
+        + (f" (probably {where}, this checkpoint's base_model)" if where else "")
+    )
+    dequantize_folder(checkpoint, scratch)
+    return Checkpoint(scratch), prequant
+
+
+def _planned(
+    recipe: Recipe,
+    base: Fetched,
+    fetched: list[Fetched],
+    original: Checkpoint,
+    checkpoint: Checkpoint,
+    prequant: Quant4 | None,
+    adapters: list,
+    warnings: list[str],
+    log: Callable[[str], None],
+) -> tuple[MergePlan, set[str]]:
+    """The plan and the tensors a 4-bit output quantizes; every warning is said now, before anything is written,
+    and the plan's notes start with what reading the base did (a training checkpoint's LoRA fused ...)."""
+    cards = [f.card for f in fetched]
+    base_id = base.pinned if base.source.repo_id else None
+    plan, more, quantized = plan_merge(recipe, checkpoint, adapters, cards, original, base_id)
+    warnings += more
+    plan.notes[:0] = getattr(checkpoint, "notes", [])
+    for w in warnings:
+        log(f"warning: {w}")
+    if original is not checkpoint:
+        plan.notes.append(
+            f"the base was bitsandbytes {prequant.quant_type.upper()} 4-bit; merged into its dequantization"
+        )
+    return plan, quantized
+
+
+def _check_disk_space(out: Path, needed: int) -> None:
+    """Refuse before writing when the output's folder has not room for the weights."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < needed:
+        raise ConverterError(
+            f"{out.parent}: not enough disk space: the output needs {human_bytes(needed)}, "
+            f"{human_bytes(free)} free ({human_bytes(needed - free)} missing)"
+        )
+
+
+def _write_records(
+    folder: Path,
+    name: str,
+    recipe: Recipe,
+    base: Fetched,
+    fetched: list[Fetched],
+    original: Checkpoint,
+    adapters: list,
+    plan: MergePlan,
+    hashes: dict[str, str],
+) -> None:
+    """The recipe as run (pinned), the provenance record and the card, beside the merged weights (`name`: the
+    output folder's final name, which the card loads from)."""
+    (folder / RECIPE_FILE).write_text(pinned_recipe(recipe, base, fetched).to_yaml())
+    provenance = build_provenance(recipe, base, fetched, original, adapters, plan, hashes)
+    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    write_card(folder, load_name=f"./{name}")
 
 
 def hub_hashes(fetched: Fetched) -> dict[str, str]:
@@ -200,8 +254,10 @@ def check_finite(adapters: list[tuple[Adapter, object]]) -> None:
         for ap in adapter.patches:
             for name in ap.patch.sources:
                 if not _finite_source(adapter.tensors, name):
-                    raise ConverterError(
-                        f"{adapter.path}: tensor {name} contains NaN or Inf values (a broken training run?)"
+                    raise BadInputError(
+                        f"{adapter.path}: tensor {name} contains NaN or Inf values (a broken training run?)",
+                        file=adapter.path,
+                        tensor=name,
                     )
 
 
@@ -357,9 +413,10 @@ def _consume(
             merged = plan.task_merge or _patched
             result = (merged(o, t) if o.patches else t).to(dtypes.ST_TO_TORCH[o.dtype])
             if o.patches and not all_finite(result):
-                raise ConverterError(
+                raise BadInputError(
                     f"merged tensor {o.name} has NaN/Inf values in {o.dtype} (the adapter's delta overflows "
-                    "this base; check its alpha/scale, or merge into a wider --dtype)"
+                    "this base; check its alpha/scale, or merge into a wider --dtype)",
+                    tensor=o.name,
                 )
             data = _as_bytes(result)
             del t, result
