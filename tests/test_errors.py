@@ -229,3 +229,51 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
     with pytest.raises(UsageError):
         parse_source("not a path or an id")
     assert issubclass(VerificationFailed, ConverterError) and VerificationFailed.exit_code == 3
+
+
+def test_merge_and_push_errors_are_typed(llama, lora, tmp_path):
+    """The merge's own refusals carry the adapter and tensor concerned; options that cannot work are UsageErrors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from converter.engine.merging import merge
+    from converter.engine.recipe import AdapterSpec, Recipe
+    from converter.errors import BadInputError, UsageError
+    from converter.jobs.pipeline import push
+
+    with pytest.raises(UsageError, match="no output folder"):
+        merge(Recipe(base=str(llama), adapters=[AdapterSpec(str(lora))]))
+    with pytest.raises(UsageError, match="push needs either --from FOLDER"):
+        push("org/name")
+
+    extra = tmp_path / "extra"
+    shutil.copytree(lora, extra)
+    tensors = load_file(extra / "adapter_model.safetensors")
+    stray = {f"base_model.model.model.layers.7.self_attn.q_proj.lora_{x}.weight" for x in "AB"}
+    tensors.update({n: torch.zeros(4, 64) if n.endswith("A.weight") else torch.zeros(64, 4) for n in stray})
+    save_file(tensors, extra / "adapter_model.safetensors")
+    with pytest.raises(BadInputError, match="2 adapter tensors land on no base tensor") as caught:
+        merge(Recipe(base=str(llama), adapters=[AdapterSpec(str(extra))], out=str(tmp_path / "m1")))
+    assert caught.value.file == str(extra) and caught.value.tensor in stray
+
+    nan = tmp_path / "nan"
+    shutil.copytree(lora, nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("lora_B.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    with pytest.raises(BadInputError, match="contains NaN") as caught:
+        merge(Recipe(base=str(llama), adapters=[AdapterSpec(str(nan))], out=str(tmp_path / "m2")))
+    assert caught.value.file == str(nan) and caught.value.tensor == name
+
+
+def test_every_command_has_a_handler():
+    """The CLI dispatches through its table of commands: every subcommand the parser knows has its handler."""
+    import argparse
+
+    from converter.cli.commands import COMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(COMMANDS)
