@@ -223,7 +223,7 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
     with pytest.raises(HubError) as caught:
         _check_names("org/name@main", "org/name", "main", ["config.json", "../../etc/x"])
     assert (caught.value.repo_id, caught.value.revision) == ("org/name", "main")
-    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"))
+    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"), repo_id="org/name", revision="v1")
     assert isinstance(error, HubError) and (error.repo_id, error.revision) == ("org/name", "v1")
 
     with pytest.raises(UsageError):

@@ -40,7 +40,9 @@ def push_pr(
     api = HfApi(token=token)
     repo = source.repo_id
     me = hub.whoami(token)
-    info = hub.call(repo, lambda: api.model_info(repo, revision=source.revision or "main"))
+    info = hub.call(
+        repo, lambda: api.model_info(repo, revision=source.revision or "main"), repo_id=repo, revision=source.revision
+    )
     names = [s.rfilename for s in info.siblings or []]
     folder = source.path.rsplit("/", 1)[0] + "/" if source.path and "/" in source.path else ""
     if (have := _has_format(api, repo, info.sha, names, to)) is not None:
@@ -73,6 +75,7 @@ def push_pr(
                 revision=open_pr.git_reference if open_pr is not None else None,
                 create_pr=open_pr is None,
             ),
+            repo_id=repo,
         )
     endpoint = api.endpoint.rstrip("/")
     return commit.pr_url or f"{endpoint}/{repo}/discussions/{open_pr.num}"
@@ -103,7 +106,9 @@ def _has_format(api, repo: str, sha: str, names: list[str], to: str) -> str | No
     if to == "peft":
         return next((n for n in names if n.rsplit("/", 1)[-1] == "adapter_config.json"), None)
     for name in [n for n in names if n.endswith(".safetensors")][:32]:
-        meta = hub.call(name, lambda name=name: api.parse_safetensors_file_metadata(repo, name, revision=sha))
+        meta = hub.call(
+            name, lambda name=name: api.parse_safetensors_file_metadata(repo, name, revision=sha), repo_id=repo
+        )
         keys = list(meta.tensor_info) if hasattr(meta, "tensor_info") else list(meta.tensors)
         if to == "kohya" and any(
             k.startswith(("lora_unet_", "lora_te")) and k.endswith(".lora_down.weight") for k in keys

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.errors import BadInputError, ConverterError, HubError, UsageError
+from converter.errors import BadInputError, HubError, OutputError, UsageError
 from converter.hub import client as hub
 from converter.io.units import human_bytes
 
@@ -147,6 +147,11 @@ class Remote:
     def where(self) -> str:
         return f"{self.source.repo_id}@{self.source.revision or 'main'}"
 
+    @property
+    def ids(self) -> dict[str, str | None]:
+        """The repo and revision asked for, as `hub.call` and HubError take them."""
+        return {"repo_id": self.source.repo_id, "revision": self.source.revision or "main"}
+
     def records(self) -> list[dict]:
         """{"name", "size", "sha256"} of the wanted files, as the Hub reports them (LFS ids: no hashing)."""
         return [
@@ -169,7 +174,12 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
     api = HfApi(token=token)
     repo, revision = source.repo_id, source.revision or "main"
     where = f"{repo}@{revision}"
-    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    info = hub.call(
+        where,
+        lambda: api.model_info(repo, revision=revision, files_metadata=True),
+        repo_id=repo,
+        revision=revision,
+    )
     siblings = {s.rfilename: s for s in info.siblings or []}
     _check_names(where, repo, revision, siblings)
     if source.path is not None:
@@ -211,6 +221,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
                 hub.call(
                     f"{where}/{n}",
                     lambda n=n: hf_hub_download(repo, n, revision=sha, token=token, cache_dir=cache),
+                    **remote.ids,
                 )
             )
             for n in wanted
@@ -221,6 +232,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
             hub.call(
                 where,
                 lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache),
+                **remote.ids,
             )
         )
     card_path = (local.parent if local.is_file() else local) / "README.md"
@@ -293,7 +305,8 @@ def check_disk(where: str, need: int, what: str = "download + output") -> None:
     probe = cache if cache.exists() else next(p for p in cache.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if need > free:
-        raise ConverterError(
+        raise OutputError(
             f"{where}: not enough disk space: needs {human_bytes(need)} ({what}), {human_bytes(free)} free "
-            f"in {probe} ({human_bytes(need - free)} missing)"
+            f"in {probe} ({human_bytes(need - free)} missing)",
+            path=probe,
         )
