@@ -27,7 +27,7 @@ from typing import Any
 
 from converter.batch.job_list import Job, is_hub_id
 from converter.batch.state import State
-from converter.errors import ConverterError, HubError
+from converter.errors import ConverterError, HubError, UsageError
 from converter.hub import client as hub
 from converter.io.optional import require
 from converter.io.progress import Progress
@@ -288,7 +288,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
             ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as e:  # Ray's own message says what is missing
         where = f"join the Ray cluster at {address}" if address else "start a local Ray cluster"
-        raise ConverterError(f"cannot {where}: {str(e).strip().splitlines()[0]}") from None
+        raise UsageError(f"cannot {where}: {str(e).strip().splitlines()[0]}") from None
     try:
         # the most memory one node offers: a task asking for more could never be placed
         capacity = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)

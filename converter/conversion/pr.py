@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.conversion.core import FILE_TARGETS, ConvertResult, convert
-from converter.errors import ConverterError
+from converter.errors import UsageError
 from converter.hub import client as hub
 from converter.hub.publish import our_open_pr
 from converter.hub.sources import parse_source
@@ -34,7 +34,7 @@ def push_pr(
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
     source = parse_source(adapter_spec)
     if source.repo_id is None:
-        raise ConverterError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
+        raise UsageError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)

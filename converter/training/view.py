@@ -14,7 +14,7 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, Part
 from converter.engine.keymap import keymap_for
-from converter.errors import BadInputError, CheckpointError, ConverterError
+from converter.errors import BadInputError, CheckpointError
 from converter.formats import patches
 from converter.formats.patches import lora_scale
 from converter.io import dtypes
@@ -257,9 +257,10 @@ class TrainingCheckpoint(Checkpoint):
             return float(explicit), rslora, "--lora-alpha", declared_r
         if sources:
             return sources[0][0], rslora, str(sources[0][1]), declared_r
-        raise ConverterError(
+        raise CheckpointError(
             f"{self.weights_folder}: the checkpoint holds a LoRA but no lora_alpha (no lora_train_meta.json or "
-            "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
+            "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)",
+            file=self.weights_folder,
         )
 
     def _check_layers(self) -> None:
@@ -268,9 +269,10 @@ class TrainingCheckpoint(Checkpoint):
         declared = self.config.get("num_hidden_layers", text.get("num_hidden_layers"))
         held = {int(m.group(1)) for n in self._order if (m := LAYER.match(n))}
         if declared is not None and held and held != set(range(declared)):
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.weights_folder}: the checkpoint holds {len(held)} layers (up to {max(held)}) but its config "
-                f"says num_hidden_layers {declared}: another model's config?"
+                f"says num_hidden_layers {declared}: another model's config?",
+                file=self.weights_folder,
             )
 
     def _drop_tied_head(self) -> None:
