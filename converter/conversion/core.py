@@ -112,7 +112,7 @@ def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[st
         log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
     except VerificationFailed as e:
         shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
-        raise VerificationFailed(f"{e} (removed {out})") from None
+        raise VerificationFailed(f"{e} (removed {out})", report=e.report) from None
 
 
 def _public_base(base: str | None, adapter: Adapter) -> str | None:

@@ -178,6 +178,7 @@ def push_folder(
         raise PushError(
             f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it",
             repo_id=repo_id,
+            reason="conflict",
         )
     publication = Publication(
         api, target, private=private, create_pr=create_pr, overwrite=overwrite, message=message, log=log

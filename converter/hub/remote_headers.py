@@ -76,14 +76,17 @@ def hub_base_headers(spec: str | Source, token: str | None, workdir: Path) -> Hu
     if source.path is not None:
         if not source.path.endswith(".safetensors") or source.path not in siblings:
             raise HubError(
-                f"{where}: {source.path} is not a .safetensors file of the repo", repo_id=repo, revision=revision
+                f"{where}: {source.path} is not a .safetensors file of the repo",
+                repo_id=repo,
+                revision=revision,
+                reason="file-not-found",
             )
         files = [source.path]
     elif "model_index.json" in siblings:
         files = diffusers_files(list(siblings))
     else:
         files = [n for n in siblings if "/" not in n and any(fnmatch.fnmatch(n, p) for p in MODEL_FILES)]
-        _check_repo_kind(where, "model", files, siblings)
+        _check_repo_kind(where, "model", files, siblings, repo, revision)
     folder = workdir / repo.split("/")[1]
     for name in files:
         target = folder / name

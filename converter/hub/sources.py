@@ -188,6 +188,7 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
                 f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})",
                 repo_id=repo,
                 revision=revision,
+                reason="file-not-found",
             )
         folder = source.path.rsplit("/", 1)[0] + "/" if "/" in source.path else ""
         wanted = [source.path] + [
@@ -198,7 +199,7 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
     else:
         patterns = MODEL_FILES if kind == "model" else ADAPTER_FILES
         wanted = [name for name in siblings if "/" not in name and any(fnmatch.fnmatch(name, p) for p in patterns)]
-        _check_repo_kind(where, kind, wanted, siblings)
+        _check_repo_kind(where, kind, wanted, siblings, repo, revision)
     return Remote(source, info.sha, siblings, wanted)
 
 
@@ -280,20 +281,21 @@ def _sample(names) -> str:
     return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
 
 
-def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -> None:
-    repo = where.split("@")[0]
+def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict, repo: str, revision: str) -> None:
+    """Refuse a repo that does not hold a `kind` (a model, or an adapter) at its top level."""
+    ids = {"repo_id": repo, "revision": revision}
     if kind == "model":
         if "config.json" not in wanted:
             hint = " (it looks like an adapter: pass it as --adapter)" if "adapter_config.json" in siblings else ""
-            raise HubError(f"{where}: not a model repo: no config.json{hint}", repo_id=repo)
+            raise HubError(f"{where}: not a model repo: no config.json{hint}", **ids)
         if not any(n.endswith(".safetensors") for n in wanted):
             raise HubError(
-                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", repo_id=repo
+                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", **ids
             )
     elif "adapter_config.json" not in wanted:
         raise HubError(
             f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors",
-            repo_id=repo,
+            **ids,
         )
 
 
