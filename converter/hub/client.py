@@ -97,7 +97,7 @@ def explain(what: str, err: Exception, *, repo_id: str | None = None, revision: 
     status = request_id = None
     if isinstance(err, HfHubHTTPError):
         status = getattr(err.response, "status_code", None)
-        request_id = err.request_id
+        request_id = getattr(err, "request_id", None)
     return HubError(message, repo_id=repo_id, revision=revision, status=status, request_id=request_id, reason=reason)
 
 
