@@ -80,6 +80,7 @@ HubReason = Literal[
     "file-not-found",
     "invalid",  # a repo id or argument the Hub client refuses
     "conflict",  # the Hub said 409
+    "timeout",  # the Hub said 408 (after the retries)
     "rate-limited",  # the Hub said 429 (after the retries)
     "server",  # a 5xx (after the retries)
     "http",  # another HTTP status
@@ -113,9 +114,9 @@ class HubError(ConverterError):
 
     @property
     def transient(self) -> bool:
-        """The Hub failed for reasons outside the job (rate limit, server error, no connection): worth a retry
-        later."""
-        return self.reason in ("rate-limited", "server", "unreachable")
+        """The Hub failed for reasons outside the job (rate limit, time-out, server error, no connection): worth a
+        retry later."""
+        return self.reason in ("rate-limited", "timeout", "server", "unreachable")
 
 
 class PushError(HubError):

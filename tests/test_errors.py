@@ -282,13 +282,13 @@ def test_hub_error_reasons_without_a_server():
 
     error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"), repo_id="org/name", revision="v1")
     assert (error.reason, error.status, error.transient) == ("offline", None, False)
-    for status, reason in ((429, "rate-limited"), (503, "server"), (409, "conflict"), (418, "http")):
+    for status, reason in ((429, "rate-limited"), (408, "timeout"), (503, "server"), (409, "conflict"), (418, "http")):
         request = httpx.Request("GET", "https://hub.example/api/models/org/name")
         response = httpx.Response(status, request=request, headers={"x-request-id": f"req-{status}"})
         error = hub.explain("org/name", HfHubHTTPError("refused", response=response), repo_id="org/name")
         assert (error.repo_id, error.revision, error.status, error.request_id) == ("org/name", None, status,
                                                                                    f"req-{status}")  # fmt: skip
-        assert error.reason == reason and error.transient == (status in (429, 503))
+        assert error.reason == reason and error.transient == (status in (408, 429, 503))
         assert f"Hub error {status}" in str(error)
 
 

@@ -144,7 +144,8 @@ DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter.jobs.demo": ["build_demo_inputs"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
                          "KeymapError", "CheckpointError", "CheckpointNotFound", "NoModelWeights", "OutputError",
-                         "HubError", "PushError", "VerificationFailed", "NotVerified", "MissingExtraError"],  # fmt: skip
+                         "HubError", "PushError", "VerificationFailed", "NotVerified",
+                         "MissingExtraError"],  # fmt: skip
     "converter.testing.hub": ["HubServer", "run_client", "client_env", "hub_env"],
 }
 

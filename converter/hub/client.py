@@ -101,7 +101,13 @@ def explain(what: str, err: Exception, *, repo_id: str | None = None, revision: 
     return HubError(message, repo_id=repo_id, revision=revision, status=status, request_id=request_id, reason=reason)
 
 
-_STATUS_REASONS: dict[int, HubReason] = {401: "unauthorized", 403: "forbidden", 409: "conflict", 429: "rate-limited"}
+_STATUS_REASONS: dict[int, HubReason] = {
+    401: "unauthorized",
+    403: "forbidden",
+    408: "timeout",
+    409: "conflict",
+    429: "rate-limited",
+}
 
 
 def _explain(what: str, err: Exception) -> tuple[str, HubReason]:
