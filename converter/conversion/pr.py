@@ -40,9 +40,8 @@ def push_pr(
     api = HfApi(token=token)
     repo = source.repo_id
     me = hub.whoami(token)
-    info = hub.call(
-        repo, lambda: api.model_info(repo, revision=source.revision or "main"), repo_id=repo, revision=source.revision
-    )
+    revision = source.revision or "main"
+    info = hub.call(repo, lambda: api.model_info(repo, revision=revision), repo_id=repo, revision=revision)
     names = [s.rfilename for s in info.siblings or []]
     folder = source.path.rsplit("/", 1)[0] + "/" if source.path and "/" in source.path else ""
     if (have := _has_format(api, repo, info.sha, names, to)) is not None:
