@@ -23,7 +23,7 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from converter.errors import MissingExtraError  # noqa: E402
+from converter.errors import MissingExtraError, UsageError  # noqa: E402
 from converter.io.optional import require  # noqa: E402
 
 try:
@@ -86,7 +86,7 @@ def _fail(err: BaseException, token: str | None = None) -> gr.Error:
 
 def _token(oauth_token: gr.OAuthToken | None) -> str:
     if oauth_token is None or not oauth_token.token:
-        raise ConverterError(SIGN_IN)
+        raise UsageError(SIGN_IN)
     return oauth_token.token  # only ever passed on, never formatted (OAuthToken's repr prints it)
 
 

@@ -1,11 +1,13 @@
 """Errors the user can act on. The CLI prints their message on one line and exits with `exit_code`.
 
-Callers of the Python API can catch the narrow classes and read what went wrong from their attributes instead of
-parsing messages (like huggingface_hub's errors); every class is a `ConverterError`, so catching that still catches
-everything.
+Callers of the Python API catch the narrow classes and read what went wrong from their fields (file, tensor,
+repo id, revision, HTTP status, ...) instead of parsing messages, like huggingface_hub's errors; every class is a
+`ConverterError`, so catching that still catches everything.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 
 class ConverterError(Exception):
@@ -15,7 +17,16 @@ class ConverterError(Exception):
 
 
 class UsageError(ConverterError):
-    """Options that cannot go together, or a required one missing."""
+    """Options that cannot go together, a required one missing, or a value of the wrong form."""
+
+
+class MissingExtraError(UsageError):
+    """An optional dependency is not installed: `package`, which `pip install 'converter[extra]'` brings."""
+
+    def __init__(self, message: str, *, package: str, extra: str):
+        super().__init__(message)
+        self.package = package
+        self.extra = extra
 
 
 class BadInputError(ConverterError):
@@ -32,16 +43,85 @@ class AdapterFormatError(BadInputError):
 
 
 class RecipeError(BadInputError):
-    """A recipe that is not valid YAML, has unknown keys or values of the wrong type."""
+    """A recipe (or batch job list) that is not valid YAML, has unknown keys or values of the wrong type."""
+
+
+class KeymapError(BadInputError):
+    """A keymap file that does not follow the schema."""
+
+
+class CheckpointError(BadInputError):
+    """A base model or training checkpoint that cannot be read, or that the adapters do not fit."""
+
+
+class CheckpointNotFound(CheckpointError):
+    """A folder that holds no model or training checkpoint layout converter knows."""
+
+
+class NoModelWeights(CheckpointError):
+    """A training checkpoint with only optimizer / training state, no model weights."""
+
+
+class OutputError(ConverterError):
+    """Where the output goes cannot be used (exists without --force, not writable, no space): `path`."""
+
+    def __init__(self, message: str, *, path: object = None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+
+
+HubReason = Literal[
+    "no-token",  # no token where one is needed
+    "unauthorized",  # the token was refused (401)
+    "forbidden",  # the token may not do this (403)
+    "gated",  # a gated repo the token has no access to
+    "repo-not-found",
+    "revision-not-found",
+    "file-not-found",
+    "invalid",  # a repo id or argument the Hub client refuses
+    "conflict",  # the Hub said 409
+    "timeout",  # the Hub said 408 (after the retries)
+    "rate-limited",  # the Hub said 429 (after the retries)
+    "server",  # a 5xx (after the retries)
+    "http",  # another HTTP status
+    "offline",  # HF_HUB_OFFLINE is set
+    "unreachable",  # no connection (after the retries), or not cached while offline
+    "no-space",  # the download did not fit on the disk
+    "other",  # anything else: the repo holds the wrong kind of files, a download broke off, ...
+]
 
 
 class HubError(ConverterError):
-    """A Hub source or target that cannot be used: `repo_id` (and `revision` when one was asked for)."""
+    """A Hub source or target that cannot be used. `repo_id` (and `revision` when one was asked for), the HTTP
+    `status` and the server's `request_id` when the Hub answered, and `reason`, one of `HubReason`."""
 
-    def __init__(self, message: str, *, repo_id: str | None = None, revision: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        repo_id: str | None = None,
+        revision: str | None = None,
+        status: int | None = None,
+        request_id: str | None = None,
+        reason: HubReason = "other",
+    ):
         super().__init__(message)
         self.repo_id = repo_id
         self.revision = revision
+        self.status = status
+        self.request_id = request_id
+        self.reason = reason
+
+    @property
+    def transient(self) -> bool:
+        """The Hub failed for reasons outside the job (rate limit, time-out, server error, no connection): worth a
+        retry later."""
+        return self.reason in ("rate-limited", "timeout", "server", "unreachable")
+
+
+class PushError(HubError):
+    """A push target that cannot take the upload: not the token's namespace, a repo converter did not make
+    without --overwrite, an open pull request in the way."""
 
 
 class VerificationFailed(ConverterError):
@@ -64,12 +144,3 @@ class NotVerified(ConverterError):
     def __init__(self, message: str, *, report: object = None):
         super().__init__(message)
         self.report = report
-
-
-class MissingExtraError(UsageError):
-    """An optional dependency is not installed: `package`, which `pip install 'converter[extra]'` brings."""
-
-    def __init__(self, message: str, *, package: str, extra: str):
-        super().__init__(message)
-        self.package = package
-        self.extra = extra

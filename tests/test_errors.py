@@ -223,7 +223,7 @@ def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
     with pytest.raises(HubError) as caught:
         _check_names("org/name@main", "org/name", "main", ["config.json", "../../etc/x"])
     assert (caught.value.repo_id, caught.value.revision) == ("org/name", "main")
-    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"))
+    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"), repo_id="org/name", revision="v1")
     assert isinstance(error, HubError) and (error.repo_id, error.revision) == ("org/name", "v1")
 
     with pytest.raises(UsageError):
@@ -277,3 +277,129 @@ def test_every_command_has_a_handler():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == set(COMMANDS)
+
+
+def test_hub_errors_carry_repo_revision_status_and_request_id(lora, tmp_path):
+    """A missing repo, revision or file, a gated repo and a refused token against the local Hub (the real client,
+    the real API): the HubError says which repo and revision, the HTTP status and the server's request id."""
+    from converter.testing.hub import HubServer, run_client
+
+    server = HubServer(tmp_path / "server").start()
+    try:
+        server.add_user("alice", "hf_fake_alice_0123456789")
+        server.add_user("bob", "hf_fake_bob_0123456789")
+        server.seed_folder("alice/lora", lora)
+        server.create_repo("alice/gated", gated="auto")
+        server.seed_folder("alice/gated", lora)
+        code = """
+import json
+from converter.errors import HubError
+from converter.hub.sources import fetch
+found = {}
+tokens = {"alice/gated": "hf_fake_bob_0123456789", "alice/lora@v0": "hf_not_a_token_0123456789"}
+for spec in ("alice/missing", "alice/lora@nope", "alice/lora@main/nothing.safetensors", "alice/gated", "alice/lora@v0"):
+    try:
+        fetch(spec, "adapter", token=tokens.get(spec))
+    except HubError as e:
+        found[spec] = [type(e).__name__, e.repo_id, e.revision, e.status, e.request_id, e.reason, e.transient]
+print("RESULT " + json.dumps(found))
+"""
+        proc = run_client(server, code, token="hf_fake_alice_0123456789", home=tmp_path / "home")
+    finally:
+        server.stop()
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    found = json.loads(line.removeprefix("RESULT "))
+    name, repo, revision, status, request_id, reason, transient = found["alice/missing"]
+    assert (name, repo, revision, status, reason, transient) == ("HubError", "alice/missing", "main", 404,
+                                                                 "repo-not-found", False)  # fmt: skip
+    assert request_id and request_id.startswith("fake-")
+    assert found["alice/lora@nope"][1:4] == ["alice/lora", "nope", 404]
+    assert found["alice/lora@nope"][5] == "revision-not-found"
+    assert found["alice/lora@main/nothing.safetensors"][1:3] == ["alice/lora", "main"]
+    assert found["alice/lora@main/nothing.safetensors"][5] == "file-not-found"
+    assert found["alice/gated"][1] == "alice/gated" and found["alice/gated"][5] == "gated"
+    assert found["alice/lora@v0"][1:4] == ["alice/lora", "v0", 401] and found["alice/lora@v0"][5] == "unauthorized"
+
+
+def test_hub_error_reasons_without_a_server():
+    """Offline, a 429 and a 5xx after the retries: `reason` and `transient` say what a caller may retry."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    from converter.hub import client as hub
+
+    error = hub.explain("org/name@v1", OfflineModeIsEnabled("offline"), repo_id="org/name", revision="v1")
+    assert (error.reason, error.status, error.transient) == ("offline", None, False)
+    for status, reason in ((429, "rate-limited"), (408, "timeout"), (503, "server"), (409, "conflict"), (418, "http")):
+        request = httpx.Request("GET", "https://hub.example/api/models/org/name")
+        response = httpx.Response(status, request=request, headers={"x-request-id": f"req-{status}"})
+        error = hub.explain("org/name", HfHubHTTPError("refused", response=response), repo_id="org/name")
+        assert (error.repo_id, error.revision, error.status, error.request_id) == ("org/name", None, status,
+                                                                                   f"req-{status}")  # fmt: skip
+        assert error.reason == reason and error.transient == (status in (408, 429, 503))
+        assert f"Hub error {status}" in str(error)
+
+
+def test_unreadable_files_name_the_file_and_tensor(llama, lora, tmp_path):
+    """A safetensors header entry that is wrong, and a tensor two files of a model both hold: BadInputError /
+    CheckpointError with `file` and `tensor` set."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from converter.engine.checkpoint import Checkpoint
+    from converter.errors import BadInputError, CheckpointError, OutputError
+    from converter.formats import load_adapter
+    from converter.io.safetensors_header import encode_header, entry
+
+    broken = tmp_path / "broken"
+    shutil.copytree(lora, broken)
+    f = broken / "adapter_model.safetensors"
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    f.write_bytes(encode_header({name: entry("F99", [2], 0, 8)}) + bytes(8))
+    with pytest.raises(BadInputError) as caught:
+        load_adapter(broken)
+    assert caught.value.file == str(f) and caught.value.tensor == name and caught.value.exit_code == 2
+
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    shard = next(model.glob("*.safetensors"))
+    save_file({"model.norm.weight": torch.ones(4)}, model / "extra.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        Checkpoint(model)
+    assert caught.value.tensor == "model.norm.weight"
+    assert caught.value.file in (str(model / "extra.safetensors"), str(shard))
+
+    from converter import AdapterSpec, Recipe, merge
+
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputError) as caught:
+        merge(Recipe(base=str(llama), adapters=[AdapterSpec(str(lora))], out=str(out)), log=lambda _line: None)
+    assert caught.value.path == str(out) and (out / "keep.txt").read_text() == "mine"
+
+
+def test_a_failed_verification_carries_its_report(llama, lora, tmp_path):
+    """The proof finds a sabotaged tensor: VerificationFailed.report is the VerificationReport naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from converter import AdapterSpec, Recipe, merge, verify
+    from converter.errors import VerificationFailed
+
+    out = tmp_path / "merged"
+    recipe = Recipe(base=str(llama), adapters=[AdapterSpec(str(lora))], out=str(out))
+    merge(recipe, log=lambda _line: None)
+    shard = next(out.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    base = load_file(next(llama.glob("*.safetensors")))[name]
+    tensors[name] = (2 * base.double() - tensors[name].double()).to(tensors[name].dtype)  # the delta negated
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(VerificationFailed) as caught:
+        verify(out, recipe, log=lambda _line: None)
+    from converter.verification.report import VerificationReport
+
+    report = caught.value.report
+    assert caught.value.exit_code == 3 and isinstance(report, VerificationReport) and report.verdict == "fail"
+    assert name in str(caught.value)

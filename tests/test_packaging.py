@@ -143,7 +143,9 @@ DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter.conversion": ["push_pr"],
     "converter.jobs.demo": ["build_demo_inputs"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
-                         "HubError", "VerificationFailed", "MissingExtraError"],  # fmt: skip
+                         "KeymapError", "CheckpointError", "CheckpointNotFound", "NoModelWeights", "OutputError",
+                         "HubError", "PushError", "VerificationFailed", "NotVerified",
+                         "MissingExtraError"],  # fmt: skip
     "converter.testing.hub": ["HubServer", "run_client", "client_env", "hub_env"],
 }
 

@@ -16,7 +16,7 @@ from converter.engine.base_reader import open_base
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.plan import plan_merge
 from converter.engine.recipe import Recipe
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, UsageError
 from converter.formats import load_adapter
 from converter.hub.remote_headers import hub_base_headers
 from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
@@ -99,7 +99,7 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     """A Hub base model from its config and safetensors headers: exists, architecture, size. No weights fetched."""
     source = parse_source(spec)
     if source.local is not None or (source.path is not None and not source.path.endswith(".safetensors")):
-        raise ConverterError(
+        raise UsageError(
             f"{spec}: give the base as a Hub repo id, org/name[@revision], or a single-file diffusion checkpoint "
             "org/name/file.safetensors"
         )
@@ -107,9 +107,10 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
     checkpoint = open_base(base.path)  # a transformers folder, a diffusers pipeline or one single file
     config = checkpoint.config
     if config.get("quantization_config"):
-        raise ConverterError(
+        raise CheckpointError(
             f"{base.where}: a pre-quantized ({config['quantization_config'].get('quant_method', '?')}) checkpoint; "
-            "use the original full-precision model it was made from (its card's base_model)"
+            "use the original full-precision model it was made from (its card's base_model)",
+            file=spec,
         )
     params = sum(checkpoint.info(n).numel for n in checkpoint.names())
     return {
@@ -151,10 +152,11 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
     limits = limits or Limits.from_env()
     base = describe_base(recipe.base, token, workdir)
     if base["parameters"] > limits.max_params or base["download"] > limits.max_bytes:
-        raise ConverterError(
+        raise CheckpointError(
             f"{recipe.base}: {base['parameters'] / 1e9:.2f} B parameters, {human_bytes(base['download'])} to "
             f"download; this server merges models up to {limits.max_params / 1e9:.2f} B parameters and "
-            f"{human_bytes(limits.max_bytes)} (run `converter push` on your own machine for larger ones)"
+            f"{human_bytes(limits.max_bytes)} (run `converter push` on your own machine for larger ones)",
+            file=recipe.base,
         )
     adapters = [describe_adapter(spec.source, token) for spec in recipe.adapters]
     checkpoint: Checkpoint = base["checkpoint"]

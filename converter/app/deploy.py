@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import UsageError
 from converter.hub import client as hub
 from converter.hub.publish import check_repo_id
 
@@ -22,13 +22,13 @@ def space_files(source: Path) -> dict[str, Path]:
     """path in the Space -> local file."""
     app, spaces, package = source / "app.py", source / "spaces", source / "converter"
     if not app.is_file() or not (spaces / "README.md").is_file() or not package.is_dir():
-        raise ConverterError(
+        raise UsageError(
             f"{source}: no app.py, spaces/README.md and converter/ here; run from a checkout of the converter "
             "repository or pass --source"
         )
     keymaps = sorted((source / "keymaps").glob("*.yaml"))
     if not keymaps:
-        raise ConverterError(f"{source}: no keymaps/*.yaml here; run from a checkout of the converter repository")
+        raise UsageError(f"{source}: no keymaps/*.yaml here; run from a checkout of the converter repository")
     files = {"app.py": app, "README.md": spaces / "README.md", "requirements.txt": spaces / "requirements.txt"}
     for path in sorted(package.rglob("*")):
         rel = path.relative_to(package).as_posix()
@@ -55,11 +55,12 @@ def deploy(
     files = space_files(source)
     api = HfApi(token=token)
     hub.whoami(token)
-    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id, repo_type="space"))
+    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id, repo_type="space"), repo_id=repo_id)
     if not exists:
         hub.call(
             repo_id,
             lambda: api.create_repo(repo_id, repo_type="space", space_sdk="gradio", private=private, exist_ok=True),
+            repo_id=repo_id,
         )
         log(f"created Space {repo_id}")
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=path) for name, path in files.items()]
@@ -69,6 +70,7 @@ def deploy(
             lambda: api.create_commit(
                 repo_id, operations, commit_message="Deploy the converter app", repo_type="space"
             ),
+            repo_id=repo_id,
         )
     except BaseException:
         if not exists:  # a failed first deploy leaves no empty Space

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from converter.app.check import check
 from converter.engine.recipe import AdapterSpec, Recipe
-from converter.errors import ConverterError, HubError, UsageError
+from converter.errors import ConverterError, PushError, UsageError
 from converter.gguf.types import ALL_TYPES as ALL_GGUF_TYPES
 from converter.hub import client as hub
 from converter.hub.publish import check_repo_id
@@ -179,10 +179,11 @@ def check_namespace(repo_id: str, token: str) -> str:
     namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
     namespace = repo_id.split("/")[0]
     if namespace not in namespaces:
-        raise HubError(
+        raise PushError(
             f"{repo_id}: you ({me['name']}) cannot write under {namespace!r}; use {me['name']}/NAME or one of your "
             "organizations",
             repo_id=repo_id,
+            reason="forbidden",
         )
     return me["name"]
 

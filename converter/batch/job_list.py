@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from converter.errors import ConverterError
+from converter.errors import ConverterError, RecipeError
 from converter.hub import client as hub
 from converter.io.units import parse_size
 
@@ -111,55 +111,59 @@ def load_jobs(path: str | Path) -> list[Job]:
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
-        raise ConverterError(f"{path}: cannot read the job list ({e.strerror})") from None
+        raise RecipeError(f"{path}: cannot read the job list ({e.strerror})", file=path) from None
     except yaml.YAMLError as e:
-        raise ConverterError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})", file=path) from None
     if isinstance(data, list):
         data = {"jobs": data}
     if not isinstance(data, dict) or not isinstance(data.get("jobs"), list) or not data["jobs"]:
-        raise ConverterError(f"{path}: give a list of jobs under `jobs:` (each `convert:`, `merge:` or `verify:`)")
+        raise RecipeError(
+            f"{path}: give a list of jobs under `jobs:` (each `convert:`, `merge:` or `verify:`)", file=path
+        )
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, dict):
-        raise ConverterError(f"{path}: `defaults:` must be a mapping of options")
+        raise RecipeError(f"{path}: `defaults:` must be a mapping of options", file=path)
     jobs = [parse_job(entry, defaults, f"{path}: job {n}") for n, entry in enumerate(data["jobs"], 1)]
     seen: dict[str, int] = {}
     for n, job in enumerate(jobs, 1):
         if job.id in seen:
-            raise ConverterError(f"{path}: job {n} is the same job as job {seen[job.id]} (id {job.id}); remove one")
+            raise RecipeError(
+                f"{path}: job {n} is the same job as job {seen[job.id]} (id {job.id}); remove one", file=path
+            )
         seen[job.id] = n
     return jobs
 
 
 def parse_job(entry: Any, defaults: dict[str, Any], where: str) -> Job:
     if not isinstance(entry, dict):
-        raise ConverterError(f"{where}: give a mapping such as `convert: org/lora`")
+        raise RecipeError(f"{where}: give a mapping such as `convert: org/lora`")
     kinds = [k for k in KINDS if k in entry]
     if len(kinds) != 1:
-        raise ConverterError(f"{where}: give exactly one of convert:, merge:, verify: (got {sorted(entry)})")
+        raise RecipeError(f"{where}: give exactly one of convert:, merge:, verify: (got {sorted(entry)})")
     kind = kinds[0]
     allowed = _OPTIONS[kind] | _COMMON
     options = {k: v for k, v in defaults.items() if k in allowed}
     options.update({k: v for k, v in entry.items() if k != kind})
     unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ConverterError(f"{where}: unknown option(s) {', '.join(unknown)} for a {kind} job")
+        raise RecipeError(f"{where}: unknown option(s) {', '.join(unknown)} for a {kind} job")
     target = entry[kind]
     if not isinstance(target, str) or not target:
-        raise ConverterError(f"{where}: `{kind}:` needs a repo id or path")
+        raise RecipeError(f"{where}: `{kind}:` needs a repo id or path")
     job_id = str(options.pop("id", "") or "")
     timeout = options.pop("timeout", None)
     memory = options.pop("memory", None)
     if kind == "merge":
         if not options.get("base") or not (options.get("adapter") or options.get("adapters")):
-            raise ConverterError(f"{where}: a merge job needs base: and adapter: (or adapters: [...])")
+            raise RecipeError(f"{where}: a merge job needs base: and adapter: (or adapters: [...])")
         if not _HUB_ID.match(target) or "@" in target:
-            raise ConverterError(f"{where}: merge: names the repo to push to, namespace/name")
+            raise RecipeError(f"{where}: merge: names the repo to push to, namespace/name")
     if kind == "convert" and not is_hub_id(target):
-        raise ConverterError(f"{where}: convert: needs the adapter as a Hub id org/name[/file] (its PR goes there)")
+        raise RecipeError(f"{where}: convert: needs the adapter as a Hub id org/name[/file] (its PR goes there)")
     try:
         memory_bytes = parse_size(str(memory)) if memory is not None else None
     except (ValueError, ConverterError):
-        raise ConverterError(f"{where}: memory: {memory!r} is not a size such as 8GB") from None
+        raise RecipeError(f"{where}: memory: {memory!r} is not a size such as 8GB") from None
     return Job(kind, target, options, id=job_id, timeout=float(timeout) if timeout else None, memory=memory_bytes)
 
 

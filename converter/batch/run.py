@@ -27,7 +27,7 @@ from typing import Any
 
 from converter.batch.job_list import Job, is_hub_id
 from converter.batch.state import State
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError, UsageError
 from converter.hub import client as hub
 from converter.io.optional import require
 from converter.io.progress import Progress
@@ -59,10 +59,10 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
     try:
         sources = resolve_sources(job)
     except ConverterError as e:
-        message = str(e)
-        if TRANSIENT.search(message):
-            raise HubFault(_redact(message)) from None
-        return _outcome("failed", started, error=_redact(message))
+        message = _redact(str(e))
+        if isinstance(e, HubError) and e.transient:
+            raise HubFault(message) from None
+        return _outcome("failed", started, error=message)
     pinned = {s: pin(s, sha) for s, sha in sources.items() if sha}
 
     with temp_folder("batch", log=lambda _m: None) as scratch:
@@ -87,7 +87,12 @@ def resolve_sources(job: Job) -> dict[str, str | None]:
             shas[source] = None
             continue
         repo, revision, _ = split_source(source)
-        shas[source] = hub.call(source, lambda r=repo, v=revision: api.model_info(r, revision=v or "main").sha)
+        shas[source] = hub.call(
+            source,
+            lambda r=repo, v=revision: api.model_info(r, revision=v or "main").sha,
+            repo_id=repo,
+            revision=revision,
+        )
     return shas
 
 
@@ -107,7 +112,7 @@ def pin(source: str, sha: str) -> str:
 def _download(repo_id: str, sha: str | None, folder: Path) -> str:
     from huggingface_hub import snapshot_download
 
-    return hub.call(repo_id, lambda: snapshot_download(repo_id, revision=sha, local_dir=folder))
+    return hub.call(repo_id, lambda: snapshot_download(repo_id, revision=sha, local_dir=folder), repo_id=repo_id)
 
 
 def _die_with_parent() -> None:
@@ -283,7 +288,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
             ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as e:  # Ray's own message says what is missing
         where = f"join the Ray cluster at {address}" if address else "start a local Ray cluster"
-        raise ConverterError(f"cannot {where}: {str(e).strip().splitlines()[0]}") from None
+        raise UsageError(f"cannot {where}: {str(e).strip().splitlines()[0]}") from None
     try:
         # the most memory one node offers: a task asking for more could never be placed
         capacity = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.batch.job_list import Job
-from converter.errors import ConverterError
+from converter.errors import OutputError
 
 #: pending: never finished; running: submitted (a driver that died leaves this, the next run retries it);
 #: done: finished, skipped on re-runs; failed: retried on re-runs.
@@ -65,7 +65,9 @@ class State:
             self.db = sqlite3.connect(self.path, isolation_level=None)
             self.db.execute(_SCHEMA)
         except sqlite3.Error as e:
-            raise ConverterError(f"{self.path}: cannot use this state file ({e}); give another --state") from None
+            raise OutputError(
+                f"{self.path}: cannot use this state file ({e}); give another --state", path=self.path
+            ) from None
 
     def close(self) -> None:
         self.db.close()

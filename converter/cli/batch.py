@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import UsageError
 
 #: Exit code when the batch ran but some jobs failed (the report says which and why).
 SOME_FAILED = 4
@@ -46,15 +46,15 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
 
     searching = args.from_hub_search is not None
     if bool(args.jobs) == searching:
-        raise ConverterError("give a job list JOBS.yaml or --from-hub-search TEXT (one of them)")
+        raise UsageError("give a job list JOBS.yaml or --from-hub-search TEXT (one of them)")
     if searching:
         if args.limit < 1:
-            raise ConverterError(f"--limit {args.limit}: give a positive number")
+            raise UsageError(f"--limit {args.limit}: give a positive number")
         jobs = joblist.jobs_from_search(
             args.from_hub_search, args.limit, filters=args.filter, to=args.to, base=args.base
         )
         if not jobs:
-            raise ConverterError(f"the Hub search {args.from_hub_search!r} found no models")
+            raise UsageError(f"the Hub search {args.from_hub_search!r} found no models")
         stem = Path(args.state or "batch").with_suffix("")
         jobs_file = stem.with_name(stem.name + ".jobs.yaml")
         joblist.write_jobs(jobs, jobs_file)

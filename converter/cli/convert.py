@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from converter.conversion.core import convert
 from converter.conversion.pr import push_pr
-from converter.errors import ConverterError
+from converter.errors import UsageError
 
 
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
@@ -16,12 +16,12 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
                    allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha,
                    verify=not args.no_verify)  # fmt: skip
     if args.rank is not None and args.rank < 1:
-        raise ConverterError(f"--rank {args.rank}: give a positive rank")
+        raise UsageError(f"--rank {args.rank}: give a positive rank")
     if args.push_pr and args.out:
-        raise ConverterError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
+        raise UsageError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
     if not args.push_pr:
         if not args.out:
-            raise ConverterError("give --out (a folder, or a .safetensors file for --to kohya/comfyui), or --push-pr")
+            raise UsageError("give --out (a folder, or a .safetensors file for --to kohya/comfyui), or --push-pr")
         convert(args.adapter, args.to, args.out, force=args.force, **options)
         return 0
     result = push_pr(args.adapter, args.to, **options)

@@ -91,10 +91,10 @@ def _write_report(path: str, result) -> None:
     import json
     from pathlib import Path
 
-    from converter.errors import ConverterError
+    from converter.errors import OutputError
 
     report = getattr(result, "report", None) or {"svd_relative_errors": getattr(result, "svd_errors", {})}
     try:
         Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     except OSError as e:
-        raise ConverterError(f"{path}: cannot write the report ({e.strerror})") from None
+        raise OutputError(f"{path}: cannot write the report ({e.strerror})", path=path) from None

@@ -11,7 +11,7 @@ from converter.conversion.proof import prove, prove_on_base
 from converter.conversion.writers import DOTTED_PREFIX, write
 from converter.engine.family import identify
 from converter.engine.writer import check_output_target
-from converter.errors import ConverterError, VerificationFailed
+from converter.errors import BadInputError, OutputError, UsageError, VerificationFailed
 from converter.formats import Adapter, load_adapter
 from converter.hub.sources import HUB_SPEC, fetch
 from converter.io.scratch import temp_folder
@@ -49,7 +49,7 @@ def convert(
     then (`verify`) read it back and prove each module's ΔW equals the source's (VerificationFailed if not: the
     wrong output is removed)."""
     if to not in TARGETS:
-        raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     out = Path(out)
     check_output_path(out, to, force)
     fetched = fetch(adapter_spec, "adapter", token)
@@ -95,10 +95,11 @@ def _check_naming(adapter: Adapter, to: str) -> None:
         return
     _, wanted = identity.family.target(to)
     if wanted is not None and wanted != identity.naming:
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: its modules have {identity.family.title}'s {identity.naming} names and a {to} file "
             f"names them as the {wanted} checkpoint does; give --base (the model: a diffusers folder or a single "
-            "file) so each module is looked up there"
+            "file) so each module is looked up there",
+            file=adapter.path,
         )
 
 
@@ -111,7 +112,7 @@ def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[st
         log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
     except VerificationFailed as e:
         shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
-        raise VerificationFailed(f"{e} (removed {out})") from None
+        raise VerificationFailed(f"{e} (removed {out})", report=e.report) from None
 
 
 def _public_base(base: str | None, adapter: Adapter) -> str | None:
@@ -125,7 +126,7 @@ def _public_base(base: str | None, adapter: Adapter) -> str | None:
 def check_output_path(out: Path, to: str, force: bool) -> None:
     """Refuse an `--out` that does not suit the target format (a file or a folder), before any work is done."""
     if to in FILE_TARGETS and out.suffix != ".safetensors":
-        raise ConverterError(f"--out {out}: a {to} LoRA is one file; give a path ending in .safetensors")
+        raise OutputError(f"--out {out}: a {to} LoRA is one file; give a path ending in .safetensors", path=out)
     if to not in FILE_TARGETS and out.suffix == ".safetensors":
-        raise ConverterError(f"--out {out}: {to} output is a folder; give a folder path")
+        raise OutputError(f"--out {out}: {to} output is a folder; give a folder path", path=out)
     check_output_target(out, force)

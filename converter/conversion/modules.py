@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from converter.errors import ConverterError
+from converter.errors import BadInputError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
 from converter.formats.peft import pattern_value
@@ -68,35 +68,46 @@ def lowrank_factors(adapter: Adapter, ap: AdapterPatch, rank: int | None, svd: d
     given; `magnitude` is a DoRA module's per-output-channel magnitude (out,), else None."""
     patch = ap.patch
     if ap.stored_transposed:
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: {native} is stored transposed (PEFT fan_in_fan_out, GPT-2 Conv1D); kohya and diffusers "
-            "LoRAs have no such layout, so it is not converted"
+            "LoRAs have no such layout, so it is not converted",
+            file=adapter.path,
+            tensor=native,
         )
     magnitude = None
     if isinstance(patch, DoRA):
         magnitude = _magnitude(adapter, patch, native)
         patch = patch.lora
         if not (isinstance(patch, LowRank) and patch.mid is None and not patch.flip):
-            raise ConverterError(f"{adapter.path}: {native} is DoRA on a {type(patch).__name__}; only DoRA on a plain "
-                                 "LoRA is converted")  # fmt: skip
+            raise BadInputError(
+                f"{adapter.path}: {native} is DoRA on a {type(patch).__name__}; only DoRA on a plain LoRA is converted",
+                file=adapter.path,
+                tensor=native,
+            )
     if isinstance(patch, LowRank) and patch.flip:
-        raise ConverterError(
-            f"{adapter.path}: {native} is an embedding LoRA (lora_embedding_A/B), which has no kohya/diffusers form"
+        raise BadInputError(
+            f"{adapter.path}: {native} is an embedding LoRA (lora_embedding_A/B), which has no kohya/diffusers form",
+            file=adapter.path,
+            tensor=native,
         )
     if isinstance(patch, LowRank) and patch.mid is None:
         return _raw(patch.down), _raw(patch.up), _alpha(adapter, ap, patch), magnitude
     if not isinstance(patch, DeltaPatch):
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: {native} is a {type(patch).__name__} patch (a full replacement or token rows, e.g. "
-            "PEFT modules_to_save / trainable tokens), not a low-rank delta; it has no LoRA form"
+            "PEFT modules_to_save / trainable tokens), not a low-rank delta; it has no LoRA form",
+            file=adapter.path,
+            tensor=native,
         )
     kind = {LoHa: "LoHa", LoKr: "LoKr", FullDelta: "a full delta", LowRank: "Tucker LoCon"}.get(
         type(patch), type(patch).__name__
     )
     if rank is None:
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: {native} is {kind}, which has no exact LoRA form; pass --rank N to approximate every "
-            "such module by an SVD of rank N (the reconstruction error is reported)"
+            "such module by an SVD of rank N (the reconstruction error is reported)",
+            file=adapter.path,
+            tensor=native,
         )
     down, up, error = svd_lowrank(patch.raw_delta().double(), rank)
     svd[native] = error
@@ -114,12 +125,18 @@ def _magnitude(adapter: Adapter, patch: DoRA, native: str) -> torch.Tensor:
     out = patch.lora.natural_shape()[0]
     m = _raw(patch.magnitude)
     if patch.style == "lycoris" and m.dim() >= 2 and m.shape[0] == 1 and out != 1:
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: {native} has an input-axis dora_scale {list(m.shape)} (older LyCORIS/OneTrainer DoRA); "
-            "PEFT/diffusers/current LyCORIS DoRA is per output channel, so it cannot be converted exactly"
+            "PEFT/diffusers/current LyCORIS DoRA is per output channel, so it cannot be converted exactly",
+            file=adapter.path,
+            tensor=native,
         )
     if m.numel() != out:
-        raise ConverterError(f"{adapter.path}: {native}'s DoRA magnitude has shape {list(m.shape)}, expected {out}")
+        raise BadInputError(
+            f"{adapter.path}: {native}'s DoRA magnitude has shape {list(m.shape)}, expected {out}",
+            file=adapter.path,
+            tensor=native,
+        )
     return m.reshape(out)
 
 
@@ -191,7 +208,9 @@ def fuse(key: str, parts: list[tuple[tuple[int, int], LoraModule]], total_rows: 
     first = parts[0][1]
     scales = {m.alpha / m.rank for _, m in parts}
     if len({tuple(m.down.shape[1:]) for _, m in parts}) != 1:
-        raise ConverterError(f"modules {', '.join(m.source for _, m in parts)} onto {key} disagree in input shape")
+        raise BadInputError(
+            f"modules {', '.join(m.source for _, m in parts)} onto {key} disagree in input shape", tensor=key
+        )
     total = sum(m.rank for _, m in parts)
     # different scales are folded into float32 up blocks (folding in half precision would round twice)
     dtype = first.up.dtype if len(scales) == 1 and len({m.up.dtype for _, m in parts}) == 1 else torch.float32

@@ -10,7 +10,7 @@ from pathlib import Path
 from converter.conversion.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.engine.base_reader import open_base
 from converter.engine.keymap import DiffusionResolver, keymap_for
-from converter.errors import ConverterError
+from converter.errors import BadInputError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import ExpertLowRank
 from converter.hub.remote_headers import hub_base_headers
@@ -180,14 +180,18 @@ def collect(
     for ap in adapter.patches:
         native = ap.native or ap.module
         if isinstance(ap.patch, ExpertLowRank) or ap.either:
-            raise ConverterError(
+            raise BadInputError(
                 f"{adapter.path}: {native} is a LoRA on fused MoE expert tensors (PEFT target_parameters); "
-                "converting those is not supported (kohya and diffusers have no form for them): merge it instead"
+                "converting those is not supported (kohya and diffusers have no form for them): merge it instead",
+                file=adapter.path,
+                tensor=native,
             )
         if ap.param != "weight":
-            raise ConverterError(
+            raise BadInputError(
                 f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "
-                "is not supported (a LoRA in kohya/PEFT/diffusers form has none)"
+                "is not supported (a LoRA in kohya/PEFT/diffusers form has none)",
+                file=adapter.path,
+                tensor=native,
             )
         down, up, alpha, magnitude = lowrank_factors(adapter, ap, rank, svd, native)
         if base is None:
@@ -196,12 +200,18 @@ def collect(
             continue
         places = base.places(ap)
         if not places:
-            raise ConverterError(
-                f"{adapter.path}: module {native} lands on no tensor of the base (another model family or size?)"
+            raise BadInputError(
+                f"{adapter.path}: module {native} lands on no tensor of the base (another model family or size?)",
+                file=adapter.path,
+                tensor=native,
             )
         if magnitude is not None and (len(places) > 1 or places[0].rows is not None):
-            raise ConverterError(f"{adapter.path}: {native} is DoRA on a fused module that this base splits (or the "
-                                 "reverse); a DoRA norm does not split by rows, so it is not converted")  # fmt: skip
+            raise BadInputError(
+                f"{adapter.path}: {native} is DoRA on a fused module that this base splits (or the reverse); a DoRA "
+                "norm does not split by rows, so it is not converted",
+                file=adapter.path,
+                tensor=native,
+            )
         if len(places) > 1:  # a fused module onto separate base tensors: split by rows
             modules.extend(split_modules(base, ap, places, down, up, alpha, native))
             continue
@@ -215,16 +225,22 @@ def collect(
             modules.append(module)
     for key, parts in fused.items():
         if not key.endswith(".weight"):  # OpenCLIP's in_proj_weight: no module of its own to name a LoRA after
-            raise ConverterError(
+            raise BadInputError(
                 f"{adapter.path}: {parts[0][1].source} lands on rows of {key}, which has no module name a LoRA "
-                "could be written under; give --base in diffusers layout (a pipeline folder) instead"
+                "could be written under; give --base in diffusers layout (a pipeline folder) instead",
+                file=adapter.path,
+                tensor=key,
             )
         modules.append(fuse(key, parts, base.rows(key)))  # type: ignore[union-attr]
     seen: dict[tuple, str] = {}
     for m in modules:
         ident = (m.component, m.name)
         if ident in seen:
-            raise ConverterError(f"{adapter.path}: modules {seen[ident]} and {m.source} both land on {m.name}")
+            raise BadInputError(
+                f"{adapter.path}: modules {seen[ident]} and {m.source} both land on {m.name}",
+                file=adapter.path,
+                tensor=m.name,
+            )
         seen[ident] = m.source
     return modules, svd
 
@@ -232,9 +248,11 @@ def collect(
 def _unresolved(adapter, ap, down, up, alpha, to, component, native) -> LoraModule:
     """Without a base: dotted names are kept as they are; kohya's flattened names can only stay kohya."""
     if ap.flat and to != "kohya":
-        raise ConverterError(
+        raise BadInputError(
             f"{adapter.path}: kohya-style names are flattened ({native}) and cannot be turned back into module "
-            "paths without the model: give --base (the model it was trained on) so they are looked up, not guessed"
+            "paths without the model: give --base (the model it was trained on) so they are looked up, not guessed",
+            file=adapter.path,
+            tensor=native,
         )
     comp = component
     if comp is None and ap.component is not None:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.conversion.core import FILE_TARGETS, ConvertResult, convert
-from converter.errors import ConverterError
+from converter.errors import UsageError
 from converter.hub import client as hub
 from converter.hub.publish import our_open_pr
 from converter.hub.sources import parse_source
@@ -34,13 +34,14 @@ def push_pr(
     opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
     source = parse_source(adapter_spec)
     if source.repo_id is None:
-        raise ConverterError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
+        raise UsageError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
     repo = source.repo_id
     me = hub.whoami(token)
-    info = hub.call(repo, lambda: api.model_info(repo, revision=source.revision or "main"))
+    revision = source.revision or "main"
+    info = hub.call(repo, lambda: api.model_info(repo, revision=revision), repo_id=repo, revision=revision)
     names = [s.rfilename for s in info.siblings or []]
     folder = source.path.rsplit("/", 1)[0] + "/" if source.path and "/" in source.path else ""
     if (have := _has_format(api, repo, info.sha, names, to)) is not None:
@@ -73,6 +74,7 @@ def push_pr(
                 revision=open_pr.git_reference if open_pr is not None else None,
                 create_pr=open_pr is None,
             ),
+            repo_id=repo,
         )
     endpoint = api.endpoint.rstrip("/")
     return commit.pr_url or f"{endpoint}/{repo}/discussions/{open_pr.num}"
@@ -103,7 +105,9 @@ def _has_format(api, repo: str, sha: str, names: list[str], to: str) -> str | No
     if to == "peft":
         return next((n for n in names if n.rsplit("/", 1)[-1] == "adapter_config.json"), None)
     for name in [n for n in names if n.endswith(".safetensors")][:32]:
-        meta = hub.call(name, lambda name=name: api.parse_safetensors_file_metadata(repo, name, revision=sha))
+        meta = hub.call(
+            name, lambda name=name: api.parse_safetensors_file_metadata(repo, name, revision=sha), repo_id=repo
+        )
         keys = list(meta.tensor_info) if hasattr(meta, "tensor_info") else list(meta.tensors)
         if to == "kohya" and any(
             k.startswith(("lora_unet_", "lora_te")) and k.endswith(".lora_down.weight") for k in keys

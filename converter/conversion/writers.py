@@ -16,7 +16,7 @@ import torch
 from converter.conversion.modules import LoraModule
 from converter.engine.keymap import flatten
 from converter.engine.writer import atomic_folder, check_output_target
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError, BadInputError, OutputError, UsageError
 from converter.io.scratch import owned_name, stop_here, sweep
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
@@ -46,7 +46,7 @@ def write(
     `components`: the base's parts, so a kohya file for a two-encoder model says lora_te1_ even when only one is
     adapted; `denoiser_prefix`: what a ComfyUI file puts before the denoiser's names (the family keymap's target)."""
     if not modules:
-        raise ConverterError("the adapter has no LoRA modules to convert")
+        raise AdapterFormatError("the adapter has no LoRA modules to convert")
     info = {**(source or {}), "tool": "converter"}
     if svd:
         info["svd_relative_errors"] = {k: round(v, 8) for k, v in sorted(svd.items())}
@@ -67,7 +67,9 @@ def _atomic_file(out: Path, tensors: dict, metadata: dict, force: bool) -> None:
 
     check_output_target(out, force)
     if out.is_dir():
-        raise ConverterError(f"{out}: is a folder; a kohya LoRA is one file (give a path ending in .safetensors)")
+        raise OutputError(
+            f"{out}: is a folder; a kohya LoRA is one file (give a path ending in .safetensors)", path=out
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     sweep(out.parent, print, f".{out.name}.")
     tmp = out.parent / owned_name("file", f".{out.name}.")
@@ -92,7 +94,7 @@ def kohya_prefix(component: str | None, components: set) -> str:
         return "lora_te1_" if components & {"text_encoder_2", "text_encoder_3"} else "lora_te_"
     if component and component.startswith("text_encoder_"):
         return f"lora_te{component.rsplit('_', 1)[1]}_"
-    raise ConverterError(
+    raise UsageError(
         "cannot tell which part of the model the adapter is for (kohya names start with lora_unet_ or lora_te_): "
         "pass --component unet|transformer|text_encoder|text_encoder_2"
     )
@@ -109,7 +111,7 @@ def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[st
         name = name if m.flat else flatten(name)
         stem = (m.prefix or kohya_prefix(m.component, components)) + name
         if f"{stem}.lora_down.weight" in out:
-            raise ConverterError(f"two modules flatten to the same kohya name {stem}")
+            raise BadInputError(f"two modules flatten to the same kohya name {stem}", tensor=stem)
         out[f"{stem}.lora_down.weight"] = m.down
         out[f"{stem}.lora_up.weight"] = m.up
         out[f"{stem}.alpha"] = torch.tensor(m.alpha, dtype=torch.float32)
@@ -161,14 +163,17 @@ def comfyui_tensors(
             rest.append(m)
             continue
         if m.flat:
-            raise ConverterError(
-                f"{m.source}: a kohya-flattened name cannot be written with dots without the model; give --base"
+            raise BadInputError(
+                f"{m.source}: a kohya-flattened name cannot be written with dots without the model; give --base",
+                tensor=m.source,
             )
         if m.magnitude is not None:
-            raise ConverterError(f"{m.source}: DoRA has no ComfyUI diffusion_model. form here; convert to kohya")
+            raise BadInputError(
+                f"{m.source}: DoRA has no ComfyUI diffusion_model. form here; convert to kohya", tensor=m.source
+            )
         stem = f"{prefix}{m.name}"
         if f"{stem}.lora_A.weight" in out:
-            raise ConverterError(f"two modules are written as {stem}")
+            raise BadInputError(f"two modules are written as {stem}", tensor=stem)
         out[f"{stem}.lora_A.weight"] = m.down
         out[f"{stem}.lora_B.weight"] = folded_up(m)
     meta = {"converter_alphas": "folded into lora_B (no .alpha tensors; scale 1 when loaded)",
@@ -189,7 +194,7 @@ def lora_config(modules: list[LoraModule]) -> dict:
     alpha = int(alpha) if float(alpha).is_integer() else alpha
     dora = {m.magnitude is not None for m in modules}
     if len(dora) > 1:
-        raise ConverterError(
+        raise BadInputError(
             "some modules are DoRA and some are not; PEFT's use_dora applies to every module, so this mix has no "
             "PEFT/diffusers form (convert to kohya instead)"
         )
@@ -259,14 +264,15 @@ def write_diffusers(modules: list[LoraModule], folder: Path, info: dict, base_mo
     groups: dict[str, list[LoraModule]] = {}
     for m in modules:
         if m.component is None:
-            raise ConverterError(
+            raise UsageError(
                 "diffusers LoRA keys start with the pipeline component (unet., transformer., text_encoder.): "
                 "pass --component to say which one this adapter is for"
             )
         if m.component == "denoiser":
-            raise ConverterError(
+            raise BadInputError(
                 f"{m.source}: these are the original model's module names (LDM/BFL/...), not diffusers': give --base "
-                "as a diffusers pipeline folder so they are looked up under diffusers' names"
+                "as a diffusers pipeline folder so they are looked up under diffusers' names",
+                tensor=m.source,
             )
         groups.setdefault(m.component, []).append(m)
     tensors, packed = {}, {}

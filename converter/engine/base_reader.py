@@ -11,10 +11,10 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleFileCheckpoint
 from converter.engine.keymap import all_keymaps, diffusion_family
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, CheckpointNotFound, UsageError
 from converter.io.safetensors_file import SafetensorsFile
 from converter.training import open_training
-from converter.training.locate import NotFound, is_shard_file
+from converter.training.locate import is_shard_file
 
 
 def open_base(
@@ -29,30 +29,33 @@ def open_base(
     if bare or is_shard_file(path):
         try:
             return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
-        except NotFound as e:
+        except CheckpointNotFound as e:
             if (path / "adapter_config.json").is_file():
-                raise ConverterError(
+                raise UsageError(
                     f"{path}: an adapter (adapter_config.json), not a model: give it as --adapter, with the model it "
                     "was trained on as --base"
                 ) from None
             if not any(path.glob("*.safetensors")):
-                raise ConverterError(f"{e}; nor a model folder: no config.json") from None
+                raise CheckpointNotFound(f"{e}; nor a model folder: no config.json", file=path) from None
     if config is not None:
-        raise ConverterError(
+        raise UsageError(
             f"--config {config}: it is for training checkpoints without a Hugging Face config; {path} is not one"
         )
     if path.is_dir() and (path / "model_index.json").is_file():
         try:
             index = json.loads((path / "model_index.json").read_text())
         except json.JSONDecodeError as e:
-            raise ConverterError(f"{path / 'model_index.json'}: invalid JSON ({e.msg})") from None
+            raise CheckpointError(
+                f"{path / 'model_index.json'}: invalid JSON ({e.msg})", file=path / "model_index.json"
+            ) from None
         pipeline = index.get("_class_name")
         denoiser = next((v[1] for k, v in index.items() if k in ("transformer", "unet") and isinstance(v, list)), None)
         family = diffusion_family(pipeline, []) or diffusion_family(None, [], denoiser)
         if family is None:
-            raise ConverterError(
+            raise CheckpointError(
                 f"{path}: diffusers pipeline {pipeline} has no keymap yet (supported: "
-                f"{', '.join(sorted(p for k in _families() for p in k.pipelines))})"
+                f"{', '.join(sorted(p for k in _families() for p in k.pipelines))})",
+                file=path,
             )
         return DiffusersCheckpoint(path, family.name)
     if path.is_file() and path.suffix == ".safetensors":
@@ -60,9 +63,10 @@ def open_base(
         family = diffusion_family(None, list(f.tensors))
         if family is None:
             sample = ", ".join(list(f.tensors)[:4])
-            raise ConverterError(
+            raise CheckpointError(
                 f"{path}: a single-file checkpoint of no known family (keys like {sample}); known: "
-                f"{', '.join(k.name for k in _families())}"
+                f"{', '.join(k.name for k in _families())}",
+                file=path,
             )
         return SingleFileCheckpoint(path, family)
     return Checkpoint(path)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.writer import OutSpec, ShardedWriter
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.io import dtypes
 from converter.io.dtypes import CONFIG_NAME, FLOATING
 from converter.io.lazy import torch
@@ -161,7 +161,7 @@ def prequantized(config: dict) -> Quant4 | None:
         return None
     if q.get("quant_method") == "bitsandbytes" and q.get("load_in_4bit"):
         return Quant4(q.get("bnb_4bit_quant_type", "fp4"), 64, bool(q.get("bnb_4bit_use_double_quant")))
-    raise ConverterError(
+    raise CheckpointError(
         f"a pre-quantized ({q.get('quant_method', '?')}{' 8-bit' if q.get('load_in_8bit') else ''}) base cannot be "
         "dequantized exactly; merge into the original full-precision model it was made from (its card's base_model)"
     )
@@ -177,7 +177,11 @@ def dequantize_folder(src: Checkpoint, dst: Path) -> None:
     for n in names:
         owner = next((n[: -len(s)] for s in _COMPONENT_SUFFIXES if n.endswith(s) and n[: -len(s)] in src.where), None)
         if owner is None and any(n.endswith(s) for s in _COMPONENT_SUFFIXES):
-            raise ConverterError(f"{src.folder}: 4-bit component {n} has no weight {n.split('.weight.')[0]}.weight")
+            raise CheckpointError(
+                f"{src.folder}: 4-bit component {n} has no weight {n.split('.weight.')[0]}.weight",
+                file=src.folder,
+                tensor=n,
+            )
         if owner is not None:
             groups.setdefault(owner, []).append(n)
     specs, plain = [], []
@@ -228,4 +232,6 @@ def _state_of(src: Checkpoint, name: str, parts: list[str]):
     try:
         return QuantState.from_dict({p[len(name) + 1 :]: src.read(p) for p in parts}, device=torch.device("cpu"))
     except (ValueError, KeyError, AssertionError, json.JSONDecodeError) as e:
-        raise ConverterError(f"{src.folder}: 4-bit weight {name}: unreadable quantization state ({e})") from None
+        raise CheckpointError(
+            f"{src.folder}: 4-bit weight {name}: unreadable quantization state ({e})", file=src.folder, tensor=name
+        ) from None

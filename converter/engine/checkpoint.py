@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from converter.engine.keymap import DiffusionResolver, Resolver
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.io.lazy import torch
 from converter.io.safetensors_file import SafetensorsFile, TensorInfo
 
@@ -46,20 +46,30 @@ class Checkpoint:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():
-            raise ConverterError(f"{self.folder}: base is not a folder (expected a model folder with config.json)")
+            raise CheckpointError(
+                f"{self.folder}: base is not a folder (expected a model folder with config.json)", file=self.folder
+            )
         config_path = self.folder / "config.json"
         if not config_path.is_file():
-            raise ConverterError(f"{self.folder}: not a model folder: no config.json (point --base at the folder)")
+            raise CheckpointError(
+                f"{self.folder}: not a model folder: no config.json (point --base at the folder)", file=self.folder
+            )
         try:
             self.config: dict = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
-            raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+            raise CheckpointError(
+                f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})", file=config_path
+            ) from None
         self.files = [SafetensorsFile(p) for p in self._weight_files()]
         self.where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for name in f.tensors:
                 if name in self.where:
-                    raise ConverterError(f"{f.path}: tensor {name!r} also appears in {self.where[name].path.name}")
+                    raise CheckpointError(
+                        f"{f.path}: tensor {name!r} also appears in {self.where[name].path.name}",
+                        file=f.path,
+                        tensor=name,
+                    )
                 self.where[name] = f
 
     def _weight_files(self) -> list[Path]:
@@ -68,23 +78,24 @@ class Checkpoint:
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError):
-                raise ConverterError(f"{index}: not a valid safetensors index (no weight_map)") from None
+                raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map)", file=index) from None
             names = sorted(set(weight_map.values()))
             missing = [n for n in names if not (self.folder / n).is_file()]
             if missing:
-                raise ConverterError(
-                    f"{index}: lists shard {missing[0]} which is not in the folder (incomplete download?)"
+                raise CheckpointError(
+                    f"{index}: lists shard {missing[0]} which is not in the folder (incomplete download?)", file=index
                 )
             return [self.folder / n for n in names]
         files = sorted(self.folder.glob("*.safetensors"))
         if files:
             return files
         if any(self.folder.glob("*.bin")) or any(self.folder.glob("*.pt")):
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.folder}: the base has only pickle weights (.bin/.pt); save it as safetensors first "
-                "(transformers: model.save_pretrained(folder))"
+                "(transformers: model.save_pretrained(folder))",
+                file=self.folder,
             )
-        raise ConverterError(f"{self.folder}: not a model folder: no *.safetensors weights found")
+        raise CheckpointError(f"{self.folder}: not a model folder: no *.safetensors weights found", file=self.folder)
 
     def names(self) -> list[str]:
         """Tensor names in file order (file by file, by byte offset): the order a sequential read takes."""
@@ -153,7 +164,9 @@ class DiffusersCheckpoint(Checkpoint):
                     self.where[f"{sub.name}/{name}"] = f
                     self._names[f"{sub.name}/{name}"] = name
         if not self.files:
-            raise ConverterError(f"{self.folder}: diffusers folder without safetensors weights in any component")
+            raise CheckpointError(
+                f"{self.folder}: diffusers folder without safetensors weights in any component", file=self.folder
+            )
         self.parts = tuple(parts)
 
     def names(self) -> list[str]:

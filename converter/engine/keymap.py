@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from converter.engine.keymap_schema import KeymapError, validate
-from converter.errors import ConverterError
+from converter.errors import BadInputError, CheckpointError, ConverterError
 
 
 @dataclass(frozen=True)
@@ -233,14 +233,16 @@ def load_keymap(name: str, raw: str) -> Keymap:
     try:
         data = yaml.load(raw, Loader=_LOADER)  # a safe loader (see _LOADER)
     except yaml.YAMLError as e:
-        raise KeymapError(f"keymap {name}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise KeymapError(f"keymap {name}: not valid YAML ({str(e).splitlines()[0]})", file=name) from None
     try:
         validate(data)
     except KeymapError as e:
-        raise KeymapError(f"keymap {name}: {e}") from None
+        raise KeymapError(f"keymap {name}: {e}", file=name) from None
     stem = name.rsplit("/", 1)[-1].removesuffix(".yaml")
     if data["name"] != stem:
-        raise KeymapError(f"keymap {name}: name {data['name']!r} differs from the file name (call it {stem!r})")
+        raise KeymapError(
+            f"keymap {name}: name {data['name']!r} differs from the file name (call it {stem!r})", file=name
+        )
     return Keymap.from_yaml(data)
 
 
@@ -300,7 +302,7 @@ def eval_expr(expr: str, config: dict, defaults: dict[str, str]) -> int:
             return int(config[name])
         if name in defaults:
             return eval_expr(defaults[name], config, {})
-        raise ConverterError(f"config.json has no {name!r}, needed to locate fused projections")
+        raise CheckpointError(f"config.json has no {name!r}, needed to locate fused projections", file="config.json")
 
     def walk(node: ast.AST) -> int:
         if isinstance(node, ast.Expression):
@@ -360,8 +362,9 @@ class Resolver:
         hits = [self.experts[k] for s in self._spellings(module) if (k := f"{s}.{param}") in self.experts]
         hits = [h for i, h in enumerate(hits) if h not in hits[:i]]
         if len(hits) > 1:
-            raise ConverterError(
-                f"adapter module {module!r} matches several expert tensors ({hits[0][0].key}, {hits[1][0].key})"
+            raise BadInputError(
+                f"adapter module {module!r} matches several expert tensors ({hits[0][0].key}, {hits[1][0].key})",
+                tensor=module,
             )
         return hits[0] if hits else []
 
@@ -396,7 +399,9 @@ class Resolver:
             for spelling in spellings:
                 found |= self._flat.get(flatten(f"{spelling}.{param}"), set())
             if len(found) > 1:
-                raise ConverterError(f"adapter module {module!r} matches several base tensors ({sorted(found)})")
+                raise BadInputError(
+                    f"adapter module {module!r} matches several base tensors ({sorted(found)})", tensor=module
+                )
             return Placement(found.pop()) if found else None
         hits: list[Placement] = []
         for spelling in self._spellings(module):
@@ -407,9 +412,10 @@ class Resolver:
                 hits.append(fused)
         hits = list(dict.fromkeys(hits))
         if len(hits) > 1:
-            raise ConverterError(
+            raise BadInputError(
                 f"adapter module {module!r} matches several base tensors ({', '.join(map(str, hits))}); "
-                "restrict the adapter with include/exclude patterns in a recipe"
+                "restrict the adapter with include/exclude patterns in a recipe",
+                tensor=module,
             )
         return hits[0] if hits else None
 
@@ -546,14 +552,15 @@ class DiffusionResolver:
         if split and all(a.src[1] == b.src[0] for a, b in itertools.pairwise(ordered)) and ordered[0].src[0] == 0:
             return ordered
         if len(hits) > 1:
-            raise ConverterError(
+            raise BadInputError(
                 f"adapter module {module!r} matches several base tensors "
-                f"({', '.join(sorted(map(str, hits)))}); restrict the adapter with include/exclude patterns"
+                f"({', '.join(sorted(map(str, hits)))}); restrict the adapter with include/exclude patterns",
+                tensor=module,
             )
         return ordered
 
     def resolve(self, module: str, param: str, component: str | None = None, flat: bool = False) -> Placement | None:
         hits = self.resolve_all(module, param, component, flat)
         if len(hits) > 1:
-            raise ConverterError(f"adapter module {module!r} is split over {len(hits)} base tensors here")
+            raise BadInputError(f"adapter module {module!r} is split over {len(hits)} base tensors here", tensor=module)
         return hits[0] if hits else None

@@ -12,13 +12,9 @@ import re
 from collections.abc import Callable
 from types import UnionType
 
-from converter.errors import ConverterError
+from converter.errors import KeymapError
 
 Check = Callable[[object, str], None]
-
-
-class KeymapError(ConverterError):
-    """A keymap file that does not follow the schema."""
 
 
 def _fail(where: str, why: str) -> KeymapError:

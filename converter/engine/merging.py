@@ -24,7 +24,7 @@ from converter.engine.plan import MergePlan, OutputTensor, plan_merge
 from converter.engine.recipe import Recipe
 from converter.engine.taskmerge import TaskMerge
 from converter.engine.writer import OutSpec, Shard, ShardedWriter, atomic_folder, check_output_target
-from converter.errors import BadInputError, ConverterError, UsageError
+from converter.errors import BadInputError, OutputError, UsageError
 from converter.formats import Adapter, load_adapter
 from converter.formats.patches import Replace, Requantize, all_finite
 from converter.hub.card import INHERITED, card_metadata, write_card
@@ -212,9 +212,10 @@ def _check_disk_space(out: Path, needed: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if free < needed:
-        raise ConverterError(
+        raise OutputError(
             f"{out.parent}: not enough disk space: the output needs {human_bytes(needed)}, "
-            f"{human_bytes(free)} free ({human_bytes(needed - free)} missing)"
+            f"{human_bytes(free)} free ({human_bytes(needed - free)} missing)",
+            path=out.parent,
         )
 
 

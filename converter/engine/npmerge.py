@@ -23,7 +23,7 @@ import numpy as np
 
 from converter.engine import npkernel, npmath
 from converter.engine.plan import OutputTensor, PlannedPatch
-from converter.errors import ConverterError
+from converter.errors import BadInputError
 from converter.formats.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
 
 BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
@@ -214,9 +214,10 @@ class _Tensor:
         return npmath.widen(self.src[i:j], self.src_dtype, out=_BUFFERS.get("w", n, np.float32).reshape(block_shape))
 
     def _not_finite(self):
-        raise ConverterError(
+        raise BadInputError(
             f"merged tensor {self.o.name} has NaN/Inf values in {self.o.dtype} (the adapter's delta overflows "
-            "this base; check its alpha/scale, or merge into a wider --dtype)"
+            "this base; check its alpha/scale, or merge into a wider --dtype)",
+            tensor=self.o.name,
         )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from converter.errors import ConverterError, RecipeError
+from converter.errors import RecipeError
 from converter.io.records import RECIPE_FILE
 
 # Names a per-component weight may use (kohya "strength" for UNet and text encoder separately).
@@ -213,5 +213,7 @@ def recorded_recipe(folder: str | Path) -> Recipe:
     """The recipe an output folder was merged from (its converter_recipe.yaml)."""
     path = Path(folder) / RECIPE_FILE
     if not path.is_file():
-        raise ConverterError(f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter")
+        raise RecipeError(
+            f"{folder}: no {RECIPE_FILE} (not merged by converter?); give --base and --adapter", file=path
+        )
     return Recipe.load(path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from converter.engine.ties_dare import combine_tensors, dare_mask
-from converter.errors import ConverterError
+from converter.errors import BadInputError, UsageError
 from converter.formats.patches import BiasDelta, DeltaPatch, RowsOf
 from converter.io.lazy import torch
 
@@ -36,13 +36,13 @@ class TaskMerge:
         method = getattr(recipe, "method", None)
         if method in (None, "sum"):
             if getattr(recipe, "density", None) is not None:
-                raise ConverterError("--density applies to --method ties|dare|dare_ties|magnitude_prune only")
+                raise UsageError("--density applies to --method ties|dare|dare_ties|magnitude_prune only")
             return None
         if method not in MERGE_METHODS:
-            raise ConverterError(f"--method {method}: choose sum, {', '.join(MERGE_METHODS)}")
+            raise UsageError(f"--method {method}: choose sum, {', '.join(MERGE_METHODS)}")
         density = getattr(recipe, "density", None)
         if density is None or not 0 < density <= 1:
-            raise ConverterError(f"--method {method} needs --density, the fraction of each delta kept, in (0, 1]")
+            raise UsageError(f"--method {method} needs --density, the fraction of each delta kept, in (0, 1]")
         return cls(MERGE_METHODS[method], float(density), int(getattr(recipe, "seed", None) or 0))
 
     def __call__(self, o, t: torch.Tensor) -> torch.Tensor:
@@ -52,10 +52,11 @@ class TaskMerge:
         weights: dict[int, float] = {}
         for p in o.patches:
             if not isinstance(p.patch, DeltaPatch | RowsOf | BiasDelta):
-                raise ConverterError(
+                raise BadInputError(
                     f"{o.name}: adapter {p.adapter + 1} has a {type(p.patch).__name__} patch here, which is not a "
                     f"delta; --method {self.method} merges deltas only (drop that adapter's modules_to_save/DoRA "
-                    "with its exclude, or merge with the default sum)"
+                    "with its exclude, or merge with the default sum)",
+                    tensor=o.name,
                 )
             task = tasks.setdefault(p.adapter, torch.zeros_like(w))
             index = (() if p.expert is None else (p.expert,)) + (() if p.rows is None else (slice(*p.rows),))

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import OutputError
 from converter.io import scratch
 from converter.io.background import Worker
 from converter.io.dtypes import ITEMSIZE
@@ -229,7 +229,7 @@ class ShardedWriter:
 def check_output_target(out: Path, force: bool) -> None:
     """Refuse a non-empty `out` (unless `force`) and a target another live run is writing right now."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise ConverterError(f"{out}: output already exists and is not empty (use --force to replace it)")
+        raise OutputError(f"{out}: output already exists and is not empty (use --force to replace it)", path=out)
     _refuse_if_busy(out, scratch.live(out.parent, _lead(out)))
 
 
@@ -240,9 +240,10 @@ def _lead(out: Path) -> str:
 def _refuse_if_busy(out: Path, others: list[tuple[scratch.Owned, Path]]) -> None:
     if others:
         owned, path = others[0]
-        raise ConverterError(
+        raise OutputError(
             f"{out}: another converter run ({owned.owner.describe()}) is writing it right now; wait for it to finish "
-            f"(if that run is gone, remove {path})"
+            f"(if that run is gone, remove {path})",
+            path=out,
         )
 
 
@@ -260,7 +261,7 @@ def atomic_folder(out: Path, force: bool, needs: int | None = None, log: Callabl
             yield payload
             scratch.stop_here("staged")
             if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):  # a run that was quicker
-                raise ConverterError(f"{out}: another run wrote it meanwhile (use --force to replace it)")
+                raise OutputError(f"{out}: another run wrote it meanwhile (use --force to replace it)", path=out)
             if out.exists():  # --force: the old output goes into our staging folder, removed with it
                 out.rename(payload.parent / f"{out.name}.previous")
             payload.rename(out)

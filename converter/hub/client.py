@@ -7,12 +7,11 @@ HF_HUB_DISABLE_XET at import time, so it must not be imported before a caller ha
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from converter.errors import ConverterError, HubError
+from converter.errors import ConverterError, HubError, HubReason
 
 T = TypeVar("T")
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -71,8 +70,9 @@ def _unwrapped(err: Exception) -> Exception:
     return err
 
 
-def call(what: str, fn: Callable[[], T]) -> T:
-    """Run a Hub call, retrying transient failures with backoff; other failures become a one-line error."""
+def call(what: str, fn: Callable[[], T], *, repo_id: str | None = None, revision: str | None = None) -> T:
+    """Run a Hub call, retrying transient failures with backoff; other failures become a one-line HubError that
+    names `what` and carries `repo_id` / `revision` (the repo and revision the call is about)."""
     tries = attempts()
     for attempt in range(tries):
         try:
@@ -83,54 +83,70 @@ def call(what: str, fn: Callable[[], T]) -> T:
             err = _unwrapped(wrapped)
             wait = _retry_after(err, attempt)
             if wait is None or attempt == tries - 1:
-                raise explain(what, err) from None
+                raise explain(what, err, repo_id=repo_id, revision=revision) from None
             time.sleep(wait)
     raise AssertionError("unreachable")
 
 
-def explain(what: str, err: Exception) -> ConverterError:
-    """Turn a huggingface_hub exception into one line that says what to do. Never includes a token."""
-    m = re.match(r"([\w.-]+/[\w.-]+)(?:@([^/\s]+))?", what)
-    error = _explain(what, err)
-    return HubError(str(error), repo_id=m[1] if m else None, revision=m[2] if m else None)
+def explain(what: str, err: Exception, *, repo_id: str | None = None, revision: str | None = None) -> HubError:
+    """Turn a huggingface_hub exception into a HubError: one line that says what to do (never a token), and the
+    repo, revision, HTTP status, server request id and reason as fields."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    message, reason = _explain(what, err)
+    status = request_id = None
+    if isinstance(err, HfHubHTTPError):
+        status = getattr(err.response, "status_code", None)
+        request_id = getattr(err, "request_id", None)
+    return HubError(message, repo_id=repo_id, revision=revision, status=status, request_id=request_id, reason=reason)
 
 
-def _explain(what: str, err: Exception) -> ConverterError:
+_STATUS_REASONS: dict[int, HubReason] = {
+    401: "unauthorized",
+    403: "forbidden",
+    408: "timeout",
+    409: "conflict",
+    429: "rate-limited",
+}
+
+
+def _explain(what: str, err: Exception) -> tuple[str, HubReason]:
+    """The message and reason for `err`; raises `err` itself when it is not a Hub failure (a bug to report)."""
     from huggingface_hub import errors
 
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     if isinstance(err, errors.LocalTokenNotFoundError):
-        return ConverterError(f"{what}: no Hugging Face token; pass --token, set HF_TOKEN or run `hf auth login`")
+        return f"{what}: no Hugging Face token; pass --token, set HF_TOKEN or run `hf auth login`", "no-token"
     if isinstance(err, errors.OfflineModeIsEnabled):
-        return ConverterError(
-            f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; unset it or use a local path"
-        )
+        return f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be asked; unset it or use a local path", "offline"
     if isinstance(err, errors.GatedRepoError):
-        return ConverterError(f"{what}: the repo is gated; request access on {endpoint} and use a token that has it")
+        return f"{what}: the repo is gated; request access on {endpoint} and use a token that has it", "gated"
     if isinstance(err, errors.RepositoryNotFoundError):
-        return ConverterError(
-            f"{what}: repo not found (check the name; for a private repo pass --token or set HF_TOKEN)"
+        return (
+            f"{what}: repo not found (check the name; for a private repo pass --token or set HF_TOKEN)",
+            "repo-not-found",
         )
     if isinstance(err, errors.RevisionNotFoundError):
-        return ConverterError(f"{what}: revision not found (check the branch, tag or commit after @)")
+        return f"{what}: revision not found (check the branch, tag or commit after @)", "revision-not-found"
     if isinstance(err, errors.EntryNotFoundError | errors.RemoteEntryNotFoundError):
-        return ConverterError(f"{what}: file not found in the repo")
+        return f"{what}: file not found in the repo", "file-not-found"
     if isinstance(err, errors.LocalEntryNotFoundError):
-        return ConverterError(f"{what}: not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE?)")
+        return f"{what}: not in the local cache and the Hub cannot be reached (HF_HUB_OFFLINE?)", "offline"
     if isinstance(err, errors.HfHubHTTPError):
         status = getattr(err.response, "status_code", "?")
         if status == 401:
-            return ConverterError(f"{what}: the token was refused (401); log in again or pass a valid --token")
+            return f"{what}: the token was refused (401); log in again or pass a valid --token", "unauthorized"
         if status == 403:
-            return ConverterError(f"{what}: not allowed (403); the token needs write access to this namespace")
+            return f"{what}: not allowed (403); the token needs write access to this namespace", "forbidden"
         message = str(err).splitlines()[0][:300]
-        return ConverterError(f"{what}: Hub error {status}: {message}")
+        reason = _STATUS_REASONS.get(status, "server" if isinstance(status, int) and status >= 500 else "http")
+        return f"{what}: Hub error {status}: {message}", reason
     if isinstance(err, OSError) and getattr(err, "errno", None) == 28:
-        return ConverterError(f"{what}: no space left on device (free some disk or set HF_HOME elsewhere)")
+        return f"{what}: no space left on device (free some disk or set HF_HOME elsewhere)", "no-space"
     if isinstance(err, errors.HFValidationError):
-        return ConverterError(f"{what}: {str(err).splitlines()[0]}")
+        return f"{what}: {str(err).splitlines()[0]}", "invalid"
     if _is_connection_error(err):
-        return ConverterError(f"{what}: cannot reach the Hub after {attempts()} tries ({type(err).__name__})")
+        return f"{what}: cannot reach the Hub after {attempts()} tries ({type(err).__name__})", "unreachable"
     raise err
 
 

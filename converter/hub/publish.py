@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import BadInputError, PushError, UsageError
 from converter.hub import client as hub
 from converter.io.records import REPORT_FILE
 
@@ -40,7 +40,7 @@ class PushResult:
 
 def check_repo_id(repo_id: str) -> None:
     if not REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
-        raise ConverterError(f"{repo_id!r} is not a valid repo id: write namespace/name (letters, digits, - _ .)")
+        raise UsageError(f"{repo_id!r} is not a valid repo id: write namespace/name (letters, digits, - _ .)")
 
 
 @dataclass
@@ -59,8 +59,8 @@ class Target:
 
 def inspect_target(api, repo_id: str, token: str | None) -> Target:
     me = hub.whoami(token)
-    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id))
-    remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id)) if exists else []
+    exists = hub.call(repo_id, lambda: api.repo_exists(repo_id), repo_id=repo_id)
+    remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id), repo_id=repo_id) if exists else []
     return Target(repo_id, me, exists, remote)
 
 
@@ -103,7 +103,9 @@ class Publication:
             if self.target.exists or self.created:
                 return
             repo_id = self.target.repo_id
-            hub.call(repo_id, lambda: self.api.create_repo(repo_id, private=self.private, exist_ok=True))
+            hub.call(
+                repo_id, lambda: self.api.create_repo(repo_id, private=self.private, exist_ok=True), repo_id=repo_id
+            )
             self.created = True
             self.log(f"created {'private ' if self.private else ''}repo {repo_id}")
 
@@ -122,12 +124,14 @@ class Publication:
         # huggingface_hub skips files the Hub already has; when nothing changed it makes no commit and reports the
         # current head, so comparing heads tells a no-op push.
         exists = self.target.exists
-        head = hub.call(repo_id, lambda: api.model_info(repo_id, revision=self.revision).sha) if exists else None
+        ids = {"repo_id": repo_id, "revision": self.revision}
+        head = hub.call(repo_id, lambda: api.model_info(repo_id, revision=self.revision).sha, **ids) if exists else None
         info = hub.call(
             repo_id,
             lambda: api.create_commit(
                 repo_id, operations, commit_message=self.message, revision=self.revision, create_pr=self.new_pr
             ),
+            **ids,
         )
         endpoint = api.endpoint.rstrip("/")
         pr_url = info.pr_url or (f"{endpoint}/{repo_id}/discussions/{self.open_pr.num}" if self.open_pr else None)
@@ -164,15 +168,17 @@ def push_folder(
     check_repo_id(repo_id)
     folder = Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
-        raise ConverterError(f"{folder}: nothing to push (not a folder, or empty)")
+        raise BadInputError(f"{folder}: nothing to push (not a folder, or empty)", file=folder)
     api = HfApi(token=token)
     target = inspect_target(api, repo_id, token)
     if target.has_model and not (create_pr or overwrite):
         if _same_files(api, repo_id, folder, replace):
-            head = hub.call(repo_id, lambda: api.model_info(repo_id).sha)
+            head = hub.call(repo_id, lambda: api.model_info(repo_id).sha, repo_id=repo_id)
             return PushResult(url=f"{api.endpoint.rstrip('/')}/{repo_id}", commit=head, pr_url=None, changed=False)
-        raise ConverterError(
-            f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it"
+        raise PushError(
+            f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it",
+            repo_id=repo_id,
+            reason="conflict",
         )
     publication = Publication(
         api, target, private=private, create_pr=create_pr, overwrite=overwrite, message=message, log=log
@@ -202,7 +208,7 @@ def local_files(folder: Path) -> list[str]:
 
 def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> bool:
     """Whether the repo's main already holds exactly these files (by sha256 for LFS files, git blob id else)."""
-    info = hub.call(repo_id, lambda: api.model_info(repo_id, files_metadata=True))
+    info = hub.call(repo_id, lambda: api.model_info(repo_id, files_metadata=True), repo_id=repo_id)
     remote = {s.rfilename: s for s in info.siblings or [] if s.rfilename != ".gitattributes"}
     local = local_files(folder)
     if sorted(remote) != local:
@@ -242,7 +248,12 @@ def _same_report(api, repo_id: str, revision: str, local: bytes) -> bool:
                 part.pop(key, None)
         return report
 
-    path = hub.call(repo_id, lambda: hf_hub_download(repo_id, REPORT_FILE, revision=revision, token=api.token))
+    path = hub.call(
+        repo_id,
+        lambda: hf_hub_download(repo_id, REPORT_FILE, revision=revision, token=api.token),
+        repo_id=repo_id,
+        revision=revision,
+    )
     try:
         return facts(Path(path).read_bytes()) == facts(local)
     except (ValueError, AttributeError):  # not a report of ours
@@ -264,6 +275,7 @@ def our_open_pr(api, repo_id: str, me: str, title: str):
         lambda: list(
             api.get_repo_discussions(repo_id, author=me, discussion_type="pull_request", discussion_status="open")
         ),
+        repo_id=repo_id,
     ):
         if discussion.title == title:
             return discussion

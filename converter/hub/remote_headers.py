@@ -12,7 +12,7 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import HubError, UsageError
 from converter.hub import client as hub
 from converter.hub.sources import (
     MODEL_FILES,
@@ -66,27 +66,35 @@ def hub_base_headers(spec: str | Source, token: str | None, workdir: Path) -> Hu
 
     source = parse_source(spec) if isinstance(spec, str) else spec
     if source.local is not None:
-        raise ConverterError(f"{source.spec}: give the base as a Hub repo id, org/name or org/name@revision")
+        raise UsageError(f"{source.spec}: give the base as a Hub repo id, org/name or org/name@revision")
     api = HfApi(token=token)
     repo, revision = source.repo_id, source.revision or "main"
     where = f"{repo}@{revision}"
-    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    ids = {"repo_id": repo, "revision": revision}
+    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True), **ids)
     siblings = {s.rfilename: s for s in info.siblings or []}
     if source.path is not None:
         if not source.path.endswith(".safetensors") or source.path not in siblings:
-            raise ConverterError(f"{where}: {source.path} is not a .safetensors file of the repo")
+            raise HubError(
+                f"{where}: {source.path} is not a .safetensors file of the repo",
+                repo_id=repo,
+                revision=revision,
+                reason="file-not-found",
+            )
         files = [source.path]
     elif "model_index.json" in siblings:
         files = diffusers_files(list(siblings))
     else:
         files = [n for n in siblings if "/" not in n and any(fnmatch.fnmatch(n, p) for p in MODEL_FILES)]
-        _check_repo_kind(where, "model", files, siblings)
+        _check_repo_kind(where, "model", files, siblings, repo, revision)
     folder = workdir / repo.split("/")[1]
     for name in files:
         target = folder / name
         if name.endswith(".safetensors"):
             meta = hub.call(
-                f"{where}/{name}", lambda n=name: api.parse_safetensors_file_metadata(repo, n, revision=info.sha)
+                f"{where}/{name}",
+                lambda n=name: api.parse_safetensors_file_metadata(repo, n, revision=info.sha),
+                **ids,
             )
             target.parent.mkdir(parents=True, exist_ok=True)
             write_standin(target, meta)
@@ -94,6 +102,7 @@ def hub_base_headers(spec: str | Source, token: str | None, workdir: Path) -> Hu
             path = hub.call(
                 f"{where}/{name}",
                 lambda n=name: hf_hub_download(repo, n, revision=info.sha, token=token, cache_dir=cache_dir()),
+                **ids,
             )
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(Path(path).read_bytes())

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.errors import BadInputError, ConverterError, HubError, UsageError
+from converter.errors import BadInputError, HubError, OutputError, UsageError
 from converter.hub import client as hub
 from converter.io.units import human_bytes
 
@@ -147,6 +147,11 @@ class Remote:
     def where(self) -> str:
         return f"{self.source.repo_id}@{self.source.revision or 'main'}"
 
+    @property
+    def ids(self) -> dict[str, str | None]:
+        """The repo and revision asked for, as `hub.call` and HubError take them."""
+        return {"repo_id": self.source.repo_id, "revision": self.source.revision or "main"}
+
     def records(self) -> list[dict]:
         """{"name", "size", "sha256"} of the wanted files, as the Hub reports them (LFS ids: no hashing)."""
         return [
@@ -169,7 +174,12 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
     api = HfApi(token=token)
     repo, revision = source.repo_id, source.revision or "main"
     where = f"{repo}@{revision}"
-    info = hub.call(where, lambda: api.model_info(repo, revision=revision, files_metadata=True))
+    info = hub.call(
+        where,
+        lambda: api.model_info(repo, revision=revision, files_metadata=True),
+        repo_id=repo,
+        revision=revision,
+    )
     siblings = {s.rfilename: s for s in info.siblings or []}
     _check_names(where, repo, revision, siblings)
     if source.path is not None:
@@ -178,6 +188,7 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
                 f"{where}: file {source.path} not found in the repo (files: {_sample(siblings)})",
                 repo_id=repo,
                 revision=revision,
+                reason="file-not-found",
             )
         folder = source.path.rsplit("/", 1)[0] + "/" if "/" in source.path else ""
         wanted = [source.path] + [
@@ -188,7 +199,7 @@ def resolve(source: Source, kind: str = "model", token: str | None = None) -> Re
     else:
         patterns = MODEL_FILES if kind == "model" else ADAPTER_FILES
         wanted = [name for name in siblings if "/" not in name and any(fnmatch.fnmatch(name, p) for p in patterns)]
-        _check_repo_kind(where, kind, wanted, siblings)
+        _check_repo_kind(where, kind, wanted, siblings, repo, revision)
     return Remote(source, info.sha, siblings, wanted)
 
 
@@ -211,6 +222,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
                 hub.call(
                     f"{where}/{n}",
                     lambda n=n: hf_hub_download(repo, n, revision=sha, token=token, cache_dir=cache),
+                    **remote.ids,
                 )
             )
             for n in wanted
@@ -221,6 +233,7 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
             hub.call(
                 where,
                 lambda: snapshot_download(repo, revision=sha, allow_patterns=wanted, token=token, cache_dir=cache),
+                **remote.ids,
             )
         )
     card_path = (local.parent if local.is_file() else local) / "README.md"
@@ -268,20 +281,21 @@ def _sample(names) -> str:
     return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
 
 
-def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict) -> None:
-    repo = where.split("@")[0]
+def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict, repo: str, revision: str) -> None:
+    """Refuse a repo that does not hold a `kind` (a model, or an adapter) at its top level."""
+    ids = {"repo_id": repo, "revision": revision}
     if kind == "model":
         if "config.json" not in wanted:
             hint = " (it looks like an adapter: pass it as --adapter)" if "adapter_config.json" in siblings else ""
-            raise HubError(f"{where}: not a model repo: no config.json{hint}", repo_id=repo)
+            raise HubError(f"{where}: not a model repo: no config.json{hint}", **ids)
         if not any(n.endswith(".safetensors") for n in wanted):
             raise HubError(
-                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", repo_id=repo
+                f"{where}: the repo has no safetensors weights at the top level ({_sample(siblings)})", **ids
             )
     elif "adapter_config.json" not in wanted:
         raise HubError(
             f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors",
-            repo_id=repo,
+            **ids,
         )
 
 
@@ -293,7 +307,8 @@ def check_disk(where: str, need: int, what: str = "download + output") -> None:
     probe = cache if cache.exists() else next(p for p in cache.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if need > free:
-        raise ConverterError(
+        raise OutputError(
             f"{where}: not enough disk space: needs {human_bytes(need)} ({what}), {human_bytes(free)} free "
-            f"in {probe} ({human_bytes(need - free)} missing)"
+            f"in {probe} ({human_bytes(need - free)} missing)",
+            path=probe,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from converter.errors import ConverterError
+from converter.errors import UsageError
 
 ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -58,6 +58,6 @@ def parse_user_dtype(name: str | None) -> str | None:
     try:
         return USER_DTYPES[name.lower()]
     except KeyError:
-        raise ConverterError(
+        raise UsageError(
             f"unknown dtype {name!r}: use one of float32, float16, bfloat16 (or leave it out to keep the base's)"
         ) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import BadInputError
 
 RECIPE_FILE = "converter_recipe.yaml"  # the recipe, sources pinned to the commits used
 PROVENANCE_FILE = "converter_provenance.json"  # what was merged, exactly: files, hashes, settings, tensors changed
@@ -20,7 +20,7 @@ def read_provenance(folder: str | Path) -> dict:
     """The folder's provenance record; a clear error when the folder was not written by converter merge."""
     path = Path(folder) / PROVENANCE_FILE
     if not path.is_file():
-        raise ConverterError(f"{folder}: no {PROVENANCE_FILE}; it was not written by converter merge")
+        raise BadInputError(f"{folder}: no {PROVENANCE_FILE}; it was not written by converter merge", file=folder)
     return json.loads(path.read_text())
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from converter.errors import ConverterError
+from converter.errors import BadInputError
 from converter.io import dtypes
 from converter.io.background import Worker
 from converter.io.dtypes import ITEMSIZE
@@ -71,25 +71,27 @@ class SafetensorsFile:
             try:
                 dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise self._bad(f"tensor {name!r} has a malformed header entry") from None
+                raise self._bad(f"tensor {name!r} has a malformed header entry", name) from None
             if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype!r}")
+                raise self._bad(f"tensor {name!r} has unsupported dtype {dtype!r}", name)
             if not all(_count(n) for n in (*shape, begin, end)):
-                raise self._bad(f"tensor {name!r}: shape and data_offsets must be non-negative integers")
+                raise self._bad(f"tensor {name!r}: shape and data_offsets must be non-negative integers", name)
             if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
-                raise self._bad(f"tensor {name!r}: byte range does not match its shape {list(shape)}")
+                raise self._bad(f"tensor {name!r}: byte range does not match its shape {list(shape)}", name)
             self.tensors[name] = TensorInfo(name, dtype, shape, self.header_bytes + begin, self.header_bytes + end)
             data_end = max(data_end, end)
         spans = sorted((t.start, t.end, t.name) for t in self.tensors.values() if t.end > t.start)
         for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
             if start < end:
-                raise self._bad(f"tensors {first!r} and {second!r} share bytes (overlapping data_offsets; corrupt)")
+                raise self._bad(
+                    f"tensors {first!r} and {second!r} share bytes (overlapping data_offsets; corrupt)", first
+                )
         if self.header_bytes + data_end > self.size:
             missing = self.header_bytes + data_end - self.size
             raise self._bad(f"file is truncated: {missing} bytes of tensor data are missing (re-download it)")
 
-    def _bad(self, why: str) -> ConverterError:
-        return ConverterError(f"{self.path}: {why}")
+    def _bad(self, why: str, tensor: str | None = None) -> BadInputError:
+        return BadInputError(f"{self.path}: {why}", file=self.path, tensor=tensor)
 
     def wait(self, end: int) -> None:
         """Return once bytes [0, end) of the file are there (at once unless it is still being downloaded)."""
@@ -104,7 +106,7 @@ class SafetensorsFile:
         with open(self.path, "rb") as f:
             f.seek(info.start)
             if f.readinto(buf) != info.nbytes:
-                raise self._bad(f"tensor {name!r} could not be read completely (truncated file)")
+                raise self._bad(f"tensor {name!r} could not be read completely (truncated file)", name)
         return buf
 
     def read(self, name: str) -> torch.Tensor:
@@ -181,7 +183,7 @@ class SequentialReader:
         while got < info.nbytes:
             n = self._f.readinto(view[got:])
             if not n:
-                raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)")
+                raise self.file._bad(f"tensor {info.name!r} could not be read completely (truncated file)", info.name)
             got += n
         self._hashed(buf)
         self._pos = info.end

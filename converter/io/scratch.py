@@ -25,7 +25,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import OutputError
 from converter.io.units import human_bytes
 
 _NAME = re.compile(
@@ -202,14 +202,14 @@ def temp_folder(kind: str, parent: str | Path | None = None, log: Callable[[str]
         remove(path)
 
 
-def disk_full(where: Path, needs: int | None, hint: str = "free some space or write elsewhere") -> ConverterError:
+def disk_full(where: Path, needs: int | None, hint: str = "free some space or write elsewhere") -> OutputError:
     """The one-line error for ENOSPC: where, what was needed, what is free now (after our partial files went)."""
     try:
         free = human_bytes(shutil.disk_usage(where).free)
     except OSError:
         free = "unknown"
     need = f"needs at least {human_bytes(needs)}, " if needs else ""
-    return ConverterError(f"no space left on {where}: {need}{free} free ({hint}, then run again)")
+    return OutputError(f"no space left on {where}: {need}{free} free ({hint}, then run again)", path=where)
 
 
 def stop_here(point: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from converter.errors import ConverterError
+from converter.errors import UsageError
 
 _UNITS = {
     "": 1,
@@ -24,7 +24,7 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
-        raise ConverterError(f"cannot read size {text!r}: write it like 5GB, 500MB or 2GiB")
+        raise UsageError(f"cannot read size {text!r}: write it like 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 

@@ -11,7 +11,7 @@ from converter.engine.base_reader import open_base
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.family import convert_hint, identify
 from converter.engine.keymap import keymap_for
-from converter.errors import ConverterError
+from converter.errors import ConverterError, HubError
 from converter.formats import load_adapter
 from converter.hub import client as hub
 from converter.hub.remote_headers import hub_base_headers
@@ -75,13 +75,22 @@ def inspect_hub(source: Source, allow_pickle: bool, token: str | None) -> dict:
 
     api = HfApi(token=token)
     where = f"{source.repo_id}@{source.revision or 'main'}"
-    info = hub.call(where, lambda: api.model_info(source.repo_id, revision=source.revision))
+    info = hub.call(
+        where,
+        lambda: api.model_info(source.repo_id, revision=source.revision),
+        repo_id=source.repo_id,
+        revision=source.revision or "main",
+    )
     names = {s.rfilename for s in info.siblings or []}
     if source.path or "adapter_config.json" in names:
         fetched = fetch(source.spec, "adapter", token)
         return {**inspect_adapter(fetched.local, allow_pickle, shown=source.spec), "path": fetched.pinned}
     if "config.json" not in names and "model_index.json" not in names:
-        raise ConverterError(f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)")
+        raise HubError(
+            f"{where}: neither a model (config.json) nor an adapter (adapter_config.json)",
+            repo_id=source.repo_id,
+            revision=source.revision or "main",
+        )
     with temp_folder("headers", log=lambda line: print(line, file=sys.stderr)) as scratch:
         base = hub_base_headers(source, token, Path(scratch))
         diffusion = (base.path / "model_index.json").is_file()

@@ -319,7 +319,7 @@ def _diffusion_base(spec: str, token: str | None) -> bool:
 
     try:
         return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
-                                                  token=token))  # fmt: skip
+                                                  token=token), repo_id=source.repo_id, revision=source.revision)  # fmt: skip
     except ConverterError:
         return False
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.engine.writer import Shard
-from converter.errors import ConverterError, HubError
+from converter.errors import BadInputError, ConverterError, HubError
 from converter.hub import client as hub
 from converter.hub.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
 from converter.io.background import Worker
@@ -127,6 +127,7 @@ class StreamedBase:
                     lambda n=name: hf_hub_download(
                         remote.source.repo_id, n, revision=remote.sha, token=token, cache_dir=cache_dir()
                     ),
+                    **remote.ids,
                 )
             os.symlink(os.path.realpath(cached), target)
         for d in self.downloads:
@@ -157,7 +158,7 @@ class StreamedBase:
                 r.read()
                 hf_raise_for_status(r)
             if r.status_code != 206 and start > 0:
-                raise HubError(f"{self.remote.where}/{name}: the server ignored a Range request", repo_id=None)
+                raise HubError(f"{self.remote.where}/{name}: the server ignored a Range request", **self.remote.ids)
             for chunk in r.iter_bytes():  # as received: a dropped connection loses nothing already read
                 sink(chunk)
 
@@ -167,7 +168,7 @@ class StreamedBase:
             self._get(name, start, end, buf.extend)
             return bytes(buf)
 
-        return hub.call(f"{self.remote.where}/{name}", get)
+        return hub.call(f"{self.remote.where}/{name}", get, **self.remote.ids)
 
     def _standin(self, d: _Download) -> None:
         """The file with its real header bytes and its real length, the data a hole until it arrives."""
@@ -175,7 +176,7 @@ class StreamedBase:
         try:
             decode_header(head, d.size)  # two range reads: the length, then the header it announces
         except HeaderError as e:
-            raise ConverterError(f"{self.remote.where}/{d.name}: {e}") from None
+            raise BadInputError(f"{self.remote.where}/{d.name}: {e}", file=f"{self.remote.where}/{d.name}") from None
         with open(d.path, "wb") as f:
             f.write(head.seen)
             f.truncate(d.size)
@@ -225,7 +226,7 @@ class StreamedBase:
                     self.meter.sample()
 
             while d.have < d.size:  # each try resumes where the last one stopped
-                hub.call(where, lambda: self._get(d.name, d.have, d.size, sink))
+                hub.call(where, lambda: self._get(d.name, d.have, d.size, sink), **self.remote.ids)
         if self.meter is not None:
             self.meter.sample()
 
@@ -259,7 +260,7 @@ class StreamedBase:
             if d.have < end:
                 if isinstance(self._error, ConverterError):
                     raise self._error
-                raise ConverterError(f"{self.remote.where}/{d.name}: download failed ({self._error})")
+                raise HubError(f"{self.remote.where}/{d.name}: download failed ({self._error})", **self.remote.ids)
 
     def release(self, path: Path, after: str) -> None:
         """The merge has read all it needs from `path`; delete it once tensor `after` is in a finished shard."""
@@ -395,6 +396,8 @@ class ShardUploader:
             lambda: self.api.preupload_lfs_files(
                 self.repo_id, [op], revision=self.revision, create_pr=self.create_pr or None
             ),
+            repo_id=self.repo_id,
+            revision=self.revision,
         )
         self.operations.append(op)
         self.uploaded += shard.size

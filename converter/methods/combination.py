@@ -28,7 +28,7 @@ from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
 from converter.conversion.writers import write
 from converter.engine.ties_dare import combine_tensors, dare_mask
-from converter.errors import ConverterError
+from converter.errors import AdapterFormatError, BadInputError, UsageError
 from converter.formats import load_adapter
 from converter.hub.sources import fetch
 from converter.io.scratch import temp_folder
@@ -49,20 +49,20 @@ class CombineResult:
 def check_options(method: str, n: int, density: float | None, rank: int | None, svd_clamp: float | None) -> None:
     """Every option problem as a one-line error, before an adapter is read."""
     if method not in METHODS:
-        raise ConverterError(f"--method {method}: choose one of {', '.join(METHODS)}")
+        raise UsageError(f"--method {method}: choose one of {', '.join(METHODS)}")
     if n < 1:
-        raise ConverterError("combine needs at least one --adapter")
+        raise UsageError("combine needs at least one --adapter")
     base = method.removesuffix("_svd")
     if base in NEEDS_DENSITY and density is None:
-        raise ConverterError(f"--method {method} needs --density (the fraction of values kept, in (0, 1])")
+        raise UsageError(f"--method {method} needs --density (the fraction of values kept, in (0, 1])")
     if density is not None and not 0 < density <= 1:
-        raise ConverterError(f"--density {density}: give the fraction of values kept, in (0, 1]")
+        raise UsageError(f"--density {density}: give the fraction of values kept, in (0, 1]")
     if rank is not None and method not in SVD_METHODS:
-        raise ConverterError(f"--rank applies to the svd methods only; {method} keeps the input ranks")
+        raise UsageError(f"--rank applies to the svd methods only; {method} keeps the input ranks")
     if rank is not None and rank < 1:
-        raise ConverterError(f"--rank {rank}: give a positive rank")
+        raise UsageError(f"--rank {rank}: give a positive rank")
     if svd_clamp is not None and (method not in SVD_METHODS or not 0 < svd_clamp <= 1):
-        raise ConverterError("--svd-clamp is a quantile in (0, 1] and applies to the svd methods only")
+        raise UsageError("--svd-clamp is a quantile in (0, 1] and applies to the svd methods only")
 
 
 def combine_module(
@@ -85,9 +85,10 @@ def combine_module(
     if method in FACTOR_METHODS:
         ranks = {m.rank for _, _, m in parts}
         if len(ranks) > 1:
-            raise ConverterError(
+            raise BadInputError(
                 f"module {first.name}: ranks {sorted(ranks)} differ; --method {method} merges the factors "
-                "themselves, so every adapter needs the same rank there (use cat or svd)"
+                "themselves, so every adapter needs the same rank there (use cat or svd)",
+                tensor=first.name,
             )
         scaled = [w * m.alpha / m.rank for _, w, m in parts]
         wa = [math.copysign(math.sqrt(abs(x)), x) for x in scaled]
@@ -163,11 +164,11 @@ def combine(
     """Combine `adapters` (local or Hub) with `weights` by `method` into one adapter written at `out` as `to`."""
     weights = list(weights) if weights else [1.0] * len(adapters)
     if len(weights) != len(adapters):
-        raise ConverterError(f"{len(weights)} --weight for {len(adapters)} --adapter: give one per adapter")
+        raise UsageError(f"{len(weights)} --weight for {len(adapters)} --adapter: give one per adapter")
     if sign_method not in ("total", "frequency"):
-        raise ConverterError(f"--majority-sign {sign_method}: choose total or frequency")
+        raise UsageError(f"--majority-sign {sign_method}: choose total or frequency")
     if to not in TARGETS:
-        raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_options(method, len(adapters), density, rank, svd_clamp)
     out = Path(out)
     check_output_path(out, to, force)
@@ -180,9 +181,11 @@ def combine(
     for i, modules in enumerate(loaded):
         for m in modules:
             if m.magnitude is not None:
-                raise ConverterError(
+                raise AdapterFormatError(
                     f"{adapters[i]}: {m.source} is DoRA; a combined adapter has no rule for the magnitude "
-                    "vectors (PEFT's add_weighted_adapter drops them), so DoRA adapters are not combined"
+                    "vectors (PEFT's add_weighted_adapter drops them), so DoRA adapters are not combined",
+                    file=adapters[i],
+                    tensor=m.source,
                 )
             order.setdefault((m.component, m.name), []).append((i, weights[i], m))
     target_rank = rank or max(m.rank for modules in loaded for m in modules)

@@ -26,7 +26,7 @@ from converter.conversion.writers import write, write_peft
 from converter.engine.base_reader import open_base
 from converter.engine.keymap import keymap_for
 from converter.engine.writer import atomic_folder
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, UsageError
 from converter.hub.sources import HUB_SPEC, fetch
 from converter.methods.ranks import check_rule, choose_rank, retained_energy
 
@@ -87,9 +87,9 @@ def extract(
 ) -> ExtractResult:
     """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
     if rank < 1:
-        raise ConverterError(f"--rank {rank}: give a positive rank")
+        raise UsageError(f"--rank {rank}: give a positive rank")
     if to not in TARGETS:
-        raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_rule(rule, param)
     keep = _filter(include or [], exclude or [])
     out = Path(out)
@@ -99,22 +99,30 @@ def extract(
         fetched[role] = fetch(spec, "model", token)
     b, t = open_base(fetched["base"].local), open_base(fetched["tuned"].local)
     if b.diffusion != t.diffusion:
-        raise ConverterError(f"{tuned}: is a {t.diffusion or 'transformers'} checkpoint, the base a "
-                             f"{b.diffusion or 'transformers'} one; give both in the same layout")  # fmt: skip
+        raise CheckpointError(
+            f"{tuned}: is a {t.diffusion or 'transformers'} checkpoint, the base a {b.diffusion or 'transformers'} "
+            "one; give both in the same layout",
+            file=tuned,
+        )
     base_keys = set(b.names())
     keys = [k for k in t.names() if keep(k)]
     missing = [k for k in keys if k not in base_keys]
     if missing:
-        raise ConverterError(f"{tuned}: tensor {missing[0]} is not in the base ({len(missing)} such): another "
-                             "architecture? (--exclude them if they are new layers you do not want)")  # fmt: skip
+        raise CheckpointError(
+            f"{tuned}: tensor {missing[0]} is not in the base ({len(missing)} such): another architecture? "
+            "(--exclude them if they are new layers you do not want)",
+            file=tuned,
+            tensor=missing[0],
+        )
     _refuse_transposed(b, keys)
     whole = _whole_modules(b, t, keys)
     if whole and (not modules_to_save or to != "peft"):
         first = next(iter(whole.values()))
         why = "--no-modules-to-save" if not modules_to_save else f"--to {to} has no form for them (use --to peft)"
-        raise ConverterError(
+        raise CheckpointError(
             f"{tuned}: {first} differs and has no low-rank form (an embedding, norm or bias); {len(whole)} such "
-            f"module(s) would be saved whole, but {why}, or --exclude them"
+            f"module(s) would be saved whole, but {why}, or --exclude them",
+            file=tuned,
         )
     modules: list[LoraModule] = []
     saved: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -134,7 +142,7 @@ def extract(
         report[key] = facts
     if not modules:
         where = " (after --include/--exclude)" if include or exclude else ""
-        raise ConverterError(f"{tuned}: no weight matrix differs from the base{where}; nothing to extract")
+        raise CheckpointError(f"{tuned}: no weight matrix differs from the base{where}; nothing to extract", file=tuned)
     files = _write(modules, saved, to, out, force, fetched, report, base)
     notes = _summary(report, saved)
     for note in notes:
@@ -152,9 +160,10 @@ def _refuse_transposed(b, keys: list[str]) -> None:
     keymap = keymap_for(b.config)
     transposed = [k for k in keys if keymap.is_stored_transposed(k)]
     if transposed:
-        raise ConverterError(
+        raise CheckpointError(
             f"{transposed[0]} is stored transposed ({keymap.name} Conv1D, {len(transposed)} such): its LoRA would "
-            "need PEFT's fan_in_fan_out layout, which is not written; --exclude them to extract the rest"
+            "need PEFT's fan_in_fan_out layout, which is not written; --exclude them to extract the rest",
+            tensor=transposed[0],
         )
 
 
@@ -163,7 +172,7 @@ def _filter(include: list[str], exclude: list[str]) -> Callable[[str], bool]:
         inc = [re.compile(p) for p in include]
         exc = [re.compile(p) for p in exclude]
     except re.error as e:
-        raise ConverterError(f"--include/--exclude {e.pattern!r}: not a valid regex ({e.msg})") from None
+        raise UsageError(f"--include/--exclude {e.pattern!r}: not a valid regex ({e.msg})") from None
     return lambda k: (not inc or any(p.search(k) for p in inc)) and not any(p.search(k) for p in exc)
 
 
@@ -221,8 +230,10 @@ def _add_saved(folder: Path, modules: list[LoraModule], saved: dict) -> None:
     components = {m.component for m in modules}
     for comp, module in saved:
         if comp not in components:
-            raise ConverterError(f"{comp}/{module}: differs, but no other module of {comp} does; extract "
-                                 "that component alone (--include) or --exclude it")  # fmt: skip
+            raise UsageError(
+                f"{comp}/{module}: differs, but no other module of {comp} does; extract that component alone "
+                "(--include) or --exclude it"
+            )
     for comp in components:
         sub = folder if len(components) == 1 else folder / str(comp)
         extra = {f"base_model.model.{module}.{p}": v.contiguous()

@@ -20,7 +20,7 @@ from converter.conversion.core import TARGETS, check_output_path
 from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
 from converter.conversion.writers import write
-from converter.errors import ConverterError
+from converter.errors import UsageError
 from converter.formats import load_adapter
 from converter.hub.sources import fetch
 from converter.io.scratch import temp_folder
@@ -77,9 +77,9 @@ def resize(
 ) -> ResizeResult:
     """Resize every module of the adapter at `adapter` (local or Hub) and write it at `out` as `to`."""
     if rank < 1:
-        raise ConverterError(f"--rank {rank}: give a positive rank")
+        raise UsageError(f"--rank {rank}: give a positive rank")
     if to not in TARGETS:
-        raise ConverterError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
     check_rule(rule, param)
     out = Path(out)
     check_output_path(out, to, force)

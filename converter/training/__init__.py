@@ -13,8 +13,15 @@ import json
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
-from converter.errors import ConverterError
-from converter.training.locate import Located, NotFound, config_candidates, is_shard_file, locate
+from converter.errors import (
+    BadInputError,
+    CheckpointError,
+    CheckpointNotFound,
+    ConverterError,
+    NoModelWeights,
+    UsageError,
+)
+from converter.training.locate import Located, config_candidates, is_shard_file, locate
 from converter.training.view import TrainingCheckpoint
 
 __all__ = ["TrainingCheckpoint", "is_training_base", "is_training_checkpoint", "locate", "open_training"]
@@ -29,7 +36,7 @@ def is_training_checkpoint(path: Path) -> bool:
         return False
     try:
         locate(path)
-    except NotFound:
+    except CheckpointNotFound:
         return False
     except ConverterError:  # found, but which step or side needs the user: open_training says so
         return True
@@ -55,15 +62,16 @@ def find_config(located: Located, given: str | Path | None) -> Path:
         path = Path(given)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
-            raise ConverterError(f"--config {given}: no config.json there (give the base model's folder or file)")
+            raise UsageError(f"--config {given}: no config.json there (give the base model's folder or file)")
         return file
     for folder in config_candidates(located):
         if (folder / "config.json").is_file():
             return folder / "config.json"
     where = ", ".join(str(f) for f in config_candidates(located))
-    raise ConverterError(
+    raise CheckpointError(
         f"{located.weights}: a {located.layout} checkpoint without its Hugging Face config.json (looked in {where}); "
-        "give --config with the base model's folder or its config.json"
+        "give --config with the base model's folder or its config.json",
+        file=located.weights,
     )
 
 
@@ -71,7 +79,7 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
-        raise ConverterError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        raise BadInputError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})", file=path) from None
 
 
 def open_training(
@@ -90,18 +98,19 @@ def open_training(
         source = LegacySource(folder, cfg, allow_pickle=allow_pickle)
     elif located.layout == "DCP":
         from converter.training.dcp import DcpSource
-        from converter.training.mcore_dist import TRAINING_STATE, MegatronDist, NoModelWeights, is_megatron_dist
+        from converter.training.mcore_dist import TRAINING_STATE, MegatronDist, is_megatron_dist
         from converter.training.torchtitan import TorchtitanNames, has_torchtitan_names
 
         source = DcpSource(folder, allow_pickle=allow_pickle)
         if adapter.is_file():
-            raise ConverterError(
+            raise CheckpointError(
                 f"{folder}: holds a LoRA adapter's training state only; its PEFT export is {adapter.parent}: merge it "
-                "with --adapter that folder and --base the model the run started from"
+                "with --adapter that folder and --base the model the run started from",
+                file=folder,
             )
         try:
             if not any(not n.startswith(TRAINING_STATE) for n in source.names()):
-                raise NoModelWeights(f"{folder}: optimizer and training state only, no model weights")
+                raise NoModelWeights(f"{folder}: optimizer and training state only, no model weights", file=folder)
             if is_megatron_dist(source.names()):
                 source = MegatronDist(source, cfg)
         except NoModelWeights as e:

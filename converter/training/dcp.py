@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.io.dtypes import TORCH_TO_ST
 
 ALLOWED = {
@@ -79,12 +79,15 @@ def load_metadata(path: Path, allow_pickle: bool):
         with open(path, "rb") as f:
             return (pickle.Unpickler(f) if allow_pickle else _MetadataUnpickler(f)).load()
     except pickle.UnpicklingError as e:
-        raise ConverterError(
+        raise CheckpointError(
             f"{path}: holds objects other than checkpoint metadata ({e}); refused. Pass --allow-pickle only if "
-            "you trust where the file came from"
+            "you trust where the file came from",
+            file=path,
         ) from None
     except (EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
-        raise ConverterError(f"{path}: not a readable DCP .metadata file ({type(e).__name__}: truncated?)") from None
+        raise CheckpointError(
+            f"{path}: not a readable DCP .metadata file ({type(e).__name__}: truncated?)", file=path
+        ) from None
 
 
 class DcpSource:
@@ -99,33 +102,50 @@ class DcpSource:
         meta = load_metadata(self.folder / ".metadata", allow_pickle)
         self.tensors = {fqn: m for fqn, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
         if not self.tensors:
-            raise ConverterError(f"{self.folder / '.metadata'}: the checkpoint holds no tensors")
+            raise CheckpointError(
+                f"{self.folder / '.metadata'}: the checkpoint holds no tensors", file=self.folder / ".metadata"
+            )
         self.where: dict[str, list] = {fqn: [] for fqn in self.tensors}
         for index, info in meta.storage_data.items():
             if index.fqn in self.where:
                 if getattr(info, "transform_descriptors", None):
-                    raise ConverterError(
+                    raise CheckpointError(
                         f"{self.folder}: tensor {index.fqn} is stored transformed ({info.transform_descriptors}); "
-                        "only plain DCP chunks can be read"
+                        "only plain DCP chunks can be read",
+                        file=self.folder,
+                        tensor=index.fqn,
                     )
                 self.where[index.fqn].append((tuple(index.offset or ()), info))
         used = sorted({info.relative_path for chunks in self.where.values() for _, info in chunks})
         missing = [n for n in used if not (self.folder / n).is_file()]
         if missing:
-            raise ConverterError(f"{self.folder}: {missing[0]} is missing (the checkpoint lists {len(used)} files)")
+            raise CheckpointError(
+                f"{self.folder}: {missing[0]} is missing (the checkpoint lists {len(used)} files)",
+                file=self.folder / missing[0],
+            )
         self.files = [self.folder / ".metadata"] + [self.folder / n for n in used]
         self.sizes = {n: (self.folder / n).stat().st_size for n in used}
         for fqn, m in self.tensors.items():
             if m.properties.dtype not in TORCH_TO_ST:
-                raise ConverterError(f"{self.folder}: tensor {fqn} has dtype {m.properties.dtype}, not storable")
+                raise CheckpointError(
+                    f"{self.folder}: tensor {fqn} has dtype {m.properties.dtype}, not storable",
+                    file=self.folder,
+                    tensor=fqn,
+                )
             got = sum(torch.Size(c.sizes).numel() for c in m.chunks)
             if got != torch.Size(m.size).numel() or len(self.where[fqn]) != len(m.chunks):
-                raise ConverterError(f"{self.folder}: tensor {fqn}: its chunks do not cover its shape {list(m.size)}")
+                raise CheckpointError(
+                    f"{self.folder}: tensor {fqn}: its chunks do not cover its shape {list(m.size)}",
+                    file=self.folder,
+                    tensor=fqn,
+                )
             for _, info in self.where[fqn]:
                 if info.offset + info.length > self.sizes[info.relative_path]:
-                    raise ConverterError(
+                    raise CheckpointError(
                         f"{self.folder / info.relative_path}: tensor {fqn} lies past the end of the file "
-                        "(truncated: copy it again)"
+                        "(truncated: copy it again)",
+                        file=self.folder / info.relative_path,
+                        tensor=fqn,
                     )
 
     def names(self) -> list[str]:
@@ -155,12 +175,18 @@ class DcpSource:
                 f.seek(info.offset)
                 blob = f.read(info.length)
             if len(blob) != info.length:
-                raise ConverterError(f"{self.folder / info.relative_path}: tensor {name} is truncated")
+                raise CheckpointError(
+                    f"{self.folder / info.relative_path}: tensor {name} is truncated",
+                    file=self.folder / info.relative_path,
+                    tensor=name,
+                )
             try:
                 chunk = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any failure to load a chunk is a corrupt file
-                raise ConverterError(
-                    f"{self.folder / info.relative_path}: tensor {name}: chunk unreadable ({type(e).__name__})"
+                raise CheckpointError(
+                    f"{self.folder / info.relative_path}: tensor {name}: chunk unreadable ({type(e).__name__})",
+                    file=self.folder / info.relative_path,
+                    tensor=name,
                 ) from None
             shape = shape or tuple(chunk.shape)
             chunk = chunk.reshape(shape)

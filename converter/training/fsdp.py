@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.io.dtypes import TORCH_TO_ST
 
 RANK_FILE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
@@ -58,29 +58,38 @@ def rank_files(folder: Path) -> tuple[int, list[Path]]:
         try:
             declared = int(json.loads(config.read_text())["world_size"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise ConverterError(f"{config}: not a verl fsdp_config.json (no integer world_size)") from None
+            raise CheckpointError(
+                f"{config}: not a verl fsdp_config.json (no integer world_size)", file=config
+            ) from None
     if not found:
-        raise ConverterError(f"{folder}: no model_world_size_W_rank_R.pt files (not a verl FSDP checkpoint folder)")
+        raise CheckpointError(
+            f"{folder}: no model_world_size_W_rank_R.pt files (not a verl FSDP checkpoint folder)", file=folder
+        )
     if len(found) > 1:
-        raise ConverterError(
+        raise CheckpointError(
             f"{folder}: rank files of several world sizes ({', '.join(map(str, sorted(found)))}); "
-            "keep only the files of one save"
+            "keep only the files of one save",
+            file=folder,
         )
     (world,) = found
     if declared is not None and declared != world:
-        raise ConverterError(
+        raise CheckpointError(
             f"{config}: world_size is {declared} but the rank files are for world size {world} "
-            "(files from another save mixed in?)"
+            "(files from another save mixed in?)",
+            file=config,
         )
     missing = [r for r in range(world) if r not in found[world]]
     if missing:
-        raise ConverterError(
+        raise CheckpointError(
             f"{folder}: model_world_size_{world}_rank_{missing[0]}.pt is missing "
-            f"({len(found[world])} of {world} rank files present); copy every rank's file"
+            f"({len(found[world])} of {world} rank files present); copy every rank's file",
+            file=folder / f"model_world_size_{world}_rank_{missing[0]}.pt",
         )
     extra = sorted(r for r in found[world] if r >= world)
     if extra:
-        raise ConverterError(f"{found[world][extra[0]]}: rank {extra[0]} is outside world size {world}")
+        raise CheckpointError(
+            f"{found[world][extra[0]]}: rank {extra[0]} is outside world size {world}", file=found[world][extra[0]]
+        )
     return world, [found[world][r] for r in range(world)]
 
 
@@ -95,18 +104,21 @@ def load_meta(path: Path, allow_pickle: bool) -> dict:
         state = torch.load(path, map_location="meta", weights_only=not allow_pickle, mmap=False)
     except pickle.UnpicklingError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConverterError(
+        raise CheckpointError(
             f"{path}: holds objects other than tensors, which a weights-only load refuses ({first}); "
-            "pass --allow-pickle only if you trust where the file came from"
+            "pass --allow-pickle only if you trust where the file came from",
+            file=path,
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConverterError(
-            f"{path}: not a readable torch.save file ({_first_line(e)}): truncated or corrupt? copy it again"
+        raise CheckpointError(
+            f"{path}: not a readable torch.save file ({_first_line(e)}): truncated or corrupt? copy it again", file=path
         ) from None
     finally:
         quiet.setLevel(level)
     if not isinstance(state, dict):
-        raise ConverterError(f"{path}: expected a state dict (name -> tensor), found {type(state).__name__}")
+        raise CheckpointError(
+            f"{path}: expected a state dict (name -> tensor), found {type(state).__name__}", file=path
+        )
     return state
 
 
@@ -121,7 +133,9 @@ def piece_of(path: Path, t: torch.Tensor) -> Piece:
     storage = t.untyped_storage()
     offset = getattr(storage, "_checkpoint_offset", None)
     if offset is None:
-        raise ConverterError(f"{path}: cannot locate tensor data in the file (not a zip-format torch.save?)")
+        raise CheckpointError(
+            f"{path}: cannot locate tensor data in the file (not a zip-format torch.save?)", file=path
+        )
     return Piece(path, int(offset), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
@@ -133,14 +147,20 @@ def _placement(path: Path, name: str, value) -> tuple[torch.Tensor, int | None, 
         mesh = value.device_mesh
         names = tuple(mesh.mesh_dim_names or ())
         if names not in MESHES:
-            raise ConverterError(
+            raise CheckpointError(
                 f"{path}: tensor {name} is on a device mesh named {names or 'without names'}; "
-                "only verl's ('fsdp',) and ('ddp', 'fsdp') meshes are understood"
+                "only verl's ('fsdp',) and ('ddp', 'fsdp') meshes are understood",
+                file=path,
+                tensor=name,
             )
         placements = tuple(value.placements)
         if names == ("ddp", "fsdp"):
             if not isinstance(placements[0], Replicate):
-                raise ConverterError(f"{path}: tensor {name} is not replicated across the ddp mesh dim ({placements})")
+                raise CheckpointError(
+                    f"{path}: tensor {name} is not replicated across the ddp mesh dim ({placements})",
+                    file=path,
+                    tensor=name,
+                )
             placements = placements[1:]
         (p,) = placements
         fsdp_size = mesh.shape[-1]
@@ -148,13 +168,15 @@ def _placement(path: Path, name: str, value) -> tuple[torch.Tensor, int | None, 
             return value._local_tensor, p.dim, tuple(value.shape), fsdp_size
         if isinstance(p, Replicate):
             return value._local_tensor, None, tuple(value.shape), fsdp_size
-        raise ConverterError(
+        raise CheckpointError(
             f"{path}: tensor {name} has placement {p}; only Shard(d) and Replicate can be reassembled "
-            "(a Partial tensor is an unreduced sum: save the checkpoint after a reduction)"
+            "(a Partial tensor is an unreduced sum: save the checkpoint after a reduction)",
+            file=path,
+            tensor=name,
         )
     if isinstance(value, torch.Tensor):
         return value, 0, (), 0
-    raise ConverterError(f"{path}: entry {name} is a {type(value).__name__}, not a tensor")
+    raise CheckpointError(f"{path}: entry {name} is a {type(value).__name__}, not a tensor", file=path, tensor=name)
 
 
 def index_ranks(files: list[Path], allow_pickle: bool) -> dict[str, Entry]:
@@ -165,8 +187,9 @@ def index_ranks(files: list[Path], allow_pickle: bool) -> dict[str, Entry]:
         state = load_meta(path, allow_pickle)
         if per_rank and list(state) != list(per_rank[0]):
             other = sorted(set(state) ^ set(per_rank[0]))
-            raise ConverterError(
-                f"{path}: holds other tensors than {files[0].name} (e.g. {other[0] if other else 'a different order'})"
+            raise CheckpointError(
+                f"{path}: holds other tensors than {files[0].name} (e.g. {other[0] if other else 'a different order'})",
+                file=path,
             )
         per_rank.append(state)
     entries: dict[str, Entry] = {}
@@ -176,13 +199,19 @@ def index_ranks(files: list[Path], allow_pickle: bool) -> dict[str, Entry]:
         for path, state in zip(files, per_rank, strict=True):
             local, dim, shape, size = _placement(path, name, state[name])
             if size and size * (world // size) != world:
-                raise ConverterError(f"{path}: tensor {name} is on a mesh of {size} ranks, not {world}")
+                raise CheckpointError(
+                    f"{path}: tensor {name} is on a mesh of {size} ranks, not {world}", file=path, tensor=name
+                )
             shards = size or world
             locals_.append((path, local))
             dims.add(dim)
             shapes.add(shape)
         if len(dims) != 1 or len(shapes) != 1 or len({t.dtype for _, t in locals_}) != 1:
-            raise ConverterError(f"{files[0].parent}: tensor {name} is sharded differently on different ranks")
+            raise CheckpointError(
+                f"{files[0].parent}: tensor {name} is sharded differently on different ranks",
+                file=files[0].parent,
+                tensor=name,
+            )
         (dim,), (shape,) = dims, shapes
         pieces = tuple(piece_of(p, t) for p, t in locals_[:shards])
         dtype = locals_[0][1].dtype
@@ -194,12 +223,18 @@ def index_ranks(files: list[Path], allow_pickle: bool) -> dict[str, Entry]:
                 shape = (sum(p.shape[0] for p in pieces), *first[1:]) if first else ()
             got = sum(p.shape[dim] for p in pieces) if pieces[0].shape else 0
             if len(shape) <= dim or got != shape[dim]:
-                raise ConverterError(
+                raise CheckpointError(
                     f"{files[0].parent}: tensor {name}: the shards add up to {got} rows on dim {dim}, "
-                    f"the full tensor has shape {list(shape)}"
+                    f"the full tensor has shape {list(shape)}",
+                    file=files[0].parent,
+                    tensor=name,
                 )
         if dtype not in TORCH_TO_ST:
-            raise ConverterError(f"{files[0]}: tensor {name} has dtype {dtype}, which safetensors cannot store")
+            raise CheckpointError(
+                f"{files[0]}: tensor {name} has dtype {dtype}, which safetensors cannot store",
+                file=files[0],
+                tensor=name,
+            )
         entries[name] = Entry(name, dtype, tuple(shape), dim, pieces)
     return entries
 
@@ -212,14 +247,20 @@ def read_piece(piece: Piece, dtype: torch.dtype, size: int, name: str) -> torch.
     span = 1 + sum((n - 1) * s for n, s in zip(piece.shape, piece.stride, strict=True))
     start = piece.offset + piece.storage_offset * item
     if start + span * item > size:
-        raise ConverterError(
-            f"{piece.path}: tensor {name} lies past the end of the file (truncated: copy the file again)"
+        raise CheckpointError(
+            f"{piece.path}: tensor {name} lies past the end of the file (truncated: copy the file again)",
+            file=piece.path,
+            tensor=name,
         )
     buf = bytearray(span * item)
     with open(piece.path, "rb") as f:
         f.seek(start)
         if f.readinto(buf) != len(buf):
-            raise ConverterError(f"{piece.path}: tensor {name} could not be read completely (truncated file)")
+            raise CheckpointError(
+                f"{piece.path}: tensor {name} could not be read completely (truncated file)",
+                file=piece.path,
+                tensor=name,
+            )
     flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
     t = flat.as_strided(piece.shape, piece.stride)
     return t if t.is_contiguous() else t.contiguous()

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from converter.engine.keymap import eval_expr
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.training.fsdp import Piece, load_meta, piece_of, read_piece
 from converter.training.megatron import megatron_keymap, rule_for
 
@@ -48,7 +48,7 @@ def rank_dirs(folder: Path) -> dict[tuple[int, str, str], Path]:
         if (m := RANK_DIR.fullmatch(d.name)) and d.is_dir():
             found[(int(m.group(1)), m.group(2) or "", m.group(3) or "")] = d / "model_optim_rng.pt"
     if not found:
-        raise ConverterError(f"{folder}: no mp_rank_XX[_YYY]/ folders (not a legacy Megatron checkpoint)")
+        raise CheckpointError(f"{folder}: no mp_rank_XX[_YYY]/ folders (not a legacy Megatron checkpoint)", file=folder)
     return found
 
 
@@ -71,10 +71,11 @@ def _grid(folder: Path, found: dict, args) -> dict[tuple[int, int, int], Path]:
                 if (t, p, e) not in grid or not grid[(t, p, e)].is_file():
                     name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if sizes[1] > 1 else "") + (
                         f"_{e:03d}" if sizes[2] > 1 else "")  # fmt: skip
-                    raise ConverterError(
+                    raise CheckpointError(
                         f"{folder}: {name}/model_optim_rng.pt is missing ({sizes[0]} tensor x {sizes[1]} pipeline"
                         + (f" x {sizes[2]} expert" if sizes[2] > 1 else "")
-                        + " ranks expected)"
+                        + " ranks expected)",
+                        file=folder / name / "model_optim_rng.pt",
                     )
     return grid
 
@@ -98,9 +99,10 @@ class LegacySource:
         args = first.get("args")
         etp = getattr(args, "expert_tensor_parallel_size", None)
         if ep > 1 and etp not in (None, self.tp):
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.folder}: experts are split over {etp} tensor-parallel ranks, the rest over {self.tp}; "
-                "a legacy checkpoint with expert tensor parallelism unlike the rest is not supported"
+                "a legacy checkpoint with expert tensor parallelism unlike the rest is not supported",
+                file=self.folder,
             )
         self.files = [grid[(t, p, e)] for p in range(pp) for e in range(ep) for t in range(self.tp)]
         self.sizes = {f: f.stat().st_size for f in self.files}
@@ -110,7 +112,9 @@ class LegacySource:
         models = {k: self._models(grid[k], allow_pickle) for k in grid}
         vpp = len(models[(0, 0, 0)])
         if any(len(m) != vpp for m in models.values()):
-            raise ConverterError(f"{self.folder}: files disagree on the number of virtual pipeline stages")
+            raise CheckpointError(
+                f"{self.folder}: files disagree on the number of virtual pipeline stages", file=self.folder
+            )
         offset = 0
         for v in range(vpp):
             for p in range(pp):
@@ -125,10 +129,11 @@ class LegacySource:
                             self.tp)], offset, e * count, where, config, keymap)  # fmt: skip
                 offset += len(layers)
         if config.get("num_hidden_layers") not in (None, offset):
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.folder}: the files hold {offset} layers; config.json says {config['num_hidden_layers']} "
                 "(another model's config? or expert-parallel ranks mp_rank_XX_YYY read as pipeline stages because "
-                "the files carry no args)"
+                "the files carry no args)",
+                file=self.folder,
             )
 
     def _add(self, key, states, paths, offset, first_expert, where, config, keymap) -> None:
@@ -141,15 +146,21 @@ class LegacySource:
             name = f"{m['head']}.{fc}.{p}{first_expert + _local_index(key)}"
         rule = rule_for(keymap, name)
         if rule is None:
-            raise ConverterError(
-                f"{where}: tensor {key} has no Megatron-Core -> transformers rule (keymaps/megatron.yaml); add one"
+            raise CheckpointError(
+                f"{where}: tensor {key} has no Megatron-Core -> transformers rule (keymaps/megatron.yaml); add one",
+                file=where,
+                tensor=key,
             )
         if any(key not in s for s in states[1:]):
-            raise ConverterError(f"{self.folder}: tensor {key} is missing on some tensor-parallel ranks")
+            raise CheckpointError(
+                f"{self.folder}: tensor {key} is missing on some tensor-parallel ranks", file=self.folder, tensor=key
+            )
         if name in self.entries:
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.folder}: {name} is held by two pipeline or expert ranks (expert-parallel ranks mp_rank_XX_YYY "
-                "read as pipeline stages? the files carry no args saying which they are)"
+                "read as pipeline stages? the files carry no args saying which they are)",
+                file=self.folder,
+                tensor=name,
             )
         split = None
         if rule.rows is not None:
@@ -169,9 +180,9 @@ class LegacySource:
         chunks = sorted((int(k[5:]), v) for k, v in obj.items() if k.startswith("model") and k[5:].isdigit())
         states = [v for _, v in chunks] if chunks else [obj.get("model", obj)]
         if chunks and [i for i, _ in chunks] != list(range(len(chunks))):
-            raise ConverterError(f"{path}: virtual pipeline stages {[i for i, _ in chunks]} are not 0..n-1")
+            raise CheckpointError(f"{path}: virtual pipeline stages {[i for i, _ in chunks]} are not 0..n-1", file=path)
         if not all(isinstance(s, dict) for s in states):
-            raise ConverterError(f"{path}: no 'model' state dict inside")
+            raise CheckpointError(f"{path}: no 'model' state dict inside", file=path)
         return states
 
     def names(self) -> list[str]:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, CheckpointNotFound
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SIDES = ("actor", "critic")
@@ -31,10 +31,6 @@ TRIED = (
     "mp_rank_XX[_YYY]/model_optim_rng.pt, in the folder, its actor/ or critic/, their dist_ckpt/ or model/dist_ckpt/, "
     f"and the step that {TRACKER} names (or the highest global_step_N / iter_N / step-N)"
 )
-
-
-class NotFound(ConverterError):
-    """The folder holds no layout converter knows."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +94,15 @@ def _latest_step(run: Path) -> tuple[Path, str] | None:
         elif text.isdigit():
             names = [f"global_step_{int(text)}", f"iter_{int(text):07d}", f"step-{int(text)}"]
         else:
-            raise ConverterError(f"{tracker}: expected a step number or 'release', found {text[:40]!r}")
+            raise CheckpointError(f"{tracker}: expected a step number or 'release', found {text[:40]!r}", file=tracker)
         for name in names:
             if (run / name).is_dir():
                 steps = [p for p in run.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
                 return run / name, f"step {name} taken: {TRACKER} names it ({len(steps)} steps saved)"
-        raise ConverterError(
+        raise CheckpointError(
             f"{tracker} names step {text} but {run} has no {' or '.join(n + '/' for n in names[:2])} "
-            "(deleted or not copied?): pass the step folder you want"
+            "(deleted or not copied?): pass the step folder you want",
+            file=tracker,
         )
     steps = sorted(
         ((int(m.group(1)), p) for p in run.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir()),
@@ -117,12 +114,12 @@ def _latest_step(run: Path) -> tuple[Path, str] | None:
 
 
 def locate(path: Path) -> Located:
-    """The shards under `path` and the side folder they belong to; NotFound (one line) when there are none."""
+    """The shards under `path` and the side folder they belong to; CheckpointNotFound (one line) when there are none."""
     path = Path(path)
     if path.is_file():
         path = _from_file(path)
     if not path.is_dir():
-        raise NotFound(f"{path}: no such folder")
+        raise CheckpointNotFound(f"{path}: no such folder", file=path)
     notes: list[str] = []
     bare = _shards_of(path) is None and not any((path / s).is_dir() for s in SIDES)
     if bare and (step := _latest_step(path)) is not None:
@@ -132,13 +129,14 @@ def locate(path: Path) -> Located:
         return Located(found[0], found[1], _side_of(found[0]), tuple(notes))
     sides = [(s, f) for s in SIDES if (f := _shards_of(path / s))]
     if len(sides) > 1:
-        raise ConverterError(
-            f"{path}: holds both an actor/ and a critic/ checkpoint; pass {path / 'actor'} or {path / 'critic'}"
+        raise CheckpointError(
+            f"{path}: holds both an actor/ and a critic/ checkpoint; pass {path / 'actor'} or {path / 'critic'}",
+            file=path,
         )
     if sides:
         ((name, (folder, layout)),) = sides
         return Located(folder, layout, path / name, tuple(notes))
-    raise NotFound(f"{path}: no weights converter recognises; looked for {TRIED}")
+    raise CheckpointNotFound(f"{path}: no weights converter recognises; looked for {TRIED}", file=path)
 
 
 def config_candidates(located: Located) -> list[Path]:

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, NoModelWeights
 
 STACKED = re.compile(r"decoder\.layers\.(?!\d)(?P<rest>.+)")
 EXPERTS = re.compile(r"mlp\.experts\.(?P<fc>linear_fc[12])\.(?P<p>weight|bias)")
@@ -39,10 +39,6 @@ TRAINING_STATE = (
     "train_state",
 )
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-class NoModelWeights(ConverterError):
-    """Only optimizer / training state in the folder."""
 
 
 def is_megatron_dist(names: list[str]) -> bool:
@@ -83,12 +79,15 @@ class MegatronDist:
         if not self._where:
             raise NoModelWeights(
                 f"{self.folder}: a Megatron checkpoint without model weights ({self.skipped} optimizer / training "
-                "state entries only): the weights are saved elsewhere (verl with mbridge writes them to huggingface/)"
+                "state entries only): the weights are saved elsewhere (verl with mbridge writes them to huggingface/)",
+                file=self.folder,
             )
 
     def _add(self, name: str, key: str, index: tuple[int, ...]) -> None:
         if name in self._where:
-            raise ConverterError(f"{self.folder}: {key} and {self._where[name][0]} both hold {name}")
+            raise CheckpointError(
+                f"{self.folder}: {key} and {self._where[name][0]} both hold {name}", file=self.folder, tensor=name
+            )
         self._where[name] = (key, index)
 
     def names(self) -> list[str]:

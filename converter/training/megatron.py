@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from converter.engine.keymap import Keymap, RenameRule, all_keymaps, eval_expr
-from converter.errors import ConverterError
+from converter.errors import CheckpointError, KeymapError
 
 NAME = "megatron"
 
@@ -50,9 +50,11 @@ class MegatronNames:
         for key in source.names():
             rule = rule_for(keymap, key)
             if rule is None:
-                raise ConverterError(
+                raise CheckpointError(
                     f"{source.folder}: tensor {key} has no Megatron-Core -> transformers rule "
-                    "(keymaps/megatron.yaml); add one"
+                    "(keymaps/megatron.yaml); add one",
+                    file=source.folder,
+                    tensor=key,
                 )
             fields = rule.pattern.fullmatch(key).groupdict()  # type: ignore[union-attr]
             names = [t.format(**fields) for t in rule.to]
@@ -63,15 +65,25 @@ class MegatronNames:
                 groups = eval_expr(rule.groups, config, keymap.defaults)
                 first = source.shape(key)[0]
                 if len(rows) != len(names) or groups * sum(rows) != first:
-                    raise ConverterError(
+                    raise CheckpointError(
                         f"{source.folder}: tensor {key} has {first} rows; config.json implies {groups} x "
-                        f"{' + '.join(map(str, rows))} for {', '.join(names)}: another model's config?"
+                        f"{' + '.join(map(str, rows))} for {', '.join(names)}: another model's config?",
+                        file=source.folder,
+                        tensor=key,
                     )
             elif len(names) != 1:
-                raise ConverterError(f"keymaps/megatron.yaml: the rule for {key} names several keys but no split")
+                raise KeymapError(
+                    f"keymaps/megatron.yaml: the rule for {key} names several keys but no split",
+                    file="keymaps/megatron.yaml",
+                    tensor=key,
+                )
             for i, name in enumerate(names):
                 if name in self._targets:
-                    raise ConverterError(f"{source.folder}: {key} and {self._targets[name].key} both map to {name}")
+                    raise CheckpointError(
+                        f"{source.folder}: {key} and {self._targets[name].key} both map to {name}",
+                        file=source.folder,
+                        tensor=key,
+                    )
                 self._targets[name] = _Target(key, i, groups, rows)
         self._last: tuple[str, torch.Tensor] | None = None
 

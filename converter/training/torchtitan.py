@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from converter.engine.keymap import Keymap, all_keymaps, eval_expr
-from converter.errors import ConverterError
+from converter.errors import CheckpointError
 from converter.training.mcore_dist import TRAINING_STATE
 from converter.training.megatron import rule_for
 
@@ -39,9 +39,10 @@ class TorchtitanNames:
         self.kind = "torchtitan DCP"
         model_type = config.get("model_type")
         if model_type not in ADJACENT_PAIRS:
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.folder}: a torchtitan checkpoint of model_type {model_type!r} (from the config); its names "
-                f"are mapped for {', '.join(sorted(ADJACENT_PAIRS))} only"
+                f"are mapped for {', '.join(sorted(ADJACENT_PAIRS))} only",
+                file=self.folder,
             )
         keymap = torchtitan_keymap()
         self._map: dict[str, tuple[str, int | None]] = {}
@@ -50,9 +51,11 @@ class TorchtitanNames:
                 continue
             rule = rule_for(keymap, key)
             if rule is None:
-                raise ConverterError(
+                raise CheckpointError(
                     f"{self.folder}: tensor {key} has no torchtitan -> transformers rule (keymaps/torchtitan.yaml); "
-                    "torchtitan MoE checkpoints are not supported"
+                    "torchtitan MoE checkpoints are not supported",
+                    file=self.folder,
+                    tensor=key,
                 )
             name = rule.to[0].format(**rule.pattern.fullmatch(key).groupdict())  # type: ignore[union-attr]
             heads = eval_expr(rule.rope, config, keymap.defaults) if rule.rope and ADJACENT_PAIRS[model_type] else None
@@ -77,6 +80,8 @@ class TorchtitanNames:
             return t
         rows, cols = t.shape
         if rows % (2 * heads):
-            raise ConverterError(f"{self.folder}: tensor {key} has {rows} rows, not {heads} heads of pairs")
+            raise CheckpointError(
+                f"{self.folder}: tensor {key} has {rows} rows, not {heads} heads of pairs", file=self.folder, tensor=key
+            )
         # per head: rows (d0 re, d0 im, d1 re, d1 im ...) -> (d0 re, d1 re, ... , d0 im, d1 im ...)
         return t.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, Part
 from converter.engine.keymap import keymap_for
-from converter.errors import ConverterError
+from converter.errors import BadInputError, CheckpointError
 from converter.formats import patches
 from converter.formats.patches import lora_scale
 from converter.io import dtypes
@@ -107,14 +107,15 @@ class TrainingCheckpoint(Checkpoint):
     def read_config(config_path: Path) -> dict:
         """The model's config.json (verl saves it, with the tokenizer, in huggingface/ beside the weights)."""
         if not config_path.is_file():
-            raise ConverterError(
+            raise CheckpointError(
                 f"{config_path.parent.parent}: training checkpoint without huggingface/config.json; give --config "
-                "with the base model's folder or its config.json"
+                "with the base model's folder or its config.json",
+                file=config_path.parent.parent,
             )
         try:
             return json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
-            raise ConverterError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+            raise BadInputError(f"{config_path}: invalid JSON ({e.msg} at line {e.lineno})", file=config_path) from None
 
     def _build_names(self, lora_alpha: float | None) -> None:
         """HF name → (source key, LoRA (A key, B key) or None); keys in the source's order."""
@@ -124,9 +125,11 @@ class TrainingCheckpoint(Checkpoint):
             bare = key.removeprefix(TRL_PREFIX)
             bare = bare.removeprefix(PEFT_PREFIX)
             if any(f".{u}." in bare or bare.endswith(f".{u}") for u in UNSUPPORTED_LORA):
-                raise ConverterError(
+                raise CheckpointError(
                     f"{self.weights_folder}: tensor {key}: embedding LoRA / DoRA inside a training checkpoint is "
-                    "not supported yet; save the adapter with PEFT and merge it as an adapter"
+                    "not supported yet; save the adapter with PEFT and merge it as an adapter",
+                    file=self.weights_folder,
+                    tensor=key,
                 )
             for suffix, role in LORA_ROLES:
                 if bare.endswith(suffix):
@@ -143,7 +146,9 @@ class TrainingCheckpoint(Checkpoint):
         alpha = None
         for module, roles in groups.items():
             if ("A" in roles) != ("B" in roles):
-                raise ConverterError(f"{self.weights_folder}: module {module} has only half a LoRA pair")
+                raise CheckpointError(
+                    f"{self.weights_folder}: module {module} has only half a LoRA pair", file=self.weights_folder
+                )
             if "weight" not in roles and "A" in roles:  # PEFT target_parameters: a LoRA on a 3D expert tensor
                 if alpha is None:
                     alpha = self.alpha = self._alpha(lora_alpha)
@@ -155,7 +160,10 @@ class TrainingCheckpoint(Checkpoint):
                 self._experts[name] = (roles["A"], roles["B"], scale, experts, module, transposed)
                 continue
             if "weight" not in roles:
-                raise ConverterError(f"{self.weights_folder}: module {module} has a base_layer but no base weight")
+                raise CheckpointError(
+                    f"{self.weights_folder}: module {module} has a base_layer but no base weight",
+                    file=self.weights_folder,
+                )
             self._map[f"{module}.weight"] = roles["weight"]
             if "bias" in roles:
                 self._map[f"{module}.bias"] = roles["bias"]
@@ -165,8 +173,10 @@ class TrainingCheckpoint(Checkpoint):
                 if alpha is None:
                     alpha = self.alpha = self._alpha(lora_alpha)
                 if alpha[3] is not None and alpha[3] != r:
-                    raise ConverterError(
-                        f"{self.weights_folder}: {roles['A']} has rank {r} but lora_train_meta.json says r={alpha[3]}"
+                    raise CheckpointError(
+                        f"{self.weights_folder}: {roles['A']} has rank {r} but lora_train_meta.json says r={alpha[3]}",
+                        file=self.weights_folder,
+                        tensor=roles["A"],
                     )
                 self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(alpha[0], r, alpha[1]))
         self._map.update(plain)
@@ -218,7 +228,9 @@ class TrainingCheckpoint(Checkpoint):
                 else f"no base_layer.weight and no {layout} parameter it fits ({self.config.get('model_type')} "
                 "stores its experts that way)"
             )
-            raise ConverterError(f"{self.weights_folder}: LoRA {roles['A']}: {why}")
+            raise CheckpointError(
+                f"{self.weights_folder}: LoRA {roles['A']}: {why}", file=self.weights_folder, tensor=roles["A"]
+            )
         param, bare, key, experts = fits[0]
         del plain[bare]
         return f"{root}.{param}", key, experts, transposed
@@ -235,7 +247,7 @@ class TrainingCheckpoint(Checkpoint):
                 try:
                     meta = json.loads(path.read_text())
                 except json.JSONDecodeError as e:
-                    raise ConverterError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+                    raise BadInputError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})", file=path) from None
                 rslora = rslora or bool(meta.get("use_rslora", False))
                 if declared_r is None and isinstance(meta.get("r"), int) and not meta.get("rank_pattern"):
                     declared_r = meta["r"]
@@ -245,9 +257,10 @@ class TrainingCheckpoint(Checkpoint):
             return float(explicit), rslora, "--lora-alpha", declared_r
         if sources:
             return sources[0][0], rslora, str(sources[0][1]), declared_r
-        raise ConverterError(
+        raise CheckpointError(
             f"{self.weights_folder}: the checkpoint holds a LoRA but no lora_alpha (no lora_train_meta.json or "
-            "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)"
+            "lora_adapter/adapter_config.json with one); give --lora-alpha (the value training used)",
+            file=self.weights_folder,
         )
 
     def _check_layers(self) -> None:
@@ -256,9 +269,10 @@ class TrainingCheckpoint(Checkpoint):
         declared = self.config.get("num_hidden_layers", text.get("num_hidden_layers"))
         held = {int(m.group(1)) for n in self._order if (m := LAYER.match(n))}
         if declared is not None and held and held != set(range(declared)):
-            raise ConverterError(
+            raise CheckpointError(
                 f"{self.weights_folder}: the checkpoint holds {len(held)} layers (up to {max(held)}) but its config "
-                f"says num_hidden_layers {declared}: another model's config?"
+                f"says num_hidden_layers {declared}: another model's config?",
+                file=self.weights_folder,
             )
 
     def _drop_tied_head(self) -> None:

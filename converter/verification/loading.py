@@ -16,7 +16,7 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.recipe import Recipe
-from converter.errors import ConverterError
+from converter.errors import ConverterError, OutputError
 from converter.verification.precision import file_sources
 from converter.verification.referee import RefereeUnavailable
 
@@ -75,7 +75,9 @@ class Offload:
         link.symlink_to(base.resolve(), target_is_directory=True)
         relative = Path(os.path.relpath(link))
         if next(part for part in relative.parts if "--" in part) != link.name:
-            raise ConverterError(f"{self.folder}: the temp folder's path contains '--'; set TMPDIR elsewhere")
+            raise OutputError(
+                f"{self.folder}: the temp folder's path contains '--'; set TMPDIR elsewhere", path=self.folder
+            )
         return relative
 
 
