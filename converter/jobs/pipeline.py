@@ -318,8 +318,13 @@ def _diffusion_base(spec: str, token: str | None) -> bool:
     from huggingface_hub import file_exists
 
     try:
-        return hub.call(spec, lambda: file_exists(source.repo_id, "model_index.json", revision=source.revision,
-                                                  token=token), repo_id=source.repo_id, revision=source.revision)  # fmt: skip
+        repo, revision = source.repo_id, source.revision
+        return hub.call(
+            spec,
+            lambda: file_exists(repo, "model_index.json", revision=revision, token=token),
+            repo_id=repo,
+            revision=revision,
+        )
     except ConverterError:
         return False
 
