@@ -29,12 +29,22 @@ from converter.engine.recipe import Recipe
 from converter.io import dtypes
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.judge import failing_components, judge_diffusion
+from converter.verification.metrics import UNIT_ROUNDOFF, first_disagreement
 from converter.verification.peft_referee import hollow
-from converter.verification.report import Clock, DiffusionBehaviour
+from converter.verification.report import (
+    Clock,
+    ComponentComparison,
+    DiffusionBehaviour,
+    DiffusionInputs,
+    DiffusionTolerance,
+    Disagreement,
+    ImageRow,
+    OutputDifference,
+    Skip,
+)
 from converter.verification.tensors import locations
 
 IMAGE_DIR = "verification"
-UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
 # A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
 # u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
 # On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
@@ -43,8 +53,6 @@ OUTPUT_ROUNDING_FACTOR = 8.0
 MODULE_ROUNDING_FACTOR = 4.0
 COMPUTE_FLOOR = 256 * 2.0**-24
 MODULE_COMPUTE_FLOOR = 64 * 2.0**-24
-UPSTREAM_GAIN = 2.0  # a right module may amplify the relative error it inherits (norms, attention): 2x allowed
-EFFECT_SHARE = 0.25  # merged must be this much closer to the reference than the bare base is
 TIMESTEP_FRACTIONS = (0.9, 0.5, 0.1)
 IMAGE_COUNT = 2
 IMAGE_STEPS = 4
@@ -69,10 +77,6 @@ class LoaderRefused(Exception):
 
 class Unbuildable(Exception):
     """A pipeline class that cannot be built from a folder's model components here."""
-
-
-class Skip(Exception):
-    """The behavioural comparison cannot run with diffusers here (the reason is reported)."""
 
 
 class DiffusionCheck:
@@ -150,10 +154,12 @@ class DiffusionCheck:
             + (" (base and merge loaded by from_single_file)" if self.single else ""),
             compute_dtype="float32",
             output_dtype=dtype,
-            tolerance=tol,
-            inputs={"timesteps": inputs["timesteps"], "components": touched, "image_steps": IMAGE_STEPS},
-            components=components,
-            first_disagreeing_module=culprits[0] if culprits else None,
+            tolerance=DiffusionTolerance(**tol),
+            inputs=DiffusionInputs(inputs["timesteps"], touched, IMAGE_STEPS),
+            components={name: ComponentComparison(OutputDifference(**c["merged_vs_reference"]),
+                                                  OutputDifference(**c["base_vs_reference"]))
+                        for name, c in components.items()},  # fmt: skip
+            first_disagreeing_module=Disagreement(**culprits[0]) if culprits else None,
         )
         return behaviour, judge_diffusion(components, tol, culprits)
 
@@ -173,12 +179,13 @@ class DiffusionCheck:
         self.clock.lap("module probe")
         culprits = []
         for name in failing:
-            first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
+            first = first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"],
+                                       floor=1e-30)  # fmt: skip
             if first:
                 culprits.append({**first, "module": f"{name}.{first['module']}"})
         return culprits
 
-    def images(self, referee=None) -> list[dict]:
+    def images(self, referee=None) -> list[ImageRow]:
         """The base / reference / merged images (saved next to the report): those the behaviour made, else, for a
         complete pipeline folder, the reference as the base pipeline holding the referee's tensors."""
         if self.made is None and referee is not None and is_diffusion(self.base) and _complete(self.base):
@@ -615,20 +622,6 @@ def _compare(ref: list, other: list) -> dict:
     }
 
 
-def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
-    """The first module (execution order) off by more than its rounding on top of UPSTREAM_GAIN x what it inherits."""
-    upstream = 0.0
-    for name, r in ref.items():
-        m = merged.get(name)
-        if m is None or m.shape != r.shape:
-            continue
-        err = ((m - r).norm() / r.norm().clamp_min(1e-30)).item()
-        if err > tol + UPSTREAM_GAIN * upstream:
-            return {"module": name, "relative_error": err}
-        upstream = max(upstream, err)
-    return None
-
-
 def _images(pipe) -> list:
     """IMAGE_COUNT small images, fixed seed, IMAGE_STEPS steps, from text embeddings made by the pipeline's own
     text encoders on fixed token ids (their LoRA, if any, takes part): uint8 HxWx3 arrays."""
@@ -683,7 +676,7 @@ def _prompt_embeds(pipe) -> dict:
         return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
 
-def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
+def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[ImageRow]:
     import numpy as np
     from PIL import Image
 
@@ -698,7 +691,7 @@ def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
         diff = np.abs(r.astype(np.int32) - o.astype(np.int32))
         mse = float((diff.astype(np.float64) ** 2).mean())
         psnr = 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))  # 99: identical (JSON has no inf)
-        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2), "max_abs": int(diff.max())})
+        rows.append(ImageRow(f"(random token ids #{i})", **paths, psnr=round(psnr, 2), max_abs=int(diff.max())))
     return rows
 
 

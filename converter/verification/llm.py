@@ -47,11 +47,17 @@ from converter.verification.metrics import (
 )
 from converter.verification.metrics import tolerance as rounding_tolerance
 from converter.verification.precision import float32_compute
-from converter.verification.report import Clock, LLMBehaviour
-
-
-class Skip(Exception):
-    """The behavioural comparison cannot run here (the reason is reported)."""
+from converter.verification.report import (
+    Clock,
+    Disagreement,
+    Generation,
+    LLMBehaviour,
+    LLMInputs,
+    LLMTolerance,
+    LogitComparison,
+    QLoRAStudy,
+    Skip,
+)
 
 
 @dataclass
@@ -232,7 +238,7 @@ class LLMCheck:
         self.clock.lap("module probe (on failure)")
         return first_disagreement(ref.probe, out.probe, tol["module_rel_err"], (noise or {}).get("module_rel_err", {}))
 
-    def _qlora_study(self, ref, out) -> dict | None:
+    def _qlora_study(self, ref, out) -> QLoRAStudy | None:
         study = self.study
         if not self.own or study:  # streamed models hold little but mappings: no full collection needed
             gc.collect()
@@ -260,13 +266,13 @@ class LLMCheck:
             execution=_execution(self.own, self.offload is not None, self.one_batch, self.bare_base),
             offload_memory_bytes=self.offload.max_memory if self.offload else None,
             output_dtype=self.stored_4bit["bnb_4bit_quant_type"].upper() if self.stored_4bit else self.output_dtype,
-            tolerance=tol,
-            inputs={"count": len(self.inputs), "chat_template": self.template, "tokenizer": self.tok is not None,
-                    "max_new_tokens": self.new_tokens},  # fmt: skip
-            merged_vs_reference=merged_vs_ref,
-            base_vs_reference=base_vs_ref,
-            first_disagreeing_module=culprit,
-            generations=side_by_side(self.tok, self.prompts, bare, ref, out) if self.new_tokens else [],
+            tolerance=LLMTolerance(**tol),
+            inputs=LLMInputs(len(self.inputs), self.template, self.tok is not None, self.new_tokens),
+            merged_vs_reference=LogitComparison(**merged_vs_ref),
+            base_vs_reference=LogitComparison(**base_vs_ref) if base_vs_ref else None,
+            first_disagreeing_module=Disagreement(**culprit) if culprit else None,
+            generations=[Generation(**g) for g in side_by_side(self.tok, self.prompts, bare, ref, out)]
+            if self.new_tokens else [],  # fmt: skip
             qlora=qlora,
         )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
 from converter.io.units import human_bytes
-from converter.verification.llm import LLMCheck, Skip
+from converter.verification.llm import LLMCheck
 from converter.verification.loading import (
     PERPLEXITY_TEXT,
     available_memory,
@@ -30,6 +30,7 @@ from converter.verification.loading import (
 )
 from converter.verification.metrics import Run
 from converter.verification.peft_referee import adapter_keys, task_type
+from converter.verification.report import Skip
 
 # Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
 CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
