@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
+from model_helpers import (
+    load_merged,
+    logits,
+    make_adapter,
+    make_base,
+    read_tensors,
+    reference_model,
+    shown,
+    token_ids,
+)
 
 
 def qlora_reference(base, adapter, quant="nf4", double_quant=True):
@@ -271,7 +280,7 @@ def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, 
     assert report["verdict"] == "pass" and noise >= 0
     assert tol["mean_kl"] == pytest.approx(tolerance("F32", "F32")["mean_kl"] + NOISE_MARGIN * noise)
     right = report["merged_vs_reference"]["mean_kl"]
-    assert right <= tol["mean_kl"] and "4-bit kernels, measured" in report["markdown"]
+    assert right <= tol["mean_kl"] and "4-bit kernels, measured" in shown(report)
     # Wrong: merged onto the original weights (dequantization forgotten), and one tensor off.
     assert cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "orig")[0] == 0
     wrong = {}

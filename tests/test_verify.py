@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import make_adapter, make_base
+from model_helpers import assert_round_trips, make_adapter, make_base, shown
 from safetensors.torch import load_file, save_file
 
 
@@ -45,6 +45,7 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     base, lora = llama
     out = merged_copy(tmp_path, cli, base, lora, "merged", "--verify", "full")
     report = report_of(out)
+    assert_round_trips(out)  # an LLM's report, read back typed
     assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
     assert report["mode"] == "full" and report["weights_in_memory"] == "F32"  # generation: a float32 copy
     m, b = report["merged_vs_reference"], report["base_vs_reference"]
@@ -388,7 +389,7 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
     assert report["offloaded"] and report["compute_dtype"] == "float32" and report["verdict"] == "pass"
-    assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
+    assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in shown(report)
     assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
     # The same sabotage as above is still caught by the behaviour when offloaded.
     edit(tmp_path / "m", lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
