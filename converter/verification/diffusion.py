@@ -31,6 +31,7 @@ from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.judge import failing_components, judge_diffusion
 from converter.verification.metrics import UNIT_ROUNDOFF, first_disagreement
 from converter.verification.peft_referee import hollow
+from converter.verification.referee import in_one_line
 from converter.verification.report import (
     Clock,
     ComponentComparison,
@@ -126,11 +127,11 @@ class DiffusionCheck:
             pipe = self.load(self.base)
         except (OSError, ValueError, Unbuildable) as e:  # offline, no config, a pipeline it cannot build
             how = "from_single_file" if self.single else "from_pretrained"
-            raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
+            raise Skip(f"diffusers' {how} cannot load the base here ({in_one_line(e, 123)})") from None
         try:
             wrong = _apply_adapters(pipe, self.recipe, self.adapters)
         except LoaderRefused as e:
-            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})") from None
+            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({in_one_line(e, 123)})") from None
         if wrong:
             raise Skip(wrong)
         self.clock.lap("load reference")
@@ -256,11 +257,6 @@ def _denoiser_folder(merged: Path) -> str:
     return next((n for n in ("unet", "transformer") if (merged / n).is_dir()), "unet")
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text[:120]}{'...' if len(text) > 120 else ''}"
-
-
 def _load_single(file: Path, config: str | None):
     """A single-file checkpoint as its family's diffusers pipeline (`from_single_file`). Parts the file does not
     carry and the pipeline can go without (tokenizers, safety checker) are None; a VAE missing from the file is
@@ -346,7 +342,7 @@ def _partial(folder: Path, index: dict, empty: bool = False):
     try:
         return cls(**{p: parts.get(p) for p in params})
     except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
-        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({_first_line(e)})") from None
+        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({in_one_line(e, 123)})") from None
 
 
 def component_model(folder: Path, name: str, index: dict, empty: bool = False):
@@ -394,7 +390,7 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
                     else:
                         pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
                 except Exception as e:  # noqa: BLE001 - see LoaderRefused
-                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {_first_line(e)}") from None
+                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {in_one_line(e, 123)}") from None
             for w in caught:
                 text = str(w.message)
                 if "alpha_pattern keys did not match" in text:
