@@ -8,7 +8,6 @@ wrong: the tensor and how far off in units of its rounding bound, or the behavio
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from converter.verification.tensors import TensorProofResult
@@ -129,7 +128,3 @@ def _who(module: str | None, kind: str) -> str:
 def _few(names: list[str]) -> str:
     shown = ", ".join(names[:MAX_LISTED])
     return shown + (f" ... (+{len(names) - MAX_LISTED})" if len(names) > MAX_LISTED else "")
-
-
-def ratio_text(ratio: float) -> str:
-    return "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"

@@ -4,7 +4,8 @@ wrong or worth knowing; the card's section adds a diffusion merge's images."""
 
 from __future__ import annotations
 
-from converter.verification.judge import ratio_text
+import math
+
 from converter.verification.metrics import NOISE_MARGIN
 from converter.verification.report import (
     DiffusionBehaviour,
@@ -176,6 +177,11 @@ def _qlora(q: QLoRAStudy) -> list[str]:
         f"{q.dequantized_perplexity_change:+.1%} relative to the original merge's.",
     ]
     return lines
+
+
+def ratio_text(ratio: float) -> str:
+    """A tensor's error in units of its rounding bound ("∞" where it is not finite)."""
+    return "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"
 
 
 def _share(metrics: LogitComparison) -> str:
