@@ -46,6 +46,7 @@ from converter.verification.report import (
 from converter.verification.tensors import locations
 
 IMAGE_DIR = "verification"
+MESSAGE_WIDTH = 120  # characters of a library's error message kept in the report
 # A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
 # u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
 # On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
@@ -127,11 +128,12 @@ class DiffusionCheck:
             pipe = self.load(self.base)
         except (OSError, ValueError, Unbuildable) as e:  # offline, no config, a pipeline it cannot build
             how = "from_single_file" if self.single else "from_pretrained"
-            raise Skip(f"diffusers' {how} cannot load the base here ({in_one_line(e, 123)})") from None
+            raise Skip(f"diffusers' {how} cannot load the base here ({in_one_line(e, MESSAGE_WIDTH)})") from None
         try:
             wrong = _apply_adapters(pipe, self.recipe, self.adapters)
         except LoaderRefused as e:
-            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({in_one_line(e, 123)})") from None
+            why = in_one_line(e, MESSAGE_WIDTH)
+            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({why})") from None
         if wrong:
             raise Skip(wrong)
         self.clock.lap("load reference")
@@ -342,7 +344,7 @@ def _partial(folder: Path, index: dict, empty: bool = False):
     try:
         return cls(**{p: parts.get(p) for p in params})
     except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
-        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({in_one_line(e, 123)})") from None
+        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({in_one_line(e, MESSAGE_WIDTH)})") from None
 
 
 def component_model(folder: Path, name: str, index: dict, empty: bool = False):
@@ -390,7 +392,7 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
                     else:
                         pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
                 except Exception as e:  # noqa: BLE001 - see LoaderRefused
-                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {in_one_line(e, 123)}") from None
+                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {in_one_line(e, MESSAGE_WIDTH)}") from None
             for w in caught:
                 text = str(w.message)
                 if "alpha_pattern keys did not match" in text:
