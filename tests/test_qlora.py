@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_helpers import (
+    assert_round_trips,
     load_merged,
     logits,
     make_adapter,
@@ -211,6 +212,7 @@ def test_verification_measures_both_merge_bases_for_qlora_adapters(tmp_path, cli
     code, out, err = cli(*args, verify=True)
     assert code == 0, out + err
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert assert_round_trips(tmp_path / "m").behaviour.qlora.closer in ("original", "dequantized")  # typed
     q = report["qlora"]
     assert (
         q["modes"][mode]["this_merge"]
