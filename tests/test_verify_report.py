@@ -81,6 +81,16 @@ def test_a_report_round_trips_through_json_infinities_and_nan_included():
     assert again.tensors.groups["model"] == TensorGroup(3, 2, 1, math.inf)
 
 
+def test_the_behaviours_fields_never_shadow_the_reports_own():
+    """verification.json holds the behaviour's fields at its top level, beside the report's own ("reference" is
+    the report's property, in words)."""
+    from dataclasses import fields
+
+    own = {f.name for f in fields(VerificationReport)} | {"reference"}
+    for behaviour in (LLMBehaviour, DiffusionBehaviour):
+        assert not ({f.name for f in fields(behaviour)} - {"reference"}) & own
+
+
 def test_reports_that_say_something_else_are_not_equal():
     changed = llm_report()
     changed.behaviour.merged_vs_reference.mean_kl = 2e-6
