@@ -64,12 +64,12 @@ def is_diffusion(folder: Path) -> bool:
     return (Path(folder) / "model_index.json").is_file()
 
 
-def tolerance(output_dtype: str) -> dict:
+def tolerance(output_dtype: str) -> DiffusionTolerance:
     u = UNIT_ROUNDOFF.get(output_dtype, 2.0**-8)
-    return {
-        "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
-        "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
-    }
+    return DiffusionTolerance(
+        output_rel_err=OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
+        module_rel_err=MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
+    )
 
 
 class LoaderRefused(Exception):
@@ -147,8 +147,8 @@ class DiffusionCheck:
         dtype = _single_file_dtype(self.merged_path()) if self.single else _stored_dtype(
             self.merged / _denoiser_folder(self.merged))  # fmt: skip
         tol = tolerance(dtype)
-        components = {name: {"merged_vs_reference": _compare(ref[name]["outputs"], out[name]["outputs"]),
-                             "base_vs_reference": _compare(ref[name]["outputs"], bare[name]["outputs"])}
+        components = {name: ComponentComparison(_compare(ref[name]["outputs"], out[name]["outputs"]),
+                                                _compare(ref[name]["outputs"], bare[name]["outputs"]))
                       for name in touched}  # fmt: skip
         failing = failing_components(components, tol)
         culprits = self._probe(failing, inputs, tol) if failing else []
@@ -157,16 +157,14 @@ class DiffusionCheck:
             + (" (base and merge loaded by from_single_file)" if self.single else ""),
             compute_dtype="float32",
             output_dtype=dtype,
-            tolerance=DiffusionTolerance(**tol),
+            tolerance=tol,
             inputs=DiffusionInputs(inputs["timesteps"], touched, IMAGE_STEPS),
-            components={name: ComponentComparison(OutputDifference(**c["merged_vs_reference"]),
-                                                  OutputDifference(**c["base_vs_reference"]))
-                        for name, c in components.items()},  # fmt: skip
-            first_disagreeing_module=Disagreement(**culprits[0]) if culprits else None,
+            components=components,
+            first_disagreeing_module=culprits[0] if culprits else None,
         )
         return behaviour, judge_diffusion(components, tol, culprits)
 
-    def _probe(self, failing: list[str], inputs: dict, tol: dict) -> list[dict]:
+    def _probe(self, failing: list[str], inputs: dict, tol: DiffusionTolerance) -> list[Disagreement]:
         """Only on a failure: hooks on every Linear/Conv (~3x a forward), both models once more, first input."""
         self.log(f"locating the first disagreeing module of {', '.join(failing)} (both models again, with hooks)")
         probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
@@ -182,10 +180,10 @@ class DiffusionCheck:
         self.clock.lap("module probe")
         culprits = []
         for name in failing:
-            first = first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"],
+            first = first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol.module_rel_err,
                                        floor=1e-30)  # fmt: skip
             if first:
-                culprits.append({**first, "module": f"{name}.{first['module']}"})
+                culprits.append(Disagreement(f"{name}.{first['module']}", first["relative_error"]))
         return culprits
 
     def images(self, referee=None) -> list[ImageRow]:
@@ -608,16 +606,14 @@ def _is_lora_wrapper(module) -> bool:
     return isinstance(module, BaseTunerLayer)
 
 
-def _compare(ref: list, other: list) -> dict:
+def _compare(ref: list, other: list) -> OutputDifference:
     import torch
 
     diff = torch.cat([(r - o).flatten() for r, o in zip(ref, other, strict=True)])
     norm = torch.cat([r.flatten() for r in ref]).norm().clamp_min(1e-30)
-    return {
-        "rel_err": (diff.norm() / norm).item(),
-        "max_abs": diff.abs().max().item(),
-        "mean_abs": diff.abs().mean().item(),
-    }
+    return OutputDifference(
+        rel_err=(diff.norm() / norm).item(), max_abs=diff.abs().max().item(), mean_abs=diff.abs().mean().item()
+    )
 
 
 def _images(pipe) -> list:
