@@ -49,6 +49,7 @@ from converter.errors import ConverterError  # noqa: E402
 from converter.hub.sources import job_sources  # noqa: E402
 from converter.io.scratch import startup_cleanup, temp_folder  # noqa: E402
 from converter.io.units import human_bytes  # noqa: E402
+from converter.verification import VerificationReport, markdown  # noqa: E402
 
 log = logging.getLogger("converter.app")
 CONCURRENCY = int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1"))
@@ -231,7 +232,8 @@ def run(
     if result.gguf_url:
         summary += f"\n\nGGUF ({html.escape(request.gguf)}, proven before it was pushed): {result.gguf_url}"
     report = result.report
-    verification = report["markdown"] if report else "**Not verified** (verification was switched off)."
+    verification = (markdown(VerificationReport.from_dict(report)) if report else
+                    "**Not verified** (verification was switched off).")  # fmt: skip
     generations = [[g["prompt"], g["base"], g["reference"], g["merged"]] for g in (report or {}).get("generations", [])]
     images = gr.update(value=result.images or None, visible=bool(result.images))  # diffusion: the pictures
     table = gr.update(value=generations, visible=bool(generations))  # an LLM: the texts

@@ -3,6 +3,7 @@ in-process: the plain functions the LLM tests share (the fixtures are in conftes
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -144,3 +145,24 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def run_cli(*args: str | Path) -> int:
     return main([str(a) for a in args])
+
+
+def shown(report: dict) -> str:
+    """A verification.json's contents as the log, the card and the app show them (render.py's Markdown)."""
+    from converter.verification import VerificationReport, markdown
+
+    return markdown(VerificationReport.from_dict(report))
+
+
+def assert_round_trips(folder: Path, live=None):
+    """verification.json read back typed is the report that was written, to the byte (`live`: the object verify
+    returned, which it must equal); returns the typed report."""
+    from converter.verification import VerificationReport
+
+    text = (Path(folder) / "verification.json").read_text()
+    report = VerificationReport.from_json(text)
+    assert report.to_json() == text and VerificationReport.from_json(report.to_json()) == report
+    assert "markdown" not in json.loads(text)  # rendered where shown, never stored
+    if live is not None:
+        assert VerificationReport.from_json(live.to_json()) == live and report == live
+    return report

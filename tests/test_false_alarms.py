@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import assert_round_trips
 
 from converter import AdapterSpec, Recipe
 from converter.engine.merging import merge
@@ -256,6 +257,7 @@ def right_passes_sabotage_fails(c: Case, base: Path, adapter: Path, tmp_path: Pa
     assert report.tensors.referee.name == "PEFT", report.tensors.referee.detail
     assert c.model in report.tensors.referee.detail  # the class the adapter was trained on
     assert report.behaviour is not None, report.behaviour_skipped
+    assert_round_trips(out, report)  # a task model's report, read back typed
 
     changed = changed_tensors(base, out)
     assert changed, "the adapter changed nothing"

@@ -151,7 +151,12 @@ def test_push_end_to_end(hub, tmp_path):
     assert ALICE not in everything and "/tmp/" not in card.text and str(tmp_path) not in everything
     assert "model.gguf" not in {f for f in hub.files("alice/pirate-llama")}
 
-    # Pushing the same thing again: no new commit.
+    # Pushing the same thing again: no new commit, also where the repo's report is an older one that stored its
+    # Markdown beside the facts.
+    published = json.loads(hub.read_file("alice/pirate-llama", "verification.json"))
+    assert "markdown" not in published
+    older = (json.dumps({**published, "markdown": "**Passed** (two proofs)."}, indent=2) + "\n").encode()
+    hub.commit_files("alice/pirate-llama", {"verification.json": older}, "as an older converter wrote it")
     commits = len(hub.history("alice/pirate-llama"))
     code, out, err = cli(
         hub,

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import load_merged, logits, make_adapter, make_base, read_tensors, reference_model, token_ids
+from model_helpers import (
+    assert_round_trips,
+    load_merged,
+    logits,
+    make_adapter,
+    make_base,
+    read_tensors,
+    reference_model,
+    shown,
+    token_ids,
+)
 
 
 def qlora_reference(base, adapter, quant="nf4", double_quant=True):
@@ -202,6 +212,7 @@ def test_verification_measures_both_merge_bases_for_qlora_adapters(tmp_path, cli
     code, out, err = cli(*args, verify=True)
     assert code == 0, out + err
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
+    assert assert_round_trips(tmp_path / "m").behaviour.qlora.closer in ("original", "dequantized")  # typed
     q = report["qlora"]
     assert (
         q["modes"][mode]["this_merge"]
@@ -271,7 +282,7 @@ def test_dequantized_merge_threshold_is_the_references_measured_noise(tmp_path, 
     assert report["verdict"] == "pass" and noise >= 0
     assert tol["mean_kl"] == pytest.approx(tolerance("F32", "F32")["mean_kl"] + NOISE_MARGIN * noise)
     right = report["merged_vs_reference"]["mean_kl"]
-    assert right <= tol["mean_kl"] and "4-bit kernels, measured" in report["markdown"]
+    assert right <= tol["mean_kl"] and "4-bit kernels, measured" in shown(report)
     # Wrong: merged onto the original weights (dequantization forgotten), and one tensor off.
     assert cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "orig")[0] == 0
     wrong = {}

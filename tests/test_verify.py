@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import make_adapter, make_base
+from model_helpers import assert_round_trips, make_adapter, make_base, shown
 from safetensors.torch import load_file, save_file
 
 
@@ -45,6 +45,7 @@ def test_good_merge_passes_and_card_shows_it(llama, tmp_path, cli):
     base, lora = llama
     out = merged_copy(tmp_path, cli, base, lora, "merged", "--verify", "full")
     report = report_of(out)
+    assert_round_trips(out)  # an LLM's report, read back typed
     assert report["verdict"] == "pass" and report["compute_dtype"] == "float32" and report["output_dtype"] == "BF16"
     assert report["mode"] == "full" and report["weights_in_memory"] == "F32"  # generation: a float32 copy
     m, b = report["merged_vs_reference"], report["base_vs_reference"]
@@ -261,7 +262,7 @@ def test_two_adapters_run_the_bare_base_in_its_own_forward_and_a_sabotage_still_
     behaviour = verdict_of(out, prompts=None)  # the behaviour alone: the bare base runs (no tensor proof shows it)
     assert behaviour.verdict == "pass" and "disable_adapter" in behaviour.behaviour.execution
     assert behaviour.behaviour.execution.startswith("weights read block by block")
-    assert behaviour.behaviour.base_vs_reference["mean_kl"] > behaviour.behaviour.tolerance["mean_kl"]
+    assert behaviour.behaviour.base_vs_reference.mean_kl > behaviour.behaviour.tolerance.mean_kl
     edit(out, lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
     code, stdout, err = cli("verify", out)
     assert code == 3 and "model.layers.1.mlp.up_proj" in stdout + err
@@ -280,7 +281,7 @@ def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
     assert report["behaviour_skipped"] == "the tensor proof already failed"
     assert "FAILED" in (out / "README.md").read_text()
     behaviour = verdict_of(out, prompts=None, proofs=("behaviour",))  # by itself, the probe locates the module
-    assert behaviour.behaviour.first_disagreeing_module["module"] == "model.layers.1.mlp.up_proj"
+    assert behaviour.behaviour.first_disagreeing_module.module == "model.layers.1.mlp.up_proj"
 
 
 def test_wrong_scale_fails(llama, tmp_path, cli):
@@ -388,13 +389,13 @@ def test_models_larger_than_memory_verify_offloaded_to_disk(llama, tmp_path, cli
     assert code == 0, out + err
     report = report_of(tmp_path / "m")
     assert report["offloaded"] and report["compute_dtype"] == "float32" and report["verdict"] == "pass"
-    assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in report["markdown"]
+    assert report["offload_memory_bytes"] == 100_000 and "offloaded to disk" in shown(report)
     assert "load reference" in report["phase_seconds"] and "run merged" in report["phase_seconds"]
     # The same sabotage as above is still caught by the behaviour when offloaded.
     edit(tmp_path / "m", lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
     behaviour = verdict_of(tmp_path / "m", memory=200_000, prompts=None, proofs=("behaviour",))
     assert behaviour.verdict == "fail" and behaviour.behaviour.offloaded
-    assert behaviour.behaviour.first_disagreeing_module["module"] == "model.layers.1.mlp.up_proj"
+    assert behaviour.behaviour.first_disagreeing_module.module == "model.layers.1.mlp.up_proj"
     # PEFT's offload rewrite copies base shards: never into the working directory, never over the base itself.
     assert list((tmp_path / "cwd").iterdir()) == []
     assert hashlib.sha256((base / "model.safetensors").read_bytes()).hexdigest() == before
@@ -525,7 +526,7 @@ def test_offloaded_in_bfloat16_when_the_disk_holds_no_float32_copy(sabotaged, mo
     for kind in ("right", "perturbed"):
         report = verdict_of(folders[kind][0], memory=OFFLOAD)
         assert report.behaviour.offloaded and report.behaviour.compute_dtype == "bfloat16"
-        assert report.behaviour.tolerance["mean_kl"] == tolerance_of("F32", "BF16")
+        assert report.behaviour.tolerance.mean_kl == tolerance_of("F32", "BF16")
         check_verdict(report, folders, kind)
 
 

@@ -18,6 +18,7 @@ from diffusion_helpers import (
     make_pipeline,
     save,
 )
+from model_helpers import assert_round_trips
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("few_images")  # one cheap image per check (conftest)
@@ -78,6 +79,7 @@ def test_right_sd15_merge_passes_with_images_in_the_card(sd15, tmp_path, cli, dt
     assert code == 0, log
     report = json.loads((tmp_path / "m" / "verification.json").read_text())
     assert report["verdict"] == "pass" and report["kind"] == "diffusion", report["problems"]
+    assert assert_round_trips(tmp_path / "m").images  # a diffusion report, read back typed, with its images
     assert report["output_dtype"] == {"float32": "F32", "bfloat16": "BF16"}[dtype]
     for name in ("unet", "text_encoder"):
         c = report["components"][name]

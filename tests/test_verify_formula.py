@@ -241,7 +241,7 @@ def test_single_file_merge_through_from_single_file_passes_with_images_and_a_sab
     code, log, report = verify(cli, single, tmp_path / "plain.safetensors", tmp_path / "m", *config)
     assert code == 3 and report["verdict"] == "fail" and failed(report) == [key], log
     behaviour = verify_behaviour(tmp_path / "m", single, tmp_path / "plain.safetensors", root / "base")
-    assert behaviour.behaviour.first_disagreeing_module["module"].startswith("unet.down_blocks.0.attentions.0")
+    assert behaviour.behaviour.first_disagreeing_module.module.startswith("unet.down_blocks.0.attentions.0")
 
 
 def verify_behaviour(folder, base, adapter, config):

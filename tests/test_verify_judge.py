@@ -9,15 +9,23 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from converter.verification.judge import judge, judge_llm, judge_tensors
+from converter.verification.judge import failing_components, judge, judge_diffusion, judge_llm, judge_tensors
 from converter.verification.referee import Expectation, Expected, RefereeInfo
+from converter.verification.report import (
+    ComponentComparison,
+    DiffusionTolerance,
+    Disagreement,
+    LLMTolerance,
+    LogitComparison,
+    OutputDifference,
+)
 from converter.verification.tensors import TensorCheck, TensorProof, TensorProofResult, locations
 
-TOL = {"mean_kl": 1e-3, "confident_top1_agreement": 0.99, "module_rel_err": 1e-2}
+TOL = LLMTolerance(mean_kl=1e-3, confident_top1_agreement=0.99, module_rel_err=1e-2)
 
 
-def metrics(kl: float, top1: float = 1.0) -> dict:
-    return {"mean_kl": kl, "confident_top1_agreement": top1}
+def metrics(kl: float, top1: float = 1.0) -> LogitComparison:
+    return LogitComparison(0.1, 0.01, kl, top1, 10, top1, 0, 0, [], math.nan)
 
 
 def result(**kw) -> TensorProofResult:
@@ -61,9 +69,25 @@ def test_judge_llm_thresholds_and_the_no_op_rule():
     assert "as far from the reference as the bare base" in problems[0]
     _, notes = judge_llm(metrics(1e-4), metrics(5e-4), TOL)  # the adapter barely changes anything
     assert "could not be told apart" in notes[0]
-    problems, _ = judge_llm(metrics(2e-3), metrics(1.0), TOL, {"module": "a.b", "relative_error": 0.5})
+    problems, _ = judge_llm(metrics(2e-3), metrics(1.0), TOL, Disagreement("a.b", 0.5))
     assert problems[-1].startswith("first module that disagrees: a.b")
 
+
+
+def test_judge_diffusion_per_component_and_the_no_op_rule():
+    tol = DiffusionTolerance(output_rel_err=1e-6, module_rel_err=1e-5)
+
+    def component(merged: float, bare: float) -> ComponentComparison:
+        return ComponentComparison(OutputDifference(merged, 0.0, 0.0), OutputDifference(bare, 0.0, 0.0))
+
+    right, off, as_bare = component(1e-7, 0.2), component(1e-3, 0.2), component(1e-7, 1e-7)
+    assert judge_diffusion({"unet": right}, tol) == ([], [])
+    problems, _ = judge_diffusion({"unet": right, "text_encoder": off}, tol, [Disagreement("text_encoder.q", 0.3)])
+    assert problems[0].startswith("text_encoder: relative error 0.001 >")
+    assert problems[-1] == "first module that disagrees: text_encoder.q (relative error 0.3)"
+    assert failing_components({"unet": right, "text_encoder": off}, tol) == ["text_encoder"]
+    _, notes = judge_diffusion({"unet": as_bare}, tol)  # the adapter barely changes it
+    assert "could not be told apart" in notes[0]
 
 class Stated:
     """A referee stated by hand: `w` gets `delta` added (LoRA-like), everything else is untouched."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import make_adapter, make_base
+from model_helpers import make_adapter, make_base, shown
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -90,13 +90,14 @@ def test_our_right_merges_pass_within_one_rounding(ours, dtype):
 
 def test_right_bf16_merge_passes_both_proofs_and_the_card_says_so(ours):
     from converter.engine.recipe import recorded_recipe
-    from converter.verification import verify
+    from converter.verification import markdown, verify
 
     folder = ours("bf16")
     report = verify(folder, recorded_recipe(folder), log=lambda _line: None)
     assert report.verdict == "pass" and report.behaviour is not None, report.problems
-    assert "every tensor within rounding of base + ΔW (referee: PEFT)" in report.markdown
-    assert "| mean KL(reference‖model) |" in report.markdown and "two proofs" in report.markdown
+    text = markdown(report)
+    assert "every tensor within rounding of base + ΔW (referee: PEFT)" in text
+    assert "| mean KL(reference‖model) |" in text and "two proofs" in text
 
 
 @pytest.mark.parametrize("safe_merge", [False, True], ids=["merge_and_unload", "safe_merge-double-rounded"])
@@ -306,7 +307,7 @@ def test_ties_and_dare_merges_are_proven_and_a_sabotage_fails(pair, tmp_path, cl
     assert code == 0, stdout + err
     report = json.loads((out / "verification.json").read_text())
     assert report["verdict"] == "pass" and report["tensors"]["changed"] == 6, report["problems"]
-    assert "merge_utils" in report["tensors"]["referee"]["detail"] and "not compared" in report["markdown"]
+    assert "merge_utils" in report["tensors"]["referee"]["detail"] and "not compared" in shown(report)
     # the plain weighted sum instead of the method, on one tensor: named
     name = "model.layers.1.self_attn.q_proj.weight"
     summed = tmp_path / "sum"

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusion_helpers import TE_TARGETS, UNET_TARGETS, kohya_lora, kohya_modules, make_pipeline, save, tiny_clip
+from model_helpers import shown
 from safetensors.torch import load_file, save_file
 
 DENOISER = {"sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
@@ -226,7 +227,7 @@ def test_right_merge_passes_refereed_by_diffusers_where_it_reads_the_file(merged
     assert all(changed[c] > 0 for c in touched(kind, fmt)), changed
     # a pass means every changed tensor is one the referee names: the proof passes none it does not know
     assert tensors["referee"]["name"] == referee(kind, fmt), tensors["referee"]
-    assert f"referee: {referee(kind, fmt)}" in report["markdown"]
+    assert f"referee: {referee(kind, fmt)}" in shown(report)
     if (kind, fmt) in FORMULA:  # the last resort, labelled with why diffusers is not the referee
         assert FORMULA[kind, fmt] in tensors["referee"]["detail"]
 

@@ -25,6 +25,7 @@ from converter.io.records import read_report
 from converter.io.scratch import make_temp
 from converter.jobs.pipeline import STAGES as PUSH_STAGES
 from converter.jobs.pipeline import push
+from converter.verification import VerificationReport
 
 STAGES = ("check", *PUSH_STAGES)
 DTYPES = ("keep", "float32", "float16", "bfloat16", "bnb-nf4", "bnb-fp4")
@@ -82,20 +83,22 @@ class JobResult:
 def report_images(folder: Path, report: dict | None) -> list[tuple[object, str]]:
     """A diffusion report's base / reference / merged PNGs (paths relative to the merged folder), read into memory
     before the job folder goes: (image, caption) in gallery order, a row of three per prompt."""
-    if not report or report.get("kind") != "diffusion":
+    typed = VerificationReport.from_dict(report) if report else None
+    if typed is None or typed.kind != "diffusion":
         return []
     from PIL import Image
 
-    referee = "published formula" if "formula" in report.get("reference", "") else "diffusers, unmerged"
+    referee = "published formula" if "formula" in typed.reference else "diffusers, unmerged"
     out = []
-    for row in report.get("images") or []:
+    for row in typed.images:
         for key, label in (("base", "base"), ("reference", f"base + LoRA ({referee})"), ("merged", "merged")):
-            if not row.get(key) or not (folder / row[key]).is_file():
+            path = getattr(row, key)
+            if not path or not (folder / path).is_file():
                 continue
-            with Image.open(folder / row[key]) as image:
+            with Image.open(folder / path) as image:
                 image.load()
-                metrics = f" · PSNR {row.get('psnr')} dB, max |Δ| {row.get('max_abs')}" if key == "merged" else ""
-                out.append((image.copy(), f"{label}: {row.get('prompt', '')}{metrics}"))
+                metrics = f" · PSNR {row.psnr} dB, max |Δ| {row.max_abs}" if key == "merged" else ""
+                out.append((image.copy(), f"{label}: {row.prompt}{metrics}"))
     return out
 
 

@@ -1,7 +1,9 @@
 """The model card (README.md): what was merged, exactly, and how well it was checked. Never a token or a path.
 
 Everything comes from the output folder's provenance record, so a card can be rebuilt at any time (after
-verification, before a push) and says only what the record supports.
+verification, before a push) and says only what the record supports. The verification section comes written:
+the hub sits below verification, whose renderer (`converter.verification.render.card_section`) writes it from
+the typed report.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def build_card(provenance: dict, verification: dict | None = None, load_name: str = "path/to/this-model") -> str:
+def build_card(provenance: dict, verification: str | None = None, load_name: str = "path/to/this-model") -> str:
+    """The card's text; `verification`: the verification section in Markdown (None: not verified)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     base = provenance["base"]
@@ -76,20 +79,7 @@ def build_card(provenance: dict, verification: dict | None = None, load_name: st
     return str(card)
 
 
-def _image_grid(images: list[dict], reference: str = "") -> list[str]:
-    """A diffusion verification's images (saved in the folder, paths relative to it) as a small grid: one row per
-    prompt, base | reference | merged; the reference column says which referee made it."""
-    if not images:
-        return []
-    role = "reference (published formula)" if "formula" in reference else "reference (unmerged)"
-    lines = ["", f"| prompt | base | {role} | merged | PSNR merged vs reference |", "|---|---|---|---|---|"]
-    for i in images:
-        cells = " | ".join(f"![{r}]({i[r]})" for r in ("base", "reference", "merged"))
-        lines.append(f"| {i['prompt']} | {cells} | {i['psnr']:.1f} dB (max diff {i['max_abs']}) |")
-    return lines
-
-
-def _body(prov: dict, verification: dict | None, repo: str) -> str:
+def _body(prov: dict, verification: str | None, repo: str) -> str:
     base = prov["base"]
     name = base.get("repo_id") or Path(base["source"]).name
     lines = [
@@ -126,8 +116,7 @@ def _body(prov: dict, verification: dict | None, repo: str) -> str:
         lines += ["", f"config.json changes: {changes}."]
     lines += ["", "## Verification", ""]
     if verification:
-        lines.append(verification.get("markdown", "").strip())
-        lines += _image_grid(verification.get("images") or [], verification.get("reference", ""))
+        lines.append(verification)
     else:
         lines.append("**Not verified.** This merge was not compared with the base + adapters; treat it as untested.")
     lines += ["", "## How to load", "", *_load_snippet(base, repo), ""]
@@ -205,10 +194,11 @@ def public_recipe(prov: dict) -> str:
     return yaml.safe_dump(recipe, sort_keys=False)
 
 
-def write_card(folder: Path, load_name: str | None = None) -> Path:
-    """(Re)write folder/README.md from the folder's provenance record and verification report, if any."""
+def write_card(folder: Path, load_name: str | None = None, verification: str | None = None) -> Path:
+    """(Re)write folder/README.md from the folder's provenance record and `verification`, the verification
+    section written by `converter.verification.render.card_section` from the folder's report (None: the card
+    says not verified)."""
     provenance = read_provenance(folder)
-    verification = read_report(folder)
     text = build_card(provenance, verification, load_name or f"./{folder.name}")
     (folder / "README.md").write_text(text)
     return folder / "README.md"

@@ -233,6 +233,8 @@ def _same_files(api, repo_id: str, folder: Path, replace: dict[str, bytes]) -> b
 
 # What a verification measures of itself, run to run
 MEASURED = ("seconds", "phase_seconds", "phase_cpu_seconds", "peak_rss_mb")
+# What older reports stored beside the facts: their Markdown, written from the rest (now rendered where shown)
+DERIVED = ("markdown",)
 
 
 def _same_report(api, repo_id: str, revision: str, local: bytes) -> bool:
@@ -246,6 +248,8 @@ def _same_report(api, repo_id: str, revision: str, local: bytes) -> bool:
         for part in (report, report.get("tensors") or {}):
             for key in MEASURED:
                 part.pop(key, None)
+        for key in DERIVED:
+            report.pop(key, None)
         return report
 
     path = hub.call(

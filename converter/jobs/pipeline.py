@@ -35,7 +35,7 @@ from converter.io.scratch import make_temp
 from converter.io.units import parse_size
 from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
-from converter.verification import require_pass, verify
+from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
 from converter.verification.warmup import wait
 
 
@@ -105,7 +105,7 @@ def push(
             verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, publishing=True, **verify)
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
-            write_card(folder, load_name=repo_id)
+            _write_card(folder, repo_id)
             replace = public_records(folder)
         if finished is not None:
             finished(folder)
@@ -123,6 +123,11 @@ def push(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_card(folder: Path, load_name: str) -> None:
+    """The folder's card, its verification section rendered from the folder's report (if it has one)."""
+    write_card(folder, load_name=load_name, verification=card_section(VerificationReport.load(folder)))
 
 
 def verify_folder(
@@ -153,8 +158,8 @@ def verify_folder(
     if report_path:
         Path(report_path).write_text(report.to_json())
     if (folder / PROVENANCE_FILE).is_file():
-        write_card(folder, load_name=f"./{folder.name}")
-    log(report.markdown)
+        _write_card(folder, f"./{folder.name}")
+    log(markdown(report))
     then = ("; nothing was pushed (--no-verify pushes it unproven)" if publishing else
             f"; {folder} is kept, its card says not verified (--no-verify skips verification)")  # fmt: skip
     require_pass(report, then)
@@ -292,7 +297,7 @@ def _commit_contents(folder: Path, repo_id: str, uploader: ShardUploader) -> tup
     """The one commit's operations (the uploaded shards, then the card and every other file, records made
     public) and every path the published model has."""
     uploaded = uploader.close()
-    write_card(folder, load_name=repo_id)
+    _write_card(folder, repo_id)
     sent = {op.path_in_repo for op in uploaded}
     names = local_files(folder)
     operations = uploaded + additions(folder, [n for n in names if n not in sent], public_records(folder))

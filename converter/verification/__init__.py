@@ -10,7 +10,8 @@
    tensors cannot: config, tokenizer, tied heads, a model class that loads differently.
 
 The behaviour is compared only when the tensors pass (a wrong tensor is already a fail, named). `judge.py` turns
-what both measured into the verdict, `render.py` writes it, `report.py` holds it (verification.json).
+what both measured into the verdict, `report.py` holds it, typed (verification.json), and `render.py` writes it in
+Markdown where it is shown.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from converter.verification.loading import PROMPTS, Offload, PeftRefused
 from converter.verification.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
 from converter.verification.prove import is_peft_folder, prove_tensors
 from converter.verification.referee import could_not
-from converter.verification.render import markdown
-from converter.verification.report import Clock, VerificationReport
+from converter.verification.render import card_section, markdown
+from converter.verification.report import Clock, Skip, VerificationReport
 from converter.verification.task_check import TaskCheck, is_causal_lm, trained_class
 from converter.verification.warmup import import_peft, wait
 
@@ -53,6 +54,7 @@ __all__ = [
     "Offload",
     "Run",
     "VerificationReport",
+    "card_section",
     "markdown",
     "require_pass",
     "tolerance",
@@ -73,6 +75,7 @@ def verify(
     single_file_config: str | None = None,
     proofs: tuple[str, ...] = PROOFS,
     shard_proof=None,
+    notes: tuple[str, ...] = (),
 ) -> VerificationReport:
     """Prove `merged` against base + adapters (the recipe); returns the report, also written next to the model.
 
@@ -81,7 +84,8 @@ def verify(
     continuations for the card. `single_file_config`: diffusers' config for a single-file diffusion base.
     `proofs`: both by default; one of them alone to look at it by itself (the other is reported as not run).
     `shard_proof`: a `shards.ShardProof` that already proved the output's shards as they were written (a
-    pipelined push): its verdict is the tensor proof, the files are not read again."""
+    pipelined push): its verdict is the tensor proof, the files are not read again. `notes`: what the caller
+    knows about this verification, noted after the verdict's own notes."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
 
@@ -104,11 +108,10 @@ def verify(
         report.behaviour_skipped = "not asked for"
     needed = "tensors" in proofs and not job.tensors_by_design
     verdict = judge(report.tensors, findings, (report.tensors_skipped, report.behaviour_skipped), needed)
-    report.verdict, report.problems, report.notes = verdict.verdict, verdict.problems, verdict.notes
+    report.verdict, report.problems, report.notes = verdict.verdict, verdict.problems, [*verdict.notes, *notes]
     report.seconds, report.phase_seconds = round(time.time() - started, 1), job.clock.phases
     report.phase_cpu_seconds = job.clock.cpu
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    report.markdown = markdown(report)
     report.save(job.merged)
     return report
 
@@ -181,8 +184,6 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
 def _llm_behaviour(report: VerificationReport, job: Job, settings):
     """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
     task_check.py); None (with the reason) when it cannot run."""
-    from converter.verification.llm import Skip
-
     if job.recipe.method not in (None, "sum"):
         report.behaviour_skipped = (f"a --method {job.recipe.method} merge has no unmerged PEFT forward to compare "
                                     "with (its tensors are the proof)")  # fmt: skip
@@ -221,7 +222,7 @@ def _check_for(base: Path, adapters: list[Path]):
 
 def _diffusion_behaviour(report: VerificationReport, job: Job, single_file_config, referee):
     """A diffusion merge's behaviour against diffusers' unmerged loader; images either way."""
-    from converter.verification.diffusion import DiffusionCheck, Skip
+    from converter.verification.diffusion import DiffusionCheck
 
     check = DiffusionCheck(job.merged, job.recipe, job.base, job.adapters, single_file_config, job.log, job.clock)
     findings = None

@@ -32,7 +32,7 @@ from converter.verification.diffusion import (
 )
 from converter.verification.loading import peft_refusals
 from converter.verification.peft_referee import PeftLayers, hollow
-from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable
+from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable, first_line
 
 
 def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str | None:
@@ -93,7 +93,7 @@ class DiffusersReferee:
         try:
             wrong = _apply_adapters(pipe, recipe, adapters)
         except LoaderRefused as e:
-            raise RefereeUnavailable(f"diffusers cannot apply the adapters ({str(e).splitlines()[0][:160]})") from None
+            raise RefereeUnavailable(f"diffusers cannot apply the adapters ({first_line(e, 160)})") from None
         if wrong:
             raise RefereeUnavailable(wrong)
         adapter_names = [f"adapter_{i}" for i in range(len(adapters))]

@@ -29,12 +29,24 @@ from converter.engine.recipe import Recipe
 from converter.io import dtypes
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.judge import failing_components, judge_diffusion
+from converter.verification.metrics import UNIT_ROUNDOFF, first_disagreement
 from converter.verification.peft_referee import hollow
-from converter.verification.report import Clock, DiffusionBehaviour
+from converter.verification.referee import in_one_line
+from converter.verification.report import (
+    Clock,
+    ComponentComparison,
+    DiffusionBehaviour,
+    DiffusionInputs,
+    DiffusionTolerance,
+    Disagreement,
+    ImageRow,
+    OutputDifference,
+    Skip,
+)
 from converter.verification.tensors import locations
 
 IMAGE_DIR = "verification"
-UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
+MESSAGE_WIDTH = 120  # characters of a library's error message kept in the report
 # A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
 # u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
 # On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
@@ -43,8 +55,6 @@ OUTPUT_ROUNDING_FACTOR = 8.0
 MODULE_ROUNDING_FACTOR = 4.0
 COMPUTE_FLOOR = 256 * 2.0**-24
 MODULE_COMPUTE_FLOOR = 64 * 2.0**-24
-UPSTREAM_GAIN = 2.0  # a right module may amplify the relative error it inherits (norms, attention): 2x allowed
-EFFECT_SHARE = 0.25  # merged must be this much closer to the reference than the bare base is
 TIMESTEP_FRACTIONS = (0.9, 0.5, 0.1)
 IMAGE_COUNT = 2
 IMAGE_STEPS = 4
@@ -54,12 +64,12 @@ def is_diffusion(folder: Path) -> bool:
     return (Path(folder) / "model_index.json").is_file()
 
 
-def tolerance(output_dtype: str) -> dict:
+def tolerance(output_dtype: str) -> DiffusionTolerance:
     u = UNIT_ROUNDOFF.get(output_dtype, 2.0**-8)
-    return {
-        "output_rel_err": OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
-        "module_rel_err": MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
-    }
+    return DiffusionTolerance(
+        output_rel_err=OUTPUT_ROUNDING_FACTOR * u + COMPUTE_FLOOR,
+        module_rel_err=MODULE_ROUNDING_FACTOR * u + MODULE_COMPUTE_FLOOR,
+    )
 
 
 class LoaderRefused(Exception):
@@ -69,10 +79,6 @@ class LoaderRefused(Exception):
 
 class Unbuildable(Exception):
     """A pipeline class that cannot be built from a folder's model components here."""
-
-
-class Skip(Exception):
-    """The behavioural comparison cannot run with diffusers here (the reason is reported)."""
 
 
 class DiffusionCheck:
@@ -122,11 +128,12 @@ class DiffusionCheck:
             pipe = self.load(self.base)
         except (OSError, ValueError, Unbuildable) as e:  # offline, no config, a pipeline it cannot build
             how = "from_single_file" if self.single else "from_pretrained"
-            raise Skip(f"diffusers' {how} cannot load the base here ({_first_line(e)})") from None
+            raise Skip(f"diffusers' {how} cannot load the base here ({in_one_line(e, MESSAGE_WIDTH)})") from None
         try:
             wrong = _apply_adapters(pipe, self.recipe, self.adapters)
         except LoaderRefused as e:
-            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({_first_line(e)})") from None
+            why = in_one_line(e, MESSAGE_WIDTH)
+            raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({why})") from None
         if wrong:
             raise Skip(wrong)
         self.clock.lap("load reference")
@@ -140,8 +147,8 @@ class DiffusionCheck:
         dtype = _single_file_dtype(self.merged_path()) if self.single else _stored_dtype(
             self.merged / _denoiser_folder(self.merged))  # fmt: skip
         tol = tolerance(dtype)
-        components = {name: {"merged_vs_reference": _compare(ref[name]["outputs"], out[name]["outputs"]),
-                             "base_vs_reference": _compare(ref[name]["outputs"], bare[name]["outputs"])}
+        components = {name: ComponentComparison(_compare(ref[name]["outputs"], out[name]["outputs"]),
+                                                _compare(ref[name]["outputs"], bare[name]["outputs"]))
                       for name in touched}  # fmt: skip
         failing = failing_components(components, tol)
         culprits = self._probe(failing, inputs, tol) if failing else []
@@ -151,13 +158,13 @@ class DiffusionCheck:
             compute_dtype="float32",
             output_dtype=dtype,
             tolerance=tol,
-            inputs={"timesteps": inputs["timesteps"], "components": touched, "image_steps": IMAGE_STEPS},
+            inputs=DiffusionInputs(inputs["timesteps"], touched, IMAGE_STEPS),
             components=components,
             first_disagreeing_module=culprits[0] if culprits else None,
         )
         return behaviour, judge_diffusion(components, tol, culprits)
 
-    def _probe(self, failing: list[str], inputs: dict, tol: dict) -> list[dict]:
+    def _probe(self, failing: list[str], inputs: dict, tol: DiffusionTolerance) -> list[Disagreement]:
         """Only on a failure: hooks on every Linear/Conv (~3x a forward), both models once more, first input."""
         self.log(f"locating the first disagreeing module of {', '.join(failing)} (both models again, with hooks)")
         probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
@@ -173,12 +180,13 @@ class DiffusionCheck:
         self.clock.lap("module probe")
         culprits = []
         for name in failing:
-            first = _first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol["module_rel_err"])
+            first = first_disagreement(ref_probe[name]["probe"], out_probe[name]["probe"], tol.module_rel_err,
+                                       floor=1e-30)  # fmt: skip
             if first:
-                culprits.append({**first, "module": f"{name}.{first['module']}"})
+                culprits.append(Disagreement(f"{name}.{first['module']}", first["relative_error"]))
         return culprits
 
-    def images(self, referee=None) -> list[dict]:
+    def images(self, referee=None) -> list[ImageRow]:
         """The base / reference / merged images (saved next to the report): those the behaviour made, else, for a
         complete pipeline folder, the reference as the base pipeline holding the referee's tensors."""
         if self.made is None and referee is not None and is_diffusion(self.base) and _complete(self.base):
@@ -247,11 +255,6 @@ def _read_float64(where):
 
 def _denoiser_folder(merged: Path) -> str:
     return next((n for n in ("unet", "transformer") if (merged / n).is_dir()), "unet")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text[:120]}{'...' if len(text) > 120 else ''}"
 
 
 def _load_single(file: Path, config: str | None):
@@ -339,7 +342,7 @@ def _partial(folder: Path, index: dict, empty: bool = False):
     try:
         return cls(**{p: parts.get(p) for p in params})
     except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
-        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({_first_line(e)})") from None
+        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({in_one_line(e, MESSAGE_WIDTH)})") from None
 
 
 def component_model(folder: Path, name: str, index: dict, empty: bool = False):
@@ -387,7 +390,7 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
                     else:
                         pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
                 except Exception as e:  # noqa: BLE001 - see LoaderRefused
-                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {_first_line(e)}") from None
+                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {in_one_line(e, MESSAGE_WIDTH)}") from None
             for w in caught:
                 text = str(w.message)
                 if "alpha_pattern keys did not match" in text:
@@ -603,30 +606,14 @@ def _is_lora_wrapper(module) -> bool:
     return isinstance(module, BaseTunerLayer)
 
 
-def _compare(ref: list, other: list) -> dict:
+def _compare(ref: list, other: list) -> OutputDifference:
     import torch
 
     diff = torch.cat([(r - o).flatten() for r, o in zip(ref, other, strict=True)])
     norm = torch.cat([r.flatten() for r in ref]).norm().clamp_min(1e-30)
-    return {
-        "rel_err": (diff.norm() / norm).item(),
-        "max_abs": diff.abs().max().item(),
-        "mean_abs": diff.abs().mean().item(),
-    }
-
-
-def _first_disagreement(ref: dict, merged: dict, tol: float) -> dict | None:
-    """The first module (execution order) off by more than its rounding on top of UPSTREAM_GAIN x what it inherits."""
-    upstream = 0.0
-    for name, r in ref.items():
-        m = merged.get(name)
-        if m is None or m.shape != r.shape:
-            continue
-        err = ((m - r).norm() / r.norm().clamp_min(1e-30)).item()
-        if err > tol + UPSTREAM_GAIN * upstream:
-            return {"module": name, "relative_error": err}
-        upstream = max(upstream, err)
-    return None
+    return OutputDifference(
+        rel_err=(diff.norm() / norm).item(), max_abs=diff.abs().max().item(), mean_abs=diff.abs().mean().item()
+    )
 
 
 def _images(pipe) -> list:
@@ -683,7 +670,7 @@ def _prompt_embeds(pipe) -> dict:
         return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
 
-def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
+def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[ImageRow]:
     import numpy as np
     from PIL import Image
 
@@ -698,7 +685,7 @@ def _save_images(merged: Path, ref: list, out: list, bare: list) -> list[dict]:
         diff = np.abs(r.astype(np.int32) - o.astype(np.int32))
         mse = float((diff.astype(np.float64) ** 2).mean())
         psnr = 99.0 if mse == 0 else float(10 * np.log10(255.0**2 / mse))  # 99: identical (JSON has no inf)
-        rows.append({"prompt": f"(random token ids #{i})", **paths, "psnr": round(psnr, 2), "max_abs": int(diff.max())})
+        rows.append(ImageRow(f"(random token ids #{i})", **paths, psnr=round(psnr, 2), max_abs=int(diff.max())))
     return rows
 
 

@@ -18,6 +18,7 @@ from converter.io.records import PROVENANCE_FILE
 from converter.io.scratch import temp_folder
 from converter.verification.loading import load_model, load_reference, vocab_size
 from converter.verification.metrics import Run, compare, logits_of, probe_modules, run_model, summary
+from converter.verification.report import MetricSummary, QLoRAMerge, QLoRAStudy
 
 
 def quantized_peft_merge(model, q: dict, batch: tuple) -> Run:
@@ -84,7 +85,7 @@ def qlora_study(
     batch: tuple,
     runs: tuple[Run, Run],
     token: str | None,
-) -> dict:
+) -> QLoRAStudy:
     """QLoRA adapters: which merge base is closer to the adapters as trained (PEFT on the 4-bit base), measured.
 
     One of the two merges is `merged` (`runs` = its reference and its own run); the other is made here in a temp
@@ -110,27 +111,27 @@ def qlora_study(
     gc.collect()
     by_mode = {this: out, other: alternative}
     modes = {
-        mode: {
-            "this_merge": mode == this,
-            "vs_qlora_reference": summary(compare(qlora_ref, run)),
-            "vs_full_precision_reference": summary(compare(full_ref, run)),
-            "perplexity": run.perplexity,
-        }
+        mode: QLoRAMerge(
+            this_merge=mode == this,
+            vs_qlora_reference=MetricSummary(**summary(compare(qlora_ref, run))),
+            vs_full_precision_reference=MetricSummary(**summary(compare(full_ref, run))),
+            perplexity=run.perplexity,
+        )
         for mode, run in by_mode.items()
     }
-    kl = {mode: m["vs_qlora_reference"]["mean_kl"] for mode, m in modes.items()}
+    kl = {mode: m.vs_qlora_reference.mean_kl for mode, m in modes.items()}
     closer = min(kl, key=kl.get)
     farther = other if closer == this else this
-    return {
-        "reference": f"base in {recipe.qlora_quant.upper()} 4-bit (block size {recipe.qlora_blocksize}, double "
+    return QLoRAStudy(
+        reference=f"base in {recipe.qlora_quant.upper()} 4-bit (block size {recipe.qlora_blocksize}, double "
         f"quantization {'on' if recipe.qlora_double_quant else 'off'}) + adapters through PEFT",
-        "modes": modes,
-        "closer": closer,
-        "kl_ratio": kl[farther] / kl[closer] if kl[closer] > 0 else float("inf"),
-        "perplexity_qlora_reference": qlora_ref.perplexity,
-        "perplexity_full_precision_reference": full_ref.perplexity,
-        "dequantized_perplexity_change": by_mode["dequantized"].perplexity / by_mode["original"].perplexity - 1,
-    }
+        modes=modes,
+        closer=closer,
+        kl_ratio=kl[farther] / kl[closer] if kl[closer] > 0 else float("inf"),
+        perplexity_qlora_reference=qlora_ref.perplexity,
+        perplexity_full_precision_reference=full_ref.perplexity,
+        dequantized_perplexity_change=by_mode["dequantized"].perplexity / by_mode["original"].perplexity - 1,
+    )
 
 
 def qlora_quantization(recipe: Recipe, merged: Path, base: Path, dtype):

@@ -8,9 +8,15 @@ wrong: the tensor and how far off in units of its rounding bound, or the behavio
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from converter.verification.report import (
+    ComponentComparison,
+    DiffusionTolerance,
+    Disagreement,
+    LLMTolerance,
+    LogitComparison,
+)
 from converter.verification.tensors import TensorProofResult
 
 EFFECT_SHARE = 0.25  # the merged model must sit this much closer to the reference than the bare base does
@@ -71,51 +77,57 @@ def judge_tensors(result: TensorProofResult) -> tuple[list[str], list[str]]:
     return problems, notes
 
 
-def judge_llm(merged: dict, bare: dict | None, tol: dict, culprit: dict | None = None) -> tuple[list[str], list[str]]:
+def judge_llm(
+    merged: LogitComparison, bare: LogitComparison | None, tol: LLMTolerance, culprit: Disagreement | None = None
+) -> tuple[list[str], list[str]]:
     """The behavioural verdict of a causal LM: KL and confident top-1 agreement within the thresholds, and the
     merged model clearly closer to the reference than the bare base (else nothing was merged; `bare` None: not run,
     the tensor proof answered that)."""
     problems, notes = [], []
-    if merged["mean_kl"] > tol["mean_kl"]:
-        problems.append(f"mean KL(reference‖merged) {merged['mean_kl']:.3g} > {tol['mean_kl']:.3g}")
-    if merged["confident_top1_agreement"] < tol["confident_top1_agreement"]:
+    if merged.mean_kl > tol.mean_kl:
+        problems.append(f"mean KL(reference‖merged) {merged.mean_kl:.3g} > {tol.mean_kl:.3g}")
+    if merged.confident_top1_agreement < tol.confident_top1_agreement:
         problems.append(
-            f"top-1 agreement where the reference is confident {merged['confident_top1_agreement']:.2%} "
-            f"< {tol['confident_top1_agreement']:.0%}"
+            f"top-1 agreement where the reference is confident {merged.confident_top1_agreement:.2%} "
+            f"< {tol.confident_top1_agreement:.0%}"
         )
     if bare is None:
         pass
-    elif bare["mean_kl"] <= tol["mean_kl"]:
+    elif bare.mean_kl <= tol.mean_kl:
         notes.append("the adapters barely change the base's outputs here: a merge that did nothing could not be "
                      "told apart by behaviour")  # fmt: skip
-    elif merged["mean_kl"] >= EFFECT_SHARE * bare["mean_kl"]:
+    elif merged.mean_kl >= EFFECT_SHARE * bare.mean_kl:
         problems.append("the merged model is as far from the reference as the bare base is (was anything merged?)")
     if problems and culprit:
-        problems.append(f"first module that disagrees: {culprit['module']} "
-                        f"(relative error {culprit['relative_error']:.3g})")  # fmt: skip
+        problems.append(_located(culprit))
     return problems, notes
 
 
-def judge_diffusion(components: dict, tol: dict, culprits: list[dict] = ()) -> tuple[list[str], list[str]]:
+def judge_diffusion(
+    components: dict[str, ComponentComparison], tol: DiffusionTolerance, culprits: list[Disagreement] = ()
+) -> tuple[list[str], list[str]]:
     """The behavioural verdict of a diffusion merge, per touched component: relative error of its outputs within
     what rounding explains, and clearly below the adapters' own effect."""
     problems, notes = [], []
     for name, c in components.items():
-        m, b = c["merged_vs_reference"]["rel_err"], c["base_vs_reference"]["rel_err"]
-        if m > tol["output_rel_err"]:
-            problems.append(f"{name}: relative error {m:.3g} > {tol['output_rel_err']:.3g}")
-        if b <= tol["output_rel_err"]:
+        m, b = c.merged_vs_reference.rel_err, c.base_vs_reference.rel_err
+        if m > tol.output_rel_err:
+            problems.append(f"{name}: relative error {m:.3g} > {tol.output_rel_err:.3g}")
+        if b <= tol.output_rel_err:
             notes.append(f"{name}: the adapters barely change it here; a merge that did nothing could not be "
                          "told apart by behaviour")  # fmt: skip
         elif m >= EFFECT_SHARE * b:
             problems.append(f"{name} is as far from the reference as the bare base is ({m:.3g} vs {b:.3g}): was "
                             "anything merged?")  # fmt: skip
-    for c in culprits:
-        problems.append(f"first module that disagrees: {c['module']} (relative error {c['relative_error']:.3g})")
+    problems += [_located(c) for c in culprits]
     return problems, notes
 
 
-def failing_components(components: dict, tol: dict) -> list[str]:
+def _located(culprit: Disagreement) -> str:
+    return f"first module that disagrees: {culprit.module} (relative error {culprit.relative_error:.3g})"
+
+
+def failing_components(components: dict[str, ComponentComparison], tol: DiffusionTolerance) -> list[str]:
     """The components judge_diffusion finds a problem with (the module probe runs on those only)."""
     return [n for n in components if judge_diffusion({n: components[n]}, tol)[0]]
 
@@ -129,7 +141,3 @@ def _who(module: str | None, kind: str) -> str:
 def _few(names: list[str]) -> str:
     shown = ", ".join(names[:MAX_LISTED])
     return shown + (f" ... (+{len(names) - MAX_LISTED})" if len(names) > MAX_LISTED else "")
-
-
-def ratio_text(ratio: float) -> str:
-    return "∞" if not math.isfinite(ratio) else f"{ratio:.3g}"

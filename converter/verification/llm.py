@@ -47,11 +47,17 @@ from converter.verification.metrics import (
 )
 from converter.verification.metrics import tolerance as rounding_tolerance
 from converter.verification.precision import float32_compute
-from converter.verification.report import Clock, LLMBehaviour
-
-
-class Skip(Exception):
-    """The behavioural comparison cannot run here (the reason is reported)."""
+from converter.verification.report import (
+    Clock,
+    Disagreement,
+    Generation,
+    LLMBehaviour,
+    LLMInputs,
+    LLMTolerance,
+    LogitComparison,
+    QLoRAStudy,
+    Skip,
+)
 
 
 @dataclass
@@ -82,10 +88,8 @@ class LLMCheck:
         ref, bare, noise = self._reference()
         out = self._candidate()
         tol = self._tolerance(noise)
-        merged_vs_ref, base_vs_ref = compare(ref, out), compare(ref, bare) if bare else None
-        merged_vs_ref["perplexity_reference"] = ref.perplexity
-        if base_vs_ref:
-            base_vs_ref["perplexity_reference"] = ref.perplexity
+        merged_vs_ref = LogitComparison(**compare(ref, out), perplexity_reference=ref.perplexity)
+        base_vs_ref = LogitComparison(**compare(ref, bare), perplexity_reference=ref.perplexity) if bare else None
         problems, _ = judge_llm(merged_vs_ref, base_vs_ref, tol)
         culprit = self._probe(ref, out, tol, noise) if problems and not self.stored_4bit else None
         self.candidate = None
@@ -205,7 +209,7 @@ class LLMCheck:
         self.clock.lap("run merged")
         return out
 
-    def _tolerance(self, noise: dict | None) -> dict:
+    def _tolerance(self, noise: dict | None) -> LLMTolerance:
         from converter.io.dtypes import TORCH_TO_ST
 
         tol = rounding_tolerance(self.output_dtype, TORCH_TO_ST[self.dtype])
@@ -214,9 +218,9 @@ class LLMCheck:
                    "confident_top1_agreement": min(tol["confident_top1_agreement"], 0.99),
                    "kernel_noise_mean_kl": noise["mean_kl"]}  # fmt: skip
         self.noise = noise
-        return tol
+        return LLMTolerance(**tol)
 
-    def _probe(self, ref, out, tol: dict, noise: dict | None) -> dict | None:
+    def _probe(self, ref, out, tol: LLMTolerance, noise: dict | None) -> Disagreement | None:
         """Only on a failure: every module's output on a short input, merged then reference (reloaded)."""
         import torch
 
@@ -230,9 +234,10 @@ class LLMCheck:
                 ref.probe = probe_modules(model, self.probe_ids, "base_model.model.")
             del model
         self.clock.lap("module probe (on failure)")
-        return first_disagreement(ref.probe, out.probe, tol["module_rel_err"], (noise or {}).get("module_rel_err", {}))
+        first = first_disagreement(ref.probe, out.probe, tol.module_rel_err, (noise or {}).get("module_rel_err", {}))
+        return Disagreement(**first) if first else None
 
-    def _qlora_study(self, ref, out) -> dict | None:
+    def _qlora_study(self, ref, out) -> QLoRAStudy | None:
         study = self.study
         if not self.own or study:  # streamed models hold little but mappings: no full collection needed
             gc.collect()
@@ -261,12 +266,12 @@ class LLMCheck:
             offload_memory_bytes=self.offload.max_memory if self.offload else None,
             output_dtype=self.stored_4bit["bnb_4bit_quant_type"].upper() if self.stored_4bit else self.output_dtype,
             tolerance=tol,
-            inputs={"count": len(self.inputs), "chat_template": self.template, "tokenizer": self.tok is not None,
-                    "max_new_tokens": self.new_tokens},  # fmt: skip
+            inputs=LLMInputs(len(self.inputs), self.template, self.tok is not None, self.new_tokens),
             merged_vs_reference=merged_vs_ref,
             base_vs_reference=base_vs_ref,
             first_disagreeing_module=culprit,
-            generations=side_by_side(self.tok, self.prompts, bare, ref, out) if self.new_tokens else [],
+            generations=[Generation(**g) for g in side_by_side(self.tok, self.prompts, bare, ref, out)]
+            if self.new_tokens else [],  # fmt: skip
             qlora=qlora,
         )
 

@@ -18,7 +18,7 @@ from converter.engine.checkpoint import Checkpoint
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError, OutputError
 from converter.verification.precision import file_sources
-from converter.verification.referee import RefereeUnavailable
+from converter.verification.referee import RefereeUnavailable, first_line
 
 PROMPTS = [
     "What is the capital of France?",
@@ -47,8 +47,7 @@ def peft_refusals():
         yield
     except ValueError as e:
         if any(words in str(e) for words in PEFT_REFUSALS):
-            first = str(e).splitlines()[0][:200]
-            raise PeftRefused(f"PEFT cannot apply the adapters to this base unmerged ({first})") from e
+            raise PeftRefused(f"PEFT cannot apply the adapters to this base unmerged ({first_line(e)})") from e
         raise
 
 

@@ -214,17 +214,20 @@ def probe_modules(model, ids, prefix: str) -> dict:
     return outputs
 
 
-def first_disagreement(ref: dict, merged: dict, tol: float, noise: dict | None = None) -> dict | None:
+def first_disagreement(
+    ref: dict, merged: dict, tol: float, noise: dict | None = None, floor: float = 1e-12
+) -> dict | None:
     """The first module (in execution order) whose output is off by more than its own rounding (or NOISE_MARGIN
     times the reference's measured 4-bit kernel noise there) on top of what it inherits: a right module passes
     on the relative error of its inputs, so in low-precision compute, where rounding accumulates layer by layer,
-    each module may carry UPSTREAM_GAIN times the largest error seen upstream of it; a wrong one jumps past that."""
+    each module may carry UPSTREAM_GAIN times the largest error seen upstream of it; a wrong one jumps past that.
+    Shared by the LLM's and the diffusion's module probes; `floor`: the smallest reference norm divided by."""
     upstream = 0.0
     for name, r in ref.items():
         m = merged.get(name)
         if m is None or m.shape != r.shape:
             continue
-        err = ((m - r).norm() / r.norm().clamp_min(1e-12)).item()
+        err = ((m - r).norm() / r.norm().clamp_min(floor)).item()
         if err > max(tol, NOISE_MARGIN * (noise or {}).get(name, 0.0)) + UPSTREAM_GAIN * upstream:
             return {"module": name, "relative_error": err}
         upstream = max(upstream, err)

@@ -38,9 +38,20 @@ def could_not(what: str, error: BaseException) -> str:
     import traceback
 
     traceback.print_exception(error, file=sys.stderr)
-    first = (str(error).strip().splitlines() or [""])[0]
-    first = first if len(first) <= 200 else first[:197] + "..."
-    return f"{what} ({type(error).__name__}: {first})" if first else f"{what} ({type(error).__name__})"
+    return f"{what} ({in_one_line(error)})"
+
+
+def first_line(error: BaseException, width: int = 200) -> str:
+    """The first line of an error's message, at most `width` characters ("..." where cut): what a library said,
+    in one line of the report."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def in_one_line(error: BaseException, width: int = 200) -> str:
+    """The error's class and the first line of its message ("ValueError: ...")."""
+    first = first_line(error, width)
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 U32 = 2.0**-24

@@ -1,16 +1,17 @@
-"""The verification report, typed: the tensor proof's result, the behavioural comparison's measurements, the
-verdict, and how it is written (verification.json next to the model, which the card reads back)."""
+"""The verification report, typed all the way down: the tensor proof's result, the behavioural comparison's
+measurements, the verdict, and how it is written and read back (verification.json next to the model). It holds
+no prose: render.py writes it in Markdown where it is shown (the log, the card, the app)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from converter.io.records import REPORT_FILE
+from converter.io.records import REPORT_FILE, read_report
+from converter.verification.plain import OMIT_NONE, from_plain, to_plain
 from converter.verification.tensors import TensorProofResult
 
 
@@ -30,6 +31,96 @@ class Clock:
         self._last, self._last_cpu = now, cpu
 
 
+class Skip(Exception):
+    """The behavioural comparison cannot run here (the LLM or the diffusion check); the reason is reported."""
+
+
+@dataclass
+class LogitComparison:
+    """One model's logits against the reference's on the same prompts (metrics.compare)."""
+
+    max_abs_logit_diff: float
+    mean_abs_logit_diff: float
+    mean_kl: float
+    top1_agreement: float
+    confident_positions: int
+    confident_top1_agreement: float
+    greedy_identical: int
+    greedy_total: int
+    first_divergence: list[int | None]  # per continuation: the first token that differs (None: identical)
+    perplexity: float  # NaN: the perplexity text did not run, or the model is no language model
+    perplexity_reference: float = math.nan
+
+
+@dataclass
+class LLMTolerance:
+    """Pass thresholds of an LLM's behaviour (metrics.tolerance), widened by a 4-bit reference's kernel noise."""
+
+    mean_kl: float
+    confident_top1_agreement: float
+    module_rel_err: float
+    kernel_noise_mean_kl: float | None = field(default=None, metadata=OMIT_NONE)
+
+
+@dataclass
+class LLMInputs:
+    count: int
+    chat_template: bool
+    tokenizer: bool
+    max_new_tokens: int
+
+
+@dataclass
+class Generation:
+    """One prompt's greedy continuations, side by side."""
+
+    prompt: str
+    base: str
+    reference: str
+    merged: str
+
+
+@dataclass
+class Disagreement:
+    """The first module (in execution order) whose output is off by more than rounding explains."""
+
+    module: str
+    relative_error: float
+
+
+@dataclass
+class MetricSummary:
+    mean_kl: float
+    max_abs_logit_diff: float
+    top1_agreement: float
+    greedy_identical: int
+    greedy_total: int
+
+
+@dataclass
+class QLoRAMerge:
+    """One merge base of QLoRA adapters (the original weights, or the 4-bit ones dequantized) against both
+    references."""
+
+    this_merge: bool
+    vs_qlora_reference: MetricSummary
+    vs_full_precision_reference: MetricSummary
+    perplexity: float
+
+
+@dataclass
+class QLoRAStudy:
+    """QLoRA adapters: both merge bases against the 4-bit training setting (fourbit.qlora_study)."""
+
+    reference: str
+    modes: dict[str, QLoRAMerge]  # "original", "dequantized"
+    closer: str
+    kl_ratio: float
+    perplexity_qlora_reference: float
+    perplexity_full_precision_reference: float
+    dequantized_perplexity_change: float
+
+
 @dataclass
 class LLMBehaviour:
     """The merged model against PEFT's unmerged reference and the bare base, on the same prompts."""
@@ -42,13 +133,41 @@ class LLMBehaviour:
     execution: str
     offload_memory_bytes: int | None
     output_dtype: str
-    tolerance: dict
-    inputs: dict
-    merged_vs_reference: dict
-    base_vs_reference: dict | None  # None: the bare base was not run (a passed tensor proof shows what changed)
-    first_disagreeing_module: dict | None = None
-    generations: list = field(default_factory=list)
-    qlora: dict | None = None
+    tolerance: LLMTolerance
+    inputs: LLMInputs
+    merged_vs_reference: LogitComparison
+    base_vs_reference: LogitComparison | None  # None: the bare base was not run (a passed tensor proof shows it)
+    first_disagreeing_module: Disagreement | None = None
+    generations: list[Generation] = field(default_factory=list)
+    qlora: QLoRAStudy | None = None
+
+
+@dataclass
+class DiffusionTolerance:
+    output_rel_err: float
+    module_rel_err: float
+
+
+@dataclass
+class DiffusionInputs:
+    timesteps: list[int]
+    components: list[str]
+    image_steps: int
+
+
+@dataclass
+class OutputDifference:
+    """One component's outputs against the reference's, over every fixed input."""
+
+    rel_err: float
+    max_abs: float
+    mean_abs: float
+
+
+@dataclass
+class ComponentComparison:
+    merged_vs_reference: OutputDifference
+    base_vs_reference: OutputDifference
 
 
 @dataclass
@@ -58,16 +177,29 @@ class DiffusionBehaviour:
     reference: str
     compute_dtype: str
     output_dtype: str
-    tolerance: dict
-    inputs: dict
-    components: dict
-    first_disagreeing_module: dict | None = None
+    tolerance: DiffusionTolerance
+    inputs: DiffusionInputs
+    components: dict[str, ComponentComparison]
+    first_disagreeing_module: Disagreement | None = None
 
 
 @dataclass
+class ImageRow:
+    """One prompt's pictures (paths relative to the merged folder): shown, never judged."""
+
+    prompt: str
+    base: str
+    reference: str
+    merged: str
+    psnr: float  # merged vs reference, dB (99: identical)
+    max_abs: int
+
+
+@dataclass(eq=False)
 class VerificationReport:
     """Both proofs of one merge and the verdict. `tensors_skipped` / `behaviour_skipped` say why a proof did
-    not run; `images`: a diffusion merge's base / reference / merged pictures (shown, never judged)."""
+    not run; `images`: a diffusion merge's base / reference / merged pictures (shown, never judged). Rendered
+    only where it is shown (render.py); equal when it says the same (NaN included)."""
 
     kind: str  # "llm" or "diffusion"
     verdict: str = "skipped"  # "pass", "fail" or "skipped" (neither proof could run)
@@ -77,12 +209,11 @@ class VerificationReport:
     tensors_skipped: str | None = None
     behaviour: LLMBehaviour | DiffusionBehaviour | None = None
     behaviour_skipped: str | None = None
-    images: list = field(default_factory=list)
+    images: list[ImageRow] = field(default_factory=list)
     seconds: float = 0.0
-    phase_seconds: dict = field(default_factory=dict)
-    phase_cpu_seconds: dict = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
-    markdown: str = ""
 
     @property
     def reference(self) -> str:
@@ -94,25 +225,40 @@ class VerificationReport:
     def to_dict(self) -> dict:
         """JSON-ready: the behaviour's measurements at the top level (as consumers of verification.json read
         them), the tensor proof under "tensors"."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "behaviour"}
+        out = {f.name: to_plain(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
         if self.behaviour is not None:
-            out.update(dataclasses.asdict(self.behaviour))
+            out.update(to_plain(self.behaviour))
         out["reference"] = self.reference
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict) -> VerificationReport:
+        """A report from verification.json's contents, this version's or an older one's (unknown keys, such as
+        the Markdown older reports stored, are ignored; missing ones take their defaults)."""
+        own = {f.name for f in fields(cls)} - {"behaviour"}
+        report = from_plain(cls, {k: v for k, v in data.items() if k in own})
+        if data.get("merged_vs_reference") is not None:
+            report.behaviour = from_plain(LLMBehaviour, data)
+        elif data.get("components") is not None:
+            report.behaviour = from_plain(DiffusionBehaviour, data)
+        return report
+
     def to_json(self) -> str:
-        return json.dumps(_plain(self.to_dict()), indent=2) + "\n"
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> VerificationReport:
+        return cls.from_dict(json.loads(text))
 
     def save(self, folder: Path) -> None:
         (Path(folder) / REPORT_FILE).write_text(self.to_json())
 
+    @classmethod
+    def load(cls, folder: Path) -> VerificationReport | None:
+        """The folder's verification.json, or None when it was not verified."""
+        data = read_report(folder)
+        return None if data is None else cls.from_dict(data)
 
-def _plain(value):
-    """Strict JSON: infinite or NaN numbers (a tensor off beyond any bound) as strings, paths as text."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VerificationReport) and self.to_dict() == other.to_dict()
+

@@ -17,7 +17,7 @@ from pathlib import Path
 from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
 from converter.io.units import human_bytes
-from converter.verification.llm import LLMCheck, Skip
+from converter.verification.llm import LLMCheck
 from converter.verification.loading import (
     PERPLEXITY_TEXT,
     available_memory,
@@ -30,6 +30,8 @@ from converter.verification.loading import (
 )
 from converter.verification.metrics import Run
 from converter.verification.peft_referee import adapter_keys, task_type
+from converter.verification.referee import in_one_line
+from converter.verification.report import Skip
 
 # Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
 CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
@@ -111,8 +113,7 @@ class TaskCheck(LLMCheck):
         try:
             ref = _run(lora, self.inputs)
         except Exception as e:  # PEFT's layers in this model's forward: its problem, said in one line
-            first = (str(e).splitlines() or [""])[0][:160]
-            raise Skip(f"PEFT's unmerged {self.model_class} does not run ({type(e).__name__}: {first})") from e
+            raise Skip(f"PEFT's unmerged {self.model_class} does not run ({in_one_line(e, 160)})") from e
         self.bare_base, bare = self.settings.bare_base, None  # no bare base after a passed tensor proof (llm.py)
         if self.bare_base:
             with model.disable_adapter():

@@ -75,6 +75,16 @@ class TensorCheck:
 
 
 @dataclass
+class TensorGroup:
+    """The proof's counts over one component of the output ("unet", "text_encoder"; "model" for a plain one)."""
+
+    tensors: int = 0
+    changed: int = 0
+    failed: int = 0
+    worst_ratio: float = 0.0
+
+
+@dataclass
 class TensorProofResult:
     """The verdict of the tensor proof over a whole output (typed; the report stores it as is)."""
 
@@ -88,7 +98,7 @@ class TensorProofResult:
     inexact: int = 0  # of which not exactly the expectation rounded (each within its bound on a pass)
     failures: list[TensorCheck] = field(default_factory=list)
     failed: int = 0
-    groups: dict[str, dict] = field(default_factory=dict)  # per component ("unet" ...): counts, worst ratio
+    groups: dict[str, TensorGroup] = field(default_factory=dict)  # per component ("unet" ...): counts, worst ratio
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -427,17 +437,16 @@ def _allowance_at(allowance, flat, like):
     return allowance.reshape(-1)[flat].to(like.dtype)
 
 
-def _groups(checks: list[TensorCheck]) -> dict[str, dict]:
+def _groups(checks: list[TensorCheck]) -> dict[str, TensorGroup]:
     """Per component of a diffusers pipeline (the name's first part), else one group "model"."""
-    out: dict[str, dict] = {}
+    out: dict[str, TensorGroup] = {}
     for c in checks:
-        g = out.setdefault(c.name.split("/", 1)[0] if "/" in c.name else "model",
-                           {"tensors": 0, "changed": 0, "failed": 0, "worst_ratio": 0.0})  # fmt: skip
-        g["tensors"] += 1
-        g["failed"] += not c.ok
+        g = out.setdefault(c.name.split("/", 1)[0] if "/" in c.name else "model", TensorGroup())
+        g.tensors += 1
+        g.failed += not c.ok
         if c.kind != "untouched":
-            g["changed"] += 1
-            g["worst_ratio"] = max(g["worst_ratio"], c.ratio)
+            g.changed += 1
+            g.worst_ratio = max(g.worst_ratio, c.ratio)
     return out
 
 

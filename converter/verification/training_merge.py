@@ -18,7 +18,6 @@ from converter.engine.recipe import AdapterSpec, Recipe
 from converter.io.scratch import temp_folder
 from converter.training.unmerged import write_unmerged
 from converter.training.view import TrainingCheckpoint
-from converter.verification.render import markdown
 
 NOTE = "the base is a training checkpoint: the referees saw it written unmerged (its weights, its LoRA as PEFT's)"
 
@@ -40,8 +39,4 @@ def verify_training(folder: Path, recipe: Recipe, verify: Callable, *, log: Call
         unmerged.base, unmerged.base_config = str(base), None
         unmerged.adapters = ([AdapterSpec(str(adapter), 1.0)] if adapter else []) + list(recipe.adapters)
         log(f"verification: the training checkpoint written unmerged ({'base + its LoRA' if adapter else 'base'})")
-        report = verify(folder, unmerged, log=log, **kw)
-    report.notes.append(NOTE)
-    report.markdown = markdown(report)
-    report.save(folder)
-    return report
+        return verify(folder, unmerged, log=log, notes=(NOTE,), **kw)
