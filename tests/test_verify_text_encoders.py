@@ -312,3 +312,50 @@ def test_per_module_alphas_diffusers_would_ignore_in_a_text_encoder_go_to_the_fo
     referee = report["tensors"]["referee"]
     assert referee["name"] == "published formula" and "per-module alphas" in referee["detail"], referee
     assert {g for g, c in report["tensors"]["groups"].items() if c["changed"]} == {"text_encoder", "text_encoder_2"}
+
+
+def test_an_llm_text_encoder_no_diffusers_loader_reads_is_the_formulas_alone(cli, tmp_path):
+    """Qwen-Image's loader takes a LoRA for its transformer only: in a diffusers-format file with Qwen2.5-VL
+    text-encoder modules too (named as its files spell them), diffusers referees the transformer and the formula,
+    labelled, the text encoder's tensors; one of those left unmerged exits 3 naming it and the formula."""
+    from diffusers import QwenImageTransformer2DModel
+    from test_verify_renames import qwen25_vl
+
+    torch.manual_seed(0)
+    models = {"transformer": QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                                         attention_head_dim=8, num_attention_heads=2,
+                                                         joint_attention_dim=16, axes_dims_rope=(2, 2, 4)),
+              "text_encoder": qwen25_vl()}  # fmt: skip
+    index = {"_class_name": "QwenImagePipeline"}
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / "base" / name)
+        index[name] = ["diffusers" if name == "transformer" else "transformers", type(model).__name__]
+    (tmp_path / "base" / "model_index.json").write_text(json.dumps(index))
+    lora, g = {}, torch.Generator().manual_seed(3)
+    for name, targets in (("transformer", ["to_q", "to_v"]), ("text_encoder", ["q_proj", "v_proj"])):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.utils import get_peft_model_state_dict
+
+        model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets),
+                                        copy.deepcopy(models[name]))  # fmt: skip
+        for module in model.modules():
+            for b in getattr(module, "lora_B", {}).values():
+                b.weight.data = torch.randn(b.weight.shape, generator=g) * 0.2
+        lora |= {f"{name}.{k.replace('model.language_model.', 'model.')}": v
+                 for k, v in get_peft_model_state_dict(model).items() if "visual" not in k}  # fmt: skip
+    adapter = save(lora, tmp_path / "lora.safetensors")
+    made = cli("merge", "--base", tmp_path / "base", "--adapter", adapter, "--out", tmp_path / "m", "--no-verify")
+    assert made[0] == 0, made
+    code, report, said = proof(cli, tmp_path / "m", tmp_path)
+    tensors = report["tensors"]
+    assert code == 0 and tensors["referee"]["name"] == "diffusers", said
+    assert {g: c["changed"] for g, c in tensors["groups"].items()} == {"text_encoder": 2, "transformer": 2}
+    assert any("no diffusers loader reads the text_encoder. modules" in n for n in tensors["referee"]["notes"])
+    (file,) = (tmp_path / "m" / "text_encoder").glob("*.safetensors")
+    merged, before = load_file(file), load_file(tmp_path / "base" / "text_encoder" / file.name)
+    name = next(k for k in sorted(merged) if not torch.equal(merged[k], before[k]))
+    save_file({**merged, name: before[name]}, file, metadata={"format": "pt"})
+    code, report, said = proof(cli, tmp_path / "m", tmp_path)
+    (failure,) = report["tensors"]["failures"]
+    assert code == 3 and failure["name"] == f"text_encoder/{name}", said
+    assert failure["module"].endswith("(published formula)"), failure
