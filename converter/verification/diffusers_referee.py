@@ -15,7 +15,6 @@ it reads whole, the formula the tensors of the parts no diffusers code reads, ea
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from converter.engine.base_reader import open_base
@@ -25,6 +24,7 @@ from converter.engine.recipe import Recipe
 from converter.formats import load_adapter
 from converter.formats.components import component_folders
 from converter.io.safetensors_file import SafetensorsFile
+from converter.io.scratch import temp_folder
 from converter.verification.diffusers_parts import Parts, formula_part, load_parts
 from converter.verification.diffusion import (
     MODEL_PARTS,
@@ -100,8 +100,8 @@ class DiffusersReferee:
         if wrong:  # the file's parts apart: diffusers for those it reads whole, the formula for those it reads none of
             pipe, parts, renamed = _weightless(base, names)
             try:
-                with tempfile.TemporaryDirectory(prefix="converter-parts-") as scratch:
-                    split = load_parts(pipe, recipe, adapters, Path(scratch))
+                with temp_folder("lora-parts") as scratch:  # each part a file, as diffusers' loader reads one
+                    split = load_parts(pipe, recipe, adapters, scratch)
                 self.formula = formula_part(recipe, base, adapters, split) if split.unread else {}
             except RefereeUnavailable as e:
                 raise RefereeUnavailable(f"{wrong} (its parts apart: {e})") from None
