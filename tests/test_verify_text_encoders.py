@@ -5,8 +5,11 @@ checkpoint saved before transformers 5 has (transformers 5 drops it on load, so 
 the files' tensor names), with a kohya file and a diffusers-format file (PEFT's layers saved by diffusers'
 save_lora_weights, text-encoder keys as transformers 4 named them) that touch the denoiser and every text encoder
 diffusers loads a LoRA for. The right merge passes with diffusers as the referee of every tensor; one text-encoder
-module and one denoiser module left unmerged each exit 3 naming the tensor. Where diffusers does not read a file
-(kohya SD3) or silently drops part of it (kohya Flux's T5 modules), the published formula referees, saying why.
+module and one denoiser module left unmerged each exit 3 naming the tensor. Where the pipeline's loader does not
+read a file whole, diffusers still referees every part it reads: kohya SD3's CLIP-L and OpenCLIP-G modules through
+diffusers' own kohya text-encoder conversion; the parts no diffusers code reads (T5 `lora_te3_` / OneTrainer's
+`lora_te2_` of Flux, SD3's T5 and its kohya MMDiT, Qwen-Image's LLM text encoder) are refereed by the published
+formula, each tensor labelled; per-module alphas diffusers' text-encoder loader would ignore send the whole file there.
 Also: a diffusers file saved under transformers 5 on the same base, and PEFT folders per component as PEFT saved
 them under transformers 4 (a modules_to_save layer norm included), refereed by PEFT. Merges are made once per
 module; each check is the tensor proof alone (`converter verify --proof tensors`).
@@ -36,10 +39,17 @@ LOADED_ENCODERS = {
 TARGETS = {"unet": ["to_q", "to_v", "proj_in", "conv1"],
            "transformer": ["to_q", "to_k", "to_out.0", "add_q_proj", "proj_mlp"]}  # fmt: skip
 CASES = [(kind, fmt) for kind in DENOISER for fmt in ("kohya", "diffusers")]
-FORMULA = {("sd3", "kohya"): "applies nothing of", ("flux", "kohya+t5"): "leaves part of"}  # why diffusers stands aside
-# a diffusers file saved under transformers 5 (no `text_model.`) on the same base; PEFT folders per component (the
-# PEFT referee)
-MORE = [("flux", "kohya+t5"), ("sd15", "diffusers-tf5"), ("sd15", "peft")]
+T5 = {"sd3": "text_encoder_3", "flux": "text_encoder_2"}
+T5_PREFIX = {"kohya+t5": "lora_te3", "kohya+t5-te2": "lora_te2"}  # sd-scripts' T5 prefix; OneTrainer's on Flux
+# the components whose modules no diffusers code reads, refereed by the formula (diffusers referees the rest)
+FORMULA = {("sd3", "kohya"): ("transformer",), ("sd3", "kohya+t5"): ("text_encoder_3", "transformer"),
+           ("flux", "kohya+t5"): ("text_encoder_2",), ("flux", "kohya+t5-te2"): ("text_encoder_2",)}  # fmt: skip
+UNREAD = {("sd3", "kohya"): "lora_unet_", ("sd3", "kohya+t5"): "lora_te3_, lora_unet_",
+          ("flux", "kohya+t5"): "lora_te3_", ("flux", "kohya+t5-te2"): "lora_te2_"}  # the parts, as the note says
+# T5 modules beside CLIP's; a diffusers file saved under transformers 5 (no `text_model.`) on the same base; PEFT
+# folders per component (the PEFT referee)
+MORE = [("sd3", "kohya+t5"), ("flux", "kohya+t5"), ("flux", "kohya+t5-te2"), ("sd15", "diffusers-tf5"),
+        ("sd15", "peft")]  # fmt: skip
 
 
 def legacy_names(component: Path) -> None:
@@ -104,11 +114,12 @@ def kohya_file(kind: str, models: dict) -> dict:
     return kohya_flux_lora(models["transformer"], with_linear1=False) | clip
 
 
-def t5_modules() -> dict:
-    """sd-scripts' Flux T5 modules (lora_te3_, T5's own capitalisation), which diffusers' converter drops."""
+def t5_modules(prefix: str = "lora_te3") -> dict:
+    """sd-scripts' T5 modules (lora_te3_, T5's own capitalisation; OneTrainer's Flux files say lora_te2_), which
+    no diffusers converter reads."""
     g, out = torch.Generator().manual_seed(6), {}
-    for name, (rows, cols) in {"lora_te3_encoder_block_0_layer_0_SelfAttention_q": (12, 12),
-                               "lora_te3_encoder_block_1_layer_1_DenseReluDense_wi_0": (24, 12)}.items():  # fmt: skip
+    for name, (rows, cols) in {f"{prefix}_encoder_block_0_layer_0_SelfAttention_q": (12, 12),
+                               f"{prefix}_encoder_block_1_layer_1_DenseReluDense_wi_0": (24, 12)}.items():  # fmt: skip
         out[f"{name}.lora_down.weight"] = torch.randn(2, cols, generator=g)
         out[f"{name}.lora_up.weight"] = torch.randn(rows, 2, generator=g)
         out[f"{name}.alpha"] = torch.tensor(2.0)
@@ -191,7 +202,10 @@ def merged(tmp_path_factory):
         elif fmt == "peft":
             adapter = peft_folders(kind, models, root / "peft")
         else:
-            lora = kohya_file(kind, models) | (t5_modules() if fmt == "kohya+t5" else {})
+            lora = kohya_file(kind, models) | (t5_modules(T5_PREFIX[fmt]) if fmt in T5_PREFIX else {})
+            if fmt == "kohya-alphas":  # CLIP-L and OpenCLIP-G only, alphas 2, 3, 4 ... by module
+                lora = kohya_lora(kohya_modules(models["text_encoder"], "lora_te1", TE_TARGETS)
+                                  | kohya_modules(models["text_encoder_2"], "lora_te2", TE_TARGETS))  # fmt: skip
             adapter = save(lora, root / "lora.safetensors")
         args = ["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(root / "m"), "--no-verify"]
         assert main(args) == 0
@@ -202,7 +216,7 @@ def merged(tmp_path_factory):
 
 
 def referee(kind: str, fmt: str) -> str:
-    return "published formula" if (kind, fmt) in FORMULA else "PEFT" if fmt == "peft" else "diffusers"
+    return "PEFT" if fmt == "peft" else "diffusers"
 
 
 def proof(cli, folder: Path, tmp_path: Path) -> tuple[int, dict, str]:
@@ -213,8 +227,8 @@ def proof(cli, folder: Path, tmp_path: Path) -> tuple[int, dict, str]:
 
 
 def touched(kind: str, fmt: str) -> tuple[str, ...]:
-    """The components the file changes: the denoiser and the text encoders (T5 too, in the kohya+t5 case)."""
-    return (DENOISER[kind], *LOADED_ENCODERS[kind], *(("text_encoder_2",) if fmt == "kohya+t5" else ()))
+    """The components the file changes: the denoiser and the text encoders (T5 too, in the kohya+t5 cases)."""
+    return (DENOISER[kind], *LOADED_ENCODERS[kind], *((T5[kind],) if fmt in T5_PREFIX else ()))
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [*CASES, *MORE], ids=[f"{kind}-{fmt}" for kind, fmt in [*CASES, *MORE]])
@@ -228,8 +242,13 @@ def test_right_merge_passes_refereed_by_diffusers_where_it_reads_the_file(merged
     # a pass means every changed tensor is one the referee names: the proof passes none it does not know
     assert tensors["referee"]["name"] == referee(kind, fmt), tensors["referee"]
     assert f"referee: {referee(kind, fmt)}" in shown(report)
-    if (kind, fmt) in FORMULA:  # the last resort, labelled with why diffusers is not the referee
-        assert FORMULA[kind, fmt] in tensors["referee"]["detail"]
+    if (kind, fmt) in FORMULA:  # the last resort for what no diffusers code reads, labelled: which parts, where
+        (note,) = [n for n in tensors["referee"]["notes"] if "published formula" in n]
+        assert f"no diffusers loader reads the {UNREAD[kind, fmt]} modules" in note, note
+        assert f"({', '.join(FORMULA[kind, fmt])})" in note, note
+        assert "referee: diffusers; the published formula" in shown(report)
+    else:
+        assert tensors["referee"]["independent"] and "published formula" not in shown(report)
 
 
 SABOTAGES = [(kind, fmt, c) for kind, fmt in [*CASES, *MORE] for c in touched(kind, fmt)]
@@ -247,8 +266,28 @@ def test_one_module_left_unmerged_exits_3_naming_it(merged, cli, tmp_path, kind,
     save_file(tensors, file, metadata={"format": "pt"})
     code, report, said = proof(cli, sabotaged, tmp_path)
     assert code == 3 and report["verdict"] == "fail", said
-    assert [f["name"] for f in report["tensors"]["failures"]] == [f"{component}/{name}"]
+    (failure,) = report["tensors"]["failures"]
+    assert failure["name"] == f"{component}/{name}"
     assert report["tensors"]["referee"]["name"] == referee(kind, fmt)
+    # the tensor names who refereed it: the formula only for what no diffusers code reads
+    assert failure["module"].endswith("(published formula)") == (component in FORMULA.get((kind, fmt), ())), failure
+
+
+@pytest.mark.parametrize(("kind", "fmt"), list(FORMULA), ids=[f"{kind}-{fmt}" for kind, fmt in FORMULA])
+def test_diffusers_referees_every_tensor_it_reads_and_the_formula_only_the_rest(merged, kind, fmt):
+    """Tensor by tensor: the text encoders diffusers takes a LoRA for (CLIP-L, OpenCLIP-G: kohya SD3's through
+    diffusers' kohya text-encoder conversion) have diffusers' own PEFT modules as their referee; the formula's
+    tensors are exactly those of the components no diffusers code reads."""
+    from converter.engine.recipe import recorded_recipe
+    from converter.verification.prove import choose_referee
+
+    base, out = merged(kind, fmt)
+    recipe = recorded_recipe(out)
+    rules = choose_referee(out, recipe, base, [Path(a.source) for a in recipe.adapters]).expectations()
+    by = {}
+    for name, rule in rules.items():
+        by.setdefault(name.split("/", 1)[0], set()).add(rule.module.endswith("(published formula)"))
+    assert by == {c: {c in FORMULA[kind, fmt]} for c in touched(kind, fmt)}, by
 
 
 def test_the_referees_images_find_every_tensor_it_changes(merged):
@@ -264,3 +303,61 @@ def test_the_referees_images_find_every_tensor_it_changes(merged):
     changed = set(choose_referee(out, recipe, base, [Path(a.source) for a in recipe.adapters]).expectations())
     assert any(name.startswith("text_encoder/text_model.") for name in changed)
     assert changed <= set(_pipeline_params(_load(base), set(open_base(base).names())))
+
+
+def test_per_module_alphas_diffusers_would_ignore_in_a_text_encoder_go_to_the_formula(merged, cli, tmp_path):
+    """Never a false alarm: diffusers' text-encoder loader ignores kohya's per-module alphas (it says so while
+    loading the SD3 text-encoder part), so the published formula referees the whole file, saying why."""
+    _, out = merged("sd3", "kohya-alphas")
+    code, report, said = proof(cli, out, tmp_path)
+    assert code == 0 and report["verdict"] == "pass", said
+    referee = report["tensors"]["referee"]
+    assert referee["name"] == "published formula" and "per-module alphas" in referee["detail"], referee
+    assert {g for g, c in report["tensors"]["groups"].items() if c["changed"]} == {"text_encoder", "text_encoder_2"}
+
+
+def test_an_llm_text_encoder_no_diffusers_loader_reads_is_the_formulas_alone(cli, tmp_path):
+    """Qwen-Image's loader takes a LoRA for its transformer only: in a diffusers-format file with Qwen2.5-VL
+    text-encoder modules too (named as its files spell them), diffusers referees the transformer and the formula,
+    labelled, the text encoder's tensors; one of those left unmerged exits 3 naming it and the formula."""
+    from diffusers import QwenImageTransformer2DModel
+    from test_verify_renames import qwen25_vl
+
+    torch.manual_seed(0)
+    models = {"transformer": QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+                                                         attention_head_dim=8, num_attention_heads=2,
+                                                         joint_attention_dim=16, axes_dims_rope=(2, 2, 4)),
+              "text_encoder": qwen25_vl()}  # fmt: skip
+    index = {"_class_name": "QwenImagePipeline"}
+    for name, model in models.items():
+        model.save_pretrained(tmp_path / "base" / name)
+        index[name] = ["diffusers" if name == "transformer" else "transformers", type(model).__name__]
+    (tmp_path / "base" / "model_index.json").write_text(json.dumps(index))
+    lora, g = {}, torch.Generator().manual_seed(3)
+    for name, targets in (("transformer", ["to_q", "to_v"]), ("text_encoder", ["q_proj", "v_proj"])):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.utils import get_peft_model_state_dict
+
+        model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=2, target_modules=targets),
+                                        copy.deepcopy(models[name]))  # fmt: skip
+        for module in model.modules():
+            for b in getattr(module, "lora_B", {}).values():
+                b.weight.data = torch.randn(b.weight.shape, generator=g) * 0.2
+        lora |= {f"{name}.{k.replace('model.language_model.', 'model.')}": v
+                 for k, v in get_peft_model_state_dict(model).items() if "visual" not in k}  # fmt: skip
+    adapter = save(lora, tmp_path / "lora.safetensors")
+    made = cli("merge", "--base", tmp_path / "base", "--adapter", adapter, "--out", tmp_path / "m", "--no-verify")
+    assert made[0] == 0, made
+    code, report, said = proof(cli, tmp_path / "m", tmp_path)
+    tensors = report["tensors"]
+    assert code == 0 and tensors["referee"]["name"] == "diffusers", said
+    assert {g: c["changed"] for g, c in tensors["groups"].items()} == {"text_encoder": 2, "transformer": 2}
+    assert any("no diffusers loader reads the text_encoder. modules" in n for n in tensors["referee"]["notes"])
+    (file,) = (tmp_path / "m" / "text_encoder").glob("*.safetensors")
+    merged, before = load_file(file), load_file(tmp_path / "base" / "text_encoder" / file.name)
+    name = next(k for k in sorted(merged) if not torch.equal(merged[k], before[k]))
+    save_file({**merged, name: before[name]}, file, metadata={"format": "pt"})
+    code, report, said = proof(cli, tmp_path / "m", tmp_path)
+    (failure,) = report["tensors"]["failures"]
+    assert code == 3 and failure["name"] == f"text_encoder/{name}", said
+    assert failure["module"].endswith("(published formula)"), failure

@@ -7,7 +7,9 @@ is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the t
 the file key the model's parameter is loaded from (model_class.loaded_names: transformers' own renames on load,
 such as a CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all
 (include/exclude, LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose
-tensor names are not diffusers' module names), it declines and the published formula referees.
+tensor names are not diffusers' module names), it declines and the published formula referees. A file it reads only
+some parts of (by kohya prefix or component) is loaded part by part (diffusers_parts): diffusers referees the parts
+it reads whole, the formula the tensors of the parts no diffusers code reads, each such tensor labelled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from converter.engine.recipe import Recipe
 from converter.formats import load_adapter
 from converter.formats.components import component_folders
 from converter.io.safetensors_file import SafetensorsFile
+from converter.io.scratch import temp_folder
+from converter.verification.diffusers_parts import Parts, formula_part, load_parts
 from converter.verification.diffusion import (
     MODEL_PARTS,
     LoaderRefused,
@@ -30,6 +34,7 @@ from converter.verification.diffusion import (
     _partial,
     component_model,
 )
+from converter.verification.formula import REFERENCE
 from converter.verification.loading import peft_refusals
 from converter.verification.peft_referee import PeftLayers, hollow
 from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable, first_line
@@ -83,30 +88,66 @@ class DiffusersReferee:
     def __init__(self, recipe: Recipe, base: Path, adapters: list[Path]):
         if base.is_file():
             raise RefereeUnavailable("a single-file base's tensors are not named as diffusers' modules")
-        try:
-            pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
-        except Unbuildable as e:
-            raise RefereeUnavailable(str(e)) from None
         names = _base_names(base)
-        parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}
-        renamed = {c: _loaded_names(model, c, names) for c, model in parts.items()}  # asked before PEFT wraps them
+        pipe, parts, renamed = _weightless(base, names)
         try:
             wrong = _apply_adapters(pipe, recipe, adapters)
         except LoaderRefused as e:
             raise RefereeUnavailable(f"diffusers cannot apply the adapters ({first_line(e, 160)})") from None
-        if wrong:
-            raise RefereeUnavailable(wrong)
-        adapter_names = [f"adapter_{i}" for i in range(len(adapters))]
-        self.parts = [RenamedLayers(model, c, renamed[c], adapter_names, recipe.adapters, names)
+        adapter_names, specs = [f"adapter_{i}" for i in range(len(adapters))], recipe.adapters
+        self.formula: dict[str, Expectation] = {}
+        notes: list[str] = []
+        if wrong:  # the file's parts apart: diffusers for those it reads whole, the formula for those it reads none of
+            pipe, parts, renamed = _weightless(base, names)
+            try:
+                with temp_folder("lora-parts") as scratch:  # each part a file, as diffusers' loader reads one
+                    split = load_parts(pipe, recipe, adapters, scratch)
+                self.formula = formula_part(recipe, base, adapters, split) if split.unread else {}
+            except RefereeUnavailable as e:
+                raise RefereeUnavailable(f"{wrong} (its parts apart: {e})") from None
+            adapter_names, specs, notes = split.names, split.specs, _notes(split, self.formula)
+        self.parts = [RenamedLayers(model, c, renamed[c], adapter_names, specs, names)
                       for c, model in parts.items()]  # fmt: skip
         self.info = RefereeInfo(
             "diffusers",
             "diffusers' own LoRA loader (its key conversion and alphas, set_adapters for per-component weights), "
             "PEFT's merge of each layer it injected, in float64 (float32 for 16-bit outputs)",
-        )
+            independent=not self.formula,
+            notes=notes,
+            shared=f"the {REFERENCE}, its module placement from converter's keymap as in the merge, for the "
+                   f"{len(self.formula)} tensor(s) of modules no diffusers loader reads" if self.formula else None,
+        )  # fmt: skip
 
     def expectations(self) -> dict[str, Expectation]:
-        return {k: v for part in self.parts for k, v in part.expectations().items()}
+        out = {k: v for part in self.parts for k, v in part.expectations().items()}
+        if both := sorted(set(out) & set(self.formula)):
+            raise RefereeUnavailable(f"{both[0]} is changed both by modules diffusers reads and by modules it does not")
+        return {**out, **self.formula}
+
+
+def _weightless(base: Path, names: set[str]):
+    """The base pipeline without weights, its model components, and each one's names as loaded -> file keys."""
+    try:
+        pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
+    except Unbuildable as e:
+        raise RefereeUnavailable(str(e)) from None
+    parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}
+    return pipe, parts, {c: _loaded_names(model, c, names) for c, model in parts.items()}  # before PEFT wraps them
+
+
+def _notes(split: Parts, formula: dict) -> list[str]:
+    """What the report says of a file diffusers read part by part."""
+    notes = []
+    if split.converted:
+        notes.append(f"the pipeline's own loader converts no kohya {', '.join(split.converted)} modules here; "
+                     "diffusers' kohya text-encoder conversion (its SD 1.x / SDXL one) and the pipeline's "
+                     "load_lora_into_text_encoder read them")  # fmt: skip
+    if split.unread_parts:
+        components = sorted({name.split("/", 1)[0] for name in formula})
+        notes.append(f"no diffusers loader reads the {', '.join(sorted(set(split.unread_parts)))} modules: the "
+                     f"{REFERENCE} referees the {len(formula)} tensor(s) they change ({', '.join(components) or 'none'}"
+                     "), module placement from converter's keymap, as in the merge")  # fmt: skip
+    return notes
 
 
 class PeftComponentsReferee:

@@ -375,37 +375,13 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
     """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns why the
     pipeline's forward is not the adapters as trained (None: it is), from what diffusers said while loading."""
     ignored, left_out, names = 0, [], []
-    said, library = _Said(), logging.getLogger("diffusers")
-    level = library.level
-    library.addHandler(said)
-    library.setLevel(min(level or logging.WARNING, logging.WARNING))  # its warnings reach the handler
-    try:
-        for i, local in enumerate(sources):
-            name = f"adapter_{i}"
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:  # only diffusers' own code runs in here
-                    if local.is_dir():
-                        pipe.load_lora_weights(str(local), adapter_name=name)
-                    else:
-                        pipe.load_lora_weights(str(local.parent), weight_name=local.name, adapter_name=name)
-                except Exception as e:  # noqa: BLE001 - see LoaderRefused
-                    raise LoaderRefused(f"{local.name}: {type(e).__name__}: {in_one_line(e, MESSAGE_WIDTH)}") from None
-            for w in caught:
-                text = str(w.message)
-                if "alpha_pattern keys did not match" in text:
-                    ignored += text.count("', '") + 1
-            names.append(name)
-    finally:
-        library.removeHandler(said)
-        library.setLevel(level)
-    for text in said.lines:
-        for marker in ("led to unexpected keys found in the model:", "led to missing keys in the model:"):
-            if marker in text:
-                left_out += [k.strip() for k in text.split(marker, 1)[1].split(". ")[0].split(",")]
+    for i, local in enumerate(sources):
+        name = f"adapter_{i}"
+        alphas, keys = load_one(pipe, local, name)
+        ignored, left_out = ignored + alphas, left_out + keys
+        names.append(name)
     if ignored:
-        return (f"diffusers' loader ignores the per-module alphas of {ignored} modules of this file (its "
-                "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+        return ignored_alphas(ignored)
     if left_out:
         return (f"diffusers' loader leaves {len(left_out)} LoRA tensor(s) of the file out ({', '.join(left_out[:2])}"
                 f"{', ...' if len(left_out) > 2 else ''}), so its forward is not the adapter as trained")  # fmt: skip
@@ -421,6 +397,47 @@ def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
     return None
 
 
+def ignored_alphas(count: int) -> str:
+    return (f"diffusers' loader ignores the per-module alphas of {count} modules of this file (its "
+            "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
+
+
+def load_one(pipe, local: Path, name: str) -> tuple[int, list[str]]:
+    """load_lora_weights of one adapter as `name`: (how many per-module alphas diffusers says it ignores, the
+    LoRA keys it says it left out); LoaderRefused when diffusers raises."""
+    if local.is_dir():
+        return heard(local.name, lambda: pipe.load_lora_weights(str(local), adapter_name=name))
+    return heard(local.name, lambda: pipe.load_lora_weights(str(local.parent), weight_name=local.name,
+                                                            adapter_name=name))  # fmt: skip
+
+
+def heard(what: str, load: Callable[[], object]) -> tuple[int, list[str]]:
+    """Run one of diffusers' LoRA loaders on `what`: (how many per-module alphas it says it ignores, the LoRA keys
+    it says it left out), from its warnings and its logger; LoaderRefused when it raises."""
+    left_out = []
+    said, library = _Said(), logging.getLogger("diffusers")
+    level = library.level
+    library.addHandler(said)
+    library.setLevel(min(level or logging.WARNING, logging.WARNING))  # its warnings reach the handler
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:  # only diffusers' own code runs in here
+                load()
+            except Exception as e:  # noqa: BLE001 - see LoaderRefused
+                raise LoaderRefused(f"{what}: {type(e).__name__}: {in_one_line(e, MESSAGE_WIDTH)}") from None
+    finally:
+        library.removeHandler(said)
+        library.setLevel(level)
+    ignored = sum(str(w.message).count("', '") + 1 for w in caught
+                  if "alpha_pattern keys did not match" in str(w.message))  # fmt: skip
+    for text in said.lines:
+        for marker in ("led to unexpected keys found in the model:", "led to missing keys in the model:"):
+            if marker in text:
+                left_out += [k.strip() for k in text.split(marker, 1)[1].split(". ")[0].split(",")]
+    return ignored, left_out
+
+
 UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight")
 
 
@@ -429,15 +446,30 @@ def _dropped_factors(pipe, name: str, source: Path) -> str | None:
     (a kohya Flux file's T5 `lora_te3_` modules). Counted without any name mapping: the elements of the file's LoRA
     up factors (read from its header) against those of the up factors diffusers loaded as `name` (a fused module
     it splits keeps its rows); None when they agree or the file is not a safetensors file of such factors."""
-    import math
-
-    from torch import nn
-
     file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
     if file.suffix != ".safetensors" or not file.is_file():
         return None
+    ups, in_file = up_factors(file)
+    loaded = loaded_elements(pipe, name)
+    if loaded >= in_file:
+        return None
+    return (f"diffusers' loader leaves part of {source.name} out without a word: it loads {loaded} of the "
+            f"{in_file} elements of the file's {ups} LoRA up factors, so its forward is not the adapter as "
+            "trained")  # fmt: skip
+
+
+def up_factors(file: Path) -> tuple[int, int]:
+    """(how many LoRA up factors, their elements) of a safetensors file, from its header."""
+    import math
+
     ups = [t for k, t in SafetensorsFile(file).tensors.items() if k.endswith(UP_FACTORS)]
-    in_file = sum(math.prod(t.shape) for t in ups)
+    return len(ups), sum(math.prod(t.shape) for t in ups)
+
+
+def loaded_elements(pipe, name: str) -> int:
+    """The elements of the LoRA up factors diffusers injected as adapter `name`, in every model of the pipeline."""
+    from torch import nn
+
     loaded = 0
     for model in (m for m in pipe.components.values() if isinstance(m, nn.Module)):
         for module in model.modules():
@@ -445,11 +477,7 @@ def _dropped_factors(pipe, name: str, source: Path) -> str | None:
                 if factors is not None and name in factors:
                     up = factors[name]
                     loaded += (up.weight if isinstance(up, nn.Module) else up).numel()
-    if loaded >= in_file:
-        return None
-    return (f"diffusers' loader leaves part of {source.name} out without a word: it loads {loaded} of the "
-            f"{in_file} elements of the file's {len(ups)} LoRA up factors, so its forward is not the adapter as "
-            "trained")  # fmt: skip
+    return loaded
 
 
 class _Said(logging.Handler):

@@ -215,10 +215,11 @@ class FormulaReferee:
             independent=False,
         )
 
-    def expectations(self) -> dict[str, Expectation]:
+    def expectations(self, only: set[str] | None = None) -> dict[str, Expectation]:
+        """`only`: these output tensors alone (the rest of the file refereed by diffusers)."""
         out = {}
         for o in self.plan.outputs:
-            if o.patches:
+            if o.patches and (only is None or o.name in only):
                 kinds = sorted({self._check(p) for p in o.patches})
                 base_name = o.source.name if o.source.name != o.name else None
                 out[o.name] = Expectation(_module(o.name), ", ".join(kinds), self._rows(o), False, base_name,

@@ -102,6 +102,7 @@ class RefereeInfo:
     detail: str
     independent: bool = True
     notes: list[str] = field(default_factory=list)
+    shared: str | None = None  # where not independent, what it shares with the merge (None: the keymap's placement)
 
 
 class Referee(Protocol):

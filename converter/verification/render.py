@@ -17,6 +17,7 @@ from converter.verification.report import (
 )
 from converter.verification.tensors import TensorProofResult
 
+KEYMAP_PLACEMENT = "module placement from converter's keymap, as in the merge"
 VERDICT = {"pass": "**Passed**", "fail": "**FAILED**", "skipped": "**Not verified**"}
 
 
@@ -43,7 +44,7 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
     if result is None:
         return [f"**Tensors**: not proven ({skipped or 'no referee'})."]
     ref = result.referee
-    placed = "" if ref.independent else "; module placement from converter's keymap, as in the merge"
+    placed = "" if ref.independent else f"; {ref.shared or KEYMAP_PLACEMENT}"
     if result.passed:
         head = f"**Tensors**: every tensor within rounding of base + ΔW (referee: {ref.name}{placed})."
     else:
