@@ -55,30 +55,46 @@ class LoraPair:
 class AdapterPlan:
     alpha: float
     pairs: list[LoraPair]
+    relaid: bool = False  # some modules were fused or split onto the base's tensors (Phi-3's qkv_proj from q/k/v)
 
 
 def refuse_unappliable(adapter: Adapter, family: arch.Family) -> None:
-    """What an adapter GGUF cannot carry, named in one line before anything is read or written."""
-    for ap in adapter.patches:
-        native = ap.native or ap.module
-        patch = ap.patch
-        if isinstance(patch, DoRA | DoRARows):
-            why = "is DoRA: llama.cpp applies plain LoRA only (it has no magnitude vector), so it cannot apply it"
-        elif ap.param != "weight":
-            why = f"has a bias delta ({ap.param}, PEFT lora_bias): llama.cpp's LoRA adapters carry no bias"
-        elif isinstance(patch, Replace | RowReplace):
-            why = ("carries whole tensors or token rows (PEFT modules_to_save / trainable tokens): a llama.cpp LoRA "
-                   "adapter can only add B·A to a base tensor; merge it instead (converter merge --gguf)")
-        elif isinstance(patch, ExpertLowRank) or ap.either or (family.experts and ".experts." in ap.module):
-            why = "is a LoRA on MoE expert weights, which this conversion does not write for llama.cpp"
-        elif isinstance(patch, LowRank) and patch.flip:
-            why = ("is an embedding LoRA (lora_embedding_A/B): this conversion writes LoRAs of linear layers only; "
-                   "merge it instead (converter merge --gguf)")
-        elif isinstance(patch, LowRank) and patch.mid is not None:
-            why = "is a Tucker (conv) LoRA, which has no place in a llama.cpp model"
-        else:
-            continue
-        raise ConverterError(f"{adapter.path}: {native} {why}; nothing was written")
+    """What an adapter GGUF cannot carry, named in one line before anything is read or written (a LoRA's own kind
+    first: an embedding LoRA also saves the whole embedding, which would otherwise be named instead)."""
+    reasons = [(rank, ap) for ap in adapter.patches if (rank := _unappliable(ap, family)) is not None]
+    if reasons:
+        rank, ap = min(reasons, key=lambda r: r[0])
+        raise ConverterError(f"{adapter.path}: {ap.native or ap.module} {_WHY[rank]}; nothing was written")
+
+
+_WHY = (
+    "is DoRA: llama.cpp applies plain LoRA only (it has no magnitude vector), so it cannot apply it",
+    "is an embedding LoRA (lora_embedding_A/B): this conversion writes LoRAs of linear layers only; merge it "
+    "instead (converter merge --gguf)",
+    "is a LoRA on MoE expert weights, which this conversion does not write for llama.cpp",
+    "is a Tucker (conv) LoRA, which has no place in a llama.cpp model",
+    "has a bias delta (PEFT lora_bias): llama.cpp's LoRA adapters carry no bias",
+    "carries whole tensors or token rows (PEFT modules_to_save / trainable tokens): a llama.cpp LoRA adapter can "
+    "only add B·A to a base tensor; merge it instead (converter merge --gguf)",
+)
+
+
+def _unappliable(ap, family: arch.Family) -> int | None:
+    """Which of _WHY applies to this patch, or None."""
+    patch = ap.patch
+    if isinstance(patch, DoRA | DoRARows):
+        return 0
+    if isinstance(patch, LowRank) and patch.flip:
+        return 1
+    if isinstance(patch, ExpertLowRank) or ap.either or (family.experts and ".experts." in ap.module):
+        return 2
+    if isinstance(patch, LowRank) and patch.mid is not None:
+        return 3
+    if ap.param != "weight":
+        return 4
+    if isinstance(patch, Replace | RowReplace):
+        return 5
+    return None
 
 
 def plan_adapter(adapter: Adapter, source: Source, family: arch.Family, *, rank: int | None = None) -> AdapterPlan:
@@ -104,15 +120,16 @@ def plan_adapter(adapter: Adapter, source: Source, family: arch.Family, *, rank:
         name = arch.gguf_name(hf_name, tmap, adapter.path)
         if name not in in_base:
             why = " (its weights are tied to the token embeddings there)" if hf_name.endswith("lm_head.weight") else ""
-            raise ConverterError(f"{adapter.path}: {m.source} targets {hf_name}, which the base's GGUF has no "
-                                 f"tensor {name} for{why}; llama.cpp could not apply it")  # fmt: skip
+            raise ConverterError(f"{adapter.path}: {m.source} targets {hf_name}, which the base's GGUF has no tensor "
+                                 f"{name} for{why}; llama.cpp could not apply it; nothing was written")  # fmt: skip
         a = m.down.float().numpy().astype(np.float32, copy=True)
         b = m.up.float().numpy().astype(np.float32, copy=True)
         if m.alpha != alpha:  # llama.cpp scales every tensor by the file's alpha / rank: the rest goes into B
             b = b * np.float32(m.alpha / alpha)
         t = arch.transform(hf_name, config, family) if family.permute_qk else None
         pairs.append(LoraPair(name, hf_name, a, b, t, m.source))
-    return AdapterPlan(alpha, pairs)
+    relaid = any("+" in m.source or m.source.endswith("]") for m in modules)  # conversion.modules: fuse / split
+    return AdapterPlan(alpha, pairs, relaid)
 
 
 def stored_type(shape: tuple[int, ...], type_name: str) -> gguf.GGMLQuantizationType:

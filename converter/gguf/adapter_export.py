@@ -88,7 +88,8 @@ def _prove(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, famil
     result.parts.append(adapter_proof.prove_file(staged, planned, family, type_name))
     if result.parts[-1].passed:
         if llama.available():
-            result.parts.append(_behaviour(adapter, adapter_spec, staged, src, family, type_name, staging, options))
+            result.parts.append(_behaviour(adapter, adapter_spec, staged, src, family, planned, type_name, staging,
+                                           options))  # fmt: skip
         else:
             log(f"llama.cpp's behaviour proof needs llama-cpp-python: {install_hint('gguf')}")
     for part in result.parts:
@@ -98,22 +99,25 @@ def _prove(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, famil
         raise VerificationFailed(f"{staged.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
 
 
-def _behaviour(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, family, type_name: str,
+def _behaviour(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, family, planned, type_name: str,
                staging: Path, options: dict) -> proof.Part:  # fmt: skip
     """llama.cpp (base GGUF + this adapter) against PEFT (base + the adapter, unmerged) on the proof's texts."""
-    peft_folder = _peft_form(adapter, adapter_spec, src.folder, staging, options)
+    peft_folder = _peft_form(adapter, adapter_spec, src.folder, staging, options, planned.relaid)
     ids = proof.reference(src, with_logits=False).ids
-    reference = adapter_proof.peft_logits(src.folder, peft_folder, ids)
+    reference, applied = adapter_proof.peft_logits(src.folder, peft_folder, ids)
+    if applied != len(planned.pairs):
+        return proof.Part("behaviour", False, f"PEFT applies the adapter to {applied} modules of the base, the file "
+                          f"has {len(planned.pairs)}")  # fmt: skip
     base_gguf = staging / "base-F32.gguf"
     write_gguf(src, family, "F32", base_gguf, name="base")
     return adapter_proof.prove_behaviour(base_gguf, staged, ids, reference, type_name)
 
 
-def _peft_form(adapter: Adapter, adapter_spec: str, base: Path, staging: Path, options: dict) -> Path:
-    """The adapter as PEFT loads it: its own folder when it is one, else its PEFT conversion (proven by
-    `converter convert`'s own read-back of every module's ΔW)."""
+def _peft_form(adapter: Adapter, adapter_spec: str, base: Path, staging: Path, options: dict, relaid: bool) -> Path:
+    """The adapter as PEFT loads it on this base: its own folder when it is one whose modules are the base's, else
+    its PEFT conversion against the base (proven by `converter convert`'s own read-back of ΔW on the base)."""
     path = Path(adapter.path)
-    if adapter.format == "peft" and path.is_dir() and (path / "adapter_config.json").is_file():
+    if adapter.format == "peft" and not relaid and path.is_dir() and (path / "adapter_config.json").is_file():
         return path
     from converter.conversion.core import convert
 

@@ -71,18 +71,20 @@ def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name:
                 f"adapter's as {type_name}")  # fmt: skip
 
 
-def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> list[np.ndarray]:
-    """transformers' float32 logits of the base with the PEFT adapter applied unmerged (PEFT's own forward)."""
+def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> tuple[list[np.ndarray], int]:
+    """transformers' float32 logits of the base with the PEFT adapter applied unmerged (PEFT's own forward), and
+    how many modules PEFT applied it to (PEFT skips what it does not find)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(model, adapter_folder).eval()
+    applied = sum(1 for m in model.modules() if getattr(m, "lora_A", None) and len(m.lora_A))
     with torch.no_grad():
         out = [model(input_ids=torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
     del model
-    return out
+    return out, applied
 
 
 def prove_behaviour(base_gguf: Path, adapter_gguf: Path, ids: list[list[int]], reference: list[np.ndarray],
