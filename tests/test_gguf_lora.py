@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -22,7 +24,7 @@ from test_gguf import needs_llama, smollm2, tiny
 
 from converter.errors import VerificationFailed
 from converter.gguf import adapter as gguf_adapter
-from converter.gguf import arch
+from converter.gguf import arch, llama
 from converter.gguf.adapter_export import export_adapter
 
 pytestmark = needs_llama
@@ -239,3 +241,47 @@ def test_a_lora_on_a_head_tied_to_the_embeddings_is_one_line(tmp_path, cli):
     assert err == (f"error: {adapter}: lm_head targets lm_head.weight, which the base's GGUF has no "
                    "tensor output.weight for (its weights are tied to the token embeddings there); llama.cpp could "
                    "not apply it; nothing was written\n")  # fmt: skip
+
+
+def test_a_hub_adapter_on_a_hub_base_from_the_command_line_prints_only_its_own_lines(tiny_llama, llama_lora, tmp_path):
+    """Both fetched from the (local) Hub; a real process, so anything llama.cpp, PEFT or transformers printed would
+    show in its output."""
+    from converter.testing.hub import HubServer, client_env
+
+    token = "hf_fake_alice_gguf_lora_0123456789"
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        server.add_user("alice", token)
+        server.seed_folder("alice/tiny-llama", tiny_llama)
+        server.seed_folder("alice/tiny-lora", llama_lora)
+        proc = subprocess.run(
+            [sys.executable, "-m", "converter", "convert", "--adapter", "alice/tiny-lora", "--to", "gguf",
+             "--base", "alice/tiny-llama", "--type", "F16", "--out", tmp_path / "o"],
+            capture_output=True, text=True, env=client_env(server, token), timeout=600,
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.splitlines()[0] == "tiny-lora-F16.gguf: 14 LoRA pairs, alpha 8, F16"
+    assert "  behaviour: ok: " in proc.stdout
+    assert proc.stdout.endswith(f"wrote {tmp_path / 'o' / 'tiny-lora-F16.gguf'}\n")
+
+
+def test_without_llama_cpp_the_file_is_still_proven_and_the_extra_named(tiny_llama, llama_lora, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    monkeypatch.setattr(llama, "available", lambda: False)
+    lines: list[str] = []
+    result = export_adapter(str(llama_lora), str(tiny_llama), tmp_path / "a.gguf", log=lines.append)
+    assert [p.name for p in result.parts] == ["file"] and result.parts[0].passed
+    assert any(line.startswith("llama.cpp's behaviour proof needs llama-cpp-python: ") for line in lines)
+    assert (tmp_path / "a.gguf").is_file()
+
+
+def test_the_command_lines_help_offers_gguf(capsys):
+    from converter.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "{peft,diffusers,kohya,comfyui,gguf}" in out
+    assert "--type TYPE --to gguf: F32 (default), F16, BF16 or Q8_0" in out
