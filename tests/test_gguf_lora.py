@@ -166,8 +166,8 @@ def test_a_kohya_llm_lora_is_converted_with_its_base(tiny_llama, llama_lora, tmp
 
 def failed(tiny_llama: Path, lora: Path, out: Path) -> str:
     with pytest.raises(VerificationFailed) as caught:
-        export_adapter(str(lora), str(tiny_llama), out / "a.gguf", log=lambda _: None)
-    assert list(out.iterdir()) == []
+        export_adapter(str(lora), str(tiny_llama), out / "new" / "a.gguf", log=lambda _: None)
+    assert list(out.iterdir()) == []  # the staging folder is gone, and the folder made for the file
     return str(caught.value)
 
 
@@ -215,13 +215,14 @@ def test_an_alpha_written_other_than_planned_fails_the_file_proof(tiny_llama, ll
     ({"lora_bias": True}, "has a bias delta (PEFT lora_bias)"),
     ({"modules_to_save": ["lm_head"]}, "carries whole tensors or token rows (PEFT modules_to_save"),
     ({"target_modules": ["embed_tokens", "q_proj"]}, "is an embedding LoRA (lora_embedding_A/B)"),
+    ({"target_modules": ["q_proj", "v_proj"], "alora_invocation_tokens": [5, 6]}, "an activated LoRA (aLoRA"),
 ])  # fmt: skip
 def test_what_llama_cpp_cannot_apply_is_one_line(tiny_llama, lora, words, tmp_path, cli):
     adapter = make_adapter(tiny_llama, tmp_path / "lora", r=4, **lora)
     code, out, err = cli("convert", "--adapter", adapter, "--to", "gguf", "--base", tiny_llama,
                          "--out", tmp_path / "out")  # fmt: skip
     assert code == 2 and not (tmp_path / "out").exists()
-    assert err.startswith(f"error: {adapter}: ") and words in err and err.endswith("nothing was written\n")
+    assert err.startswith(f"error: {adapter}: ") and words in err, err and err.endswith("nothing was written\n")
     assert err.count("\n") == 1
 
 

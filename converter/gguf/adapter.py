@@ -61,6 +61,9 @@ class AdapterPlan:
 def refuse_unappliable(adapter: Adapter, family: arch.Family) -> None:
     """What an adapter GGUF cannot carry, named in one line before anything is read or written (a LoRA's own kind
     first: an embedding LoRA also saves the whole embedding, which would otherwise be named instead)."""
+    if adapter.config.get("alora_invocation_tokens") or adapter.config.get("invocation_string"):
+        raise ConverterError(f"{adapter.path}: an activated LoRA (aLoRA: active only after its invocation tokens) is "
+                             "not converted to GGUF; nothing was written")  # fmt: skip
     reasons = [(rank, ap) for ap in adapter.patches if (rank := _unappliable(ap, family)) is not None]
     if reasons:
         rank, ap = min(reasons, key=lambda r: r[0])

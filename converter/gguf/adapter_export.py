@@ -67,6 +67,7 @@ def export_adapter(
     src = open_source(folder)
     family = family_of(src.config, folder)
     planned = plan_adapter(adapter, src, family, rank=rank)
+    made = not target.parent.exists()  # a folder made here is removed again if nothing is written into it
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gguf-staging-", dir=target.parent))
     result = AdapterGGUFResult(target, len(planned.pairs), planned.alpha)
@@ -80,6 +81,8 @@ def export_adapter(
         shutil.move(staged, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if made and not target.exists():
+            shutil.rmtree(target.parent, ignore_errors=True)
     return result
 
 
