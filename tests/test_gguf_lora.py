@@ -89,9 +89,13 @@ def test_a_peft_lora_on_llama_is_applied_by_llama_cpp_as_peft_applies_it(tiny_ll
     assert tensors["blk.0.attn_output.weight.lora_a"].shape[0] == 2  # rank_pattern: its own rank
 
 
-@pytest.mark.parametrize("model_type, type_name", [("qwen3", "Q8_0"), ("gpt2", "F16")])
+# Gemma 3: query_pre_attn_scalar as llama.cpp computes it for a model of this size (test_gguf.TINY); GPT-2: n_ctx
+OVERRIDES = {"gemma3_text": {"query_pre_attn_scalar": 16}, "gpt2": {"n_ctx": 128}}
+
+
+@pytest.mark.parametrize("model_type, type_name", [("qwen3", "Q8_0"), ("gpt2", "F16"), ("gemma3_text", "BF16")])
 def test_other_architectures_and_types_are_proven(model_type, type_name, tmp_path):
-    base = tiny(tmp_path / model_type, model_type, **({"n_ctx": 128} if model_type == "gpt2" else {}))
+    base = tiny(tmp_path / model_type, model_type, **OVERRIDES.get(model_type, {}))
     lora = make_adapter(base, tmp_path / "lora", r=8, lora_alpha=16, use_rslora=model_type == "qwen3")
     result = export_adapter(str(lora), str(base), tmp_path / "a.gguf", type_name=type_name, log=lambda _: None)
     assert [p.name for p in result.parts] == ["file", "behaviour"] and all(p.passed for p in result.parts)
