@@ -114,12 +114,18 @@ def _add_verbose(parser: argparse.ArgumentParser, top: bool = True) -> None:
 
 def _convert_parser(sub) -> None:
     c = sub.add_parser(
-        "convert", help="convert an adapter between formats (kohya, PEFT, diffusers, ComfyUI) without merging"
-    )
+        "convert", help="convert an adapter between formats (kohya, PEFT, diffusers, ComfyUI, llama.cpp's GGUF) "
+        "without merging"
+    )  # fmt: skip
     c.add_argument("--adapter", required=True, help="adapter file/folder, or Hub org/name[@rev][/file]")
-    c.add_argument("--to", required=True, choices=["peft", "diffusers", "kohya", "comfyui"], help="output format")
-    c.add_argument("--out", help="output: a folder (peft, diffusers) or a .safetensors file (kohya, comfyui)")
-    c.add_argument("--base", help="the model the adapter is for (needed to look up kohya's flattened names)")
+    c.add_argument("--to", required=True, choices=["peft", "diffusers", "kohya", "comfyui", "gguf"],
+                   help="output format; gguf: a LoRA adapter llama.cpp applies at run time (--lora), proven against "
+                   "PEFT")  # fmt: skip
+    c.add_argument("--out", help="output: a folder (peft, diffusers) or a .safetensors file (kohya, comfyui); gguf: "
+                   "a .gguf file, or a folder for ADAPTER-TYPE.gguf")  # fmt: skip
+    c.add_argument("--base", help="the model the adapter is for (needed to look up kohya's flattened names; for gguf "
+                   "the base's architecture and tensor names: a model folder or Hub id)")  # fmt: skip
+    c.add_argument("--type", help="--to gguf: F32 (default), F16, BF16 or Q8_0")
     c.add_argument("--rank", type=int, help="approximate LoHa/LoKr/full modules by an SVD of this rank")
     c.add_argument("--component", help="which model part a PEFT adapter is for (unet, transformer, text_encoder...)")
     c.add_argument("--push-pr", action="store_true", help="open a pull request adding the result to the adapter's repo")

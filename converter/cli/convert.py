@@ -17,6 +17,10 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
                    verify=not args.no_verify)  # fmt: skip
     if args.rank is not None and args.rank < 1:
         raise UsageError(f"--rank {args.rank}: give a positive rank")
+    if args.to == "gguf":
+        return _to_gguf(args, log)
+    if args.type:
+        raise UsageError("--type is for --to gguf (the GGUF type of the adapter file)")
     if args.push_pr and args.out:
         raise UsageError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
     if not args.push_pr:
@@ -28,4 +32,19 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
     if result is None:
         return 0
     log(f"pull request: {result}")
+    return 0
+
+
+def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.gguf.adapter_export)."""
+    from converter.gguf.adapter_export import export_adapter
+
+    if args.push_pr or not args.out:
+        raise UsageError("--to gguf writes to --out (a .gguf file or a folder); --push-pr is not offered for it")
+    if args.component:
+        raise UsageError("--component is for diffusion adapters; --to gguf takes language-model adapters")
+    result = export_adapter(args.adapter, args.base, args.out, type_name=args.type, force=args.force,
+                            token=args.token, allow_pickle=args.allow_pickle, lora_alpha=args.lora_alpha,
+                            rank=args.rank, verify=not args.no_verify, log=log)  # fmt: skip
+    log(f"wrote {result.path}")
     return 0

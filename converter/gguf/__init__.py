@@ -11,5 +11,7 @@ match transformers' within a threshold per type.
 Modules: types (the type names), source (the safetensors, read one tensor at a time), arch (architectures:
 metadata and tensor names), vocab (the tokenizer's metadata), write (the streaming, atomic writer), llama
 (llama.cpp through llama-cpp-python, silenced), proof (the three proofs), export (all of it, per type),
-publish; the command is converter.cli.gguf.
+publish; the command is converter.cli.gguf. A LoRA adapter as a GGUF adapter llama.cpp applies at run time
+(`converter convert --to gguf`): adapter (plan and writer), adapter_proof (read back, then llama.cpp against PEFT),
+adapter_export (all of it).
 """

@@ -59,10 +59,19 @@ def tokenizer(path: Path):
     return _open(path, vocab_only=True)
 
 
-def logits(path: Path, prompts: list[list[int]], threads: int | None = None) -> list[np.ndarray]:
-    """llama.cpp's logits at every position of each prompt (token ids), one model load for all."""
+def logits(path: Path, prompts: list[list[int]], threads: int | None = None, lora: Path | None = None
+           ) -> list[np.ndarray]:  # fmt: skip
+    """llama.cpp's logits at every position of each prompt (token ids), one model load for all; with `lora`, that
+    adapter GGUF applied at run time (scale 1)."""
     n_ctx = max(64, max(len(p) for p in prompts) + 8)
-    llm = _open(path, logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads or os.cpu_count())
+    options = dict(logits_all=True, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads or os.cpu_count())
+    if lora is None:
+        llm = _open(path, **options)
+    else:
+        try:
+            llm = _llama_cpp().Llama(model_path=str(path), verbose=False, lora_path=str(lora), **options)
+        except (ValueError, RuntimeError) as e:  # llama.cpp says why in its log (CONVERTER_LLAMA_LOG=1)
+            raise BadInputError(f"{lora.name}: llama.cpp cannot apply it to {path.name} ({e})", file=lora) from None
     out = []
     try:
         for ids in prompts:

@@ -1,0 +1,179 @@
+"""A LoRA adapter as a GGUF adapter file that llama.cpp applies at run time (`--lora`, `Llama(lora_path=...)`).
+
+Why its own writer: llama.cpp loads an adapter GGUF beside a base GGUF and adds scale · B(A x) to each matrix
+product of the base tensor it names. The file is the base's architecture name with `general.type = adapter`,
+`adapter.type = lora` and one `adapter.lora.alpha`; then per base tensor `<name>.lora_a` (rank, in) and
+`<name>.lora_b` (out, rank), where `<name>` is the base tensor's own GGUF name. llama.cpp computes the scale per
+tensor as alpha / rank (the rank read from lora_b), so modules whose own alpha differs from the file's have the ratio
+folded into lora_b. lora_b's rows are reordered exactly as the base tensor's are (the Llama line's Q/K `permute`),
+since ΔW = B A shares W's rows. What llama.cpp cannot apply from such a file (DoRA's magnitude, bias deltas, whole
+replaced tensors, LoRA on MoE experts) is refused in one line before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from converter.conversion.names import BaseNames, collect
+from converter.errors import BadInputError
+from converter.formats import Adapter
+from converter.formats.patches import DoRA, DoRARows, ExpertLowRank, LowRank, Replace, RowReplace
+from converter.gguf import arch
+from converter.gguf.source import Source
+from converter.gguf.write import FILE_TYPE, QTYPE, plan, stored
+
+#: the types an adapter GGUF is written in (llama.cpp's own converter offers the same four)
+ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")
+
+
+@dataclass(frozen=True)
+class LoraPair:
+    """One base tensor's LoRA as the file holds it: A (rank, in) and B (out, rank), float32, B in Hugging Face row
+    order with the module's alpha folded in where it differs from the file's; `transform` reorders B's rows for
+    llama.cpp (None: stored as it is)."""
+
+    name: str  # the base tensor's GGUF name, e.g. blk.0.attn_q.weight
+    hf_name: str  # the base tensor's Hugging Face name
+    a: np.ndarray
+    b: np.ndarray
+    transform: arch.Transform | None
+    source: str  # the module's name in the adapter, for messages
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    alpha: float
+    pairs: list[LoraPair]
+    relaid: bool = False  # some modules were fused or split onto the base's tensors (Phi-3's qkv_proj from q/k/v)
+
+
+def refuse_unappliable(adapter: Adapter, family: arch.Family) -> None:
+    """What an adapter GGUF cannot carry, named in one line before anything is read or written (a LoRA's own kind
+    first: an embedding LoRA also saves the whole embedding, which would otherwise be named instead)."""
+    if adapter.config.get("alora_invocation_tokens") or adapter.config.get("invocation_string"):
+        raise BadInputError(f"{adapter.path}: an activated LoRA (aLoRA: active only after its invocation tokens) is "
+                             "not converted to GGUF; nothing was written", file=adapter.path)  # fmt: skip
+    reasons = [(rank, ap) for ap in adapter.patches if (rank := _unappliable(ap, family)) is not None]
+    if reasons:
+        rank, ap = min(reasons, key=lambda r: r[0])
+        raise BadInputError(f"{adapter.path}: {ap.native or ap.module} {_WHY[rank]}; nothing was written",
+                            file=adapter.path, tensor=ap.native or ap.module)  # fmt: skip
+
+
+_WHY = (
+    "is DoRA: llama.cpp applies plain LoRA only (it has no magnitude vector), so it cannot apply it",
+    "is an embedding LoRA (lora_embedding_A/B): this conversion writes LoRAs of linear layers only; merge it "
+    "instead (converter merge --gguf)",
+    "is a LoRA on MoE expert weights, which this conversion does not write for llama.cpp",
+    "is a Tucker (conv) LoRA, which has no place in a llama.cpp model",
+    "has a bias delta (PEFT lora_bias): llama.cpp's LoRA adapters carry no bias",
+    "carries whole tensors or token rows (PEFT modules_to_save / trainable tokens): a llama.cpp LoRA adapter can "
+    "only add B·A to a base tensor; merge it instead (converter merge --gguf)",
+)
+
+
+def _unappliable(ap, family: arch.Family) -> int | None:
+    """Which of _WHY applies to this patch, or None."""
+    patch = ap.patch
+    if isinstance(patch, DoRA | DoRARows):
+        return 0
+    if isinstance(patch, LowRank) and patch.flip:
+        return 1
+    if isinstance(patch, ExpertLowRank) or ap.either or (family.experts and ".experts." in ap.module):
+        return 2
+    if isinstance(patch, LowRank) and patch.mid is not None:
+        return 3
+    if ap.param != "weight":
+        return 4
+    if isinstance(patch, Replace | RowReplace):
+        return 5
+    return None
+
+
+def plan_adapter(adapter: Adapter, source: Source, family: arch.Family, *, rank: int | None = None) -> AdapterPlan:
+    """Every module of `adapter` as a (lora_a, lora_b) pair on a tensor of the base's GGUF; a module with no tensor
+    there (a tied output head, another model) is named."""
+    refuse_unappliable(adapter, family)
+    if family.transposed:  # GPT-2's Conv1D: PEFT's A (r, in) and B (out, r) are already llama.cpp's orientation
+        adapter = replace(adapter, patches=[replace(ap, stored_transposed=None) for ap in adapter.patches])
+    modules, _ = collect(adapter, BaseNames(source.folder), "peft", rank=rank)
+    if not modules:
+        raise BadInputError(f"{adapter.path}: the adapter has no LoRA modules to write", file=adapter.path)
+    config = source.config
+    tmap = gguf.get_tensor_name_map(family.arch, arch.block_count(config))
+    in_base = {p.name for p in plan(source, family, "F32")}  # headers only
+    alphas = Counter(float(m.alpha) for m in modules if m.alpha)
+    alpha = alphas.most_common(1)[0][0] if alphas else 1.0
+    pairs = []
+    for m in modules:
+        hf_name = f"{m.name}.weight"
+        if m.down.dim() != 2 or m.up.dim() != 2:
+            raise BadInputError(f"{adapter.path}: {m.source} is a convolution LoRA, which has no place in a "
+                                 "llama.cpp model", file=adapter.path, tensor=m.source)  # fmt: skip
+        name = arch.gguf_name(hf_name, tmap, adapter.path)
+        if name not in in_base:
+            why = " (its weights are tied to the token embeddings there)" if hf_name.endswith("lm_head.weight") else ""
+            raise BadInputError(f"{adapter.path}: {m.source} targets {hf_name}, which the base's GGUF has no tensor "
+                                 f"{name} for{why}; llama.cpp could not apply it; nothing was written",
+                                file=adapter.path, tensor=m.source)  # fmt: skip
+        a = m.down.float().numpy().astype(np.float32, copy=True)
+        b = m.up.float().numpy().astype(np.float32, copy=True)
+        if m.alpha != alpha:  # llama.cpp scales every tensor by the file's alpha / rank: the rest goes into B
+            b = b * np.float32(m.alpha / alpha)
+        t = arch.transform(hf_name, config, family) if family.permute_qk else None
+        pairs.append(LoraPair(name, hf_name, a, b, t, m.source))
+    relaid = any("+" in m.source or m.source.endswith("]") for m in modules)  # conversion.modules: fuse / split
+    return AdapterPlan(alpha, pairs, relaid)
+
+
+def stored_type(shape: tuple[int, ...], type_name: str) -> gguf.GGMLQuantizationType:
+    """The type a LoRA factor is stored in: the one asked for, F16 where its rows do not split into Q8_0's blocks
+    (a lora_b of rank 8), as llama.cpp's converter falls back."""
+    qtype = QTYPE[type_name]
+    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def stored_tensors(p: LoraPair) -> tuple[tuple[str, np.ndarray], tuple[str, np.ndarray]]:
+    """(name, float32 values) of lora_a and lora_b as llama.cpp reads them (B's rows in its order)."""
+    b = p.transform.to_gguf(p.b) if p.transform else p.b
+    return (f"{p.name}.lora_a", p.a), (f"{p.name}.lora_b", np.ascontiguousarray(b))
+
+
+def write_adapter_gguf(planned: AdapterPlan, family: arch.Family, type_name: str, path: Path, *, name: str) -> None:
+    """Write `path` atomically (a temporary name beside it, renamed when complete). Adapters are small: every
+    tensor is held at once."""
+    w = gguf.GGUFWriter(None, arch.arch_name(family))
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_name(name)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, planned.alpha)
+    w.add_file_type(FILE_TYPE[type_name])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for p in planned.pairs:
+        for tensor_name, data in stored_tensors(p):
+            qtype = stored_type(data.shape, type_name)
+            w.add_tensor(tensor_name, stored(data, qtype), raw_dtype=qtype)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        w.write_header_to_file(path=tmp)
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    finally:
+        w.close()
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()

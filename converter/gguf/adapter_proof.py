@@ -1,0 +1,104 @@
+"""The proof of an adapter GGUF, in two parts, each naming what is wrong when it fails.
+
+1. File: read back with gguf's reader, the keys llama.cpp reads (architecture, general.type, adapter.type,
+   adapter.lora.alpha) say what was planned, and every lora_a / lora_b, dequantized and lora_b put back in Hugging
+   Face row order (the inverse of the base's Q/K reordering, independent of the writer), equals the adapter's A / B
+   (alpha ratio folded into B where a module's alpha differs from the file's): exactly in F32, as cast in F16 / BF16,
+   bit-identical to gguf's reference quantization in Q8_0. Every module is there, nothing else is.
+2. Behaviour: llama.cpp runs the base GGUF (F32, written for the proof) with the adapter applied at run time; its
+   logits are compared with transformers' logits of the base with the adapter applied by PEFT, unmerged, on the
+   same token ids; the relative RMS difference stays under converter.gguf.proof.BEHAVIOUR_LIMIT for the adapter's
+   type. A wrong alpha or an un-reordered Q/K lora_b moves llama.cpp's logits far beyond it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from converter.gguf import arch, llama
+from converter.gguf.adapter import AdapterPlan, stored_type
+from converter.gguf.proof import BEHAVIOUR_LIMIT, Part, Reader, _read_back, _rel
+
+
+def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name: str) -> Part:
+    """Part 1: the keys llama.cpp reads and every factor, read back, against the plan."""
+    reader = Reader(path)
+
+    def value(key: str):
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    want = {"general.architecture": arch.arch_name(family), "general.type": "adapter",
+            gguf.Keys.Adapter.TYPE: "lora"}  # fmt: skip
+    for key, expected in want.items():
+        if value(key) != expected:
+            return Part("file", False, f"{key} is {value(key)!r}, expected {expected!r}")
+    alpha = value(gguf.Keys.Adapter.LORA_ALPHA)
+    if alpha is None or np.float32(alpha) != np.float32(planned.alpha):
+        return Part("file", False, f"{gguf.Keys.Adapter.LORA_ALPHA} is {alpha!r}, the adapter's alpha is "
+                    f"{planned.alpha!r}")  # fmt: skip
+    found = {t.name: t for t in reader.tensors}
+    expected_names = set()
+    for p in planned.pairs:
+        for part, src in (("lora_a", p.a), ("lora_b", p.b)):
+            name = f"{p.name}.{part}"
+            expected_names.add(name)
+            if name not in found:
+                return Part("file", False, f"{name} ({p.source}) is missing from the file")
+            t = found[name]
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if shape != src.shape:
+                return Part("file", False, f"{name} ({p.source}) has shape {shape}, expected {src.shape}")
+            if t.tensor_type != stored_type(src.shape, type_name):
+                return Part("file", False, f"{name} is stored as {t.tensor_type.name}, expected "
+                            f"{stored_type(src.shape, type_name).name}")  # fmt: skip
+            got = _read_back(t).reshape(shape)
+            if part == "lora_b" and p.transform is not None:
+                got = p.transform.to_hf(got)  # llama.cpp's row order back to Hugging Face's
+            want_values = src if t.tensor_type == gguf.GGMLQuantizationType.F32 else \
+                gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type).reshape(shape)
+            if not np.array_equal(got, want_values, equal_nan=True):
+                bad = int(np.sum(got != want_values))
+                return Part("file", False, f"{name} ({p.source}): {bad} values differ from the adapter's "
+                            f"{'A' if part == 'lora_a' else 'B'} as {t.tensor_type.name} (in Hugging Face row order)")
+    extra = sorted(set(found) - expected_names)
+    if extra:
+        return Part("file", False, f"{extra[0]} is in the file but comes from no module of the adapter")
+    return Part("file", True, f"{len(planned.pairs)} LoRA pairs and alpha {planned.alpha:g} read back equal to the "
+                f"adapter's as {type_name}")  # fmt: skip
+
+
+def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> tuple[list[np.ndarray], int]:
+    """transformers' float32 logits of the base with the PEFT adapter applied unmerged (PEFT's own forward), and
+    how many modules PEFT applied it to (PEFT skips what it does not find)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(model, adapter_folder).eval()
+    applied = sum(1 for m in model.modules() if getattr(m, "lora_A", None) and len(m.lora_A))
+    with torch.no_grad():
+        out = [model(input_ids=torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
+    del model
+    return out, applied
+
+
+def prove_behaviour(base_gguf: Path, adapter_gguf: Path, ids: list[list[int]], reference: list[np.ndarray],
+                    type_name: str) -> Part:  # fmt: skip
+    """Part 2: llama.cpp's logits of base + adapter against PEFT's, over all positions of all texts."""
+    ids = [i for i in ids if i]
+    got = llama.logits(base_gguf, ids, lora=adapter_gguf)
+    for a, b in zip(got, reference, strict=True):
+        if a.shape != b.shape:
+            return Part("behaviour", False, f"llama.cpp gives {a.shape[-1]} logits, transformers {b.shape[-1]}")
+    rel = _rel(np.concatenate([a.ravel() for a in got]), np.concatenate([b.ravel() for b in reference]))
+    limit = BEHAVIOUR_LIMIT[type_name]
+    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, reference,
+                                                                                       strict=True)])))  # fmt: skip
+    detail = f"llama.cpp's logits with the adapter differ from PEFT's by {rel:.2g} (relative RMS; limit {limit} " \
+        f"for {type_name}); same top token at {agree:.0%} of positions"
+    return Part("behaviour", rel <= limit, detail)
