@@ -43,8 +43,9 @@ def test_peft_imports_without_bitsandbytes_which_still_imports_when_needed():
 
 
 def test_reused_heap_serves_row_blocks_without_fresh_pages():
-    """40 blocks of 16 MiB (the proof's float32 row block) allocated, written and freed in turn: inside the
-    context the pages of the first block are reused (a fresh one each time would be 40 x 4096 page faults)."""
+    """40 blocks of 16 MiB (a layer's float32 weights in the behaviour check) allocated, written and freed in
+    turn: inside the context the pages of the first block are reused (a fresh one each time would be 40 x 4096
+    page faults)."""
     out = run(
         """
         import resource, torch

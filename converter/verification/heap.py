@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 64 * 2**20  # above the proof's row blocks (16 MiB in float32, 32 in float64); else ignored
+MMAP_THRESHOLD = 64 * 2**20  # above the proof's row blocks and PEFT's ΔW of one, and a layer's float32 weights
 TRIM_THRESHOLD = 256 * 2**20  # free memory kept at the heap's top before it is returned
 _DEFAULT_TRIM = 128 * 2**10  # glibc's default
 
