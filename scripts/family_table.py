@@ -1,6 +1,6 @@
 """Write the table of diffusion families in docs/diffusion.md from the keymaps, so it cannot drift from them.
 
-Run it after editing a keymap (`python scripts/family_table.py`); tests/test_community_docs.py fails when the
+Run it after editing a keymap (`python scripts/family_table.py`); tests/formats/test_community_docs.py fails when the
 committed table differs from what this prints.
 """
 

@@ -33,10 +33,18 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import shutil  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from model_helpers import run_cli  # noqa: E402
+
+# The test modules live in folders that mirror the package (engine/, verification/ ...), the helpers here. A few
+# import from a test module of another folder (`from test_community_sd import sdxl_lora`): every folder goes on
+# sys.path, as pytest's import mode puts each one there once it collects it, so that one file run alone finds them.
+for folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if folder.is_dir() and any(folder.glob("test_*.py")) and str(folder) not in sys.path:
+        sys.path.append(str(folder))
 
 
 def pytest_unconfigure(config):

@@ -19,7 +19,7 @@ from converter.engine.recipe import Recipe
 from converter.errors import CheckpointError, UsageError
 from converter.formats import load_adapter
 from converter.hub.remote_headers import hub_base_headers
-from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/test_app_jobs.py uses
+from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/app/test_app_jobs.py uses
 from converter.hub.sources import fetch, parse_source
 from converter.io.units import human_bytes, parse_size
 

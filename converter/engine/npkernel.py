@@ -2,7 +2,7 @@
 
 numpy needs a dozen passes for that step (widen, add, narrow to float32, tie check, five integer passes of
 rounding, finite checks), each over the block, and that was most of a LoRA merge's CPU time (bench/RESULTS.md).
-The same arithmetic as one C loop (npmath.narrow's rounding, bit for bit: tests/test_npmerge.py compares them)
+The same arithmetic as one C loop (npmath.narrow's rounding, bit for bit: tests/engine/test_npmerge.py compares them)
 is compiled on first use with the system's C compiler and cached per machine; where there is no compiler, or
 the build fails, `get()` answers None and the merge stays on numpy. CONVERTER_NO_KERNEL=1 turns it off.
 """

@@ -8,7 +8,7 @@
 DARE's random masks come from a generator seeded by (seed, module, side, adapter index), so a module's mask does
 not depend on which other modules exist or the order they are visited in: streaming gives the same result as a
 whole-model pass, and a run is reproduced by its seed. (PEFT draws from torch's global generator in model order,
-after its own adapter initialisation used it, so the same seed gives PEFT different masks; tests/test_combine.py
+after its own adapter initialisation used it, so the same seed gives PEFT different masks; tests/methods/test_combine.py
 checks that, given our masks, PEFT's result is ours.)
 """
 

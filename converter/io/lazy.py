@@ -2,7 +2,7 @@
 
 `from converter.io.lazy import torch` gives an object that behaves like the torch module once touched; modules on
 the merge path use it instead of `import torch`, and only the patches that need torch (LoHa, LoKr, DoRA, conv,
-4-bit, task merges) touch it. tests/test_errors.py checks a plain merge leaves torch out of sys.modules.
+4-bit, task merges) touch it. tests/cli/test_errors.py checks a plain merge leaves torch out of sys.modules.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The verdict, from what the two proofs measured: pure functions, no I/O (tests/test_verify_judge.py).
+"""The verdict, from what the two proofs measured: pure functions, no I/O (tests/verification/test_verify_judge.py).
 
 A merge passes when every proof that ran passed and the tensor proof ran (or was not the proof for this output:
 a 4-bit one is judged by its behaviour; or not asked for); it fails on any problem; it is "skipped" (the card

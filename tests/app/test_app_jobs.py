@@ -27,7 +27,7 @@ from converter.hub.sources import job_sources, parse_source
 from converter.io.safetensors_file import SafetensorsFile
 from converter.testing.hub import HubServer, client_env, run_client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OTHER = "hf_fake_other_user_token_42"
 
 

@@ -19,7 +19,7 @@ from converter.engine.keymap import all_keymaps, keymap_folder, load_keymap
 from converter.engine.keymap_schema import KeymapError
 from converter.errors import ConverterError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "keymaps").glob("*.yaml"))
 
 

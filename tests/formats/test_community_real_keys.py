@@ -25,7 +25,7 @@ from converter.engine.keymap import DiffusionResolver
 from converter.errors import AdapterFormatError
 from converter.formats import load_adapter
 
-DATA = json.loads((Path(__file__).parent / "data" / "real_lora_keys.json").read_text())
+DATA = json.loads((Path(__file__).parents[1] / "data" / "real_lora_keys.json").read_text())
 SETS = {name: entry for name, entry in DATA.items() if not name.startswith("_")}
 
 # The released models' transformer configs (diffusers' defaults are the released ones unless given here).

@@ -241,7 +241,7 @@ def test_the_space_removes_dead_jobs_folders_on_start(tmp_path):
         "app.build = Stub\n"
         "app.main()\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "CONVERTER_APP_WORKDIR": str(jobs), "TMPDIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", started], cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and "launched" in proc.stdout, proc.stderr

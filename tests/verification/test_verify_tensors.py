@@ -20,7 +20,7 @@ import torch
 from model_helpers import make_adapter, make_base, shown
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from build_fixtures import cache_dir, is_complete  # noqa: E402
 
 SMOL = cache_dir() / "smollm2-135m-instruct"

@@ -82,7 +82,8 @@ def test_bad_method_options_fail_before_anything_is_read(pair, tmp_path, cli):
 
 def test_ties_merge_is_verified_by_its_tensors(pair, tmp_path, cli):
     """A TIES merge is not meant to equal PEFT's unmerged sum: its tensors are proven against PEFT's own TIES rule
-    (tests/test_verify_tensors.py has the sabotages) and its behaviour is not compared, which the card says."""
+    (tests/verification/test_verify_tensors.py has the sabotages) and its behaviour is not compared, which the card
+    says."""
     base, a, b = pair
     code, out, err = cli("merge", "--base", base, "--adapter", a, "--adapter", b, "--method", "ties", "--density",
                          "0.5", "--out", tmp_path / "m", verify=True)  # fmt: skip

@@ -14,7 +14,7 @@ import pytest
 import torch
 from model_helpers import run_cli
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from build_fixtures import cache_dir, is_complete  # noqa: E402
 
 FIXTURE = cache_dir() / "smollm2-135m-instruct"

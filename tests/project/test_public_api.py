@@ -14,7 +14,7 @@ import pytest
 
 import converter
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "peft", "accelerate", "diffusers", "gradio", "ray", "bitsandbytes")
 
 

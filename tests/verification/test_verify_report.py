@@ -29,7 +29,7 @@ from converter.verification.report import (
 )
 from converter.verification.tensors import TensorCheck, TensorGroup, TensorProofResult
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def logits(kl: float, perplexity: float = math.nan) -> LogitComparison:

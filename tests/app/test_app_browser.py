@@ -20,7 +20,7 @@ import pytest
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.testing.hub import HubServer, client_env, run_client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking switches Chromium's own calls home make the closed network refuse connections.

@@ -16,7 +16,7 @@ from converter.hub.remote_headers import write_standin
 from converter.io.safetensors_file import SafetensorsFile
 from converter.io.safetensors_header import HeaderError, decode_header, encode_header, entry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {
     **{f"name of {n} chars": ({"w" * n: torch.ones(2, 3), "b": torch.zeros(5, dtype=torch.bfloat16)}, None)

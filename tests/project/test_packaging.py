@@ -15,7 +15,7 @@ import pytest
 
 from converter.errors import MissingExtraError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_tested_pins_are_written_down_and_current():

@@ -1,7 +1,7 @@
 """Verification of LLM merges: the tensor proof and the behavioural comparison (PEFT's unmerged forward). Each
 sabotage must fail, with the report pointing at what is wrong; the behavioural comparison is also tested by itself
 (proofs=("behaviour",)), since it must catch what tensors cannot show. The tensor proof's own sabotage suite is
-tests/test_verify_tensors.py."""
+tests/verification/test_verify_tensors.py."""
 
 from __future__ import annotations
 

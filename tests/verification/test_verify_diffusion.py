@@ -171,7 +171,7 @@ def test_sdxl_merge_with_both_text_encoders_passes(tmp_path, cli):
 
 def test_per_module_alphas_diffusers_would_ignore_go_to_the_published_formula(sd15, tmp_path, cli):
     """Never a false alarm from a referee that misreads the file: the float64 formula referees instead
-    (tests/test_verify_formula.py has its sabotages)."""
+    (tests/verification/test_verify_formula.py has its sabotages)."""
     root, models = sd15
     mods = kohya_modules(models["unet"], "lora_unet", UNET_TARGETS)
     save(kohya_lora(mods), tmp_path / "alphas.safetensors")  # alphas 2, 3, 4 by module

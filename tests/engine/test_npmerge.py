@@ -3,7 +3,7 @@
 Conversions must give torch's bytes exactly, NaN/Inf/subnormals included. The merge math sums in float64 and
 rounds once: it must equal PEFT's float64 merge rounded once (computed here in rationals: each patch's delta
 exact, each addition rounded to float64, the result rounded once to the output dtype). The float32 torch path
-agrees with it but for rare one-ulp ties (tests/test_architectures.py holds both to PEFT's merge).
+agrees with it but for rare one-ulp ties (tests/engine/test_architectures.py holds both to PEFT's merge).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A catalogue of malformed inputs across merge / convert / verify / push: every one is refused with ONE line on
 stderr (`error: ...`, no traceback), exit code 2, and nothing written (no output, the folder around it unchanged).
 
-Cases already in tests/test_errors.py (truncated base, corrupt header JSON, NaN, wrong-size adapter, half a pair,
+Cases already in tests/cli/test_errors.py (truncated base, corrupt header JSON, NaN, wrong-size adapter, half a pair,
 ...) are not repeated; these extend them. Each case builds its broken input in its own folder and returns the
-command line. Hub cases run in one subprocess against the local Hub server (tests/test_hub_pipeline.py's way).
+command line. Hub cases run in one subprocess against the local Hub server (tests/hub/test_hub_pipeline.py's way).
 """
 
 from __future__ import annotations

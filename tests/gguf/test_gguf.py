@@ -24,7 +24,7 @@ from model_helpers import make_adapter, make_base, run_cli
 from converter.errors import BadInputError, MissingExtraError, VerificationFailed
 from converter.gguf import arch, export, llama, proof, write
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from build_fixtures import cache_dir, is_complete  # noqa: E402
 
 SMOLLM2 = cache_dir() / "smollm2-135m-instruct"
