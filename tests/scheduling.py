@@ -3,7 +3,8 @@
 A test file goes whole to one worker, so a module fixture (a pipeline, a merged model, a Hub server) is built once.
 Files that share a costly session fixture go to the same worker as one unit, so it is built once too (a session
 fixture is per worker). The slowest units start first: on two workers the run ends when the last unit does, and a
-long unit started late would leave the other worker idle.
+long unit started late would leave the other worker idle. Files are named here by their base name, whichever folder
+of tests/ holds them (the names are unique across the folders).
 """
 
 from __future__ import annotations
