@@ -22,7 +22,7 @@ _LAZY = {
     "AdapterSpec": ("converter.engine.recipe", "AdapterSpec"),
     "Recipe": ("converter.engine.recipe", "Recipe"),
     "combine": ("converter.methods.combination", "combine"),
-    "convert": ("converter.conversion.core", "convert"),
+    "convert": ("converter.jobs.convert", "convert"),
     "deploy": ("converter.app.deploy", "deploy"),
     "extract": ("converter.methods.extraction", "extract"),
     "inspect": ("converter.jobs.describe", "inspect_path"),

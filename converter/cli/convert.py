@@ -36,15 +36,13 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
 
 
 def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.gguf.adapter_export)."""
-    from converter.gguf.adapter_export import export_adapter
+    """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.jobs.convert, as the Python API runs it)."""
+    from converter.jobs.convert import to_gguf
 
     if args.push_pr or not args.out:
         raise UsageError("--to gguf writes to --out (a .gguf file or a folder); --push-pr is not offered for it")
-    if args.component:
-        raise UsageError("--component is for diffusion adapters; --to gguf takes language-model adapters")
-    result = export_adapter(args.adapter, args.base, args.out, type_name=args.type, force=args.force,
-                            token=args.token, allow_pickle=args.allow_pickle, lora_alpha=args.lora_alpha,
-                            rank=args.rank, verify=not args.no_verify, log=log)  # fmt: skip
-    log(f"wrote {result.path}")
+    result = to_gguf(args.adapter, args.out, base=args.base, type_name=args.type, rank=args.rank,
+                     component=args.component, force=args.force, token=args.token, allow_pickle=args.allow_pickle,
+                     lora_alpha=args.lora_alpha, verify=not args.no_verify, log=log)  # fmt: skip
+    log(f"wrote {result.out}")
     return 0

@@ -31,6 +31,7 @@ class AdapterGGUFResult:
     path: Path
     pairs: int
     alpha: float
+    type_name: str = "F32"
     parts: list[proof.Part] = field(default_factory=list)
 
 
@@ -70,7 +71,7 @@ def export_adapter(
     made = not target.parent.exists()  # a folder made here is removed again if nothing is written into it
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".gguf-staging-", dir=target.parent))
-    result = AdapterGGUFResult(target, len(planned.pairs), planned.alpha)
+    result = AdapterGGUFResult(target, len(planned.pairs), planned.alpha, type_name)
     try:
         staged = staging / target.name
         write_adapter_gguf(planned, family, type_name, staged, name=stem)

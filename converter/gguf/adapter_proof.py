@@ -3,8 +3,9 @@
 1. File: read back with gguf's reader, the keys llama.cpp reads (architecture, general.type, adapter.type,
    adapter.lora.alpha) say what was planned, and every lora_a / lora_b, dequantized and lora_b put back in Hugging
    Face row order (the inverse of the base's Q/K reordering, independent of the writer), equals the adapter's A / B
-   (alpha ratio folded into B where a module's alpha differs from the file's): exactly in F32, as cast in F16 / BF16,
-   bit-identical to gguf's reference quantization in Q8_0. Every module is there, nothing else is.
+   (alpha ratio folded into B where a module's alpha differs from the file's; the token embeddings' A transposed,
+   one row per token, as llama.cpp gathers it): exactly in F32, as cast in F16 / BF16, bit-identical to gguf's
+   reference quantization in Q8_0. Every module is there, nothing else is.
 2. Behaviour: llama.cpp runs the base GGUF (F32, written for the proof) with the adapter applied at run time; its
    logits are compared with transformers' logits of the base with the adapter applied by PEFT, unmerged, on the
    same token ids; the relative RMS difference stays under converter.gguf.proof.BEHAVIOUR_LIMIT for the adapter's
@@ -43,7 +44,7 @@ def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name:
     found = {t.name: t for t in reader.tensors}
     expected_names = set()
     for p in planned.pairs:
-        for part, src in (("lora_a", p.a), ("lora_b", p.b)):
+        for part, src in (("lora_a", expected_token_rows(p.a) if p.embedding else p.a), ("lora_b", p.b)):
             name = f"{p.name}.{part}"
             expected_names.add(name)
             if name not in found:
@@ -62,13 +63,20 @@ def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name:
                 gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type).reshape(shape)
             if not np.array_equal(got, want_values, equal_nan=True):
                 bad = int(np.sum(got != want_values))
+                order = "one row per token" if p.embedding and part == "lora_a" else "in Hugging Face row order"
                 return Part("file", False, f"{name} ({p.source}): {bad} values differ from the adapter's "
-                            f"{'A' if part == 'lora_a' else 'B'} as {t.tensor_type.name} (in Hugging Face row order)")
+                            f"{'A' if part == 'lora_a' else 'B'} as {t.tensor_type.name} ({order})")
     extra = sorted(set(found) - expected_names)
     if extra:
         return Part("file", False, f"{extra[0]} is in the file but comes from no module of the adapter")
     return Part("file", True, f"{len(planned.pairs)} LoRA pairs and alpha {planned.alpha:g} read back equal to the "
                 f"adapter's as {type_name}")  # fmt: skip
+
+
+def expected_token_rows(a: np.ndarray) -> np.ndarray:
+    """What token_embd.weight.lora_a must hold for an embedding LoRA's A (rank, vocab): A transposed, row t the
+    rank values of token t (llama.cpp's ggml_get_rows on lora_a); the proof's own, not the writer's."""
+    return np.ascontiguousarray(np.transpose(a))
 
 
 def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> tuple[list[np.ndarray], int]:
@@ -80,7 +88,8 @@ def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> tuple
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(model, adapter_folder).eval()
-    applied = sum(1 for m in model.modules() if getattr(m, "lora_A", None) and len(m.lora_A))
+    applied = sum(1 for m in model.modules() if any(len(getattr(m, factors, None) or ()) for factors in
+                                                    ("lora_A", "lora_embedding_A")))  # fmt: skip
     with torch.no_grad():
         out = [model(input_ids=torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
     del model
