@@ -1,16 +1,18 @@
-"""`converter convert ADAPTER --to gguf --base BASE`: LoRA adapters as GGUF adapter files that llama.cpp applies at
-run time, proven.
+"""`converter convert ADAPTER --to gguf --base BASE` (and `converter.convert(..., "gguf")`): LoRA adapters as GGUF
+adapter files that llama.cpp applies at run time, proven.
 
 Oracles: gguf's own reader must read back every lora_a / lora_b equal to the adapter's A / B (lora_b with the
 base's Q/K row order for the Llama line, computed here from the adapter's file); llama.cpp (llama-cpp-python) must
-load the base GGUF with the adapter and give PEFT's logits (base + adapter, unmerged). Sabotaged files (Q lora_b
-not reordered, a wrong alpha) must fail the proof with nothing written; what llama.cpp cannot apply is one line.
+load the base GGUF with the adapter and give PEFT's logits (base + adapter, unmerged). An embedding LoRA's lora_a
+must read back as A transposed (one row per token). Sabotaged files (Q lora_b not reordered, a wrong alpha, an
+embedding lora_a laid out wrong) must fail the proof with nothing written; what llama.cpp cannot apply is one line.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +24,10 @@ from model_helpers import make_adapter
 from safetensors.numpy import load_file, save_file
 from test_gguf import needs_llama, smollm2, tiny
 
-from converter.errors import VerificationFailed
+import converter
+from converter.errors import BadInputError, UsageError, VerificationFailed
 from converter.gguf import adapter as gguf_adapter
-from converter.gguf import arch, llama
+from converter.gguf import adapter_proof, arch, llama
 from converter.gguf.adapter_export import export_adapter
 
 pytestmark = needs_llama
@@ -218,7 +221,6 @@ def test_an_alpha_written_other_than_planned_fails_the_file_proof(tiny_llama, ll
     ({"use_dora": True}, "is DoRA: llama.cpp applies plain LoRA only"),
     ({"lora_bias": True}, "has a bias delta (PEFT lora_bias)"),
     ({"modules_to_save": ["lm_head"]}, "carries whole tensors or token rows (PEFT modules_to_save"),
-    ({"target_modules": ["embed_tokens", "q_proj"]}, "is an embedding LoRA (lora_embedding_A/B)"),
     ({"target_modules": ["q_proj", "v_proj"], "alora_invocation_tokens": [5, 6]}, "an activated LoRA (aLoRA"),
 ])  # fmt: skip
 def test_what_llama_cpp_cannot_apply_is_one_line(tiny_llama, lora, words, tmp_path, cli):
@@ -290,3 +292,128 @@ def test_the_command_lines_help_offers_gguf(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "{peft,diffusers,kohya,comfyui,gguf}" in out
     assert "--type TYPE --to gguf: F32 (default), F16, BF16 or Q8_0" in out
+
+
+# The Python API: the CLI's conversion, its result and its typed errors.
+
+
+def test_the_python_api_writes_a_proven_gguf_and_returns_its_proof(tiny_llama, llama_lora, tmp_path):
+    lines: list[str] = []
+    result = converter.convert(str(llama_lora), "gguf", tmp_path / "api", base=str(tiny_llama), type="f16",
+                               log=lines.append)  # fmt: skip
+    path = tmp_path / "api" / "lora-F16.gguf"
+    assert (result.out, result.files, result.modules) == (path, ["lora-F16.gguf"], 14)
+    assert (result.alpha, result.type, result.notes, result.svd_errors) == (8.0, "F16", [], {})
+    assert result.verdict == "pass" and [p.name for p in result.proof] == ["file", "behaviour"]
+    assert all(p.passed for p in result.proof) and lines[0] == "lora-F16.gguf: 14 LoRA pairs, alpha 8, F16"
+    keys, tensors = read_adapter_gguf(path)
+    assert keys["adapter.lora.alpha"] == 8.0 and len(tensors) == 28
+    again = converter.convert(str(llama_lora), "gguf", path, base=str(tiny_llama), type="F16", force=True,
+                              verify=False, log=lambda _: None)  # fmt: skip
+    assert again.verdict == "skipped" and again.proof == [] and again.out == path
+
+
+@pytest.mark.parametrize("to, with_base, options, words", [
+    ("gguf", False, {}, "--to gguf needs --base: the base model gives the architecture and llama.cpp's tensor names"),
+    ("gguf", True, {"type": "Q4_K"}, "--type Q4_K: an adapter GGUF is one of F32, F16, BF16, Q8_0"),
+    ("gguf", True, {"component": "unet"}, "--component is for diffusion adapters; --to gguf takes language-model"),
+    ("peft", True, {"type": "F16"}, "--type is for --to gguf (the GGUF type of the adapter file)"),
+    ("onnx", True, {}, "--to onnx: choose one of peft, diffusers, kohya, comfyui, gguf"),
+])  # fmt: skip
+def test_the_python_api_refuses_with_the_clis_usage_errors(tiny_llama, llama_lora, to, with_base, options, words,
+                                                           tmp_path):  # fmt: skip
+    base = str(tiny_llama) if with_base else None
+    with pytest.raises(UsageError) as caught:
+        converter.convert(str(llama_lora), to, tmp_path / "a.gguf", base=base, log=lambda _: None, **options)
+    assert str(caught.value).startswith(words) and list(tmp_path.iterdir()) == []
+
+
+def test_the_python_api_names_what_llama_cpp_cannot_apply_as_the_cli_does(tiny_llama, tmp_path, cli):
+    adapter = make_adapter(tiny_llama, tmp_path / "dora", r=4, use_dora=True)
+    with pytest.raises(BadInputError) as caught:
+        converter.convert(str(adapter), "gguf", tmp_path / "out", base=str(tiny_llama), log=lambda _: None)
+    assert caught.value.file == str(adapter) and "is DoRA: llama.cpp applies plain LoRA only" in str(caught.value)
+    code, _, err = cli("convert", "--adapter", adapter, "--to", "gguf", "--base", tiny_llama, "--out", tmp_path / "o")
+    assert code == 2 and err == f"error: {caught.value}\n" and not (tmp_path / "out").exists()
+
+
+# A LoRA on the token embeddings: llama.cpp gathers lora_a by token, so lora_a is A transposed.
+
+
+@pytest.fixture(scope="module")
+def embedding_lora(tiny_llama, tmp_path_factory) -> Path:
+    """PEFT's embedding LoRA (lora_embedding_A/B, and the embedding saved whole beside it) with its own alpha."""
+    return make_adapter(tiny_llama, tmp_path_factory.mktemp("emb") / "lora", r=4, lora_alpha=8,
+                        target_modules=["embed_tokens", "q_proj"], alpha_pattern={"embed_tokens": 2})  # fmt: skip
+
+
+def test_an_embedding_lora_is_applied_by_llama_cpp_as_peft_applies_it(tiny_llama, embedding_lora, tmp_path):
+    result = export_adapter(str(embedding_lora), str(tiny_llama), tmp_path / "a.gguf", log=lambda _: None)
+    assert [p.name for p in result.parts] == ["file", "behaviour"] and all(p.passed for p in result.parts)
+    _, tensors = read_adapter_gguf(tmp_path / "a.gguf")
+    saved = load_file(embedding_lora / "adapter_model.safetensors")
+    a = saved["base_model.model.model.embed_tokens.lora_embedding_A"]  # (rank, vocab)
+    b = saved["base_model.model.model.embed_tokens.lora_embedding_B"]  # (dim, rank)
+    assert a.shape == (4, 49152) and b.shape == (64, 4)
+    assert np.array_equal(tensors["token_embd.weight.lora_a"], a.T)  # one row of rank values per token
+    assert np.array_equal(tensors["token_embd.weight.lora_b"], b * np.float32(0.25))  # alpha 2 where the file says 8
+    # the embedding PEFT saved whole is the base's: left out; q_proj's two pairs are there
+    assert sorted(tensors) == sorted(["token_embd.weight.lora_a", "token_embd.weight.lora_b"] +
+                                     [f"blk.{i}.attn_q.weight.lora_{x}" for i in range(2) for x in "ab"])  # fmt: skip
+
+
+def test_an_embedding_lora_in_q8_0_is_quantized_one_row_per_token(tiny_llama, tmp_path):
+    """Rank 32: lora_a's rows (one per token) are one Q8_0 block each; quantized the other way round it would not
+    read back as gguf's reference quantization of A transposed."""
+    lora = make_adapter(tiny_llama, tmp_path / "lora", r=32, lora_alpha=16, target_modules=["embed_tokens"])
+    result = export_adapter(str(lora), str(tiny_llama), tmp_path / "a.gguf", type_name="Q8_0", log=lambda _: None)
+    assert all(p.passed for p in result.parts) and len(result.parts) == 2
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "a.gguf").tensors}
+    assert types == {"token_embd.weight.lora_a": "Q8_0", "token_embd.weight.lora_b": "Q8_0"}
+
+
+def reshaped(a: np.ndarray) -> np.ndarray:
+    """A transposed layout that is not a transpose: the right shape, the values in the wrong places."""
+    return np.ascontiguousarray(a.reshape(a.shape[1], a.shape[0]))
+
+
+def test_an_embedding_lora_a_laid_out_wrong_fails_the_file_proof(tiny_llama, embedding_lora, tmp_path,
+                                                                 monkeypatch):  # fmt: skip
+    monkeypatch.setattr(gguf_adapter, "token_rows", reshaped)
+    message = failed(tiny_llama, embedding_lora, tmp_path)
+    assert re.search(r"file proof failed: token_embd\.weight\.lora_a \(model\.embed_tokens\): \d+ values differ "
+                     r"from the adapter's A as F32 \(one row per token\)", message), message
+
+
+def test_an_embedding_lora_a_read_back_the_same_wrong_way_fails_the_behaviour_proof(tiny_llama, embedding_lora,
+                                                                                    tmp_path, monkeypatch):  # fmt: skip
+    monkeypatch.setattr(gguf_adapter, "token_rows", reshaped)
+    monkeypatch.setattr(adapter_proof, "expected_token_rows", reshaped)
+    assert "behaviour proof failed: llama.cpp's logits with the adapter differ from PEFT's" in \
+        failed(tiny_llama, embedding_lora, tmp_path)  # fmt: skip
+
+
+def test_an_embedding_lora_with_its_embedding_saved_changed_is_one_line(tiny_llama, embedding_lora, tmp_path, cli):
+    """The embedding saved whole is not the base's (a token row trained or added): no LoRA adapter can carry it."""
+    adapter = tmp_path / "lora"
+    shutil.copytree(embedding_lora, adapter)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    key = "base_model.model.model.embed_tokens.base_layer.weight"
+    tensors[key] = tensors[key].copy()
+    tensors[key][7, 3] += 1
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    code, _, err = cli("convert", "--adapter", adapter, "--to", "gguf", "--base", tiny_llama, "--out", tmp_path / "o")
+    assert code == 2 and not (tmp_path / "o").exists() and err.count("\n") == 1
+    assert err.startswith(f"error: {adapter}: model.embed_tokens carries whole tensors or token rows"), err
+
+
+def test_an_embedding_lora_on_a_base_with_its_head_tied_to_the_embeddings_is_one_line(tmp_path, cli):
+    """llama.cpp reads token_embd.weight for the output head too, and would apply the LoRA there (and abort)."""
+    base = tiny(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    adapter = make_adapter(base, tmp_path / "lora", r=4, target_modules=["embed_tokens", "q_proj"])
+    code, _, err = cli("convert", "--adapter", adapter, "--to", "gguf", "--base", base, "--out", tmp_path / "a.gguf")
+    assert code == 2 and not (tmp_path / "a.gguf").exists()
+    assert err == (f"error: {adapter}: model.embed_tokens is an embedding LoRA on a base whose output head is its "
+                   "token embeddings (tied weights: one tensor, token_embd.weight, in its GGUF); llama.cpp would "
+                   "apply the LoRA to the output head too, where its shapes do not fit (llama.cpp aborts); merge it "
+                   "instead (converter merge --gguf); nothing was written\n")  # fmt: skip
