@@ -2,5 +2,6 @@
 
 `pipeline` (`push`: the Hub job, pipelined when it merges; `verify_folder`), `streaming` (its machinery: the base
 streamed in while the merge reads it, output shards uploaded as they are finished), `describe` (`inspect`: what a
-model or an adapter is, from headers), `demo` (a complete merge offline on a tiny model).
+model or an adapter is, from headers), `demo` (a complete merge offline on a tiny model), `convert` (`convert()` for
+Python callers: the adapter formats and llama.cpp's GGUF adapter, which sit in different layers).
 """
