@@ -121,6 +121,7 @@ def without_saved_embeddings(adapter: Adapter, names: BaseNames, source: Source)
 
 
 def _is_the_bases(ap: AdapterPatch, names: BaseNames, source: Source) -> bool:
+    """Whether a whole saved tensor equals the base tensor it lands on (one tensor, all of it), value for value."""
     places = names.places(ap)
     if len(places) != 1 or places[0].rows is not None or places[0].key not in source.tensors:
         return False
