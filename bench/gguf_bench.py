@@ -8,8 +8,11 @@ step in its own subprocess (merge_bench.py's launcher: wall, CPU and peak RSS of
 random bf16 model of merge_bench.py's size with SmolLM2's tokenizer and vocabulary (so both converters accept it) and
 a rank-16 all-linear PEFT LoRA, built once and cached. The usual way's wall and CPU are its three steps' sums, its
 peak the largest of them; every wall time includes the `sync` after its process (so pages left unwritten count for
-whoever left them). Afterwards llama.cpp (llama-cpp-python) loads each Q8_0 file and evaluates one prompt, and the two
-files' logits are compared; the converter run's own proof verdict (gguf-proof.json) is reported with them.
+whoever left them). As root the page cache is dropped before each tool (before the usual way's first step only:
+its steps find what the one before wrote in the cache, as converter keeps its own in memory). Afterwards
+llama.cpp (llama-cpp-python) loads each Q8_0 file (and the usual way's F16 file, for scale) and evaluates one prompt;
+the two Q8_0 files' logits and tensor bytes are compared, and the converter run's own proof verdict (gguf-proof.json)
+and its merge's verification are reported with them.
 
     python bench/gguf_bench.py [--workdir DIR] [--small] [--rounds N] [--no-record] [--results FILE]
 
