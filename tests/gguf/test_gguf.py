@@ -9,11 +9,9 @@ pre-tokenizer, a dropped tensor) must each fail the proof, naming what is wrong,
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import gguf
@@ -23,14 +21,14 @@ from model_helpers import make_adapter, make_base, run_cli
 
 from converter.errors import BadInputError, MissingExtraError, VerificationFailed
 from converter.gguf import arch, export, llama, proof, write
+from converter.testing import llama_convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from build_fixtures import cache_dir, is_complete  # noqa: E402
 
 SMOLLM2 = cache_dir() / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-SDIST = Path(os.environ.get("CONVERTER_LLAMA_SDIST", Path.home() / ".cache" / "converter-llama-sdist"
-                            / "llama_cpp_python-0.3.36.tar.gz"))  # fmt: skip
+SDIST = llama_convert.default_sdist()
 # general.* is descriptive (name, basename, finetune, size label; tags, licence and base models read from README.md)
 # except these, which llama.cpp reads: the rest of general.* is compared for these only
 GENERAL_READ = {"general.architecture", "general.type", "general.file_type", "general.quantization_version"}
@@ -175,32 +173,12 @@ def llama_converter(tmp_path_factory) -> Path:
         pytest.fail(f"llama-cpp-python's sdist missing at {SDIST}: `make test` downloads it (or set "
                     "CONVERTER_LLAMA_SDIST)")  # fmt: skip
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece (converter[gguf])")
-    root = tmp_path_factory.mktemp("llama.cpp")
-    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-    with tarfile.open(SDIST) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
-                   and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(wanted)]  # fmt: skip
-        tar.extractall(root, members=members, filter="data")
-    return next(root.glob("*/vendor/llama.cpp"))
-
-
-RUN_CONVERTER = """
-import runpy, sys
-for outtype, out, folder in zip(*[iter(sys.argv[1:])] * 3):
-    sys.argv = ["convert_hf_to_gguf.py", "--outtype", outtype, "--outfile", out, folder]
-    try:
-        runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
-    except SystemExit as e:
-        if e.code:
-            raise
-"""
+    return llama_convert.unpack(SDIST, tmp_path_factory.mktemp("llama.cpp"))
 
 
 def their_ggufs(converter: Path, jobs: list[tuple[str, Path, Path]]) -> None:
     """llama.cpp's converter on each (outtype, out file, model folder), in one process (its imports cost ~15 s)."""
-    args = [str(x) for job in jobs for x in job]
-    proc = subprocess.run([sys.executable, "-c", RUN_CONVERTER, *args], cwd=converter, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(llama_convert.command(jobs), cwd=converter, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
