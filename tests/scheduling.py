@@ -42,6 +42,7 @@ SLOWEST = (
     "test_interrupted.py",
     "test_community_sd.py",
     "test_convert.py",
+    "test_gguf_lora.py",
     "test_qlora.py",
     "test_hub_server.py",
     "test_convert_hub.py",
