@@ -28,7 +28,6 @@ from build_fixtures import cache_dir, is_complete  # noqa: E402
 
 SMOLLM2 = cache_dir() / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-SDIST = llama_convert.default_sdist()
 # general.* is descriptive (name, basename, finetune, size label; tags, licence and base models read from README.md)
 # except these, which llama.cpp reads: the rest of general.* is compared for these only
 GENERAL_READ = {"general.architecture", "general.type", "general.file_type", "general.quantization_version"}
@@ -168,12 +167,10 @@ def tensor_bytes(reader: gguf.GGUFReader) -> dict[str, tuple[str, tuple, bytes]]
 
 @pytest.fixture(scope="module")
 def llama_converter(tmp_path_factory) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/), unpacked from the sdist."""
-    if not SDIST.is_file():
-        pytest.fail(f"llama-cpp-python's sdist missing at {SDIST}: `make test` downloads it (or set "
-                    "CONVERTER_LLAMA_SDIST)")  # fmt: skip
+    """llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/), unpacked from the sdist (`unpack`
+    names a missing one)."""
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece (converter[gguf])")
-    return llama_convert.unpack(SDIST, tmp_path_factory.mktemp("llama.cpp"))
+    return llama_convert.unpack(llama_convert.default_sdist(), tmp_path_factory.mktemp("llama.cpp"))
 
 
 def their_ggufs(converter: Path, jobs: list[tuple[str, Path, Path]]) -> None:
