@@ -43,6 +43,7 @@ SLOWEST = (
     "test_community_sd.py",
     "test_convert.py",
     "test_gguf_lora.py",
+    "test_gguf_stream.py",
     "test_qlora.py",
     "test_hub_server.py",
     "test_convert_hub.py",

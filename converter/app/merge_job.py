@@ -260,6 +260,7 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
             finished=finished,
             log=say,
             keep_output=gguf is not None,
+            tee=gguf.tee() if gguf is not None else None,
         )
         say(result.summary())
         if gguf is not None:

@@ -398,15 +398,25 @@ def _run_merge(args: argparse.Namespace) -> int:
 
         check_extras(recipe, args.token)
         start()
-    result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log)
-    if settings is not None:
-        from converter.jobs.pipeline import verify_folder
+    tee = None
+    if gguf_types and recipe.out:
+        from converter.cli.gguf import merge_tee
 
-        verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
-    if gguf_types:
-        from converter.cli.gguf import export_merged
+        tee = merge_tee(recipe.out, gguf_types, log=_log)
+    try:
+        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log, tee=tee)
+        written = tee.finish() if tee else None
+        if settings is not None:
+            from converter.jobs.pipeline import verify_folder
 
-        export_merged(result.out, gguf_types, log=_log)
+            verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+        if gguf_types:
+            from converter.cli.gguf import export_merged
+
+            export_merged(result.out, gguf_types, log=_log, written=written)
+    finally:
+        if tee is not None:
+            tee.discard()  # what export did not take (all of it, if anything failed)
     return 0
 
 
@@ -459,6 +469,7 @@ def _run_push(args: argparse.Namespace) -> int:
             log=_log,
             finished=gguf.export if gguf and recipe else None,  # a merge's GGUF, proven before the commit
             keep_output=gguf is not None,
+            tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
         )
         _log(result.summary())
         if gguf is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from converter.gguf.types import ALL_TYPES
 
@@ -42,15 +43,27 @@ def merge_option(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def export_merged(folder, types: list[str], log: Callable[[str], None]) -> None:
-    """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF."""
-    from pathlib import Path
+def merge_tee(out: str, types: list[str], log: Callable[[str], None]):
+    """`merge --gguf`: the types we write ourselves are written while the merge streams (converter.gguf.stream)."""
+    from converter.gguf.export import file_stem
+    from converter.gguf.stream import GGUFTee
 
+    folder = Path(out)
+    return GGUFTee(types, gguf_folder(folder), file_stem(folder.name), log)
+
+
+def gguf_folder(merged) -> Path:
+    return merged.with_name(f"{merged.name}-GGUF")
+
+
+def export_merged(folder, types: list[str], log: Callable[[str], None], written: dict | None = None) -> None:
+    """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF, proven (`written`: the files
+    the merge streamed, see merge_tee; the rest are made now)."""
     from converter.gguf.export import PROOF_FILE, export
 
     folder = Path(folder)
-    out = folder.with_name(f"{folder.name}-GGUF")
-    result = export(folder, types, out, name=folder.name, force=True, log=log)
+    out = gguf_folder(folder)
+    result = export(folder, types, out, name=folder.name, force=True, log=log, written=written)
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from converter import __version__
 from converter.engine import npmath, npmerge
@@ -57,6 +58,16 @@ DEFAULT_MAX_SHARD = "5GB"  # as transformers' save_pretrained
 READ_AHEAD = 64 * 2**20  # base bytes read ahead of the math (converter.io.readahead)
 
 
+class TensorTee(Protocol):
+    """Sees the merged model as it is written, to write another format in the same pass (`merge --gguf`)."""
+
+    def start(self, folder: Path, specs: list[OutSpec]) -> None:
+        """Before the first tensor: `folder` holds the output's config.json and tokenizer, `specs` every tensor."""
+
+    def put(self, spec: OutSpec, chunks: list) -> None:
+        """One merged tensor as written, its bytes in `chunks` (which never change afterwards)."""
+
+
 @dataclass
 class MergeResult:
     out: Path | None
@@ -74,14 +85,18 @@ def merge(
     log: Callable[[str], None] = print,
     base: Fetched | None = None,
     on_shard: Callable[[Shard], None] | None = None,
+    tee: TensorTee | None = None,
 ) -> MergeResult:
     """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
 
     `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
     it is never written anywhere. `base`: the base already made local (converter.jobs.streaming: its weights may
-    still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter).
+    still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter); `tee`:
+    also given each merged tensor (its `start` and `put`; the caller finishes or discards what it wrote).
     """
     quant = parse_output(recipe.dtype)
+    if quant and tee is not None:
+        raise UsageError(f"--dtype {recipe.dtype}: GGUF files are made from a float merge (give float16 or bfloat16)")
     if not quant:
         parse_user_dtype(recipe.dtype)  # a bad --dtype fails before anything is fetched
     max_shard = parse_size(recipe.max_shard_size or DEFAULT_MAX_SHARD)
@@ -95,7 +110,9 @@ def merge(
     base = base or fetch(recipe.base, "model", token)
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
-        return _merge(recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard)
+        return _merge(
+            recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard, tee
+        )
 
 
 def _merge(
@@ -110,6 +127,7 @@ def _merge(
     log: Callable[[str], None],
     task_merge=None,
     on_shard: Callable[[Shard], None] | None = None,
+    tee: TensorTee | None = None,
 ) -> MergeResult:
     original = _open_arriving_base(recipe, base)
     if quant and original.diffusion:
@@ -139,12 +157,14 @@ def _merge(
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"
     )
     with atomic_folder(out, force, needs=plan.bytes_to_write, log=log) as tmp:
+        write_side_files(checkpoint, plan, tmp)  # first: a tee writes its header from config.json and tokenizer
+        if tee is not None:
+            tee.start(tmp, [o.spec for o in plan.outputs])
         known = hub_hashes(base) if original is checkpoint else {}
-        hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized, known, on_shard)
+        hashes = write_weights(checkpoint, plan, tmp, max_shard, log, quant, quantized, known, on_shard, tee)
         if original is not checkpoint:  # provenance names the files that were downloaded, not our scratch copy
             known = hub_hashes(base)
             hashes = {f.path.name: known.get(f.path.name) or file_sha256(f.path) for f in original.files}
-        write_side_files(checkpoint, plan, tmp)
         _write_records(tmp, out.name, recipe, base, fetched, original, adapters, plan, hashes)
         files = sorted(p.name for p in tmp.iterdir())
     log(f"wrote {out} ({human_bytes(plan.bytes_to_write)} of weights)")
@@ -303,9 +323,11 @@ def write_weights(
     quantized: set[str] = frozenset(),
     known: dict[str, str] | None = None,
     on_shard: Callable[[Shard], None] | None = None,
+    tee: TensorTee | None = None,
 ) -> dict[str, str]:
     """Stream every output tensor into shards; returns sha256 of each base weight file (read exactly once, and
-    not hashed at all when `known` gives it: a Hub file's LFS id). `on_shard`: see ShardedWriter."""
+    not hashed at all when `known` gives it: a Hub file's LFS id). `on_shard`: see ShardedWriter; `tee`: given
+    every tensor as it is written."""
     known = known or {}
     writers = []
     for part in checkpoint.parts:  # diffusers components each go back to their own subfolder, same file names
@@ -320,6 +342,8 @@ def write_weights(
             writer = ShardedWriter(
                 folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata, hook
             )
+        if tee is not None:
+            writer = _Teed(writer, tee, {o.name: o.spec for o in plan.outputs}, part.prefix)
         writers.append((part, writer))
     # A training checkpoint's files bring their own reader (tensors rebuilt from shards, see converter.training).
     readers = {}
@@ -341,6 +365,32 @@ def write_weights(
     for _, writer in writers:
         writer.close()
     return {_relative_name(checkpoint, path): r.finish() for path, r in readers.items()}
+
+
+class _Teed:
+    """A writer that also hands each tensor's bytes, as written, to a TensorTee."""
+
+    def __init__(self, writer, tee: TensorTee, specs: dict[str, OutSpec], prefix: str):
+        self._writer, self._tee, self._specs, self._prefix = writer, tee, specs, prefix
+
+    def write(self, name: str, produce: Callable[[Callable[[bytes], None]], None]) -> None:
+        chunks: list = []
+
+        def both(sink: Callable[[bytes], None]) -> None:
+            def each(chunk: bytes) -> None:
+                chunks.append(chunk)
+                sink(chunk)
+
+            produce(each)
+
+        self._writer.write(name, both)
+        self._tee.put(self._specs[self._prefix + name], chunks)
+
+    def close(self) -> list[str]:
+        return self._writer.close()
+
+    def abort(self) -> None:
+        self._writer.abort()
 
 
 def _part_shards(on_shard: Callable[[Shard], None], part) -> Callable[[Shard], None]:

@@ -19,7 +19,7 @@ from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
 from converter.gguf.source import Source, open_source
-from converter.gguf.types import LLAMA_TYPES, PYTHON_TYPES, needs_llama, parse_types
+from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_in_python
 from converter.gguf.write import plan, write_gguf
 from converter.io.optional import install_hint
 
@@ -54,8 +54,11 @@ def resolve_source(spec: str | Path, token: str | None = None) -> Path:
 def export(
     source: str | Path, types: list[str], out: str | Path, *, name: str | None = None, force: bool = False,
     token: str | None = None, log: Callable[[str], None] = print, pre: str | None = None,
+    written: dict[str, Path] | None = None,
 ) -> GGUFResult:  # fmt: skip
-    """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests)."""
+    """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests);
+    `written`: files of these types already written from this source (converter.gguf.stream), proven and kept
+    instead of written again."""
     folder = resolve_source(source, token)
     src = open_source(folder)
     family = family_of(src.config, folder)
@@ -77,7 +80,8 @@ def export(
     result = GGUFResult(out, llama_proof=have_llama)
     try:
         ref = proof.reference(src, with_logits=have_llama)
-        staged = _write_python_types(src, family, types, staging, stem, ref, result, log, pre, have_llama)
+        staged = _write_python_types(src, family, types, staging, stem, ref, result, log, pre, have_llama,
+                                     written or {})  # fmt: skip
         for t in (t for t in types if t in LLAMA_TYPES):
             path = staging / targets[t].name
             log(f"{path.name}: quantizing with llama.cpp from the proven F32 file")
@@ -93,17 +97,17 @@ def export(
 
 
 def _write_python_types(src: Source, family, types: list[str], staging: Path, stem: str, ref, result: GGUFResult,
-                        log, pre, have_llama: bool) -> Path | None:  # fmt: skip
+                        log, pre, have_llama: bool, written: dict[str, Path]) -> Path | None:  # fmt: skip
     """Write and prove the types we write ourselves; an F32 file for llama.cpp's quantizer when K-quants are asked
     for (kept only if F32 was asked for too). Returns the F32 file, if any."""
-    wanted = [t for t in types if t in PYTHON_TYPES]
-    if needs_llama(types) and "F32" not in wanted:
-        wanted = ["F32", *wanted]
     f32 = None
-    for t in wanted:
+    for t in written_in_python(types):
         path = staging / f"{stem}-{t}.gguf"
-        log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
-        write_gguf(src, family, t, path, name=stem, pre=pre)
+        if t in written:
+            shutil.move(written[t], path)
+        else:
+            log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
+            write_gguf(src, family, t, path, name=stem, pre=pre)
         fp = _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
         if t == "F32":
             f32 = path

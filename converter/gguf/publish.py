@@ -15,7 +15,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.gguf.export import PROOF_FILE, GGUFResult, export
+from converter.gguf.export import PROOF_FILE, GGUFResult, export, file_stem
+from converter.gguf.stream import GGUFTee
 
 
 def gguf_repo(repo_id: str) -> str:
@@ -85,16 +86,24 @@ class PendingGGUF:
     """The files for `<repo>-GGUF`, written and proven in a temporary folder before anything is committed.
 
     A merging push has its merged folder only inside the push: `export` runs there, as the push's `finished` hook
-    just before its commit, so a failed proof raises and neither repo gets a commit. `push` after the model's own
-    push; `discard` in every case."""
+    just before its commit, so a failed proof raises and neither repo gets a commit; the files we write ourselves
+    are written during its merge by `tee()` (converter.gguf.stream), `export` proves them. `push` after the
+    model's own push; `discard` in every case."""
 
     def __init__(self, types: list[str], name: str, log: Callable[[str], None], workdir: str | Path | None = None):
         self.types, self.name, self.log = types, name, log
         self.out = Path(tempfile.mkdtemp(prefix="converter-gguf-push-", dir=workdir)) / "gguf"
         self.result: GGUFResult | None = None
+        self._tee: GGUFTee | None = None
+
+    def tee(self) -> GGUFTee:
+        """For the push's merge: the files written as it streams."""
+        self._tee = GGUFTee(self.types, self.out, file_stem(self.name), self.log)
+        return self._tee
 
     def export(self, folder: str | Path) -> None:
-        self.result = export(folder, self.types, self.out, name=self.name, log=self.log)
+        written = self._tee.finish() if self._tee is not None else None
+        self.result = export(folder, self.types, self.out, name=self.name, log=self.log, written=written)
 
     def push(self, base_repo: str, *, token: str | None, private: bool):
         if self.result is None:
@@ -102,4 +111,6 @@ class PendingGGUF:
         return push_gguf(self.result, base_repo, token=token, private=private, log=self.log)
 
     def discard(self) -> None:
+        if self._tee is not None:
+            self._tee.discard()
         shutil.rmtree(self.out.parent, ignore_errors=True)

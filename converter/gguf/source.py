@@ -22,11 +22,25 @@ from converter.io.safetensors_header import HeaderError, decode_header
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
+def decode(raw: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's safetensors bytes as float32 (exact for F32 / F16 / BF16)."""
+    data = np.frombuffer(raw, dtype=_DTYPES[dtype]).reshape(shape)
+    if dtype == "BF16":
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32)
+
+
+def check_dtype(where: object, name: str, dtype: str) -> None:
+    if dtype not in _DTYPES:
+        raise BadInputError(f"{where}: {name} is {dtype}; GGUF export reads F32, F16 and BF16 weights",
+                            file=where, tensor=name)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Entry:
     """Where one tensor lies: its file, its byte range there, its dtype and shape."""
 
-    file: Path
+    file: Path | None  # None: a tensor not on disk yet (a merge's output, converter.gguf.stream)
     begin: int
     end: int
     dtype: str
@@ -47,10 +61,7 @@ class Source:
             raw = f.read(e.end - e.begin)
         if len(raw) != e.end - e.begin:
             raise BadInputError(f"{e.file}: {name} is cut short (the file is truncated)", file=e.file, tensor=name)
-        data = np.frombuffer(raw, dtype=_DTYPES[e.dtype]).reshape(e.shape)
-        if e.dtype == "BF16":
-            return (data.astype(np.uint32) << 16).view(np.float32)
-        return data.astype(np.float32)
+        return decode(raw, e.dtype, e.shape)
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self.tensors:
@@ -78,11 +89,7 @@ def open_source(folder: str | os.PathLike) -> Source:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            if info["dtype"] not in _DTYPES:
-                raise BadInputError(
-                    f"{path}: {name} is {info['dtype']}; GGUF export reads F32, F16 and BF16 weights",
-                    file=path, tensor=name,
-                )  # fmt: skip
+            check_dtype(path, name, info["dtype"])
             begin, end = info["data_offsets"]
             source.tensors[name] = Entry(path, start + begin, start + end, info["dtype"], tuple(info["shape"]))
     return source

@@ -34,3 +34,10 @@ def parse_types(text: str) -> list[str]:
 
 def needs_llama(types: list[str]) -> bool:
     return any(t in LLAMA_TYPES for t in types)
+
+
+def written_in_python(types: list[str]) -> list[str]:
+    """The files we write for `types`: those of PYTHON_TYPES asked for, and F32 first when a K-quant is (llama.cpp's
+    quantizer makes it from our proven F32 file)."""
+    wanted = [t for t in types if t in PYTHON_TYPES]
+    return ["F32", *wanted] if needs_llama(types) and "F32" not in wanted else wanted

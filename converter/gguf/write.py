@@ -88,44 +88,114 @@ def stored(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def tensor_data(source: Source, p: Planned) -> np.ndarray:
-    """The float32 values of one planned tensor in GGUF row order (before quantization)."""
-    if p.hf_name is None:
-        return p.made
-    if p.parts:
-        return np.stack([source.read(part) for part in p.parts])
-    data = source.read(p.hf_name)
+def gguf_layout(p: Planned, data: np.ndarray) -> np.ndarray:
+    """One source tensor (float32) as llama.cpp stores it: Q/K rows reordered, norms shifted, Conv1D transposed."""
     return p.transform.to_gguf(data) if p.transform else data
+
+
+class GGUFFile:
+    """One GGUF file being written: its header (metadata, every tensor's name, type and offset) first, then each
+    tensor at its offset as it arrives, in any order; renamed into place by `finish` once every tensor is there.
+
+    Why any order: during a merge (converter.gguf.stream) tensors arrive in the base's file order and the experts of
+    a MoE layer one by one; each goes straight to its place (an expert to its slice of the stacked tensor: every
+    type we write quantizes row by row, so a slice's bytes are those of the whole), so nothing is held back."""
+
+    def __init__(self, source: Source, family: arch.Family, type_name: str, path: Path, *, name: str,
+                 pre: str | None = None):  # fmt: skip
+        self.path = path
+        self.planned = plan(source, family, type_name)
+        w = gguf.GGUFWriter(None, arch.arch_name(family))
+        w.add_type(gguf.GGUFType.MODEL)
+        w.add_name(name)
+        arch.add_model_metadata(w, source.config, family)
+        w.add_file_type(FILE_TYPE[type_name])
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        add_vocab(w, source.folder, source.config, family, pre=pre)
+        for p in self.planned:
+            w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), _nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
+        self._tmp, self._fd = path.with_name(f".{path.name}.partial"), None
+        try:
+            self._open(w)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _open(self, w: gguf.GGUFWriter) -> None:
+        try:
+            w.write_header_to_file(path=self._tmp)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            w.flush()
+            offset = gguf.GGUFWriter.ggml_pad(w.fout[0].tell(), w.data_alignment)
+        finally:
+            w.close()
+        # where each source tensor goes: (planned tensor, byte offset); the padding between tensors stays zeros
+        self._places: dict[str, tuple[Planned, int]] = {}
+        made = []
+        for p in self.planned:
+            if p.hf_name is None:
+                made.append((p, offset))
+            elif p.parts:
+                step = _nbytes(p.shape[1:], p.qtype)
+                self._places.update({part: (p, offset + i * step) for i, part in enumerate(p.parts)})
+            else:
+                self._places[p.hf_name] = (p, offset)
+            offset += gguf.GGUFWriter.ggml_pad(_nbytes(p.shape, p.qtype), w.data_alignment)
+        self.needed = tuple(self._places)  # the source tensors this file is made of (a tied head is not)
+        self._missing = set(self._places)
+        self._fd = os.open(self._tmp, os.O_WRONLY)
+        os.ftruncate(self._fd, offset)
+        for p, at in made:
+            self._write(stored(p.made, p.qtype), at)
+
+    def wants(self, hf_name: str) -> bool:
+        return hf_name in self._places
+
+    def put(self, hf_name: str, data: np.ndarray) -> None:
+        """Write one source tensor (float32, Hugging Face's layout) to its place."""
+        p, offset = self._places[hf_name]
+        if not p.parts:
+            data = gguf_layout(p, data)
+        self._write(stored(data, p.qtype), offset)
+        self._missing.discard(hf_name)
+
+    def _write(self, data: np.ndarray, offset: int) -> None:
+        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        while view:
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def finish(self) -> None:
+        """Every tensor written: the file goes into place. A tensor that never came is a bug upstream."""
+        if self._missing:
+            self.abort()
+            raise AssertionError(f"{self.path.name}: {sorted(self._missing)[0]} was never written")
+        os.close(self._fd)
+        self._fd = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(FileNotFoundError):
+            self._tmp.unlink()
 
 
 def write_gguf(source: Source, family: arch.Family, type_name: str, path: Path, *, name: str,
                pre: str | None = None) -> list[Planned]:  # fmt: skip
-    """Write `path` (atomically: a temporary name beside it, renamed when complete). Returns the plan written."""
-    tensors = plan(source, family, type_name)
-    w = gguf.GGUFWriter(None, arch.arch_name(family))
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(name)
-    arch.add_model_metadata(w, source.config, family)
-    w.add_file_type(FILE_TYPE[type_name])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    add_vocab(w, source.folder, source.config, family, pre=pre)
-    for p in tensors:
-        nbytes = _nbytes(p.shape, p.qtype)
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), nbytes, raw_dtype=p.qtype)
-    tmp = path.with_name(f".{path.name}.partial")
+    """Write `path` from `source` (atomically: a temporary name beside it, renamed when complete), one tensor in
+    memory at a time. Returns the plan written."""
+    f = GGUFFile(source, family, type_name, path, name=name, pre=pre)
     try:
-        w.write_header_to_file(path=tmp)
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for p in tensors:
-            w.write_tensor_data(stored(tensor_data(source, p), p.qtype))
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        w.close()
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    return tensors
+        for hf_name in f.needed:
+            f.put(hf_name, source.read(hf_name))
+    except BaseException:
+        f.abort()
+        raise
+    f.finish()
+    return f.planned
 
 
 def _nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> int:

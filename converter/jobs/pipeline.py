@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.engine.merging import merge
+from converter.engine.merging import TensorTee, merge
 from converter.engine.recipe import Recipe, recorded_recipe
 from converter.engine.writer import Shard
 from converter.errors import ConverterError, UsageError
@@ -67,6 +67,7 @@ def push(
     stage: Callable[[str], None] = lambda name: None,
     finished: Callable[[Path], None] | None = None,
     keep_output: bool = False,
+    tee: TensorTee | None = None,
 ) -> PushResult:
     """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
 
@@ -75,7 +76,8 @@ def push(
     before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
     each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
     report written) just before the commit, while it still exists (a merging push's folder is temporary);
-    `keep_output` keeps every shard in it until then even without verification (`finished` reads them all).
+    `keep_output` keeps every shard in it until then even without verification (`finished` reads them all);
+    `tee` sees a merge's tensors as they are written (converter.engine.merging.TensorTee).
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
@@ -91,14 +93,14 @@ def push(
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
             return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,
-                                  keep_output)  # fmt: skip
+                                  keep_output, tee)  # fmt: skip
     tmp = None
     try:
         if recipe is not None:
             tmp = make_temp("push", workdir, log)
             recipe.out = str(tmp / repo_id.split("/")[1])
             stage(TRANSFER)
-            folder = merge(recipe, token=token, log=log).out
+            folder = merge(recipe, token=token, log=log, tee=tee).out
         folder = Path(folder)
         if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
             stage(VERIFY)
@@ -177,6 +179,7 @@ def _push_streamed(
     finished: Callable[[Path], None] | None,
     log: Callable[[str], None],
     keep_output: bool = False,
+    tee: TensorTee | None = None,
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
     is then proven tensor by tensor before its upload: verify.shards)."""
@@ -198,7 +201,7 @@ def _push_streamed(
         keep = verify is not None or keep_output
         uploader = _shard_uploader(publication, tmp, meter, check_shard, base_stream, keep, log)
         stage(TRANSFER)
-        folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log)
+        folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log, tee)
         if verify is not None:
             stage(VERIFY)
             verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True,
@@ -277,6 +280,7 @@ def _merge_overlapped(
     shard_proof,
     uploader: ShardUploader,
     log: Callable[[str], None],
+    tee: TensorTee | None = None,
 ) -> Path:
     """The merge with both ends overlapped: the base's bytes arrive as it reads, its shards upload as it writes.
     Returns the merged folder once every shard is proven (the last uploads may still be running)."""
@@ -286,7 +290,7 @@ def _merge_overlapped(
         from converter.verification.warmup import start
 
         start()
-    folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit).out)
+    folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit, tee=tee).out)
     uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
     if base_stream is not None:
         base_stream.close()

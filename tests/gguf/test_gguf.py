@@ -387,7 +387,7 @@ def test_a_dropped_tensor_fails_the_tensor_proof(tiny_llama, tmp_path, monkeypat
 def test_a_tensor_written_as_hugging_face_stores_it_fails_the_tensor_proof(model_type, named, tmp_path, monkeypatch):
     """The writer forgets Gemma's norm shift or GPT-2's transpose; the proof applies them itself and says so."""
     folder = TINY[model_type](tmp_path / model_type)
-    monkeypatch.setattr(write, "tensor_data", lambda source, p: source.read(p.hf_name))
+    monkeypatch.setattr(write, "gguf_layout", lambda p, data: data)
     message = failed_export(folder, tmp_path / "out")
     assert f"tensors proof failed: {named}: " in message and "as llama.cpp stores it" in message
 
