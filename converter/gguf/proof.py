@@ -1,9 +1,9 @@
 """The proof of a GGUF file, in three parts, each naming what is wrong when it fails.
 
-1. Tensors: the file read back with gguf's reader, dequantized and put back in Hugging Face row order, equals the
-   source: F32 / F16 / BF16 exactly as cast, Q8_0 bit-identical to gguf's reference quantization of the same
-   tensor; in a K-quant file each tensor within its type's measured quantization error (exact where llama.cpp kept
-   it F32 / F16 / Q8_0). Every source tensor is there, nothing else is; the metadata llama.cpp reads for shapes,
+1. Tensors: the file read back with gguf's reader and put back in Hugging Face row order equals the source:
+   F32 / F16 / BF16 bit for bit as cast, Q8_0 bit-identical to gguf's reference quantization of the same tensor
+   (stored bytes compared: no dequantization, no float comparison); in a K-quant file each tensor dequantized and
+   within its type's measured quantization error (bit for bit where llama.cpp kept it F32 / F16 / Q8_0). Every source tensor is there, nothing else is; the metadata llama.cpp reads for shapes,
    rope and the vocabulary agrees with config.json.
 2. Tokenizer: llama.cpp's tokenization equals transformers' on the prompts, on text with the special tokens, and
    on the rendered chat template.
@@ -142,6 +142,23 @@ def _read_back(t) -> np.ndarray:
     return gguf.quants.dequantize(data, t.tensor_type)
 
 
+def _read_back_as(stored: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    return stored if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.dequantize(stored, kind)
+
+
+def _same_bits(data: np.ndarray, want: np.ndarray, to_hf) -> bool:
+    """Whether the file's bytes of a tensor are `want`'s (the reference cast or quantization of the source, in
+    Hugging Face row order): `to_hf` puts the file's rows back in that order first, each row's bytes with it (every
+    type we write stores a row as whole blocks). Bits, not values: no NaN or signed-zero leniency, and no
+    dequantization."""
+    got, want = np.ascontiguousarray(data).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
+    if got.size != want.size:
+        return False
+    if to_hf is not None:
+        got = to_hf(got.reshape(len(want), -1))
+    return np.array_equal(got.reshape(-1), want.reshape(-1))
+
+
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     while len(shape) > 1 and shape[0] == 1:
         shape = shape[1:]
@@ -177,11 +194,8 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
         if _squeezed(stored_shape) != _squeezed(shape):  # llama.cpp's quantizer drops outer 1s: (1, n) -> (n,)
             return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, expected {shape}")
         src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
-        got = _read_back(t).reshape(shape)
-        order = "in Hugging Face row order"
-        if transform and transform.to_hf:  # a row order: read back through its inverse, independent of the writer
-            got = transform.to_hf(got)
-        elif transform:  # a change of values or layout: the source as llama.cpp stores it
+        order, to_hf = "in Hugging Face row order", transform.to_hf if transform else None
+        if transform and not to_hf:  # a change of values or layout: the source as llama.cpp stores it
             src, order = transform.to_gguf(src), "as llama.cpp stores it"
         kind = t.tensor_type.name
         if type_name in QTYPE:
@@ -189,14 +203,16 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
             if t.tensor_type != want_type:
                 return Part("tensors", False, f"{name} is stored as {kind}, expected {want_type.name}")
         if kind in EXACT:
-            want = gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type) if kind != "F32" \
-                else src
-            want = want.reshape(got.shape)
-            if not np.array_equal(got, want, equal_nan=True):
-                bad = int(np.sum(got != want))
+            want = src if kind == "F32" else gguf.quants.quantize(src, t.tensor_type)
+            if not _same_bits(t.data, want, to_hf):
+                got = _read_back(t).reshape(shape)
+                got = to_hf(got) if to_hf else got
+                bad = int(np.sum(got != _read_back_as(want, t.tensor_type).reshape(shape)))
                 return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
                             f"({order})")  # fmt: skip
         else:
+            got = _read_back(t).reshape(shape)
+            got = to_hf(got) if to_hf else got
             limit = TENSOR_LIMIT.get(kind)
             rel = _rel(got, src)
             if limit is None or not rel <= limit:

@@ -356,6 +356,24 @@ def test_unpermuted_q_k_rows_fail_the_tensor_proof(tiny_llama, tmp_path, monkeyp
     assert "tensors proof failed: blk.0.attn_k.weight (model.layers.0.self_attn.k_proj.weight)" in message
 
 
+@pytest.mark.parametrize("type_name", ["F32", "BF16", "Q8_0"])
+def test_one_changed_byte_fails_the_tensor_proof(type_name, tiny_llama, tmp_path):
+    """The tensor proof compares the file's bits with the reference's: one byte of one row of a Q projection (whose
+    rows the proof puts back in Hugging Face order first) is found, and named with the one value it changes."""
+    src = export.open_source(tiny_llama)
+    family = arch.family_of(src.config, tiny_llama)
+    path = tmp_path / f"m-{type_name}.gguf"
+    write.write_gguf(src, family, type_name, path, name="m")
+    assert proof.prove_tensors(proof.Reader(path), src, family, type_name).passed
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_q.weight")
+    data = bytearray(path.read_bytes())
+    data[int(t.data_offset) + 3 * t.data.shape[-1] * t.data.itemsize + 7] ^= 0x40  # row 3: an exponent, a Q8_0 quant
+    path.write_bytes(bytes(data))
+    part = proof.prove_tensors(proof.Reader(path), src, family, type_name)
+    assert not part.passed
+    assert part.detail.startswith("blk.1.attn_q.weight (model.layers.1.self_attn.q_proj.weight): 1 values differ")
+
+
 def test_a_wrong_rope_base_fails_the_metadata_proof(tiny_llama, tmp_path, monkeypatch):
     real = arch.add_model_metadata
 
