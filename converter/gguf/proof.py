@@ -3,8 +3,9 @@
 1. Tensors: the file read back with gguf's reader and put back in Hugging Face row order equals the source:
    F32 / F16 / BF16 bit for bit as cast, Q8_0 bit-identical to gguf's reference quantization of the same tensor
    (stored bytes compared: no dequantization, no float comparison); in a K-quant file each tensor dequantized and
-   within its type's measured quantization error (bit for bit where llama.cpp kept it F32 / F16 / Q8_0). Every source tensor is there, nothing else is; the metadata llama.cpp reads for shapes,
-   rope and the vocabulary agrees with config.json.
+   within its type's measured quantization error (bit for bit where llama.cpp kept it F32 / F16 / Q8_0). Every
+   source tensor is there, nothing else is; the metadata llama.cpp reads for shapes, rope and the vocabulary agrees
+   with config.json.
 2. Tokenizer: llama.cpp's tokenization equals transformers' on the prompts, on text with the special tokens, and
    on the rendered chat template.
 3. Behaviour: llama.cpp's logits against transformers' logits of the source model on the same token ids; the
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,16 +106,28 @@ def reference(source: Source, with_logits: bool) -> Reference:
                             file=source.folder)  # fmt: skip
     ref = Reference(texts, ids)
     if with_logits:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
-        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, attn_implementation="eager")
-        model.eval()
-        with torch.no_grad():
-            ref.logits = [model(torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
-        del model
+        ref.logits = _float32_logits(source, [i for i in ids if i])
     return ref
+
+
+def _float32_logits(source: Source, ids: list[list[int]]) -> list[np.ndarray]:
+    """transformers' logits of the source computing in float32, its weights left in their files and read one layer
+    at a time (converter.engine.precision): the results of a float32 load, with memory that does not grow with the
+    model (a float32 load of an 8 B model would take 32 GB)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from converter.engine.precision import file_sources, float32_compute
+    from converter.io.dtypes import ST_TO_TORCH
+
+    stored = Counter(e.dtype for e in source.tensors.values()).most_common(1)[0][0]
+    # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=ST_TO_TORCH[stored], attn_implementation="eager")
+    model.eval()
+    with torch.no_grad(), float32_compute(model, file_sources(model, source.folder)):
+        logits = [model(torch.tensor([i])).logits[0].float().numpy() for i in ids]
+    del model
+    return logits
 
 
 class Reader(gguf.GGUFReader):

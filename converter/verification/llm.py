@@ -4,10 +4,10 @@ model class that loads differently.
 
 One load gives the reference and the bare base (PEFT's mixed-adapter batch, or disable_adapter()); the merged
 model loads after it, never together. Weights stay in their own dtype and each layer is upcast to float32 while
-it runs (precision.py), so the only expected difference is the one rounding of each merged weight; thresholds
-come from that dtype's unit roundoff, or, for a reference on a 4-bit base, from its kernels' measured noise. The
-module probe of the merged model runs only when the behaviour fails. Modules: metrics (runs and thresholds),
-loading (models, offload, inputs), precision (float32 compute), fourbit (4-bit references, the QLoRA study).
+it runs (converter.engine.precision), so the only expected difference is the one rounding of each merged weight;
+thresholds come from that dtype's unit roundoff, or, for a reference on a 4-bit base, from its kernels' measured
+noise. The module probe of the merged model runs only when the behaviour fails. Modules: metrics (runs and
+thresholds), loading (models, offload, inputs), fourbit (4-bit references, the QLoRA study).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.precision import float32_compute
 from converter.engine.recipe import Recipe
 from converter.io.units import human_bytes
 from converter.verification import fourbit
@@ -46,7 +47,6 @@ from converter.verification.metrics import (
     run_model,
 )
 from converter.verification.metrics import tolerance as rounding_tolerance
-from converter.verification.precision import float32_compute
 from converter.verification.report import (
     Clock,
     Disagreement,
@@ -139,7 +139,7 @@ class LLMCheck:
                  f"through PEFT ({self.compute} compute)")  # fmt: skip
 
     def _lean(self, model, sources):
-        """Float32 compute over weights kept in their own dtype, read from their files (precision.py)."""
+        """Float32 compute over weights kept in their own dtype, read from their files (converter.engine.precision)."""
         return float32_compute(model, sources) if self.own else nullcontext()
 
     def _load_reference(self):

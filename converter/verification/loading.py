@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
+from converter.engine.precision import file_sources
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError, OutputError
-from converter.verification.precision import file_sources
 from converter.verification.referee import RefereeUnavailable, first_line
 
 PROMPTS = [
@@ -84,7 +84,7 @@ def choose_placement(
     params: int, budget: int, scratch: Path, stored_bytes: int = 4, working: int | None = None
 ) -> tuple[str, Offload | None] | None:
     """In memory when one copy of the weights as loaded (`stored_bytes` per parameter; 0 when they stay mapped
-    from their files and each layer is read in float32 while it runs, precision.py) fits: float32 compute.
+    from their files and each layer is read in float32 while it runs, converter.engine.precision) fits: float32 compute.
     `working`: the bytes computing takes on top of it in that case (upcast_working_set); without it, half the
     model again. Float32 weights that do not fit load in bfloat16. When that does not fit either, weights go to
     disk and the compute stays float32 if the disk holds it (the offloaded verdict is then the in-memory one),
@@ -110,7 +110,7 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
                model_class: str | None = None):  # fmt: skip
     """transformers' own load (its weights stay views of the mapped files) as `model_class` (a transformers class
     name; default: the causal LM). `sources`, when given, is filled with the weights that are exactly a file's
-    tensor (precision.file_sources), for float32 compute read from the files."""
+    tensor (converter.engine.precision.file_sources), for float32 compute read from the files."""
     import transformers
 
     cls = getattr(transformers, model_class) if model_class else transformers.AutoModelForCausalLM
@@ -148,8 +148,8 @@ def weights_summary(folder: Path) -> tuple[str, int]:
 
 
 def upcast_working_set(folder: Path) -> int:
-    """Bytes computing in float32 over weights kept in their files takes (precision.py): the reused float32
-    buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
+    """Bytes computing in float32 over weights kept in their files takes (converter.engine.precision): the reused
+    float32 buffers, which come to two blocks (~1/num_layers of the model each: the one computing and the next, read
     ahead) plus the largest tensor (the embedding or the head), the 16-bit staging buffer of that largest tensor,
     and 1 GiB for activations, logits and the metrics."""
     ckpt = Checkpoint(folder)

@@ -110,9 +110,9 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from converter.engine.precision import float32_compute
     from converter.verification.loading import load_model
     from converter.verification.metrics import logits_of
-    from converter.verification.precision import float32_compute
 
     base = make_base(tmp_path / "base", family, dtype=torch.bfloat16)
     lora = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
@@ -139,10 +139,10 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
 def test_reference_and_bare_base_in_one_mixed_batch_equal_two_forwards(llama):
     """PEFT's mixed-adapter batch (the adapter's row and a "__base__" row) gives the reference's and the bare
     base's logits of two separate forwards (disable_adapter for the bare base), to float32 rounding."""
+    from converter.engine.precision import float32_compute
     from converter.engine.recipe import AdapterSpec, Recipe
     from converter.verification.loading import build_inputs, load_reference
     from converter.verification.metrics import mixed_batch, run_model
-    from converter.verification.precision import float32_compute
 
     base, lora = llama
     recipe = Recipe(base=str(base), adapters=[AdapterSpec(source=str(lora))])
@@ -176,9 +176,9 @@ def test_streamed_float32_compute_leaves_the_mapped_weights_untouched(tmp_path):
     """transformers maps the safetensors file; reading each layer from the file (not through the mapping) keeps
     the model out of the process's memory: its mapping stays (nearly) non-resident. Upcasting from the mapped
     tensors instead pulls every page in, which is what the file reads avoid."""
+    from converter.engine.precision import float32_compute
     from converter.verification.loading import load_model
     from converter.verification.metrics import logits_of
-    from converter.verification.precision import float32_compute
 
     base = make_base(  # ~35 MB: the page or so the loader touches per tensor is small next to each tensor
         tmp_path / "base", "llama", dtype=torch.bfloat16, hidden_size=512, intermediate_size=2048, vocab_size=8192
