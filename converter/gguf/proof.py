@@ -111,9 +111,9 @@ def reference(source: Source, with_logits: bool) -> Reference:
 
 
 def _float32_logits(source: Source, ids: list[list[int]]) -> list[np.ndarray]:
-    """transformers' logits of the source computing in float32, its weights left in their files and read one layer
-    at a time (converter.engine.precision): the results of a float32 load, with memory that does not grow with the
-    model (a float32 load of an 8 B model would take 32 GB)."""
+    """transformers' logits of the source on each of `ids`, computing in float32, its weights left in their files
+    and read one layer at a time (converter.engine.precision): the results of a float32 load, with memory that does
+    not grow with the model (a float32 load of an 8 B model would take 32 GB)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -124,10 +124,15 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> list[np.ndarray]:
     # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=ST_TO_TORCH[stored], attn_implementation="eager")
     model.eval()
+    # one batch, padded on the right: the model's weights are read once, and a causal model's real positions never
+    # see the padding (each text's logits are those of running it alone, to float32 summation order)
+    n = max(len(i) for i in ids)
+    batch = torch.tensor([i + [0] * (n - len(i)) for i in ids])
+    mask = torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i in ids])
     with torch.no_grad(), float32_compute(model, file_sources(model, source.folder)):
-        logits = [model(torch.tensor([i])).logits[0].float().numpy() for i in ids]
+        logits = model(input_ids=batch, attention_mask=mask).logits.float()
     del model
-    return logits
+    return [logits[k, : len(i)].numpy() for k, i in enumerate(ids)]
 
 
 class Reader(gguf.GGUFReader):
@@ -170,7 +175,7 @@ def _same_bits(data: np.ndarray, want: np.ndarray, to_hf) -> bool:
         return False
     if to_hf is not None:
         got = to_hf(got.reshape(len(want), -1))
-    return np.array_equal(got.reshape(-1), want.reshape(-1))
+    return np.ascontiguousarray(got).reshape(-1).data == want.reshape(-1).data  # (no boolean array, as == makes)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
