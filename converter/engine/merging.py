@@ -330,6 +330,7 @@ def write_weights(
     every tensor as it is written."""
     known = known or {}
     writers = []
+    specs_by_name = {o.name: o.spec for o in plan.outputs} if tee is not None else {}
     for part in checkpoint.parts:  # diffusers components each go back to their own subfolder, same file names
         specs = [o.spec for o in plan.outputs if o.name.startswith(part.prefix)]
         specs = [OutSpec(s.name[len(part.prefix) :], s.dtype, s.shape) for s in specs]
@@ -343,7 +344,7 @@ def write_weights(
                 folder / part.subfolder, specs, limit, part.stem, part.single_file, part.metadata, hook
             )
         if tee is not None:
-            writer = _Teed(writer, tee, {o.name: o.spec for o in plan.outputs}, part.prefix)
+            writer = _Teed(writer, tee, specs_by_name, part.prefix)
         writers.append((part, writer))
     # A training checkpoint's files bring their own reader (tensors rebuilt from shards, see converter.training).
     readers = {}

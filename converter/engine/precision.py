@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
+from converter.errors import ConverterError
 from converter.io import dtypes
 
 LOW = ("bfloat16", "float16")
@@ -29,6 +30,27 @@ LOW = ("bfloat16", "float16")
 DENSE_MIN_WEIGHTS = 1 << 20
 # Above this many bytes one read may return less than asked (Linux caps a single read at 2 GiB - 4 KiB).
 _MAX_READ = 1 << 30
+
+
+def own_dtype(folder: Path):
+    """The torch dtype a folder's weights are stored in (float32 when they are in none of the float dtypes)."""
+    import torch
+
+    try:
+        stored = weights_summary(folder)[0]
+    except (ConverterError, OSError, ValueError):
+        return torch.float32
+    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+
+
+def weights_summary(folder: Path) -> tuple[str, int]:
+    """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
+    ckpt = Checkpoint(folder)
+    counts: dict[str, int] = {}
+    for name in ckpt.names():
+        info = ckpt.info(name)
+        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
+    return max(counts, key=counts.get), sum(counts.values())
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,12 +116,11 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> list[np.ndarray]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from converter.engine.precision import file_sources, float32_compute
-    from converter.io.dtypes import ST_TO_TORCH
+    from converter.engine.precision import file_sources, float32_compute, own_dtype
 
-    stored = Counter(e.dtype for e in source.tensors.values()).most_common(1)[0][0]
     # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
-    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=ST_TO_TORCH[stored], attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=own_dtype(source.folder),
+                                                 attn_implementation="eager")  # fmt: skip
     model.eval()
     # one batch, padded on the right: the model's weights are read once, and a causal model's real positions never
     # see the padding (each text's logits are those of running it alone, to float32 summation order)
@@ -159,10 +157,6 @@ def _read_back(t) -> np.ndarray:
     if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
         return data.astype(np.float32)
     return gguf.quants.dequantize(data, t.tensor_type)
-
-
-def _read_back_as(stored: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    return stored if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.dequantize(stored, kind)
 
 
 def _same_bits(data: np.ndarray, want: np.ndarray, to_hf) -> bool:
@@ -226,7 +220,7 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
             if not _same_bits(t.data, want, to_hf):
                 got = _read_back(t).reshape(shape)
                 got = to_hf(got) if to_hf else got
-                bad = int(np.sum(got != _read_back_as(want, t.tensor_type).reshape(shape)))
+                bad = int(np.sum(got != gguf.quants.dequantize(want, t.tensor_type).reshape(shape)))
                 return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
                             f"({order})")  # fmt: skip
         else:

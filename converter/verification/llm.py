@@ -18,7 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.engine.precision import float32_compute
+from converter.engine.precision import float32_compute, own_dtype, weights_summary
 from converter.engine.recipe import Recipe
 from converter.io.units import human_bytes
 from converter.verification import fourbit
@@ -32,11 +32,9 @@ from converter.verification.loading import (
     load_model,
     load_reference,
     load_tokenizer,
-    own_dtype,
     resident_bytes,
     upcast_working_set,
     vocab_size,
-    weights_summary,
 )
 from converter.verification.metrics import (
     NOISE_MARGIN,

@@ -17,7 +17,7 @@ from pathlib import Path
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.precision import file_sources
 from converter.engine.recipe import Recipe
-from converter.errors import ConverterError, OutputError
+from converter.errors import OutputError
 from converter.verification.referee import RefereeUnavailable, first_line
 
 PROMPTS = [
@@ -124,27 +124,6 @@ def load_model(folder: Path, dtype, quantization=None, offload: Offload | None =
 
 
 BYTES = {"F32": 4, "BF16": 2, "F16": 2}
-
-
-def own_dtype(folder: Path):
-    """The torch dtype a folder's weights are stored in (float32 when they are in none of the float dtypes)."""
-    import torch
-
-    try:
-        stored = weights_summary(folder)[0]
-    except (ConverterError, OSError, ValueError):
-        return torch.float32
-    return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
-
-
-def weights_summary(folder: Path) -> tuple[str, int]:
-    """The dtype most parameters are stored in, and the parameter count (from safetensors headers)."""
-    ckpt = Checkpoint(folder)
-    counts: dict[str, int] = {}
-    for name in ckpt.names():
-        info = ckpt.info(name)
-        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
-    return max(counts, key=counts.get), sum(counts.values())
 
 
 def upcast_working_set(folder: Path) -> int:

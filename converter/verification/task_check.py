@@ -16,6 +16,7 @@ from pathlib import Path
 
 from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
+from converter.engine.precision import weights_summary
 from converter.io.units import human_bytes
 from converter.verification.llm import LLMCheck
 from converter.verification.loading import (
@@ -26,7 +27,6 @@ from converter.verification.loading import (
     load_model,
     load_reference,
     load_tokenizer,
-    weights_summary,
 )
 from converter.verification.metrics import Run
 from converter.verification.peft_referee import adapter_keys, task_type
