@@ -6,6 +6,7 @@ Timeouts are generous and nothing asserts on wall-clock time: CI machines are sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -130,9 +131,17 @@ def test_browser_end_to_end(space, browser, tmp_path):
     page.wait_for_selector("#adapter-status:has-text('rank 4')")
     status = page.inner_text("#adapter-status")
     assert "peft, rank 8" in status and "× 0.5" in status
-    assert page.locator("#repo textarea, #repo input").first.get_attribute("placeholder") == (
-        f"demo/{BASE.split('/')[1]}-{LORA.split('/')[1]}-merged"
-    )
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    # the repo placeholder follows the adapters in an event of its own: wait for it rather than race it
+    want = f"demo/{BASE.split('/')[1]}-{LORA.split('/')[1]}-merged"
+    repo = page.locator("#repo textarea, #repo input").first
+    with contextlib.suppress(PlaywrightTimeout):
+        page.wait_for_function(
+            "want => [...document.querySelectorAll('#repo textarea, #repo input')].some(e => e.placeholder === want)",
+            arg=want, timeout=10_000,
+        )  # fmt: skip
+    assert repo.get_attribute("placeholder") == want
     _fill(page, "repo", "demo/e2e-merged")
 
     page.locator("#check").click()
