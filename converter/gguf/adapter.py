@@ -31,6 +31,7 @@ from converter.errors import BadInputError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DoRA, DoRARows, ExpertLowRank, LowRank, Replace, RowReplace
 from converter.gguf import arch
+from converter.gguf.fileio import Writer
 from converter.gguf.source import Source
 from converter.gguf.write import FILE_TYPE, QTYPE, plan, stored
 
@@ -207,7 +208,7 @@ def stored_tensors(p: LoraPair) -> tuple[tuple[str, np.ndarray], tuple[str, np.n
 def write_adapter_gguf(planned: AdapterPlan, family: arch.Family, type_name: str, path: Path, *, name: str) -> None:
     """Write `path` atomically (a temporary name beside it, renamed when complete). Adapters are small: every
     tensor is held at once."""
-    w = gguf.GGUFWriter(None, arch.arch_name(family))
+    w = Writer(None, arch.arch_name(family))
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_name(name)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")

@@ -21,7 +21,8 @@ import numpy as np
 
 from converter.gguf import arch, llama
 from converter.gguf.adapter import AdapterPlan, stored_type
-from converter.gguf.proof import BEHAVIOUR_LIMIT, Part, Reader, _read_back, _rel
+from converter.gguf.fileio import Reader
+from converter.gguf.proof import BEHAVIOUR_LIMIT, Part, _read_back, _rel
 
 
 def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name: str) -> Part:

@@ -18,9 +18,10 @@ from pathlib import Path
 from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
+from converter.gguf.fileio import Reader
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_in_python
-from converter.gguf.write import plan, write_gguf
+from converter.gguf.write import plan, write_ggufs
 from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
@@ -98,27 +99,25 @@ def export(
 
 def _write_python_types(src: Source, family, types: list[str], staging: Path, stem: str, ref, result: GGUFResult,
                         log, pre, have_llama: bool, written: dict[str, Path]) -> Path | None:  # fmt: skip
-    """Write and prove the types we write ourselves; an F32 file for llama.cpp's quantizer when K-quants are asked
-    for (kept only if F32 was asked for too). Returns the F32 file, if any."""
-    f32 = None
-    for t in written_in_python(types):
-        path = staging / f"{stem}-{t}.gguf"
+    """Write (in one pass over the source) and prove the types we write ourselves; an F32 file for llama.cpp's
+    quantizer when K-quants are asked for (kept only if F32 was asked for too). Returns the F32 file, if any."""
+    paths = {t: staging / f"{stem}-{t}.gguf" for t in written_in_python(types)}
+    for t, path in paths.items():
         if t in written:
             shutil.move(written[t], path)
         else:
             log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
-            write_gguf(src, family, t, path, name=stem, pre=pre)
-        fp = _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
-        if t == "F32":
-            f32 = path
-        del fp
-    return f32
+    if to_write := {t: path for t, path in paths.items() if t not in written}:
+        write_ggufs(src, family, to_write, name=stem, pre=pre)
+    for t, path in paths.items():
+        _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
+    return paths.get("F32")
 
 
 def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFResult, log, have_llama: bool,
            record: bool = True) -> proof.FileProof:  # fmt: skip
     fp = proof.FileProof(path.name, type_name)
-    reader = proof.Reader(path)  # it parses the whole vocabulary when it opens: once for both parts
+    reader = Reader(path)  # it parses the whole vocabulary when it opens: once for both parts
     fp.parts.append(proof.prove_metadata(reader, src, family))
     if fp.passed:
         fp.parts.append(proof.prove_tensors(reader, src, family, type_name))

@@ -133,21 +133,6 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> list[np.ndarray]:
     return [logits[k, : len(i)].numpy() for k, i in enumerate(ids)]
 
 
-class Reader(gguf.GGUFReader):
-    """gguf's own reader, parsing a plain array view of the file's memory map instead of the np.memmap itself.
-    Opening a file slices that array a few times per vocabulary entry, and each slice of an np.memmap runs its
-    __array_finalize__: a 49152-token vocabulary (SmolLM2) opened in 3.0 s of CPU, 1.0 s this way (measured).
-    The same parser, fields and tensors; the mapping stays open while the reader or a tensor's data is held."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 

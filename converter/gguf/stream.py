@@ -22,6 +22,7 @@ from converter.engine.writer import OutSpec
 from converter.gguf.arch import family_of
 from converter.gguf.source import Entry, Source, check_dtype, decode
 from converter.gguf.types import written_in_python
+from converter.gguf.vocab import vocab_metadata
 from converter.gguf.write import GGUFFile
 from converter.io.background import Worker
 
@@ -45,10 +46,11 @@ class GGUFTee:
             check_dtype(folder, s.name, s.dtype)
         source = Source(folder, config, {s.name: Entry(None, 0, 0, s.dtype, tuple(s.shape)) for s in specs})
         family = family_of(config, folder)
+        vocab = vocab_metadata(folder, config, family)
         for t in self.types:
             path = self.folder / f"{self.stem}-{t}.gguf"
             self.log(f"{path.name}: writing as the merge streams")
-            self.files[t] = GGUFFile(source, family, t, path, name=self.stem)
+            self.files[t] = GGUFFile(source, family, t, path, name=self.stem, vocab=vocab)
         # two tensors queued at most: the merge waits rather than memory growing
         self._worker = Worker(self._write, maxsize=2, name="converter-gguf")
 

@@ -200,3 +200,10 @@ def add_vocab(w: gguf.GGUFWriter, folder: Path, config: dict, family: Family, *,
     w.add_token_list(tokens)
     w.add_token_types(types)
     _special_vocab(folder, load_merges=True, tokenizer=tokenizer).add_to_gguf(w, quiet=True)
+
+
+def vocab_metadata(folder: Path, config: dict, family: Family, *, pre: str | None = None) -> dict[str, gguf.GGUFValue]:
+    """add_vocab's keys and values, made once for the files of several types (they are the same in each)."""
+    w = gguf.GGUFWriter(None, "scratch")
+    add_vocab(w, folder, config, family, pre=pre)
+    return {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}

@@ -17,8 +17,9 @@ import gguf
 import numpy as np
 
 from converter.gguf import arch
+from converter.gguf.fileio import Writer
 from converter.gguf.source import Source
-from converter.gguf.vocab import add_vocab
+from converter.gguf.vocab import vocab_metadata
 
 QTYPE = {
     "F32": gguf.GGMLQuantizationType.F32,
@@ -102,16 +103,17 @@ class GGUFFile:
     type we write quantizes row by row, so a slice's bytes are those of the whole), so nothing is held back."""
 
     def __init__(self, source: Source, family: arch.Family, type_name: str, path: Path, *, name: str,
-                 pre: str | None = None):  # fmt: skip
+                 vocab: dict[str, gguf.GGUFValue]):  # fmt: skip
         self.path = path
         self.planned = plan(source, family, type_name)
-        w = gguf.GGUFWriter(None, arch.arch_name(family))
+        w = Writer(None, arch.arch_name(family))
         w.add_type(gguf.GGUFType.MODEL)
         w.add_name(name)
         arch.add_model_metadata(w, source.config, family)
         w.add_file_type(FILE_TYPE[type_name])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(w, source.folder, source.config, family, pre=pre)
+        for key, value in vocab.items():
+            w.add_key_value(key, value.value, value.type, sub_type=value.sub_type)
         for p in self.planned:
             w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), _nbytes(p.shape, p.qtype), raw_dtype=p.qtype)
         self._tmp, self._fd = path.with_name(f".{path.name}.partial"), None
@@ -183,19 +185,38 @@ class GGUFFile:
             self._tmp.unlink()
 
 
+def write_ggufs(source: Source, family: arch.Family, paths: dict[str, Path], *, name: str,
+                pre: str | None = None) -> dict[str, list[Planned]]:  # fmt: skip
+    """Write a file per type (`paths`: type -> file) in one pass over `source`: each tensor read once for all of
+    them, the tokenizer's metadata made once, one tensor in memory at a time; each file atomically (a temporary name
+    beside it, renamed when complete), and none of them if one fails. Returns the plan written, per type."""
+    vocab = vocab_metadata(source.folder, source.config, family, pre=pre)
+    files: list[GGUFFile] = []
+    finished: list[Path] = []
+    try:
+        for type_name, path in paths.items():
+            files.append(GGUFFile(source, family, type_name, path, name=name, vocab=vocab))
+        for hf_name in dict.fromkeys(n for f in files for n in f.needed):
+            data = source.read(hf_name)
+            for f in files:
+                if f.wants(hf_name):
+                    f.put(hf_name, data)
+        for f in files:
+            f.finish()
+            finished.append(f.path)
+    except BaseException:
+        for f in files:
+            f.abort()
+        for path in finished:
+            path.unlink()
+        raise
+    return {t: f.planned for t, f in zip(paths, files, strict=True)}
+
+
 def write_gguf(source: Source, family: arch.Family, type_name: str, path: Path, *, name: str,
                pre: str | None = None) -> list[Planned]:  # fmt: skip
-    """Write `path` from `source` (atomically: a temporary name beside it, renamed when complete), one tensor in
-    memory at a time. Returns the plan written."""
-    f = GGUFFile(source, family, type_name, path, name=name, pre=pre)
-    try:
-        for hf_name in f.needed:
-            f.put(hf_name, source.read(hf_name))
-    except BaseException:
-        f.abort()
-        raise
-    f.finish()
-    return f.planned
+    """One type's file (write_ggufs)."""
+    return write_ggufs(source, family, {type_name: path}, name=name, pre=pre)[type_name]
 
 
 def _nbytes(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> int:

@@ -20,7 +20,7 @@ import pytest
 from model_helpers import make_adapter, make_base, run_cli
 
 from converter.errors import BadInputError, MissingExtraError, VerificationFailed
-from converter.gguf import arch, export, llama, proof, write
+from converter.gguf import arch, export, fileio, llama, proof, write
 from converter.testing import llama_convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -180,8 +180,9 @@ def their_ggufs(converter: Path, jobs: list[tuple[str, Path, Path]]) -> None:
 
 
 def assert_same_file(ours: Path, theirs: Path) -> None:
-    """Key by key (descriptive general.* aside) and tensor by tensor, bytes included."""
-    mine, other = gguf.GGUFReader(ours), gguf.GGUFReader(theirs)
+    """Key by key (descriptive general.* aside) and tensor by tensor, bytes included (read with the proof's reader,
+    which reads what gguf's own does: test_our_reader_and_writer_are_ggufs_own_on_a_real_vocabulary)."""
+    mine, other = fileio.Reader(ours), fileio.Reader(theirs)
     a, b = fields(mine), fields(other)
     keys = {k for k in set(a) | set(b) if not k.startswith("general.") or k in GENERAL_READ}
     keys = {k for k in keys if not (k in ADD_FLAGS and k not in b)}
@@ -310,12 +311,33 @@ def test_phi3_with_a_sentencepiece_tokenizer_is_written_as_llama_cpps_converter_
     assert keys["tokenizer.ggml.tokens"][-1] == f"[PAD{src.config['vocab_size'] - 1}]"  # padded to vocab_size
 
 
-def test_the_proofs_reader_reads_what_ggufs_own_reader_reads(theirs):
-    """The proof opens files with proof.Reader (gguf's parser on a plain view of the mapping: 3x faster to open):
-    on llama.cpp's own file of SmolLM2 (Q8_0) it must give every key and tensor's bytes as gguf's reader does."""
-    plain, fast = gguf.GGUFReader(theirs["smol-Q8_0"]), proof.Reader(theirs["smol-Q8_0"])
+def test_our_reader_and_writer_are_ggufs_own_on_a_real_vocabulary(theirs, tmp_path):
+    """The proof's reader and our writer take bulk paths for long arrays (fileio.py): on llama.cpp's own file of
+    SmolLM2 (Q8_0, 49,152 tokens, their merges) the reader gives every key, part and tensor's bytes as gguf's
+    reader does, and the writer packs those keys into the bytes gguf's writer packs."""
+    plain, fast = gguf.GGUFReader(theirs["smol-Q8_0"]), fileio.Reader(theirs["smol-Q8_0"])
     assert fields(fast) == fields(plain) and len(fields(plain)["tokenizer.ggml.tokens"]) == 49152
     assert tensor_bytes(fast) == tensor_bytes(plain)
+    for name, field in plain.fields.items():
+        other = fast.fields[name]
+        assert (other.types, other.data, len(other.parts)) == (field.types, field.data, len(field.parts)), name
+        pairs = zip(other.parts, field.parts, strict=True)
+        assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in pairs), name
+    metadata = {k: f for k, f in plain.fields.items() if not k.startswith("GGUF.")}
+    packed = []
+    for cls in (gguf.GGUFWriter, fileio.Writer):
+        w = cls(tmp_path / f"{cls.__name__}.gguf", "llama")
+        for name, f in metadata.items():
+            if name != "general.architecture":
+                sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+                if sub is not None:  # as add_array does: the item type from the values
+                    w.add_array(f"again.{name}", f.contents())
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        packed.append((tmp_path / f"{cls.__name__}.gguf").read_bytes())
+    assert packed[0] == packed[1] and len(packed[0]) > 1_000_000
 
 
 def test_qwen2_with_a_tokenizer_llama_cpp_does_not_know_is_refused_and_its_weights_run(tmp_path):
@@ -364,12 +386,12 @@ def test_one_changed_byte_fails_the_tensor_proof(type_name, tiny_llama, tmp_path
     family = arch.family_of(src.config, tiny_llama)
     path = tmp_path / f"m-{type_name}.gguf"
     write.write_gguf(src, family, type_name, path, name="m")
-    assert proof.prove_tensors(proof.Reader(path), src, family, type_name).passed
+    assert proof.prove_tensors(fileio.Reader(path), src, family, type_name).passed
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_q.weight")
     data = bytearray(path.read_bytes())
     data[int(t.data_offset) + 3 * t.data.shape[-1] * t.data.itemsize + 7] ^= 0x40  # row 3: an exponent, a Q8_0 quant
     path.write_bytes(bytes(data))
-    part = proof.prove_tensors(proof.Reader(path), src, family, type_name)
+    part = proof.prove_tensors(fileio.Reader(path), src, family, type_name)
     assert not part.passed
     assert part.detail.startswith("blk.1.attn_q.weight (model.layers.1.self_attn.q_proj.weight): 1 values differ")
 
