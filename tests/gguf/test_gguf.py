@@ -415,6 +415,32 @@ def test_a_wrong_pre_tokenizer_fails_the_tokenizer_proof(tiny_llama, tmp_path):
     assert "tokenizer proof failed: digits and spaces: token" in message and "in llama.cpp" in message
 
 
+def test_the_types_written_in_one_pass_are_the_types_written_alone_and_a_failure_leaves_none(tiny_llama, tmp_path,
+                                                                                              monkeypatch):  # fmt: skip
+    """write_ggufs reads each tensor once for every type: each file is the one write_gguf writes for its type alone;
+    a failure finishing the last file removes the files already finished too."""
+    src = export.open_source(tiny_llama)
+    family = arch.family_of(src.config, tiny_llama)
+    types = ["F32", "F16", "BF16", "Q8_0"]
+    write.write_ggufs(src, family, {t: tmp_path / f"all-{t}.gguf" for t in types}, name="m")
+    for t in types:
+        write.write_gguf(src, family, t, tmp_path / f"one-{t}.gguf", name="m")
+        assert (tmp_path / f"all-{t}.gguf").read_bytes() == (tmp_path / f"one-{t}.gguf").read_bytes(), t
+    real = write.GGUFFile.finish
+
+    def failing(self):
+        if self.path.name == "bad-Q8_0.gguf":
+            self.abort()
+            raise OSError("disk full")
+        real(self)
+
+    monkeypatch.setattr(write.GGUFFile, "finish", failing)
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(OSError, match="disk full"):
+        write.write_ggufs(src, family, {t: tmp_path / "bad" / f"bad-{t}.gguf" for t in types}, name="m")
+    assert list((tmp_path / "bad").iterdir()) == []
+
+
 def test_a_dropped_tensor_fails_the_tensor_proof(tiny_llama, tmp_path, monkeypatch):
     real = write.plan
     monkeypatch.setattr(write, "plan", lambda *a: [p for p in real(*a) if p.name != "blk.1.ffn_up.weight"])
