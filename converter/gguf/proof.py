@@ -24,6 +24,7 @@ from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
 from converter.gguf.write import QTYPE, _stored_type
+from converter.io.same_bytes import same_bytes
 
 PROMPTS = [
     "What is the capital of France?",
@@ -154,7 +155,7 @@ def _same_bits(data: np.ndarray, want: np.ndarray, to_hf) -> bool:
         return False
     if to_hf is not None:
         got = to_hf(got.reshape(len(want), -1))
-    return np.ascontiguousarray(got).reshape(-1).data == want.reshape(-1).data  # (no boolean array, as == makes)
+    return same_bytes(got, want)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

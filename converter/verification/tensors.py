@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter.io.same_bytes import same_bytes
 from converter.verification.referee import Expectation, Referee, RefereeInfo, RefereeUnavailable, could_not
 
 UNIT_ROUNDOFF = {"F64": 2.0**-53, "F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
@@ -316,7 +317,7 @@ class TensorProof:
         count = 0
         for s, e in _blocks(a.shape):
             x, y = self._raw_rows(a, s, e).numpy(), self._raw_rows(b, s, e).numpy()
-            if not _same_bytes(x, y):
+            if not same_bytes(x, y):
                 count += int(np.count_nonzero(x != y))
         return count
 
@@ -402,17 +403,6 @@ def _working_dtype(out_dtype: str):
     import torch
 
     return torch.float64 if out_dtype in ("F32", "F64") else torch.float32
-
-
-def _same_bytes(x, y) -> bool:
-    """Whether two arrays hold the same bytes: compared 8 bytes at a time (near memcmp's speed)."""
-    import numpy as np
-
-    x, y = x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)
-    if x.size != y.size:
-        return False
-    k = x.size // 8 * 8
-    return bool(np.array_equal(x[:k].view(np.uint64), y[:k].view(np.uint64)) and np.array_equal(x[k:], y[k:]))
 
 
 def _cast_bits(raw, loc: Location, dtype: str):
