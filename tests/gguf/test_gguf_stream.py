@@ -17,9 +17,8 @@ from converter.errors import BadInputError
 from converter.gguf import arch, export, write
 from converter.gguf.stream import GGUFTee
 
-# Mixtral's LoRA leaves the router alone: on this tiny random model a random router LoRA makes llama.cpp pick other
-# experts than transformers at some positions, and the behaviour proof fails whichever way the file was written.
-LORA = {"mixtral": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+# Mixtral's LoRA on attention, the router and the fused experts
+LORA = {"mixtral": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate"],
                     "target_parameters": ["gate_up_proj", "down_proj"]}}  # fmt: skip
 
 

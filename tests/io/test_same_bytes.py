@@ -1,5 +1,5 @@
-"""same_bytes against the plain oracle, `bytes(x) == bytes(y)`: any length (a tail shorter than a word included), any one
-byte changed, and the values that compare equal but are not the same bits."""
+"""same_bytes against the plain oracle, `bytes(x) == bytes(y)`: any length (a tail shorter than a word included),
+any one byte changed, and the values that compare equal but are not the same bits."""
 
 from __future__ import annotations
 
