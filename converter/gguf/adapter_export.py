@@ -97,7 +97,7 @@ def _prove(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, famil
         else:
             log(f"llama.cpp's behaviour proof needs llama-cpp-python: {install_hint('gguf')}")
     for part in result.parts:
-        log(f"  {part.name}: {'ok' if part.passed else 'FAILED'}: {part.detail}")
+        log(f"  {part.name}: {part.verdict}: {part.detail}")
     bad = next((p for p in result.parts if not p.passed), None)
     if bad is not None:
         raise VerificationFailed(f"{staged.name}: {bad.name} proof failed: {bad.detail}; nothing was written")

@@ -127,7 +127,7 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
         fp.parts.append(proof.prove_behaviour(path, ref, type_name))
     del reader
     for part in fp.parts:
-        log(f"  {part.name}: {'ok' if part.passed else 'FAILED'}: {part.detail}")
+        log(f"  {part.name}: {part.verdict}: {part.detail}")
     if record:
         result.proofs.append(fp)
     if not fp.passed:

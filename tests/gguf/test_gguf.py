@@ -461,7 +461,8 @@ def test_a_tensor_written_as_hugging_face_stores_it_fails_the_tensor_proof(model
 
 
 @needs_llama
-def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still_fails_a_wrong_file(tmp_path):
+def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still_fails_a_wrong_file(tmp_path,
+                                                                                                   monkeypatch):
     """A LoRA on Mixtral's router (this seed made llama.cpp pick another expert at a near tie, and a right F32 file
     failed at 0.015 against 0.01): each text is compared up to its first near tie, and passes; the base's file
     proven against the merged model still fails on the positions compared."""
@@ -482,6 +483,10 @@ def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still
     write.write_gguf(unmerged, arch.family_of(unmerged.config, base), "F32", tmp_path / "base.gguf", name="base")
     part = proof.prove_behaviour(tmp_path / "base.gguf", ref, "F32")
     assert not part.passed and f"{sum(compared)} of " in part.detail, part.detail
+    # where every text begins with a near tie nothing is compared: not judged, and said so
+    monkeypatch.setitem(proof.ROUTER_TIE, "F32", float("inf"))
+    part = proof.prove_behaviour(tmp_path / "base.gguf", ref, "F32")
+    assert (part.passed, part.judged, part.verdict) == (True, False, "not judged") and "no position" in part.detail
 
 
 def test_a_moe_layer_missing_an_expert_is_refused_before_writing(tmp_path):
