@@ -22,7 +22,7 @@ import pytest
 from model_helpers import make_adapter, make_base, run_cli
 
 from converter.errors import BadInputError, MissingExtraError, VerificationFailed
-from converter.gguf import arch, export, fileio, llama, proof, write
+from converter.gguf import arch, export, fileio, llama, proof, publish, write
 from converter.testing import llama_convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -487,6 +487,11 @@ def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still
     monkeypatch.setitem(proof.ROUTER_TIE, "F32", float("inf"))
     part = proof.prove_behaviour(tmp_path / "base.gguf", ref, "F32")
     assert (part.passed, part.judged, part.verdict) == (True, False, "not judged") and "no position" in part.detail
+    fp = result.proofs[0]
+    fp.parts[-1] = part
+    text = publish.card(export.GGUFResult(result.out, result.files, [fp]), "alice/m", "alice/m-GGUF")
+    assert "passed (metadata, tensors, tokenizer) |" in text and "behaviour (not judged): every text" in text
+    assert fp.to_json()["parts"][-1]["judged"] is False
 
 
 def test_a_moe_layer_missing_an_expert_is_refused_before_writing(tmp_path):
