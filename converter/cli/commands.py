@@ -392,19 +392,20 @@ def _run_merge(args: argparse.Namespace) -> int:
     from converter.gguf.export import check_merge_gguf
 
     gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
+    warmup = None
     if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
         from converter.jobs.pipeline import check_extras
-        from converter.verification.warmup import start
+        from converter.verification.warmup import start as warmup
 
         check_extras(recipe, args.token)
-        start()
     tee = None
     if gguf_types and recipe.out:
         from converter.cli.gguf import merge_tee
 
         tee = merge_tee(recipe.out, gguf_types, log=_log)
     try:
-        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log, tee=tee)
+        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log, tee=tee,
+                       on_planned=warmup)  # fmt: skip
         written = tee.finish() if tee else None
         if settings is not None:
             from converter.jobs.pipeline import verify_folder

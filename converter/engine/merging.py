@@ -86,13 +86,16 @@ def merge(
     base: Fetched | None = None,
     on_shard: Callable[[Shard], None] | None = None,
     tee: TensorTee | None = None,
+    on_planned: Callable[[], object] | None = None,
 ) -> MergeResult:
     """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
 
     `token` is used for Hub sources only (None: huggingface_hub's own lookup, HF_TOKEN then the cached login);
     it is never written anywhere. `base`: the base already made local (converter.jobs.streaming: its weights may
     still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter); `tee`:
-    also given each merged tensor (its `start` and `put`; the caller finishes or discards what it wrote).
+    also given each merged tensor (its `start` and `put`; the caller finishes or discards what it wrote);
+    `on_planned`: called once the inputs are found and planned, before anything is written (so work begun there,
+    such as verification's imports, is never spent on input that fails).
     """
     quant = parse_output(recipe.dtype)
     if quant and tee is not None:
@@ -111,7 +114,8 @@ def merge(
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
         return _merge(
-            recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard, tee
+            recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard, tee,
+            on_planned,
         )
 
 
@@ -128,6 +132,7 @@ def _merge(
     task_merge=None,
     on_shard: Callable[[Shard], None] | None = None,
     tee: TensorTee | None = None,
+    on_planned: Callable[[], object] | None = None,
 ) -> MergeResult:
     original = _open_arriving_base(recipe, base)
     if quant and original.diffusion:
@@ -152,6 +157,8 @@ def _merge(
         log(f"note: {note}")
     out = Path(recipe.out)
     _check_disk_space(out, plan.bytes_to_write)
+    if on_planned is not None:
+        on_planned()
     log(
         f"merging {len(adapters)} adapter(s) into {recipe.base} ({keymap_for(checkpoint.config).name} keymap): "
         f"{len(plan.changed)} of {len(plan.outputs)} tensors change"

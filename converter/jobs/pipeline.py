@@ -286,11 +286,11 @@ def _merge_overlapped(
     Returns the merged folder once every shard is proven (the last uploads may still be running)."""
     if base_stream is not None:
         base_stream.start()
+    warmup = None
     if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
-        from converter.verification.warmup import start
-
-        start()
-    folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit, tee=tee).out)
+        from converter.verification.warmup import start as warmup
+    folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit, tee=tee,
+                        on_planned=warmup).out)  # fmt: skip
     uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
     if base_stream is not None:
         base_stream.close()

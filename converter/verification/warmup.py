@@ -3,8 +3,9 @@
 Why: transformers + PEFT take ~4 s of CPU to import, a fifth of the default
 `converter merge` of the 0.85 B bench model; the merge is mostly file I/O and torch kernels that release the GIL, so
 a thread importing them beside it hides much of that time. It is started only when verification follows, so
-`converter merge --no-verify` still never imports them, and only after the merge's own imports are done, so the
-two threads never import the same module at once; verification waits for the thread before it imports anything
+`converter merge --no-verify` still never imports them, and only once the merge has found and planned its inputs
+(`merge(on_planned=)`), so input that fails is refused in a second, without them, and the merge's own imports are
+done: the two threads never import the same module at once; verification waits for the thread before it imports anything
 (transformers' lazy attributes are not safe to import from two threads: `AutoTokenizer` came back missing). A
 failure here is ignored: verification imports again itself.
 """

@@ -163,7 +163,8 @@ def test_warns_when_trained_on_another_base(llama, tmp_path, cli):
 
 def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
     """`python -m converter` works, exits 2 on bad input, and merging never imports transformers or peft; a plain
-    LoRA merge without verification does not import torch either (converter.engine.npmerge; torch costs ~1 s)."""
+    LoRA merge without verification does not import torch either (converter.engine.npmerge; torch costs ~1 s), nor
+    does a verified merge refused for its input (verification's imports start once the inputs are planned)."""
     bad = subprocess.run(
         [sys.executable, "-m", "converter", "merge", "--base", str(tmp_path)], capture_output=True, text=True
     )
@@ -178,6 +179,13 @@ def test_python_dash_m_and_no_heavy_imports(llama, lora, tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "heavy: []" in run.stdout
+    # a verified merge of an adapter whose base is not there is refused before verification's imports begin
+    code = code.replace(str(llama), str(tmp_path / "no-base")).replace(", '--no-verify'", "")
+    code = code.replace(repr(str(tmp_path / "m")), repr(str(tmp_path / "m2")))
+    code = code.replace("sys.exit(rc or (3 if heavy else 0))", "sys.exit(3 if heavy else rc)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 2 and "heavy: []" in run.stdout, run.stdout + run.stderr
+    assert f"error: {tmp_path / 'no-base'}: no such file or folder" in run.stderr
 
 
 def test_typed_errors_carry_what_went_wrong(lora, tmp_path):
