@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import BadInputError, PushError, UsageError
+from converter.errors import BadInputError, HubError, PushError, UsageError
 from converter.hub import client as hub
 from converter.io.records import REPORT_FILE
 
@@ -57,11 +57,38 @@ class Target:
         return any(MODEL_FILES.search(f) for f in self.remote)
 
 
-def inspect_target(api, repo_id: str, token: str | None) -> Target:
-    me = hub.whoami(token)
+def inspect_target(api, repo_id: str, token: str | None, create_pr: bool = False) -> Target:
+    """The repo as it is, after checking that the token may write there (or open a pull request there)."""
+    who = hub.call("whoami", lambda: api.whoami())
+    check_writable(who, repo_id, create_pr)
     exists = hub.call(repo_id, lambda: api.repo_exists(repo_id), repo_id=repo_id)
     remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id), repo_id=repo_id) if exists else []
-    return Target(repo_id, me, exists, remote)
+    return Target(repo_id, who["name"], exists, remote)
+
+
+def check_writable(who: dict, repo_id: str, create_pr: bool) -> None:
+    """Refuse a push that the Hub would refuse at its upload, before the merge that precedes it: a read token, or a
+    namespace that is neither the user's nor one of their orgs with a write role. Only direct pushes with classic
+    access tokens are judged here; pull requests, and the scopes of fine-grained and OAuth tokens, are left for the
+    Hub to check."""
+    auth = who.get("auth") or {}
+    role = (auth.get("accessToken") or {}).get("role")
+    if create_pr or auth.get("type") != "access_token" or role not in ("read", "write"):
+        return
+    namespace, name = repo_id.split("/", 1)[0], who.get("name")
+    orgs = {o.get("name"): o.get("roleInOrg") for o in who.get("orgs") or []}
+    if role == "read":
+        problem = "the token is read-only; use a token with write access"
+    elif namespace == name:
+        return
+    elif namespace not in orgs:
+        problem = (f"the token belongs to {name}, who cannot write to {namespace}: push to your own namespace, or "
+                   "pass --create-pr to open a pull request")  # fmt: skip
+    elif orgs[namespace] == "read":
+        problem = f"{name} may only read in the org {namespace}; ask one of its admins for write access"
+    else:
+        return
+    raise HubError(f"{repo_id}: not allowed; {problem}", repo_id=repo_id, reason="forbidden")
 
 
 class Publication:
@@ -170,7 +197,7 @@ def push_folder(
     if not folder.is_dir() or not any(folder.iterdir()):
         raise BadInputError(f"{folder}: nothing to push (not a folder, or empty)", file=folder)
     api = HfApi(token=token)
-    target = inspect_target(api, repo_id, token)
+    target = inspect_target(api, repo_id, token, create_pr)
     if target.has_model and not (create_pr or overwrite):
         if _same_files(api, repo_id, folder, replace):
             head = hub.call(repo_id, lambda: api.model_info(repo_id).sha, repo_id=repo_id)

@@ -89,7 +89,7 @@ def push(
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-        target = inspect_target(api, repo_id, token)
+        target = inspect_target(api, repo_id, token, create_pr)
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
             return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,

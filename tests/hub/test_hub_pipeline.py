@@ -318,7 +318,7 @@ def test_push_errors_leave_nothing(hub, tmp_path):
         token="hf_fake_wrong_token_000",
     )
     assert code == 2 and "token was refused" in err and not hub.exists("alice/x")
-    code, _, err = cli(
+    code, out, err = cli(
         hub,
         "push",
         "--repo",
@@ -329,7 +329,14 @@ def test_push_errors_leave_nothing(hub, tmp_path):
         "alice/tiny-lora",
         token=BOB,
     )
-    assert code == 2 and "403" in err and not hub.exists("alice/bob-cannot")
+    # refused before the merge (which a 403 at the upload used to follow), with what to do instead
+    assert code == 2 and not hub.exists("alice/bob-cannot") and "merging" not in out, out + err
+    assert err == ("error: alice/bob-cannot: not allowed; the token belongs to bob, who cannot write to alice: push "
+                   "to your own namespace, or pass --create-pr to open a pull request\n")  # fmt: skip
+    hub.add_token("alice", "hf_fake_alice_read_0000", role="read")
+    code, out, err = cli(hub, "push", "--repo", "alice/x", "--base", "alice/tiny-llama", "--adapter", "alice/tiny-lora",
+                         token="hf_fake_alice_read_0000")  # fmt: skip
+    assert code == 2 and "token is read-only" in err and "merging" not in out and not hub.exists("alice/x"), out + err
     # The commit fails for good: the repo this run created is removed again.
     hub.inject("POST", r"/commit/", status=500, times=10)
     code, _, err = cli(
