@@ -16,10 +16,10 @@ from pathlib import Path
 
 from converter.app.check import check
 from converter.engine.recipe import AdapterSpec, Recipe
-from converter.errors import ConverterError, PushError, UsageError
+from converter.errors import ConverterError, UsageError
 from converter.gguf.types import ALL_TYPES as ALL_GGUF_TYPES
 from converter.hub import client as hub
-from converter.hub.publish import check_repo_id
+from converter.hub.publish import check_repo_id, check_writable
 from converter.hub.sources import job_sources
 from converter.io.records import read_report
 from converter.io.scratch import make_temp
@@ -175,20 +175,10 @@ def public_paths(text: str, *roots: Path | str) -> str:
 
 def check_namespace(repo_id: str, token: str) -> str:
     """The signed-in user's name; refuses a target namespace the user cannot write (before any work starts)."""
-    from huggingface_hub import HfApi
-
     check_repo_id(repo_id)
-    me = hub.call("whoami", lambda: HfApi(token=token).whoami())
-    namespaces = {me["name"], *(org["name"] for org in me.get("orgs") or [])}
-    namespace = repo_id.split("/")[0]
-    if namespace not in namespaces:
-        raise PushError(
-            f"{repo_id}: you ({me['name']}) cannot write under {namespace!r}; use {me['name']}/NAME or one of your "
-            "organizations",
-            repo_id=repo_id,
-            reason="forbidden",
-        )
-    return me["name"]
+    who = hub.whoami_info(token)
+    check_writable(who, repo_id)
+    return who["name"]
 
 
 def run_job(

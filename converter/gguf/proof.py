@@ -110,9 +110,8 @@ class Reference:
         lengths = [len(i) for i in self.ids if i]
         if self.router_gaps is None:
             return lengths
-        tie = ROUTER_TIE[type_name]
-        return [int(np.argmax(g < tie)) if (g < tie).any() else n for g, n in zip(self.router_gaps, lengths,
-                                                                                   strict=True)]  # fmt: skip
+        ties = [np.flatnonzero(g < ROUTER_TIE[type_name]) for g in self.router_gaps]
+        return [int(t[0]) if t.size else n for t, n in zip(ties, lengths, strict=True)]
 
 
 def reference(source: Source, with_logits: bool) -> Reference:

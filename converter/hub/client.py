@@ -152,6 +152,12 @@ def _explain(what: str, err: Exception) -> tuple[str, HubReason]:
 
 def whoami(token: str | None) -> str:
     """The user name behind the token: checked before any long job that ends in an upload."""
+    return whoami_info(token)["name"]
+
+
+def whoami_info(token: str | None) -> dict:
+    """The Hub's whole answer about the token: the user's name, their orgs with their role in each, the token's
+    kind and role."""
     from huggingface_hub import HfApi
 
-    return call("whoami", lambda: HfApi(token=token).whoami())["name"]
+    return call("whoami", lambda: HfApi(token=token).whoami())

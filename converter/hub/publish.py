@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.errors import BadInputError, HubError, PushError, UsageError
+from converter.errors import BadInputError, PushError, UsageError
 from converter.hub import client as hub
 from converter.io.records import REPORT_FILE
 
@@ -59,36 +59,34 @@ class Target:
 
 def inspect_target(api, repo_id: str, token: str | None, create_pr: bool = False) -> Target:
     """The repo as it is, after checking that the token may write there (or open a pull request there)."""
-    who = hub.call("whoami", lambda: api.whoami())
+    who = hub.whoami_info(token)
     check_writable(who, repo_id, create_pr)
     exists = hub.call(repo_id, lambda: api.repo_exists(repo_id), repo_id=repo_id)
     remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id), repo_id=repo_id) if exists else []
     return Target(repo_id, who["name"], exists, remote)
 
 
-def check_writable(who: dict, repo_id: str, create_pr: bool) -> None:
-    """Refuse a push that the Hub would refuse at its upload, before the merge that precedes it: a read token, or a
-    namespace that is neither the user's nor one of their orgs with a write role. Only direct pushes with classic
-    access tokens are judged here; pull requests, and the scopes of fine-grained and OAuth tokens, are left for the
-    Hub to check."""
-    auth = who.get("auth") or {}
-    role = (auth.get("accessToken") or {}).get("role")
-    if create_pr or auth.get("type") != "access_token" or role not in ("read", "write"):
+def check_writable(who: dict, repo_id: str, create_pr: bool = False) -> None:
+    """Refuse, before any work, a push the Hub would refuse at its upload (`who`: whoami's answer): a namespace that
+    is neither the user's nor one of their orgs where they may write (no token grants more than its user has), or
+    a read-only classic token. A pull request, which anyone may open, and the scopes of fine-grained tokens are left
+    for the Hub to judge."""
+    if create_pr:
         return
-    namespace, name = repo_id.split("/", 1)[0], who.get("name")
+    namespace, name = repo_id.split("/", 1)[0], who["name"]
     orgs = {o.get("name"): o.get("roleInOrg") for o in who.get("orgs") or []}
-    if role == "read":
+    if ((who.get("auth") or {}).get("accessToken") or {}).get("role") == "read":
         problem = "the token is read-only; use a token with write access"
     elif namespace == name:
         return
     elif namespace not in orgs:
-        problem = (f"the token belongs to {name}, who cannot write to {namespace}: push to your own namespace, or "
-                   "pass --create-pr to open a pull request")  # fmt: skip
+        problem = (f"you ({name}) cannot write under {namespace!r}; use {name}/NAME or one of your organizations, "
+                   "or open a pull request")  # fmt: skip
     elif orgs[namespace] == "read":
-        problem = f"{name} may only read in the org {namespace}; ask one of its admins for write access"
+        problem = f"you ({name}) may only read in the org {namespace!r}; ask one of its admins for write access"
     else:
         return
-    raise HubError(f"{repo_id}: not allowed; {problem}", repo_id=repo_id, reason="forbidden")
+    raise PushError(f"{repo_id}: {problem}", repo_id=repo_id, reason="forbidden")
 
 
 class Publication:

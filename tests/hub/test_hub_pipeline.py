@@ -331,8 +331,8 @@ def test_push_errors_leave_nothing(hub, tmp_path):
     )
     # refused before the merge (which a 403 at the upload used to follow), with what to do instead
     assert code == 2 and not hub.exists("alice/bob-cannot") and "merging" not in out, out + err
-    assert err == ("error: alice/bob-cannot: not allowed; the token belongs to bob, who cannot write to alice: push "
-                   "to your own namespace, or pass --create-pr to open a pull request\n")  # fmt: skip
+    assert err == ("error: alice/bob-cannot: you (bob) cannot write under 'alice'; use bob/NAME or one of your "
+                   "organizations, or open a pull request\n")  # fmt: skip
     hub.add_token("alice", "hf_fake_alice_read_0000", role="read")
     code, out, err = cli(hub, "push", "--repo", "alice/x", "--base", "alice/tiny-llama", "--adapter", "alice/tiny-lora",
                          token="hf_fake_alice_read_0000")  # fmt: skip
