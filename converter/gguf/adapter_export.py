@@ -107,14 +107,14 @@ def _behaviour(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, f
                staging: Path, options: dict) -> proof.Part:  # fmt: skip
     """llama.cpp (base GGUF + this adapter) against PEFT (base + the adapter, unmerged) on the proof's texts."""
     peft_folder = _peft_form(adapter, adapter_spec, src.folder, staging, options, planned.relaid)
-    ids = proof.reference(src, with_logits=False).ids
-    reference, applied = adapter_proof.peft_logits(src.folder, peft_folder, ids)
+    ref = proof.reference(src, with_logits=False)
+    applied = adapter_proof.peft_reference(src.folder, peft_folder, ref)
     if applied != len(planned.pairs):
         return proof.Part("behaviour", False, f"PEFT applies the adapter to {applied} modules of the base, the file "
                           f"has {len(planned.pairs)}")  # fmt: skip
     base_gguf = staging / "base-F32.gguf"
     write_gguf(src, family, "F32", base_gguf, name="base")
-    return adapter_proof.prove_behaviour(base_gguf, staged, ids, reference, type_name)
+    return proof.prove_behaviour(base_gguf, ref, type_name, lora=staged)
 
 
 def _peft_form(adapter: Adapter, adapter_spec: str, base: Path, staging: Path, options: dict, relaid: bool) -> Path:

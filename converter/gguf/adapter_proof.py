@@ -9,7 +9,8 @@
 2. Behaviour: llama.cpp runs the base GGUF (F32, written for the proof) with the adapter applied at run time; its
    logits are compared with transformers' logits of the base with the adapter applied by PEFT, unmerged, on the
    same token ids; the relative RMS difference stays under converter.gguf.proof.BEHAVIOUR_LIMIT for the adapter's
-   type. A wrong alpha or an un-reordered Q/K lora_b moves llama.cpp's logits far beyond it.
+   type (proof.prove_behaviour, as for a model's GGUF: on a MoE base each text is compared up to its first near tie
+   of a router). A wrong alpha or an un-reordered Q/K lora_b moves llama.cpp's logits far beyond it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from converter.gguf import arch, llama
+from converter.gguf import arch
 from converter.gguf.adapter import AdapterPlan, stored_type
 from converter.gguf.fileio import Reader
-from converter.gguf.proof import BEHAVIOUR_LIMIT, Part, _read_back, _rel
+from converter.gguf.proof import Part, Reference, _read_back, batched_logits
 
 
 def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name: str) -> Part:
@@ -80,35 +81,20 @@ def expected_token_rows(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(a))
 
 
-def peft_logits(base: Path, adapter_folder: Path, ids: list[list[int]]) -> tuple[list[np.ndarray], int]:
-    """transformers' float32 logits of the base with the PEFT adapter applied unmerged (PEFT's own forward), and
-    how many modules PEFT applied it to (PEFT skips what it does not find)."""
+def peft_reference(base: Path, adapter_folder: Path, ref: Reference) -> int:
+    """Fill `ref` with transformers' float32 logits of the base with the PEFT adapter applied unmerged (PEFT's own
+    forward) and, on a MoE base, its router gaps (the adapter moves the routers' inputs, so the near ties are those
+    of base + adapter); returns how many modules PEFT applied it to (PEFT skips what it does not find)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    experts = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
     model = PeftModel.from_pretrained(model, adapter_folder).eval()
     applied = sum(1 for m in model.modules() if any(len(getattr(m, factors, None) or ()) for factors in
                                                     ("lora_A", "lora_embedding_A")))  # fmt: skip
     with torch.no_grad():
-        out = [model(input_ids=torch.tensor([i])).logits[0].float().numpy() for i in ids if i]
+        ref.logits, ref.router_gaps = batched_logits(model, [i for i in ref.ids if i], experts)
     del model
-    return out, applied
-
-
-def prove_behaviour(base_gguf: Path, adapter_gguf: Path, ids: list[list[int]], reference: list[np.ndarray],
-                    type_name: str) -> Part:  # fmt: skip
-    """Part 2: llama.cpp's logits of base + adapter against PEFT's, over all positions of all texts."""
-    ids = [i for i in ids if i]
-    got = llama.logits(base_gguf, ids, lora=adapter_gguf)
-    for a, b in zip(got, reference, strict=True):
-        if a.shape != b.shape:
-            return Part("behaviour", False, f"llama.cpp gives {a.shape[-1]} logits, transformers {b.shape[-1]}")
-    rel = _rel(np.concatenate([a.ravel() for a in got]), np.concatenate([b.ravel() for b in reference]))
-    limit = BEHAVIOUR_LIMIT[type_name]
-    agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, reference,
-                                                                                       strict=True)])))  # fmt: skip
-    detail = f"llama.cpp's logits with the adapter differ from PEFT's by {rel:.2g} (relative RMS; limit {limit} " \
-        f"for {type_name}); same top token at {agree:.0%} of positions"
-    return Part("behaviour", rel <= limit, detail)
+    return applied

@@ -151,16 +151,25 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarr
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=own_dtype(source.folder),
                                                  attn_implementation="eager")  # fmt: skip
     model.eval()
-    # one batch, padded on the right: the model's weights are read once, and a causal model's real positions never
-    # see the padding (each text's logits are those of running it alone, to float32 summation order)
+    with torch.no_grad(), float32_compute(model, file_sources(model, source.folder)):
+        out = batched_logits(model, ids, int(source.config.get("num_experts_per_tok") or 0))
+    del model
+    return out
+
+
+def batched_logits(model, ids: list[list[int]], experts: int) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """A causal LM's logits on each of `ids` in one batch, padded on the right: the weights are read once, and a
+    causal model's real positions never see the padding (each text's logits are those of running it alone, to
+    float32 summation order). With `experts` (a MoE model's experts per token), also each position's smallest router
+    gap over the layers: the k-th largest router logit minus the next, relative to the layer's RMS router logit over
+    the real positions (`Reference.router_gaps`)."""
+    import torch
+
     n = max(len(i) for i in ids)
     batch = torch.tensor([i + [0] * (n - len(i)) for i in ids])
     mask = torch.tensor([[1] * len(i) + [0] * (n - len(i)) for i in ids])
-    experts = int(source.config.get("num_experts_per_tok") or 0)
     routed = {"output_router_logits": True} if experts else {}
-    with torch.no_grad(), float32_compute(model, file_sources(model, source.folder)):
-        out = model(input_ids=batch, attention_mask=mask, **routed)
-    del model
+    out = model(input_ids=batch, attention_mask=mask, **routed)
     logits = [out.logits[k, : len(i)].float().numpy() for k, i in enumerate(ids)]
     if not experts:
         return logits, None
@@ -314,11 +323,12 @@ def prove_tokenizer(path: Path, ref: Reference) -> Part:
     return Part("tokenizer", True, f"{len(ref.texts)} texts tokenized alike (special tokens, chat template included)")
 
 
-def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
-    """Part 3: llama.cpp's logits against transformers' logits of the source model on the same ids: the relative
-    RMS difference over all positions of all texts (per text it is noisy for the low-bit types), limit per type."""
+def prove_behaviour(path: Path, ref: Reference, type_name: str, lora: Path | None = None) -> Part:
+    """Part 3: llama.cpp's logits against the reference logits on the same ids: the relative RMS difference over all
+    positions of all texts (per text it is noisy for the low-bit types), limit per type. With `lora` (an adapter
+    GGUF applied at run time on the base GGUF `path`), the reference is PEFT's base + adapter, unmerged."""
     texts = [(what, ids) for (what, _, _), ids in zip(ref.texts, ref.ids, strict=True) if ids]
-    got = llama.logits(path, [ids for _, ids in texts])
+    got = llama.logits(path, [ids for _, ids in texts], lora=lora)
     for (what, _), a, b in zip(texts, got, ref.logits, strict=True):
         if a.shape != b.shape:
             return Part("behaviour", False, f"{what}: llama.cpp gives {a.shape[-1]} logits, transformers {b.shape[-1]}")
@@ -328,12 +338,14 @@ def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
     total, kept = sum(len(ids) for _, ids in texts), sum(compared)
     if not kept:
         reason = "every text begins with a near tie of a MoE router, where llama.cpp may choose other experts"
-        return Part("behaviour", True, f"{reason}: no position to compare (the tensors proof stands)", judged=False)
+        proven = "the file proof" if lora else "the tensors proof"
+        return Part("behaviour", True, f"{reason}: no position to compare ({proven} stands)", judged=False)
     rel = _rel(np.concatenate([a.ravel() for a in got]), np.concatenate([b.ravel() for b in want]))
     limit = BEHAVIOUR_LIMIT[type_name]
     agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, want, strict=True)])))
-    detail = f"llama.cpp's logits differ from transformers' by {rel:.2g} (relative RMS; limit {limit} for " \
-        f"{type_name}); same top token at {agree:.0%} of positions"
+    whose = "logits with the adapter differ from PEFT's" if lora else "logits differ from transformers'"
+    detail = f"llama.cpp's {whose} by {rel:.2g} (relative RMS; limit {limit} for {type_name}); same top token at " \
+        f"{agree:.0%} of positions"
     if kept < total:
         detail += f"; {kept} of {total} positions compared (each text up to its first near tie of a MoE router)"
     return Part("behaviour", rel <= limit, detail)
