@@ -19,6 +19,11 @@ from converter.hub.sources import parse_source
 # the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
 # `diffusion_model.` keeps the original model's names)
 NATIVE_COMPONENT = {"unet.": "unet", "transformer.": "transformer", "diffusion_model.": "denoiser"}
+# transformers 5 builds a CLIPTextModel without the `text_model.` level that its checkpoints saved by transformers 4
+# keep in their keys (the text encoders of the public SD, SDXL and FLUX.1 pipelines); CLIPTextModelWithProjection
+# keeps the level (transformers' conversion_mapping.py). A PEFT or diffusers adapter names the modules of the loaded
+# model: PEFT and diffusers match target_modules as written, and a leftover prefix matches nothing.
+PREFIX_NOT_LOADED = {"CLIPTextModel": "text_model."}
 
 
 def base_names(spec: str, token: str | None, workdir: Path) -> Path:
@@ -67,6 +72,17 @@ class BaseNames:
             view = copy.copy(view)
             view.denoiser_as = "denoiser"
         return view
+
+    def loaded_name(self, component: str | None, name: str) -> str:
+        """A module's path in the model transformers loads from the base (or its `component`), where it differs
+        from the checkpoint's key (PREFIX_NOT_LOADED)."""
+        configs = getattr(self.checkpoint, "component_configs", {})
+        config = configs.get(component, {}) if component in configs else self.checkpoint.config
+        for cls in config.get("architectures") or ():
+            prefix = PREFIX_NOT_LOADED.get(cls)
+            if prefix and name.startswith(prefix):
+                return name[len(prefix) :]
+        return name
 
     def components(self) -> set[str]:
         if self.checkpoint.diffusion == "single_file":
@@ -150,6 +166,9 @@ class RelaidNames:
     def components(self) -> set[str]:
         return self.base.components()
 
+    def loaded_name(self, component: str | None, name: str) -> str:
+        return self.base.loaded_name(component, name)
+
     def places(self, ap: AdapterPatch) -> list:
         if ap.component not in (None, "denoiser", self.component):
             return self.base.places(ap)
@@ -232,6 +251,9 @@ def collect(
                 tensor=key,
             )
         modules.append(fuse(key, parts, base.rows(key)))  # type: ignore[union-attr]
+    if base is not None and to in ("peft", "diffusers"):
+        for m in modules:
+            m.name = base.loaded_name(m.component, m.name)
     seen: dict[tuple, str] = {}
     for m in modules:
         ident = (m.component, m.name)

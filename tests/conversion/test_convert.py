@@ -6,6 +6,7 @@ Oracles: ΔW of every module through converter's own patch math (exact for round
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -191,6 +192,37 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(sd15, tmp_path, cli):
     code, _, err = cli("convert", "--adapter", src, "--to", "kohya", "--out", tmp_path / "k.safetensors", "--push-pr")
     assert code == 2 and "not both" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "other", "taken"]
+
+
+def test_a_text_encoder_saved_by_transformers_4_gets_the_loaded_models_names_in_peft_and_diffusers(tmp_path, cli):
+    """The public SD / SDXL pipelines' CLIPTextModel was saved by transformers 4 (every key `text_model.*`);
+    transformers 5 loads it without that level, CLIPTextModelWithProjection (text_encoder_2) with it. Both outputs
+    must name the loaded modules: PEFT (PeftModel on each component) and diffusers' load_lora_weights (which reads
+    target_modules from the file's metadata) then give our merge of the kohya file, component by component."""
+    from peft import PeftModel
+    from test_community_sd import sdxl_lora
+
+    base = tmp_path / "sdxl"
+    models = make_pipeline(base, "sdxl")
+    te = base / "text_encoder" / "model.safetensors"
+    save({f"text_model.{k}": v for k, v in load_file(te).items()}, te, metadata={"format": "pt"})
+    src = save(sdxl_lora(models, ldm=False), tmp_path / "lora.safetensors")
+    for to in ("peft", "diffusers"):
+        code, _, err = cli("convert", "--adapter", src, "--to", to, "--out", tmp_path / to, "--base", base)
+        assert code == 0, err
+    config = json.loads((tmp_path / "peft" / "text_encoder" / "adapter_config.json").read_text())
+    assert "encoder.layers.0.self_attn.q_proj" in config["target_modules"]
+    with_peft = {c: PeftModel.from_pretrained(copy.deepcopy(models[c]), tmp_path / "peft" / c).merge_and_unload()
+                 .state_dict() for c in ("unet", "text_encoder", "text_encoder_2")}  # fmt: skip
+    with_diffusers = diffusers_load_lora_weights(models, tmp_path / "diffusers", "pytorch_lora_weights.safetensors",
+                                                 xl=True)  # fmt: skip
+    assert cli("merge", "--base", base, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    for component, reference in with_peft.items():
+        ours, before = (read_component(folder, component) for folder in (tmp_path / "m", base))
+        if component == "text_encoder":  # our merge keeps the base's keys
+            ours, before = ({k.removeprefix("text_model."): v for k, v in sd.items()} for sd in (ours, before))
+        assert_matches(ours, {k: reference[k] for k in ours}, before)
+        assert_matches(ours, with_diffusers[component], before)
 
 
 def test_sdxl_kohya_with_sgm_names_to_diffusers_and_back_to_the_same_names(tmp_path, cli):
