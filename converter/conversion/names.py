@@ -75,10 +75,16 @@ class BaseNames:
 
     def loaded_name(self, component: str | None, name: str) -> str:
         """A module's path in the model transformers loads from the base (or its `component`), where it differs
-        from the checkpoint's key (PREFIX_NOT_LOADED)."""
+        from the checkpoint's key (PREFIX_NOT_LOADED). The class is the component's config's; a single file has
+        none, and its family's keymap names the class diffusers loads the component as."""
         configs = getattr(self.checkpoint, "component_configs", {})
-        config = configs.get(component, {}) if component in configs else self.checkpoint.config
-        for cls in config.get("architectures") or ():
+        if component in configs:
+            classes = configs[component].get("architectures")
+        elif self.checkpoint.diffusion == "single_file":
+            classes = self.keymap.diffusers.get(component)
+        else:
+            classes = self.checkpoint.config.get("architectures")
+        for cls in classes or ():
             prefix = PREFIX_NOT_LOADED.get(cls)
             if prefix and name.startswith(prefix):
                 return name[len(prefix) :]

@@ -195,10 +195,12 @@ def keys_of(*allowed: str, item: Check) -> Check:
 
 
 _SHAPE_RULE = record({"module": regex, "when": text}, required=("module", "when"))
-# `also`: other families' loader mixins that read this family's files through its converters (SkyReels-V2's, Wan's)
+# `also`: other families' loader mixins that read this family's files through its converters (SkyReels-V2's, Wan's);
+# `text_encoder`, `text_encoder_2`: the classes diffusers loads a single file's text encoders as
 _DIFFUSERS = record(
-    {"loader": text, "also": list_of(text), "transformer": list_of(text), "single_file": text}, required=("loader",)
-)
+    {"loader": text, "also": list_of(text), "transformer": list_of(text), "single_file": text,
+     "text_encoder": list_of(text), "text_encoder_2": list_of(text)}, required=("loader",)
+)  # fmt: skip
 
 KEYMAP = record(
     {

@@ -194,6 +194,29 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(sd15, tmp_path, cli):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "other", "taken"]
 
 
+def test_an_ldm_single_file_base_gives_peft_and_diffusers_files_under_diffusers_names(sd15, tmp_path, cli):
+    """kohya → PEFT / diffusers against an SD 1.5 single file: the UNet is relaid in diffusers' names (PEFT on
+    diffusers' UNet2DConditionModel and diffusers' load_lora_weights read no other), the text encoder named as
+    transformers 5 loads the CLIPTextModel diffusers makes of it; both give our merge of the kohya file."""
+    from peft import PeftModel
+    from test_community_sd import to_ldm
+
+    base, models = sd15
+    single = save(to_ldm(models, "sd"), tmp_path / "sd15.safetensors")
+    src = save(sd15_kohya(models), tmp_path / "lora.safetensors")
+    for to in ("peft", "diffusers"):
+        code, _, err = cli("convert", "--adapter", src, "--to", to, "--out", tmp_path / to, "--base", single)
+        assert code == 0, err
+    with_diffusers = diffusers_load_lora_weights(models, tmp_path / "diffusers", "pytorch_lora_weights.safetensors")
+    assert cli("merge", "--base", base, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    for component in ("unet", "text_encoder"):
+        peft = PeftModel.from_pretrained(copy.deepcopy(models[component]), tmp_path / "peft" / component)
+        with_peft = peft.merge_and_unload().state_dict()
+        ours, before = read_component(tmp_path / "m", component), read_component(base, component)
+        assert_matches(ours, {k: with_peft[k] for k in ours}, before)
+        assert_matches(ours, with_diffusers[component], before)
+
+
 def test_a_text_encoder_saved_by_transformers_4_gets_the_loaded_models_names_in_peft_and_diffusers(tmp_path, cli):
     """The public SD / SDXL pipelines' CLIPTextModel was saved by transformers 4 (every key `text_model.*`);
     transformers 5 loads it without that level, CLIPTextModelWithProjection (text_encoder_2) with it. Both outputs
