@@ -57,9 +57,10 @@ class Target:
         return any(MODEL_FILES.search(f) for f in self.remote)
 
 
-def inspect_target(api, repo_id: str, token: str | None, create_pr: bool = False) -> Target:
-    """The repo as it is, after checking that the token may write there (or open a pull request there)."""
-    who = hub.whoami_info(token)
+def inspect_target(api, repo_id: str, token: str | None, create_pr: bool = False, who: dict | None = None) -> Target:
+    """The repo as it is, after checking that the token may write there (or open a pull request there); `who`:
+    whoami's answer for the token where the caller has it already (one request fewer)."""
+    who = who or hub.whoami_info(token)
     check_writable(who, repo_id, create_pr)
     exists = hub.call(repo_id, lambda: api.repo_exists(repo_id), repo_id=repo_id)
     remote = hub.call(repo_id, lambda: api.list_repo_files(repo_id), repo_id=repo_id) if exists else []
@@ -184,9 +185,10 @@ def push_folder(
     message: str = "Upload merged model (converter)",
     replace: dict[str, bytes] | None = None,
     log: Callable[[str], None] = print,
+    who: dict | None = None,
 ) -> PushResult:
     """Upload every file of `folder` to `repo_id` in one commit (or one PR); `replace` gives other bytes for
-    some of them (the public versions of files that name local paths)."""
+    some of them (the public versions of files that name local paths); `who` as for inspect_target."""
     replace = replace or {}
     from huggingface_hub import HfApi
 
@@ -195,7 +197,7 @@ def push_folder(
     if not folder.is_dir() or not any(folder.iterdir()):
         raise BadInputError(f"{folder}: nothing to push (not a folder, or empty)", file=folder)
     api = HfApi(token=token)
-    target = inspect_target(api, repo_id, token, create_pr)
+    target = inspect_target(api, repo_id, token, create_pr, who)
     if target.has_model and not (create_pr or overwrite):
         if _same_files(api, repo_id, folder, replace):
             head = hub.call(repo_id, lambda: api.model_info(repo_id).sha, repo_id=repo_id)

@@ -82,14 +82,14 @@ def push(
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise UsageError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
-    hub.whoami(token)  # a missing or refused token fails now, not after the merge
+    who = hub.whoami_info(token)  # a missing or refused token fails now, not after the merge
     if recipe is not None and verify is not None:
         check_extras(recipe, token)
     if recipe is not None:
         from huggingface_hub import HfApi
 
         api = HfApi(token=token)
-        target = inspect_target(api, repo_id, token, create_pr)
+        target = inspect_target(api, repo_id, token, create_pr, who)
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
             return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,
@@ -121,6 +121,7 @@ def push(
             overwrite=overwrite,
             replace=replace,
             log=log,
+            who=who,
         )
     finally:
         if tmp is not None:

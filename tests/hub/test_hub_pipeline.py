@@ -90,6 +90,7 @@ def download(hub: HubServer, repo_id: str, dest: Path, token: str = ALICE, revis
 
 
 def test_push_end_to_end(hub, tmp_path):
+    hub.reset_log()
     code, out, err = cli(
         hub,
         "push",
@@ -106,6 +107,7 @@ def test_push_end_to_end(hub, tmp_path):
     assert code == 0, err
     assert f"pushed: {hub.url}/alice/pirate-llama/commit/" in out
     assert ALICE not in out + err
+    assert hub.requests.count(("GET", "/api/whoami-v2")) == 1  # the token checked once, before the merge
     pushed = download(hub, "alice/pirate-llama", tmp_path / "pushed")
     # Same bytes as a local merge of the same inputs.
     assert (
@@ -366,8 +368,10 @@ def test_transient_failures_are_retried(hub, tmp_path):
 
 def test_push_from_folder(hub, tmp_path):
     assert run_cli("merge", "--base", hub.local["base"], "--adapter", hub.local["lora"], "--out", tmp_path / "m") == 0
+    hub.reset_log()
     code, out, err = cli(hub, "push", "--repo", "alice/from-folder", "--from", tmp_path / "m")
     assert code == 0, err
+    assert hub.requests.count(("GET", "/api/whoami-v2")) == 1
     files = hub.files("alice/from-folder")
     assert {"model.safetensors", "config.json", "README.md", "converter_provenance.json"} <= set(files)
     card = hub.read_file("alice/from-folder", "README.md").decode()
