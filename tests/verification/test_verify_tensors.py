@@ -207,7 +207,7 @@ def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
     folder = tmp_path / "sabotaged"
     _sabotage("one ΔW negated", ours("bf16"), folder)
     calls = []
-    monkeypatch.setattr(pipeline.hub, "whoami", lambda token: {"name": "me"})
+    monkeypatch.setattr(pipeline.hub, "whoami_info", lambda token: {"name": "me"})
     monkeypatch.setattr(pipeline, "push_folder", lambda *a, **k: calls.append(a))
     with pytest.raises(VerificationFailed, match="model.layers.20.mlp.down_proj.weight"):
         pipeline.push("me/merged", folder=folder, verify={}, log=lambda _line: None)
