@@ -69,9 +69,15 @@ chromium:
 # session fixture on one worker, the slowest first (tests/scheduling.py); TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) fixtures chromium wheelhouse $(LLAMA_SDIST)
-	$(BIN)/ruff check converter tests bench scripts app.py
+# Lint: ruff's rules and its formatter (a layout kept by hand says `# fmt: skip`), and the import contracts
+# (pyproject.toml's import-linter layers).
+LINTED := converter tests bench scripts app.py
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check --quiet $(LINTED)
 	$(BIN)/lint-imports
+
+test: $(STAMP) fixtures chromium wheelhouse $(LLAMA_SDIST) lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	CONVERTER_WHEELHOUSE=$(WHEELHOUSE) CONVERTER_LLAMA_SDIST=$(LLAMA_SDIST) $(BIN)/python -m pytest -q --durations=25 \
 		-n $(TEST_WORKERS) --dist loadfile

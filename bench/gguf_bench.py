@@ -140,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     usual_cmds = {
         "peft": [sys.executable, "-c", USUAL_MERGE, str(base), str(adapter), str(usual / "merged")],
         # llama.cpp's converter runs from its own folder (it imports its conversion/ and gguf-py/ from there)
-        "convert": ["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(llama_root),
-                    *llama_convert.command([("f16", f16, usual / "merged")])],  # fmt: skip
+        "convert": [
+            "/bin/sh",
+            "-c",
+            'cd "$0" && exec "$@"',
+            str(llama_root),
+            *llama_convert.command([("f16", f16, usual / "merged")]),
+        ],
         "quantize": [sys.executable, "-c", QUANTIZE, str(f16), str(gguf_usual), TYPE],
     }
     cold = drop_caches()
@@ -181,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     tensors = compare_tensors(gguf_ours, gguf_usual)
     command = f"python bench/gguf_bench.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip()
-    text = render(info, command, _param_count(base), args.rounds, cold, runs, outputs, compared, tensors, proof,
-                  verification)
+    text = render(
+        info, command, _param_count(base), args.rounds, cold, runs, outputs, compared, tensors, proof, verification
+    )
     print(text)
     if not args.small and not args.no_record:
         with open(args.results, "a") as f:

@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "quick": ("`converter merge` (default: merge + quick verification)", merge(work / "out-quick")),
         "merge": ("`converter merge --no-verify` (the merge alone)", merge(work / "out-merge", "--no-verify")),
-        "proof": ("the tensor proof alone (`converter verify --proof tensors`)",
-                  [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report",
-                   str(work / "proof.json")]),  # fmt: skip
+        "proof": (
+            "the tensor proof alone (`converter verify --proof tensors`)",
+            [*converter, "verify", str(work / "out-quick"), "--proof", "tensors", "--report", str(work / "proof.json")],
+        ),
         "full": ("`converter merge --verify full`", merge(work / "out-full", "--verify", "full")),
     }
     if args.no_full:

@@ -209,4 +209,3 @@ def assert_matches(ours: dict, reference: dict, base: dict, atol: float = 2e-6) 
         changed += not torch.equal(base[k], ref)
     assert changed > 0
     return changed
-

@@ -42,8 +42,10 @@ class Placement:
         where = where if self.rows is None else f"{where}[{self.rows[0]}:{self.rows[1]}]"
         if self.src is None:
             return where
-        return f"{where} <- " + ("" if self.src_expert is None else f"expert {self.src_expert} ") + (
-            f"rows {self.src[0]}:{self.src[1]}"
+        return (
+            f"{where} <- "
+            + ("" if self.src_expert is None else f"expert {self.src_expert} ")
+            + (f"rows {self.src[0]}:{self.src[1]}")
         )
 
 

@@ -114,7 +114,18 @@ def merge(
     fetched = [fetch(s.source, "adapter", token) for s in recipe.adapters]
     with temp_folder("dequantized", log=log) as scratch:
         return _merge(
-            recipe, base, fetched, Path(scratch), quant, max_shard, dry_run, force, log, task_merge, on_shard, tee,
+            recipe,
+            base,
+            fetched,
+            Path(scratch),
+            quant,
+            max_shard,
+            dry_run,
+            force,
+            log,
+            task_merge,
+            on_shard,
+            tee,
             on_planned,
         )
 

@@ -218,6 +218,7 @@ def _diffusers_alphas(metadata: dict[str, str], where: Path) -> dict:
 
 def _config_scale(meta: dict, component_prefix: str | None, module: str, rank: int, where: Path) -> float | None:
     """Scale from diffusers' saved LoraConfig (lora_alpha / r, rank/alpha patterns, rsLoRA), or None."""
+
     def get(field, default=None):
         if component_prefix and f"{component_prefix}.{field}" in meta:
             return meta[f"{component_prefix}.{field}"]

@@ -61,13 +61,20 @@ def prove_file(path: Path, planned: AdapterPlan, family: arch.Family, type_name:
             got = _read_back(t).reshape(shape)
             if part == "lora_b" and p.transform is not None:
                 got = p.transform.to_hf(got)  # llama.cpp's row order back to Hugging Face's
-            want_values = src if t.tensor_type == gguf.GGMLQuantizationType.F32 else \
-                gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type).reshape(shape)
+            want_values = (
+                src
+                if t.tensor_type == gguf.GGMLQuantizationType.F32
+                else gguf.quants.dequantize(gguf.quants.quantize(src, t.tensor_type), t.tensor_type).reshape(shape)
+            )
             if not np.array_equal(got, want_values, equal_nan=True):
                 bad = int(np.sum(got != want_values))
                 order = "one row per token" if p.embedding and part == "lora_a" else "in Hugging Face row order"
-                return Part("file", False, f"{name} ({p.source}): {bad} values differ from the adapter's "
-                            f"{'A' if part == 'lora_a' else 'B'} as {t.tensor_type.name} ({order})")
+                return Part(
+                    "file",
+                    False,
+                    f"{name} ({p.source}): {bad} values differ from the adapter's "
+                    f"{'A' if part == 'lora_a' else 'B'} as {t.tensor_type.name} ({order})",
+                )
     extra = sorted(set(found) - expected_names)
     if extra:
         return Part("file", False, f"{extra[0]} is in the file but comes from no module of the adapter")

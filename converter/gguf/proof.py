@@ -274,8 +274,11 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
     extra = sorted(set(found) - expected)
     if extra:
         return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
-    how = "equal to the source as cast / reference-quantized" if type_name in QTYPE else \
-        f"within their types' quantization error (closest to a limit: {worst[1]})"
+    how = (
+        "equal to the source as cast / reference-quantized"
+        if type_name in QTYPE
+        else f"within their types' quantization error (closest to a limit: {worst[1]})"
+    )
     return Part("tensors", True, f"{len(expected)} tensors, {how}")
 
 
@@ -344,8 +347,10 @@ def prove_behaviour(path: Path, ref: Reference, type_name: str, lora: Path | Non
     limit = BEHAVIOUR_LIMIT[type_name]
     agree = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(got, want, strict=True)])))
     whose = "logits with the adapter differ from PEFT's" if lora else "logits differ from transformers'"
-    detail = f"llama.cpp's {whose} by {rel:.2g} (relative RMS; limit {limit} for {type_name}); same top token at " \
+    detail = (
+        f"llama.cpp's {whose} by {rel:.2g} (relative RMS; limit {limit} for {type_name}); same top token at "
         f"{agree:.0%} of positions"
+    )
     if kept < total:
         detail += f"; {kept} of {total} positions compared (each text up to its first near tie of a MoE router)"
     return Part("behaviour", rel <= limit, detail)

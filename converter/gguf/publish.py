@@ -49,8 +49,10 @@ def card(result: GGUFResult, base_repo: str, gguf_repo_id: str) -> str:
         lines.append(f"| `{path.name}` | {fp.type} | {path.stat().st_size / 1e6:.1f} MB | {verdict} ({checked}) |")
     lines += ["", "## Proof", ""]
     for fp in result.proofs:
-        lines.append(f"- `{fp.file}`: " + "; ".join(f"{p.name}{'' if p.judged else ' (not judged)'}: {p.detail}"
-                                                    for p in fp.parts))
+        lines.append(
+            f"- `{fp.file}`: "
+            + "; ".join(f"{p.name}{'' if p.judged else ' (not judged)'}: {p.detail}" for p in fp.parts)
+        )
     if not result.llama_proof:
         lines.append("- llama.cpp's tokenizer and behaviour checks did not run (llama-cpp-python not installed).")
     lines += [

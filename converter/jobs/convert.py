@@ -32,8 +32,8 @@ class GGUFConvertResult(ConvertResult):
 
     @property
     def verdict(self) -> str:
-        """"pass" when every part of the proof that ran passed (a failed one raises instead); "skipped" when none
-        ran (`verify=False`)."""
+        """The proof's verdict: "pass" when every part that ran passed (a failed one raises instead); "skipped" when
+        none ran (`verify=False`)."""
         return "pass" if self.proof and all(p.passed for p in self.proof) else "skipped"
 
 
@@ -64,8 +64,20 @@ def convert(
         return convert_format(adapter_spec, to, out, base=base, rank=rank, component=component, force=force,
                               token=token, allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha,
                               verify=verify)  # fmt: skip
-    return to_gguf(adapter_spec, out, base=base, type_name=type, rank=rank, component=component, force=force,
-                   token=token, allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha, verify=verify)
+    return to_gguf(
+        adapter_spec,
+        out,
+        base=base,
+        type_name=type,
+        rank=rank,
+        component=component,
+        force=force,
+        token=token,
+        allow_pickle=allow_pickle,
+        log=log,
+        lora_alpha=lora_alpha,
+        verify=verify,
+    )
 
 
 def to_gguf(
@@ -81,7 +93,10 @@ def to_gguf(
     result = export_adapter(adapter_spec, base, out, type_name=type_name, force=force, token=token,
                             allow_pickle=allow_pickle, lora_alpha=lora_alpha, rank=rank, verify=verify,
                             log=log)  # fmt: skip
-    notes = [] if not verify or any(p.name == "behaviour" for p in result.parts) else [
-        "llama.cpp's behaviour proof did not run: it needs llama-cpp-python (converter[gguf])"]
+    notes = (
+        []
+        if not verify or any(p.name == "behaviour" for p in result.parts)
+        else ["llama.cpp's behaviour proof did not run: it needs llama-cpp-python (converter[gguf])"]
+    )
     return GGUFConvertResult(result.path, [result.path.name], result.pairs, notes, alpha=result.alpha,
                              type=result.type_name, proof=list(result.parts))  # fmt: skip

@@ -205,8 +205,7 @@ def _push_streamed(
         folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log, tee)
         if verify is not None:
             stage(VERIFY)
-            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True,
-                          **verify)
+            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True, **verify)
         operations, paths = _commit_contents(folder, repo_id, uploader)
         meter.sample()
         log(

@@ -1587,8 +1587,10 @@ class _Handler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         method = self.command
         upload = None
-        if method == "PUT" and split.path.startswith("/_lfs/") and "chunked" not in self.headers.get(
-            "Transfer-Encoding", ""
+        if (
+            method == "PUT"
+            and split.path.startswith("/_lfs/")
+            and "chunked" not in self.headers.get("Transfer-Encoding", "")
         ):
             upload, body = self._receive_upload(hub), b""
         else:

@@ -191,8 +191,6 @@ def delta(f: AdapterFactors, roles: dict[str, str], bias: bool, magnitude: bool 
     raise Unsupported(f"no published formula for a module with {', '.join(sorted(roles))}")
 
 
-
-
 class FormulaReferee:
     """Every planned tensor with patches, recomputed from the adapter files by the published formulas."""
 

@@ -57,9 +57,7 @@ def judge(
 
 
 def judge_tensors(result: TensorProofResult) -> tuple[list[str], list[str]]:
-    problems = [
-        f"{c.name}{_who(c.module, c.kind)}: {c.problem}" for c in result.failures
-    ]
+    problems = [f"{c.name}{_who(c.module, c.kind)}: {c.problem}" for c in result.failures]
     if result.failed > len(result.failures):
         problems.append(f"... and {result.failed - len(result.failures)} more tensors wrong")
     if result.missing:

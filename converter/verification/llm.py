@@ -269,7 +269,8 @@ class LLMCheck:
             base_vs_reference=base_vs_ref,
             first_disagreeing_module=culprit,
             generations=[Generation(**g) for g in side_by_side(self.tok, self.prompts, bare, ref, out)]
-            if self.new_tokens else [],  # fmt: skip
+            if self.new_tokens
+            else [],
             qlora=qlora,
         )
 

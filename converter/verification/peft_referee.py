@@ -13,6 +13,7 @@ real at a time, beside the adapters themselves. Where transformers saves a weigh
 loaded model's (ViT in transformers 5), the tensor is found by transformers' own save-direction renames.
 TIES / DARE / magnitude pruning: combination.py.
 """
+
 from __future__ import annotations
 
 import math

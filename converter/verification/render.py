@@ -56,8 +56,10 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
         exact = 1 - result.inexact / result.elements
         facts += f": {exact:.2%} of their {result.elements:,} elements exactly base + ΔW rounded to the output dtype"
         if result.inexact and result.worst is not None:
-            facts += f", the others within their rounding bound (worst {ratio_text(result.worst.ratio)}x, " \
-                     f"`{result.worst.name}`)"
+            facts += (
+                f", the others within their rounding bound (worst {ratio_text(result.worst.ratio)}x, "
+                f"`{result.worst.name}`)"
+            )
     facts += f"; {result.untouched} untouched tensors compared with the base byte for byte. {ref.detail}."
     facts += "".join(f" Note: {n}." for n in ref.notes)
     lines.append(facts)

@@ -261,4 +261,3 @@ class VerificationReport:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, VerificationReport) and self.to_dict() == other.to_dict()
-

@@ -67,7 +67,9 @@ def test_a_merge_with_verification_prints_only_converters_own_lines(llm, tmp_pat
     assert loud.returncode == 0, loud.stdout + loud.stderr
     assert any(marker in loud.stderr for marker in THIRD_PARTY), loud.stderr  # what -v shows, the default hides
     assert set(proc.stdout.splitlines()) <= set(loud.stdout.splitlines()) | {
-        line for line in proc.stdout.splitlines() if re.search(r"\d", line)  # timings differ
+        line
+        for line in proc.stdout.splitlines()
+        if re.search(r"\d", line)  # timings differ
     }
 
 

@@ -72,8 +72,14 @@ TINY = {
     "gemma3_text": lambda f: tiny(f, "gemma3_text", query_pre_attn_scalar=16),
     "phi3": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer"),  # as Phi-4's (BPE)
     "phi3_spm": lambda f: tiny_llama_spm(f, "phi3"),  # as Phi-3's (SentencePiece)
-    "phi3_longrope": lambda f: tiny(f, "phi3", tokenizer_class="GPT2Tokenizer", max_position_embeddings=512,
-                                    original_max_position_embeddings=256, rope_scaling=LONGROPE),  # as Phi-3.5's
+    "phi3_longrope": lambda f: tiny(
+        f,
+        "phi3",
+        tokenizer_class="GPT2Tokenizer",
+        max_position_embeddings=512,
+        original_max_position_embeddings=256,
+        rope_scaling=LONGROPE,
+    ),  # as Phi-3.5's
     "gpt2": lambda f: tiny(f, "gpt2", n_ctx=128),  # llama.cpp's converter reads n_ctx, as GPT-2's own config has it
     "mixtral": lambda f: tiny(f, "mixtral"),  # 4 experts, 2 per token: saved one by one, stacked in the GGUF
     "qwen2_moe": lambda f: tiny(f, "qwen2_moe"),  # + a shared expert and its gate
@@ -461,8 +467,9 @@ def test_a_tensor_written_as_hugging_face_stores_it_fails_the_tensor_proof(model
 
 
 @needs_llama
-def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still_fails_a_wrong_file(tmp_path,
-                                                                                                   monkeypatch):
+def test_a_router_lora_near_ties_are_left_out_of_the_behaviour_proof_which_still_fails_a_wrong_file(
+    tmp_path, monkeypatch
+):
     """A LoRA on Mixtral's router (this seed made llama.cpp pick another expert at a near tie, and a right F32 file
     failed at 0.015 against 0.01): each text is compared up to its first near tie, and passes; the base's file
     proven against the merged model still fails on the positions compared."""

@@ -75,8 +75,10 @@ def test_a_peft_lora_on_llama_is_applied_by_llama_cpp_as_peft_applies_it(tiny_ll
     assert keys["general.architecture"] == "llama" and keys["general.type"] == "adapter"
     assert keys["adapter.type"] == "lora" and keys["adapter.lora.alpha"] == 8.0
     config = json.loads((tiny_llama / "config.json").read_text())
-    heads = {"q_proj": config["num_attention_heads"],
-             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    heads = {
+        "q_proj": config["num_attention_heads"],
+        "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"],
+    }
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     factors = peft_factors(llama_lora)
     for module, (a, b) in factors.items():
@@ -150,8 +152,13 @@ def test_a_lora_on_phi3s_split_q_k_v_becomes_the_fused_tensors_lora(tmp_path):
 
 
 def test_the_real_smollm2_with_a_lora_made_by_peft_is_applied_by_llama_cpp(tmp_path):
-    lora = make_adapter(smollm2(), tmp_path / "lora", r=8, lora_alpha=16,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = make_adapter(
+        smollm2(),
+        tmp_path / "lora",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     result = export_adapter(str(lora), str(smollm2()), tmp_path / "out", type_name="F16", log=lambda _: None)
     assert result.path == tmp_path / "out" / "lora-F16.gguf" and result.pairs == 30 * 7
     assert all(p.passed for p in result.parts) and result.parts[-1].name == "behaviour"
@@ -181,9 +188,11 @@ def failed(tiny_llama: Path, lora: Path, out: Path) -> str:
 def test_an_unpermuted_q_lora_b_fails_the_file_proof(tiny_llama, llama_lora, tmp_path, monkeypatch):
     monkeypatch.setattr(arch, "permute", lambda w, n: w)  # the writer forgets; the proof's unpermute stays
     message = failed(tiny_llama, llama_lora, tmp_path)
-    assert re.search(r"file proof failed: blk\.0\.attn_[qk]\.weight\.lora_b "
-                     r"\(model\.layers\.0\.self_attn\.[qk]_proj\): \d+ values differ from the adapter's B as F32",
-                     message), message
+    assert re.search(
+        r"file proof failed: blk\.0\.attn_[qk]\.weight\.lora_b "
+        r"\(model\.layers\.0\.self_attn\.[qk]_proj\): \d+ values differ from the adapter's B as F32",
+        message,
+    ), message
 
 
 def test_an_unpermuted_q_lora_b_read_back_the_same_wrong_way_fails_the_behaviour_proof(tiny_llama, tmp_path,
@@ -386,8 +395,11 @@ def test_an_embedding_lora_a_laid_out_wrong_fails_the_file_proof(tiny_llama, emb
                                                                  monkeypatch):  # fmt: skip
     monkeypatch.setattr(gguf_adapter, "token_rows", reshaped)
     message = failed(tiny_llama, embedding_lora, tmp_path)
-    assert re.search(r"file proof failed: token_embd\.weight\.lora_a \(model\.embed_tokens\): \d+ values differ "
-                     r"from the adapter's A as F32 \(one row per token\)", message), message
+    assert re.search(
+        r"file proof failed: token_embd\.weight\.lora_a \(model\.embed_tokens\): \d+ values differ "
+        r"from the adapter's A as F32 \(one row per token\)",
+        message,
+    ), message
 
 
 def test_an_embedding_lora_a_read_back_the_same_wrong_way_fails_the_behaviour_proof(tiny_llama, embedding_lora,

@@ -145,9 +145,9 @@ DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
                          "KeymapError", "CheckpointError", "CheckpointNotFound", "NoModelWeights", "OutputError",
                          "HubError", "PushError", "VerificationFailed", "NotVerified",
-                         "MissingExtraError"],  # fmt: skip
+                         "MissingExtraError"],
     "converter.testing.hub": ["HubServer", "run_client", "client_env", "hub_env"],
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("module", sorted(DOCUMENTED_API))

@@ -30,7 +30,8 @@ from converter.engine.merging import merge
 from converter.verification import verify
 
 DEC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+           num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+           pad_token_id=0)  # fmt: skip
 ENC = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            max_position_embeddings=64, pad_token_id=0)  # fmt: skip
 S2S = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -63,6 +64,8 @@ def case(model, config, settings, task, targets, dtype=torch.float32, **features
 BF16 = torch.bfloat16
 
 
+# one line (or a few) per case
+# fmt: off
 CASES = [
     # decoders
     case("LlamaForCausalLM", "LlamaConfig", DEC, "CAUSAL_LM", ["q_proj", "v_proj", "down_proj"], use_dora=True),
@@ -182,6 +185,7 @@ CASES = [
          conv_kernel=(4, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, num_labels=3,
          classifier_proj_size=16), "SEQ_CLS", ["q_proj", "v_proj"], use_dora=True),
 ]
+# fmt: on
 
 
 def build(root: Path, c: Case) -> tuple[Path, Path]:

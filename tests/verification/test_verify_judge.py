@@ -73,7 +73,6 @@ def test_judge_llm_thresholds_and_the_no_op_rule():
     assert problems[-1].startswith("first module that disagrees: a.b")
 
 
-
 def test_judge_diffusion_per_component_and_the_no_op_rule():
     tol = DiffusionTolerance(output_rel_err=1e-6, module_rel_err=1e-5)
 
@@ -88,6 +87,7 @@ def test_judge_diffusion_per_component_and_the_no_op_rule():
     assert failing_components({"unet": right, "text_encoder": off}, tol) == ["text_encoder"]
     _, notes = judge_diffusion({"unet": as_bare}, tol)  # the adapter barely changes it
     assert "could not be told apart" in notes[0]
+
 
 class Stated:
     """A referee stated by hand: `w` gets `delta` added (LoRA-like), everything else is untouched."""

@@ -44,8 +44,12 @@ T5_PREFIX = {"kohya+t5": "lora_te3", "kohya+t5-te2": "lora_te2"}  # sd-scripts' 
 # the components whose modules no diffusers code reads, refereed by the formula (diffusers referees the rest)
 FORMULA = {("sd3", "kohya"): ("transformer",), ("sd3", "kohya+t5"): ("text_encoder_3", "transformer"),
            ("flux", "kohya+t5"): ("text_encoder_2",), ("flux", "kohya+t5-te2"): ("text_encoder_2",)}  # fmt: skip
-UNREAD = {("sd3", "kohya"): "lora_unet_", ("sd3", "kohya+t5"): "lora_te3_, lora_unet_",
-          ("flux", "kohya+t5"): "lora_te3_", ("flux", "kohya+t5-te2"): "lora_te2_"}  # the parts, as the note says
+UNREAD = {
+    ("sd3", "kohya"): "lora_unet_",
+    ("sd3", "kohya+t5"): "lora_te3_, lora_unet_",
+    ("flux", "kohya+t5"): "lora_te3_",
+    ("flux", "kohya+t5-te2"): "lora_te2_",
+}  # the parts, as the note says
 # T5 modules beside CLIP's; a diffusers file saved under transformers 5 (no `text_model.`) on the same base; PEFT
 # folders per component (the PEFT referee)
 MORE = [("sd3", "kohya+t5"), ("flux", "kohya+t5"), ("flux", "kohya+t5-te2"), ("sd15", "diffusers-tf5"),
@@ -92,6 +96,7 @@ def uniform(lora: dict, alpha: float) -> dict:
 def kohya_file(kind: str, models: dict) -> dict:
     """sd-scripts' names: lora_unet_* for the denoiser (SGM names for SDXL, MMDiT for SD3, BFL for Flux) and
     lora_te_ / lora_te1_ / lora_te2_ for the CLIP text encoders (transformers 4 paths, `text_model.` included)."""
+
     def te(name: str, prefix: str) -> dict:
         return kohya_modules(models[name], prefix, TE_TARGETS)
 
