@@ -60,6 +60,8 @@ def convert(
         names = BaseNames(base_names(base, token, Path(scratch))) if base else None  # headers read here, kept
         base_view = names.naming_for(to) if names else None
         modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
+    if to == "peft" and names is not None:
+        _check_peft_names(modules, names)
     notes = list(adapter.warnings)
     if svd:
         worst = max(svd, key=svd.get)
@@ -86,6 +88,19 @@ def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
     keymap = names.keymap if names is not None else getattr(identify(adapter), "family", None)
     kind, _ = keymap.target(to) if keymap is not None else (None, None)
     return DOTTED_PREFIX.get(kind or "comfyui", "diffusion_model.")
+
+
+def _check_peft_names(modules: list, names: BaseNames) -> None:
+    """A PEFT folder loads onto diffusers' model of the family: refuse the original checkpoint's names where they
+    differ from diffusers' (a single-file base of a family whose keymap writes PEFT files in the base's naming)."""
+    original = next((m for m in modules if m.component == "denoiser"), None)
+    if original is not None and not names.keymap.one_naming:
+        raise BadInputError(
+            f"{original.source}: on this single file it is {original.name}, the original {names.keymap.title} "
+            "checkpoint's name, which diffusers' model (what a PEFT folder loads onto) does not have: give --base as "
+            "a diffusers pipeline folder so each module is looked up under diffusers' names",
+            tensor=original.source,
+        )
 
 
 def _check_naming(adapter: Adapter, to: str) -> None:

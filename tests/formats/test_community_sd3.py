@@ -191,3 +191,31 @@ def test_kohya_sd3_lora_into_original_file_and_diffusers_folder(sd3, tmp_path, c
         )
     via_file = from_original(load_file(tmp_path / "s2" / "sd3.5-tiny.safetensors"))
     assert_matches(read_component(tmp_path / "f2", "transformer"), via_file, model.state_dict(), atol=1e-6)
+
+
+def test_kohya_sd3_to_peft_takes_diffusers_names_from_a_folder_and_is_refused_against_the_original_file(
+    sd3, tmp_path, cli
+):
+    """A PEFT folder loads onto diffusers' SD3 transformer: against the diffusers folder the kohya file becomes
+    diffusers' modules and PEFT's merge of it is ours; against the original single file its modules would keep
+    MMDiT names no diffusers model has, so the conversion is refused in one line, nothing written."""
+    import copy
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    model, folder, single = sd3
+    lora = kohya_sd3_lora(load_file(single))
+    swapped = "lora_unet_joint_blocks_1_context_block_adaLN_modulation_1"  # no diffusers module: see above
+    lora = {k: v for k, v in lora.items() if not k.startswith(swapped)}
+    src = save(lora, tmp_path / "lora.safetensors", {"ss_network_module": "networks.lora_sd3"})
+    code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "p", "--base", single)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the original Stable Diffusion 3 / 3.5 checkpoint's name" in err and "diffusers pipeline folder" in err
+    assert not (tmp_path / "p").exists()
+    code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "p", "--base", folder)
+    assert code == 0, err
+    with_peft = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "p").merge_and_unload().state_dict()
+    assert cli("merge", "--base", folder, "--adapter", src, "--out", tmp_path / "m")[0] == 0
+    ours = read_component(tmp_path / "m", "transformer")
+    assert_matches(ours, {k: with_peft[k] for k in ours}, model.state_dict(), atol=1e-6)
