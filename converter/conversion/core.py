@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
 from converter.conversion.proof import prove, prove_on_base
 from converter.conversion.writers import DOTTED_PREFIX, write
@@ -90,7 +91,7 @@ def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
     return DOTTED_PREFIX.get(kind or "comfyui", "diffusion_model.")
 
 
-def _check_peft_names(modules: list, names: BaseNames) -> None:
+def _check_peft_names(modules: list[LoraModule], names: BaseNames) -> None:
     """A PEFT folder loads onto diffusers' model of the family: refuse the original checkpoint's names where they
     differ from diffusers' (a single-file base of a family whose keymap writes PEFT files in the base's naming)."""
     original = next((m for m in modules if m.component == "denoiser"), None)
