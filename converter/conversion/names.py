@@ -9,7 +9,7 @@ from pathlib import Path
 
 from converter.conversion.modules import LoraModule, fuse, lowrank_factors, output_component, split_modules
 from converter.engine.base_reader import open_base
-from converter.engine.keymap import DiffusionResolver, keymap_for
+from converter.engine.keymap import DiffusionResolver, keymap_for, loaded_name
 from converter.errors import BadInputError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import ExpertLowRank
@@ -19,11 +19,6 @@ from converter.hub.sources import parse_source
 # the component of a dotted source prefix (diffusers: `unet` in SD/SDXL, `transformer` in DiTs; ComfyUI's
 # `diffusion_model.` keeps the original model's names)
 NATIVE_COMPONENT = {"unet.": "unet", "transformer.": "transformer", "diffusion_model.": "denoiser"}
-# transformers 5 builds a CLIPTextModel without the `text_model.` level that its checkpoints saved by transformers 4
-# keep in their keys (the text encoders of the public SD, SDXL and FLUX.1 pipelines); CLIPTextModelWithProjection
-# keeps the level (transformers' conversion_mapping.py). A PEFT or diffusers adapter names the modules of the loaded
-# model: PEFT and diffusers match target_modules as written, and a leftover prefix matches nothing.
-PREFIX_NOT_LOADED = {"CLIPTextModel": "text_model."}
 
 
 def base_names(spec: str, token: str | None, workdir: Path) -> Path:
@@ -75,8 +70,8 @@ class BaseNames:
 
     def loaded_name(self, component: str | None, name: str) -> str:
         """A module's path in the model transformers loads from the base (or its `component`), where it differs
-        from the checkpoint's key (PREFIX_NOT_LOADED). The class is the component's config's; a single file has
-        none, and its family's keymap names the class diffusers loads the component as."""
+        from the checkpoint's key (the keymaps' `loaded_without`). The class is the component's config's; a single
+        file has none, and its family's keymap names the class diffusers loads the component as."""
         configs = getattr(self.checkpoint, "component_configs", {})
         if component in configs:
             classes = configs[component].get("architectures")
@@ -84,11 +79,7 @@ class BaseNames:
             classes = self.keymap.diffusers.get(component)
         else:
             classes = self.checkpoint.config.get("architectures")
-        for cls in classes or ():
-            prefix = PREFIX_NOT_LOADED.get(cls)
-            if prefix and name.startswith(prefix):
-                return name[len(prefix) :]
-        return name
+        return loaded_name(classes, name)
 
     def components(self) -> set[str]:
         if self.checkpoint.diffusion == "single_file":

@@ -118,6 +118,9 @@ class Keymap:
     # Other spellings of a module path: (regex, replacement); transformers 5 calls Mixtral's `block_sparse_moe` `mlp`.
     spellings: list[tuple[re.Pattern, str]] = field(default_factory=list)
     experts: list[ExpertRule] = field(default_factory=list)  # fused MoE expert tensors <-> per-expert weights
+    # transformers class -> the key prefix its checkpoints may spell and the model it loads lacks (a CLIPTextModel
+    # saved by transformers 4: text_model.); an adapter for the loaded model names its modules without it
+    loaded_without: dict[str, str] = field(default_factory=dict)
     # Diffusion families, the adapter side: a display name, diffusers' classes, how adapter module names look in
     # each naming (original checkpoint / diffusers), shape rules that tell apart families with the same names,
     # which tools load which spelling as it is (a LoRA; a LoKr), the spelling each convert target writes, and (for
@@ -179,6 +182,7 @@ class Keymap:
             ],
             spellings=[(re.compile(a), b) for a, b in data.get("spellings", [])],
             experts=[ExpertRule(e["fused"], list(e["split"])) for e in data.get("experts", [])],
+            loaded_without=dict(data.get("loaded_without") or {}),
             title=data.get("title") or data["name"],
             diffusers=data.get("diffusers") or {},
             names={k: [re.compile(p) for p in v] for k, v in (data.get("names") or {}).items()},
@@ -252,6 +256,17 @@ def load_keymap(name: str, raw: str) -> Keymap:
 def all_keymaps() -> tuple[Keymap, ...]:
     files = sorted((f for f in keymap_folder().iterdir() if f.name.endswith(".yaml")), key=lambda p: p.name)
     return tuple(load_keymap(f"keymaps/{f.name}", f.read_text()) for f in files)
+
+
+def loaded_name(classes: list[str] | None, name: str) -> str:
+    """A module's path in the model transformers builds as one of `classes`, given its checkpoint key's path: the
+    keymaps' `loaded_without` prefix dropped where it applies."""
+    for cls in classes or ():
+        for km in all_keymaps():
+            prefix = km.loaded_without.get(cls)
+            if prefix and name.startswith(prefix):
+                return name[len(prefix) :]
+    return name
 
 
 def keymap_for(config: dict) -> Keymap:

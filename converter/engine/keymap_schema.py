@@ -229,6 +229,7 @@ KEYMAP = record(
         "renames": list_of(_RENAME),
         "spellings": list_of(spelling),
         "experts": list_of(_EXPERTS),
+        "loaded_without": map_of(text),
     },
     required=("name", "model_types"),
 )
