@@ -1,4 +1,5 @@
-"""Errors the user can act on. The CLI prints their message on one line and exits with `exit_code`.
+"""Errors the user can act on. The CLI prints their message on one line; each class carries its `verdict`
+(converter.outcome), from which the outcome of the failed verb and its `exit_code` follow.
 
 Callers of the Python API catch the narrow classes and read what went wrong from their fields (file, tensor,
 repo id, revision, HTTP status, ...) instead of parsing messages, like huggingface_hub's errors; every class is a
@@ -9,11 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+from converter.outcome import Verdict
+from converter.outcome import exit_code as _exit_code
+
 
 class ConverterError(Exception):
     """Bad input or usage: the message names the file/tensor and says what to do."""
 
-    exit_code = 2
+    verdict = Verdict.REFUSED
+    exit_code = _exit_code(verdict)
 
 
 class UsageError(ConverterError):
@@ -125,10 +130,12 @@ class PushError(HubError):
 
 
 class VerificationFailed(ConverterError):
-    """The merged model is not base + adapters: `report` is the VerificationReport that says where (None for a
-    check that has no report, such as a converted adapter read back)."""
+    """The result is not what it should be: `report` says where, typed (a merge's VerificationReport, a GGUF file's
+    FileProof; None for a check that has no report, such as a converted adapter read back). Each report
+    summarises itself for the outcome (`as_proofs()`)."""
 
-    exit_code = 3
+    verdict = Verdict.FAILED
+    exit_code = _exit_code(verdict)
 
     def __init__(self, message: str, *, report: object = None):
         super().__init__(message)
@@ -139,7 +146,8 @@ class NotVerified(ConverterError):
     """No proof could judge the merge (`report.notes` say why): the output is kept, marked not verified, and not
     pushed; `--no-verify` says the user takes it unproven."""
 
-    exit_code = 5
+    verdict = Verdict.NOT_VERIFIED
+    exit_code = _exit_code(verdict)
 
     def __init__(self, message: str, *, report: object = None):
         super().__init__(message)
