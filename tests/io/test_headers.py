@@ -104,7 +104,7 @@ def test_headers_are_encoded_and_decoded_only_by_the_codec():
     offenders = []
     for path in sorted((ROOT / "converter").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel in ("converter/io/safetensors_header.py", "converter/testing/hub.py"):
+        if rel == "converter/io/safetensors_header.py" or rel.startswith("converter/testing/hub/"):
             continue
         text = path.read_text()
         if ".to_bytes(8" in text or "int.from_bytes(" in text:

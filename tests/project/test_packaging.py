@@ -124,7 +124,7 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert {"converter/testing/__init__.py", "converter/testing/hub.py",
+    assert {"converter/testing/__init__.py", "converter/testing/hub/__init__.py", "converter/testing/hub/jobs.py",
             "converter/testing/training_checkpoints.py"} <= names  # fmt: skip
     assert "Requires-Dist: pytest" in metadata and 'extra == "test"' in metadata  # test tools: the test extra only
     code = ("import sys; import converter.testing.hub, converter.testing.training_checkpoints\n"

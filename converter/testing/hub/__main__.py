@@ -1,0 +1,5 @@
+"""``python -m converter.testing.hub``: see ``cli.main``."""
+
+from converter.testing.hub.cli import main
+
+main()
