@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.app.merge_job import check_namespace, public_paths, redactor
-from converter.conversion.core import FILE_TARGETS, TARGETS, convert
+from converter.conversion.core import FILE_TARGETS, TARGETS, ConvertResult, convert
 from converter.conversion.pr import push_pr
 from converter.errors import ConverterError, UsageError
 from converter.hub import client as hub
@@ -53,11 +53,17 @@ class ConvertJobResult:
     modules: int
     files: list[str]
     log: list[str] = field(default_factory=list)
+    conversion: ConvertResult | None = None  # None: nothing converted (the repo has the format already)
+    updated: bool = False  # our open pull request got the commit (no second one opened)
 
     @property
     def proofs(self) -> list[str]:
-        """What the conversion said about its ΔW check (lines of its log), shown under the result."""
-        return [line for line in self.log if "ΔW" in line or "delta" in line.lower()]
+        """The conversion's ΔW check (and SVD error), rendered from its typed result, shown under the result."""
+        c = self.conversion
+        if c is None:
+            return []
+        svd = [f"{len(c.svd_errors)} modules approximated by SVD: relative error max {max(c.svd_errors.values()):.3e}"]
+        return ([c.read_back.summary()] if c.read_back is not None else []) + (svd if c.svd_errors else [])
 
 
 def default_convert_repo(user: str, adapter: str, to: str) -> str:
@@ -102,11 +108,11 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
     adapter, base = request.adapter.strip(), request.base.strip() or None
     with job_sources(tmp / "hf-cache"):
         if request.mode == "pr":
-            url = push_pr(adapter, request.to, base=base, token=token, log=say)
-            repo = adapter.split("@")[0].split("/")
-            if url:
-                say(f"pull request: {url}")
-            return ConvertJobResult(url, "/".join(repo[:2]), _modules(lines), [], lines)
+            pr = push_pr(adapter, request.to, base=base, token=token, log=say)
+            if pr.url:
+                say(f"pull request: {pr.url}")
+            modules = pr.conversion.modules if pr.conversion is not None else 0
+            return ConvertJobResult(pr.url, pr.repo_id, modules, [], lines, pr.conversion, pr.updated)
         repo_id = request.repo_id.strip() or default_convert_repo(hub.whoami(token), adapter, request.to)
         check_namespace(repo_id, token)
         folder = tmp / "out"
@@ -121,12 +127,4 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
         pushed = push_folder(folder, repo_id, token=token, message=f"Add a {request.to} version of {adapter}", log=say)
     link = pushed.pr_url or pushed.url
     say(f"pushed: {link}")
-    return ConvertJobResult(link, repo_id, result.modules, result.files, lines)
-
-
-def _modules(lines: list[str]) -> int:
-    """The module count `convert` logged ("wrote …: N LoRA modules as …")."""
-    for line in lines:
-        if m := re.search(r": (\d+) LoRA modules as ", line):
-            return int(m[1])
-    return 0
+    return ConvertJobResult(link, repo_id, result.modules, result.files, lines, result)

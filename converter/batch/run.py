@@ -3,7 +3,8 @@ a per-job timeout), and the driver loop that records each result as it arrives.
 
 Why a subprocess per job: the task runs the same `converter` command a person would, so every check, error
 message and PR rule applies unchanged; a job that crashes or is killed (OOM, timeout) takes only its own process
-with it, and its peak memory is measured for that job alone (`wait4`).
+with it, and its peak memory is measured for that job alone (`wait4`). The command runs with `--json`, and what
+happened is read from the outcome it prints (converter.outcome), never from its other lines.
 
 Tokens: a local cluster started here inherits this process's environment (HF_TOKEN included), so the token is in
 no argument, file or log. Ray writes a task's `runtime_env` into its own logs, so the token goes there only when
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,13 +32,12 @@ from converter.hub import client as hub
 from converter.io.optional import require
 from converter.io.progress import Progress
 from converter.io.scratch import temp_folder
+from converter.outcome import Outcome, Verdict, last_outcome
 
 #: A `converter` process before its data. Measured peaks on tiny models: convert (torch imported) ~250 MB, merge +
 #: verify (transformers + peft too) ~440 MB; the reserve leaves room for real tokenizers and generation buffers.
 CONVERT_BYTES = 512 << 20
 PROCESS_BYTES = 1 << 30
-#: Error lines from the CLI that mean the Hub failed (after the CLI's own retries), not the job: Ray retries these.
-TRANSIENT = re.compile(r"Hub error (429|5\d\d)|cannot reach the Hub|timed out|Connection (reset|refused|aborted)")
 #: Test hook: `<job id>=<point>` makes that job's first attempt stop its child at scratch point <point> (SIGSTOP),
 #: so a test can kill the worker at a known moment.
 STOP_ENV = "CONVERTER_BATCH_TEST_STOP"
@@ -133,7 +132,7 @@ def _run_child(argv: list[str], job: Job, scratch: Path, timeout: float | None) 
     out_path, err_path = scratch / "stdout.txt", scratch / "stderr.txt"
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         child = subprocess.Popen(
-            [sys.executable, "-m", "converter", *argv],
+            [sys.executable, "-m", "converter", "--json", *argv],
             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=scratch,
             start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
@@ -155,38 +154,50 @@ def _run_child(argv: list[str], job: Job, scratch: Path, timeout: float | None) 
 
 
 def _read_outcome(job: Job, code: int | None, out: str, err: str, timeout: float | None) -> dict[str, Any]:
-    """What the CLI's output says happened."""
-    out, err = _redact(out), _redact(err)
-    last_error = next((line for line in reversed(err.splitlines()) if line.startswith("error: ")), "")
-    last_error = last_error.removeprefix("error: ")
+    """What happened, from the outcome the child printed (`--json`); where it printed none (killed, timed out,
+    dead before its handler), from how it ended."""
     if code is None:
         return {"status": "failed", "result": "timed out",
                 "error": f"timed out after {timeout:g} s (raise the job's timeout:, or --job-timeout)"}  # fmt: skip
-    if code == 3:
-        return {"status": "failed", "result": "verification failed", "verdict": "failed", "error": last_error}
-    if code == 5:  # NotVerified: no proof could judge it (a merge's output is kept, a push pushed nothing)
-        return {"status": "failed", "result": "not verified", "verdict": "not verified", "error": last_error}
-    if code != 0:
-        if code < 0:
-            error = f"the converter process was killed by signal {-code} (out of memory?)"
-        else:
-            error = last_error or (err.strip().splitlines() or ["no error message"])[-1]
-        result = "error" if code == 2 else "crashed"
-        return {"status": "failed", "result": result, "error": error, "transient": bool(TRANSIENT.search(error))}
-    verdict = "n/a (no merge)"
-    if job.kind in ("merge", "verify"):
-        skipped = "**Not verified**" in out or not job.options.get("verify", True)
-        verdict = "skipped" if skipped else "passed"
-    if m := re.search(r"^pull request: (\S+)", out, re.M):
-        updated = "updating our open pull request" in out
-        return {"status": "done", "result": "PR updated" if updated else "PR opened", "url": m[1], "verdict": verdict}
-    if m := re.search(r"^pushed: (\S+)", out, re.M):
-        return {"status": "done", "result": "pushed", "url": m[1], "verdict": verdict}
-    if m := re.search(r"^nothing changed: (\S+)", out, re.M):
-        return {"status": "done", "result": "unchanged", "url": m[1], "verdict": verdict}
-    if "already has a" in out and job.kind == "convert":
-        return {"status": "done", "result": "already converted", "verdict": verdict}
-    return {"status": "done", "result": "verified" if job.kind == "verify" else "done", "verdict": verdict}
+    if code < 0:
+        return {"status": "failed", "result": "crashed",
+                "error": f"the converter process was killed by signal {-code} (out of memory?)"}  # fmt: skip
+    try:
+        outcome = last_outcome(_redact(out))
+    except ValueError as e:  # it died before printing its outcome: its stderr's last line is all there is
+        error = (_redact(err).strip().splitlines() or [str(e)])[-1]
+        return {"status": "failed", "result": "crashed", "error": error}
+    return _job_result(job, outcome)
+
+
+_FAILURES = {
+    Verdict.FAILED: "verification failed",
+    Verdict.NOT_VERIFIED: "not verified",  # a proof was asked for and could not judge (exit 5)
+    Verdict.REFUSED: "error",
+    Verdict.CRASHED: "crashed",
+    Verdict.INTERRUPTED: "crashed",
+}
+
+
+def _job_result(job: Job, outcome: Outcome) -> dict[str, Any]:
+    """A job's row from its outcome: the verdict, the pull request / commit link, whether anything changed, and
+    for a failure its reason and whether the Hub's fault may pass (errors.HubError.transient)."""
+    verdict = outcome.verdict.value
+    if outcome.exit_code != 0:
+        transient = outcome.error is not None and outcome.error.transient
+        return {"status": "failed", "result": _FAILURES[outcome.verdict], "verdict": verdict,
+                "error": outcome.reason, "transient": transient}  # fmt: skip
+    done = {"status": "done", "verdict": verdict}
+    pub = outcome.publication
+    if pub is not None and pub.pr_url:
+        return {**done, "result": "PR updated" if pub.pr_updated else "PR opened", "url": pub.pr_url}
+    if pub is not None and not pub.changed:
+        return {**done, "result": "unchanged", "url": pub.url}
+    if pub is not None:
+        return {**done, "result": "pushed", "url": f"{pub.url}/commit/{pub.commit}"}
+    if outcome.details.get("existing"):
+        return {**done, "result": "already converted"}
+    return {**done, "result": "verified" if job.kind == "verify" else "done"}
 
 
 def _outcome(status: str, started: float, **fields: Any) -> dict[str, Any]:

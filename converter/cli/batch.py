@@ -7,9 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.errors import UsageError
-
-#: Exit code when the batch ran but some jobs failed (the report says which and why).
-SOME_FAILED = 4
+from converter.outcome import Outcome, Verdict
 
 
 def add_parser(sub) -> None:
@@ -38,7 +36,7 @@ def add_parser(sub) -> None:
     )
 
 
-def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> Outcome:
     from converter.batch import job_list as joblist
     from converter.io.optional import require
 
@@ -81,4 +79,22 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
     report.write_markdown(report_path, report.markdown(rows, set(skipped), elapsed))
     log(report.terminal(rows, set(skipped)))
     log(f"report: {report_path}  state: {state}")
-    return SOME_FAILED if any(r.status != "done" for r in rows) else 0
+    return _outcome(rows, set(skipped), report_path, state)
+
+
+def _outcome(rows: list, skipped: set[str], report_path: Path, state: Path) -> Outcome:
+    """Failed when some job failed (exit 4: converter.outcome); proven when every job's own verdict is; else done
+    with jobs that prove nothing (conversions found done already, --no-verify merges), which is no failure."""
+    from converter.batch import report
+
+    details = {"jobs": len(rows), **report.counts(rows, skipped), "report": str(report_path), "state": str(state)}
+    done = {"out": str(report_path), "files": (str(report_path), str(state)), "details": details}
+    failed = [r for r in rows if r.status != "done"]
+    if failed:
+        return Outcome("batch", Verdict.FAILED, f"{len(failed)} of {len(rows)} jobs failed: {failed[0].id}: "
+                       f"{failed[0].error or failed[0].result}", **done)  # fmt: skip
+    unproven = [r for r in rows if r.verdict != Verdict.PROVEN]
+    if unproven:
+        reason = f"{len(unproven)} of {len(rows)} jobs proved nothing ({unproven[0].id}: {unproven[0].verdict})"
+        return Outcome("batch", Verdict.NOT_VERIFIED, reason, proof_asked=False, **done)
+    return Outcome("batch", Verdict.PROVEN, **done)

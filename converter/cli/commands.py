@@ -1,6 +1,8 @@
 """`converter inspect / merge / convert / gguf / verify / push / demo / space deploy`: argument parsing and printing.
 
-Exit codes: 0 ok, 2 bad input or usage, 3 verification failed, 1 unexpected failure.
+Every command returns its outcome (converter.outcome), and a failure's outcome is built from its error, so the
+exit code (0 done, 2 bad input or usage, 3 verification failed, 5 not verified, 1 unexpected failure) comes from
+the outcome alone. `--json` prints it as the last line of stdout; the human lines then go to stderr.
 """
 
 from __future__ import annotations
@@ -10,13 +12,19 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 from converter.cli import quiet
+from converter.cli.outcomes import NOTHING_TO_PROVE, not_asked, paths, verified
 from converter.errors import BadInputError, ConverterError, UsageError
+from converter.outcome import Outcome, Published
 
 
 class _Parser(argparse.ArgumentParser):
+    refused: str | None = None  # the last usage error (main prints it as an outcome with --json)
+
     def error(self, message: str):  # argparse exits 2 on usage errors; keep its one-line style
+        _Parser.refused = f"{self.prog}: error: {message}"
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
@@ -30,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="describe a model folder or an adapter")
     i.add_argument("path", help="model folder, adapter folder or adapter file")
-    i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--allow-pickle", action="store_true", help="read .bin adapters (weights only)")
     i.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     i.add_argument("--config", help=CONFIG_HELP)
@@ -96,20 +103,26 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--source", help="checkout holding app.py, spaces/ and converter/ (default: this package's)")
     sd.add_argument("--private", action="store_true", help="create the Space private")
     sd.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
-    _add_verbose(p)
+    _add_globals(p)
     return p
 
 
-def _add_verbose(parser: argparse.ArgumentParser, top: bool = True) -> None:
-    """`-v` before or after the command, on every command (a subcommand's default must not reset the top's)."""
+def _add_globals(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """`-v` and `--json` before or after the command, on every command (a subcommand's default must not reset the
+    top's)."""
     parser.add_argument(
         "-v", "--verbose", action="store_true", default=False if top else argparse.SUPPRESS,
         help="also show what the libraries underneath print (their warnings, log lines and progress bars)",
     )  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true", default=False if top else argparse.SUPPRESS,
+        help="print the outcome (verdict, reason, files, Hub links, proofs) as one JSON object, the last line of "
+        "stdout; the other lines go to stderr",
+    )  # fmt: skip
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                _add_verbose(sub, top=False)
+                _add_globals(sub, top=False)
 
 
 def _convert_parser(sub) -> None:
@@ -317,7 +330,7 @@ def _recipe_from_args(args: argparse.Namespace):
     return recipe
 
 
-def _keep_adapter(args: argparse.Namespace) -> int:
+def _keep_adapter(args: argparse.Namespace) -> Outcome:
     """`merge --keep-adapter`: nothing is merged, so only the options that say where and what to read apply."""
     from pathlib import Path
 
@@ -336,7 +349,8 @@ def _keep_adapter(args: argparse.Namespace) -> int:
         raise UsageError("--keep-adapter needs --out (a folder: OUT/base and OUT/adapter are written there)")
     keep_adapter(recipe.base, Path(args.out), lora_alpha=recipe.base_lora_alpha, allow_pickle=recipe.allow_pickle,
                  force=args.force, log=_log, config=recipe.base_config)  # fmt: skip
-    return 0
+    return not_asked("merge", "nothing merged (--keep-adapter writes the base and its LoRA apart)", out=args.out,
+                     files=(str(Path(args.out) / "base"), str(Path(args.out) / "adapter")))  # fmt: skip
 
 
 def _training_base(base: str) -> bool:
@@ -358,8 +372,8 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the parsed command (COMMANDS: its handler); its exit code."""
+def run(args: argparse.Namespace) -> Outcome:
+    """Run the parsed command (COMMANDS: its handler); its outcome."""
     handler = COMMANDS.get(args.command)
     if handler is None:
         raise AssertionError(args.command)
@@ -371,15 +385,17 @@ def _one_blas_thread() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
+def _run_inspect(args: argparse.Namespace) -> Outcome:
+    """The description as lines, or with --json in the outcome's `details` only."""
     from converter.jobs.describe import inspect_path, render
 
     info = inspect_path(args.path, allow_pickle=args.allow_pickle, token=args.token, config=args.config)
-    _log(render(info, as_json=args.json))
-    return 0
+    if not args.json:
+        _log(render(info))
+    return not_asked("inspect", NOTHING_TO_PROVE, details=info)
 
 
-def _run_merge(args: argparse.Namespace) -> int:
+def _run_merge(args: argparse.Namespace) -> Outcome:
     """Merge, then verify (unless --no-verify or --dry-run) and export GGUF files when asked; the checks that
     can fail early (verification's extras, the GGUF types) run before the merge."""
     _one_blas_thread()
@@ -403,6 +419,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         from converter.cli.gguf import merge_tee
 
         tee = merge_tee(recipe.out, gguf_types, log=_log)
+    report = exported = None
     try:
         result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log, tee=tee,
                        on_planned=warmup)  # fmt: skip
@@ -410,18 +427,32 @@ def _run_merge(args: argparse.Namespace) -> int:
         if settings is not None:
             from converter.jobs.pipeline import verify_folder
 
-            verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
+            report = verify_folder(result.out, recipe, token=args.token, log=_log, **settings)
         if gguf_types:
             from converter.cli.gguf import export_merged
 
-            export_merged(result.out, gguf_types, log=_log, written=written)
+            exported = export_merged(result.out, gguf_types, log=_log, written=written)
     finally:
         if tee is not None:
             tee.discard()  # what export did not take (all of it, if anything failed)
-    return 0
+    if args.dry_run:
+        return not_asked("merge", "a dry run: nothing was written")
+    out = {"out": str(result.out), "files": paths(result.out, [*result.files, *_report_file(report)])}
+    outcome = verified("merge", report, **out) if report is not None else not_asked("merge", **out)
+    if exported is not None:
+        outcome = outcome.with_proofs(exported.as_proofs())
+        outcome = replace(outcome, files=outcome.files + tuple(str(f) for f in exported.files))
+    return outcome
 
 
-def _run_verify(args: argparse.Namespace) -> int:
+def _report_file(report) -> list[str]:
+    """verification.json, written next to the model by a verification that ran."""
+    from converter.io.records import REPORT_FILE
+
+    return [] if report is None else [REPORT_FILE]
+
+
+def _run_verify(args: argparse.Namespace) -> Outcome:
     """Verify a merged folder against --base/--adapter, or against the recipe recorded in it."""
     from converter.engine.recipe import recorded_recipe
     from converter.jobs.pipeline import verify_folder
@@ -439,16 +470,17 @@ def _run_verify(args: argparse.Namespace) -> int:
     if args.config:
         recipe.base_config = args.config
     proofs = ("tensors", "behaviour") if args.proof == "both" else (args.proof,)
-    verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
-                  **_verify_settings(args))  # fmt: skip
-    return 0
+    report = verify_folder(args.folder, recipe, token=args.token, log=_log, report_path=args.report, proofs=proofs,
+                           **_verify_settings(args))  # fmt: skip
+    return verified("verify", report, out=str(args.folder))
 
 
-def _run_push(args: argparse.Namespace) -> int:
+def _run_push(args: argparse.Namespace) -> Outcome:
     """Merge (or take --from FOLDER) and publish; --gguf files are proven before the commit and pushed after it,
-    and their scratch copies go whatever happens."""
+    and their scratch copies go whatever happens. The verification's report is read from the folder as it is
+    published (push's `finished`), where the push verified it."""
     _one_blas_thread()
-    from converter.jobs.pipeline import push
+    from converter.jobs.pipeline import VERIFY, push
 
     recipe = None if args.from_folder else _recipe_from_args(args)
     settings = None if args.no_verify else _verify_settings(args)
@@ -457,6 +489,18 @@ def _run_push(args: argparse.Namespace) -> int:
         from converter.cli.gguf import prepare_push_gguf
 
         gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
+    stages: list[str] = []
+    reports: list = []
+
+    def finished(folder) -> None:
+        if VERIFY in stages:
+            from converter.verification.report import VerificationReport
+
+            reports.append(VerificationReport.load(folder))
+        if gguf and recipe:
+            gguf.export(folder)  # a merge's GGUF, proven before the commit
+
+    published = []
     try:
         result = push(
             args.repo,
@@ -468,65 +512,75 @@ def _run_push(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             verify=settings,
             log=_log,
-            finished=gguf.export if gguf and recipe else None,  # a merge's GGUF, proven before the commit
+            stage=stages.append,
+            finished=finished,
             keep_output=gguf is not None,
             tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
         )
         _log(result.summary())
+        published.append(result.published())
         if gguf is not None:
             from converter.cli.gguf import finish_push_gguf
 
-            finish_push_gguf(gguf, args, log=_log)
+            published.append(finish_push_gguf(gguf, args, log=_log).published())
     finally:
         if gguf is not None:
             from converter.cli.gguf import discard_push_gguf
 
             discard_push_gguf(gguf)
-    return 0
+    done = {"published": tuple(published)}
+    if reports and reports[0] is not None:
+        outcome = verified("push", reports[0], **done)
+    elif settings is None:
+        outcome = not_asked("push", **done)
+    else:  # a --from folder without the recipe it was merged from: nothing to verify it against
+        outcome = not_asked("push", "the folder has no recipe to verify it against", **done)
+    return outcome.with_proofs(gguf.result.as_proofs()) if gguf is not None and gguf.result else outcome
 
 
-def _run_convert(args: argparse.Namespace) -> int:
+def _run_convert(args: argparse.Namespace) -> Outcome:
     from converter.cli.convert import run_cli
 
     return run_cli(args, log=_log)
 
 
-def _run_gguf(args: argparse.Namespace) -> int:
+def _run_gguf(args: argparse.Namespace) -> Outcome:
     from converter.cli.gguf import run as run_gguf
 
     return run_gguf(args, log=_log)
 
 
-def _run_batch(args: argparse.Namespace) -> int:
+def _run_batch(args: argparse.Namespace) -> Outcome:
     from converter.cli.batch import run_cli as run_batch_cli
 
     return run_batch_cli(args, log=_log)
 
 
-def _run_method(args: argparse.Namespace) -> int:
+def _run_method(args: argparse.Namespace) -> Outcome:
     """extract / resize / combine (converter.cli.methods)."""
     from converter.cli.methods import run as run_method
 
     return run_method(args, log=_log)
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _run_demo(args: argparse.Namespace) -> Outcome:
     from converter.jobs.demo import run_demo
 
-    run_demo(args.dir, log=_log)
-    return 0
+    result, report = run_demo(args.dir, log=_log)
+    files = paths(result.out, [*result.files, *_report_file(report)])
+    return verified("demo", report, out=str(result.out), files=files)
 
 
-def _run_space(args: argparse.Namespace) -> int:
+def _run_space(args: argparse.Namespace) -> Outcome:
     """`space deploy`, the one space command."""
     from converter.app.deploy import deploy
 
-    deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
-    return 0
+    url = deploy(args.repo, source=args.source, token=args.token, private=args.private, log=_log)
+    return not_asked("space", NOTHING_TO_PROVE, published=(Published(args.repo, url),))
 
 
-# Command name -> its handler, which returns the exit code (failures raise: see main).
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+# Command name -> its handler, which returns the outcome (failures raise: see main).
+COMMANDS: dict[str, Callable[[argparse.Namespace], Outcome]] = {
     "inspect": _run_inspect,
     "merge": _run_merge,
     "verify": _run_verify,
@@ -543,24 +597,47 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code, from its outcome (with --json also printed, the last line of stdout)."""
     global _console
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        if e.code == 2 and _json_asked(argv):  # a usage error argparse found: refused, as an outcome too
+            print(Outcome.failure(_verb(argv), UsageError(_Parser.refused or "usage error")).to_json(), flush=True)
+        raise
     with quiet.session(verbose=args.verbose) as console:
+        stdout = console.out
+        if args.json:
+            console.out = console.err  # stdout holds the outcome alone
         _console = console
         try:
-            return run(args)
+            outcome = run(args)
         except ConverterError as e:
             console.error(f"error: {e}")
-            return e.exit_code
-        except KeyboardInterrupt:
+            outcome = Outcome.failure(args.command, e)
+        except KeyboardInterrupt as e:
             console.error("interrupted; nothing was written")
-            return 130
-        except Exception:  # noqa: BLE001 - a bug: show everything so it can be reported
+            outcome = Outcome.failure(args.command, e)
+        except Exception as e:  # noqa: BLE001 - a bug: show everything so it can be reported
             held = console.held_back().strip()
             if held:
                 console.error(f"what the libraries printed before the failure (all of it with -v):\n{held}")
             console.error(traceback.format_exc().rstrip())
             console.error("error: unexpected failure (a bug in converter; please report it with the trace above)")
-            return 1
+            outcome = Outcome.failure(args.command, e)
         finally:
             _console = None
+        if args.json:
+            print(outcome.to_json(), file=stdout, flush=True)
+        return outcome.exit_code
+
+
+def _json_asked(argv: list[str]) -> bool:
+    """`--json` among the options (before a `--`), for a command line argparse refused."""
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def _verb(argv: list[str]) -> str:
+    """The command named on a command line argparse refused ("" when none is)."""
+    return next((a for a in argv if a in COMMANDS), "")

@@ -1,16 +1,18 @@
-"""`converter convert`'s command line: to --out, or (--push-pr) a pull request."""
+"""`converter convert`'s command line: to --out, or (--push-pr) a pull request; its outcome from the typed results."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 
-from converter.conversion.core import convert
+from converter.cli.outcomes import not_asked, paths, proven
+from converter.conversion.core import ConvertResult, convert
 from converter.conversion.pr import push_pr
 from converter.errors import UsageError
+from converter.outcome import Outcome, Published
 
 
-def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
+def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> Outcome:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
     options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
                    allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha,
@@ -26,16 +28,29 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> int
     if not args.push_pr:
         if not args.out:
             raise UsageError("give --out (a folder, or a .safetensors file for --to kohya/comfyui), or --push-pr")
-        convert(args.adapter, args.to, args.out, force=args.force, **options)
-        return 0
-    result = push_pr(args.adapter, args.to, **options)
-    if result is None:
-        return 0
-    log(f"pull request: {result}")
-    return 0
+        return _converted(convert(args.adapter, args.to, args.out, force=args.force, **options))
+    pr = push_pr(args.adapter, args.to, **options)
+    if pr.url is None:
+        return not_asked("convert", f"{pr.repo_id} already has a {args.to} version ({pr.existing})",
+                         details={"existing": pr.existing})  # fmt: skip
+    log(f"pull request: {pr.url}")
+    published = Published(pr.repo_id, pr.repo_url, pr.commit, pr.url, changed=True, pr_updated=pr.updated)
+    return _converted(pr.conversion, published=(published,), out=None, files=())  # converted in a scratch folder
 
 
-def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+def _converted(result: ConvertResult, **fields) -> Outcome:
+    """A conversion's outcome: proven by its read-back, unless --no-verify; a read-back that could compare no module
+    (all fused or split on the way) proves nothing, and says so (exit 0, as before the outcome existed)."""
+    done = {"out": str(result.out), "files": paths(result.out, result.files), "modules": result.modules, **fields}
+    proof = result.read_back
+    if proof is None:
+        return not_asked("convert", **done)
+    if not proof.compared:
+        return not_asked("convert", proof.summary(), proofs=proof.as_proofs(), **done)
+    return proven("convert", proof.as_proofs(), **done)
+
+
+def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> Outcome:
     """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.jobs.convert, as the Python API runs it)."""
     from converter.jobs.convert import to_gguf
 
@@ -45,4 +60,7 @@ def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> int:
                      component=args.component, force=args.force, token=args.token, allow_pickle=args.allow_pickle,
                      lora_alpha=args.lora_alpha, verify=not args.no_verify, log=log)  # fmt: skip
     log(f"wrote {result.out}")
-    return 0
+    done = {"out": str(result.out), "files": (str(result.out),), "modules": result.modules}
+    if not result.proof:
+        return not_asked("convert", **done)
+    return proven("convert", result.as_proofs(), **done)

@@ -6,7 +6,9 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.cli.outcomes import proven
 from converter.gguf.types import ALL_TYPES
+from converter.outcome import Outcome
 
 TYPE_HELP = (
     f"GGUF types, comma-separated: {', '.join(ALL_TYPES[:4])} (written in Python) or llama.cpp's quantizations "
@@ -24,7 +26,7 @@ def add_parser(sub) -> None:
     g.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+def run(args: argparse.Namespace, log: Callable[[str], None]) -> Outcome:
     from converter.gguf.export import PROOF_FILE, export
     from converter.gguf.types import parse_types
 
@@ -33,7 +35,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     for path in result.files:
         log(f"wrote {path}")
     log(f"proof: {result.out / PROOF_FILE}")
-    return 0
+    files = (*(str(f) for f in result.files), str(result.out / PROOF_FILE))
+    return proven("gguf", result.as_proofs(), out=str(result.out), files=files)
 
 
 def merge_option(p: argparse.ArgumentParser) -> None:
@@ -56,15 +59,16 @@ def gguf_folder(merged) -> Path:
     return merged.with_name(f"{merged.name}-GGUF")
 
 
-def export_merged(folder, types: list[str], log: Callable[[str], None], written: dict | None = None) -> None:
+def export_merged(folder, types: list[str], log: Callable[[str], None], written: dict | None = None):
     """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF, proven (`written`: the files
-    the merge streamed, see merge_tee; the rest are made now)."""
+    the merge streamed, see merge_tee; the rest are made now). Returns the GGUFResult."""
     from converter.gguf.export import PROOF_FILE, export
 
     folder = Path(folder)
     out = gguf_folder(folder)
     result = export(folder, types, out, name=folder.name, force=True, log=log, written=written)
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
+    return result
 
 
 def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
@@ -83,9 +87,11 @@ def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[
     return gguf
 
 
-def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None]) -> None:
+def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None]):
+    """The GGUF repo's push, after the model's own; its PushResult."""
     pushed = gguf.push(args.repo, token=args.token, private=args.private)
     log(f"GGUF: {pushed.summary()}")
+    return pushed
 
 
 def discard_push_gguf(gguf) -> None:

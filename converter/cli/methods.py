@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from converter.cli.outcomes import not_asked, paths
 from converter.methods.options import METHODS, RANK_RULES
+from converter.outcome import Outcome
 
 COMMANDS = ("extract", "resize", "combine")
 _TOKEN = "Hugging Face token (default: HF_TOKEN, then the cached login)"
@@ -62,8 +64,9 @@ def _output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help=_TOKEN)
 
 
-def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
-    """Run one of COMMANDS from parsed arguments; errors are ConverterErrors (exit code 2)."""
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> Outcome:
+    """Run one of COMMANDS from parsed arguments; errors are ConverterErrors (exit code 2). None of them has a proof
+    of its own: each module's error is in its report (--report)."""
     common = dict(to=args.to, force=args.force, token=args.token, allow_pickle=args.allow_pickle, log=log)
     if args.command == "extract":
         from converter.methods.extraction import extract
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
                          base=args.base, component=args.component, **common)  # fmt: skip
     if args.report:
         _write_report(args.report, result)
-    return 0
+    files = paths(result.out, result.files) + ((args.report,) if args.report else ())
+    return not_asked(args.command, "no proof of its own: each module's error is in its report (--report)",
+                     out=str(result.out), files=files, modules=result.modules)  # fmt: skip
 
 
 def _write_report(path: str, result) -> None:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from converter.conversion.core import TARGETS, ConvertResult, convert
 from converter.conversion.modules import LoraModule, svd_lowrank
 from converter.conversion.names import base_names, collect
-from converter.conversion.pr import push_pr
+from converter.conversion.pr import PullRequest, push_pr
 from converter.conversion.writers import write
 
-__all__ = ["TARGETS", "ConvertResult", "LoraModule", "base_names", "collect", "convert", "push_pr", "svd_lowrank",
-           "write"]  # fmt: skip
+__all__ = ["TARGETS", "ConvertResult", "LoraModule", "PullRequest", "base_names", "collect", "convert", "push_pr",
+           "svd_lowrank", "write"]  # fmt: skip

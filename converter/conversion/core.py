@@ -8,7 +8,7 @@ from pathlib import Path
 
 from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
-from converter.conversion.proof import prove, prove_on_base
+from converter.conversion.proof import Proof, prove, prove_on_base
 from converter.conversion.writers import DOTTED_PREFIX, write
 from converter.engine.family import identify
 from converter.engine.writer import check_output_target
@@ -29,6 +29,7 @@ class ConvertResult:
     modules: int
     notes: list[str] = field(default_factory=list)
     svd_errors: dict[str, float] = field(default_factory=dict)
+    read_back: Proof | None = None  # the output read back, its ΔW compared with the source's (None: verify=False)
 
 
 def convert(
@@ -78,9 +79,8 @@ def convert(
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
-    if verify:
-        _prove(adapter, out, svd, log, names)
-    return ConvertResult(out, files, len(modules), notes, svd)
+    proof = _prove(adapter, out, svd, log, names) if verify else None
+    return ConvertResult(out, files, len(modules), notes, svd, proof)
 
 
 def _denoiser_prefix(adapter: Adapter, names: BaseNames | None, to: str) -> str:
@@ -119,13 +119,15 @@ def _check_naming(adapter: Adapter, to: str) -> None:
         )
 
 
-def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None], base=None) -> None:
+def _prove(adapter: Adapter, out: Path, svd: dict[str, float], log: Callable[[str], None], base=None) -> Proof:
     """Read `out` back and compare its ΔW with the source's: on the base's tensors when there is a base (any names,
     fused or split), else module by module."""
     import shutil
 
     try:
-        log((prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)).summary())
+        proof = prove(adapter, out, svd) if base is None else prove_on_base(adapter, out, base, svd)
+        log(proof.summary())
+        return proof
     except VerificationFailed as e:
         shutil.rmtree(out) if out.is_dir() else out.unlink(missing_ok=True)
         raise VerificationFailed(f"{e} (removed {out})", report=e.report) from None

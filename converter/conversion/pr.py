@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from converter.conversion.core import FILE_TARGETS, ConvertResult, convert
@@ -14,6 +15,22 @@ from converter.io.scratch import temp_folder
 
 PR_TITLE = "Add a {fmt} version of this adapter (converter)"
 TARGET_NAMES = {"peft": "PEFT", "diffusers": "diffusers", "kohya": "kohya", "comfyui": "ComfyUI"}
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """What `push_pr` did, typed (the Space and batch read it, not the log): our pull request's `url` and `commit`,
+    `updated` when our open one got the commit instead of a new one being opened; or, when the repo has the
+    format already, `existing` (the file that shows it) and no pull request. `conversion`: the converted files and
+    their proof."""
+
+    repo_id: str
+    repo_url: str
+    url: str | None = None
+    commit: str | None = None
+    updated: bool = False
+    existing: str | None = None
+    conversion: ConvertResult | None = None
 
 
 def push_pr(
@@ -28,10 +45,10 @@ def push_pr(
     log: Callable[[str], None] = print,
     lora_alpha: float | None = None,
     verify: bool = True,
-) -> str | None:
+) -> PullRequest:
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
-    opening another, and a repo that already has the target format gets none. Returns the PR's URL or None."""
+    opening another, and a repo that already has the target format gets none (`existing` says why)."""
     source = parse_source(adapter_spec)
     if source.repo_id is None:
         raise UsageError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
@@ -46,7 +63,7 @@ def push_pr(
     folder = source.path.rsplit("/", 1)[0] + "/" if source.path and "/" in source.path else ""
     if (have := _has_format(api, repo, info.sha, names, to)) is not None:
         log(f"{repo} already has a {TARGET_NAMES[to]} version ({have}); no pull request opened")
-        return None
+        return PullRequest(repo, f"{api.endpoint.rstrip('/')}/{repo}", existing=have)
     title = PR_TITLE.format(fmt=TARGET_NAMES[to])
     with temp_folder("convert", log=log) as scratch:
         stem = Path(source.path).stem if source.path else "adapter"
@@ -77,7 +94,8 @@ def push_pr(
             repo_id=repo,
         )
     endpoint = api.endpoint.rstrip("/")
-    return commit.pr_url or f"{endpoint}/{repo}/discussions/{open_pr.num}"
+    url = commit.pr_url or f"{endpoint}/{repo}/discussions/{open_pr.num}"
+    return PullRequest(repo, f"{endpoint}/{repo}", url, commit.oid, updated=open_pr is not None, conversion=result)
 
 
 def _pr_description(spec: str, to: str, sha: str, result: ConvertResult, base: str | None) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter import outcome
 from converter.errors import VerificationFailed
 from converter.formats import Adapter, load_adapter
 from converter.formats.patches import DeltaPatch, DoRA
@@ -52,6 +53,21 @@ class Proof:
             f", both looked up on the base: {self.on_base} base tensors compared" if self.on_base else ""
         )
         return "; ".join(parts) + f" ({how})"
+
+    def as_proofs(self) -> outcome.Proofs:
+        """For a verb's outcome (converter.outcome): the counts, typed."""
+        name, error = self.worst or (None, None)
+        return outcome.Proofs(
+            conversion=outcome.ConversionProof(
+                identical=self.identical,
+                within_rounding=self.within_rounding,
+                approximated=self.approximated,
+                not_compared=self.not_compared,
+                worst_module=name,
+                worst_error=error,
+                on_base=self.on_base,
+            )
+        )
 
 
 def key(component: str | None, module: str) -> tuple[str, str]:

@@ -100,7 +100,10 @@ def _prove(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, famil
         log(f"  {part.name}: {part.verdict}: {part.detail}")
     bad = next((p for p in result.parts if not p.passed), None)
     if bad is not None:
-        raise VerificationFailed(f"{staged.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
+        raise VerificationFailed(
+            f"{staged.name}: {bad.name} proof failed: {bad.detail}; nothing was written",
+            report=proof.FileProof(staged.name, type_name, list(result.parts)),
+        )
 
 
 def _behaviour(adapter: Adapter, adapter_spec: str, staged: Path, src: Source, family, planned, type_name: str,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter import outcome
 from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
@@ -36,6 +37,11 @@ class GGUFResult:
 
     def to_json(self) -> dict:
         return {"files": [p.to_json() for p in self.proofs], "llama_cpp": self.llama_proof}
+
+    def as_proofs(self) -> outcome.Proofs:
+        """Every file's proof, for a verb's outcome (converter.outcome)."""
+        notes = () if self.llama_proof else ("llama.cpp's tokenizer and behaviour proofs did not run (no llama.cpp)",)
+        return outcome.Proofs(gguf=tuple(p.summary() for p in self.proofs), notes=notes)
 
 
 def file_stem(name: str) -> str:
@@ -132,7 +138,7 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
         result.proofs.append(fp)
     if not fp.passed:
         bad = next(p for p in fp.parts if not p.passed)
-        raise VerificationFailed(f"{path.name}: {bad.name} proof failed: {bad.detail}; nothing was written")
+        raise VerificationFailed(f"{path.name}: {bad.name} proof failed: {bad.detail}; nothing was written", report=fp)
     return fp
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from converter import outcome
 from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
@@ -93,6 +94,13 @@ class FileProof:
     def to_json(self) -> dict:
         return {"file": self.file, "type": self.type, "passed": self.passed,
                 "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
+
+    def summary(self) -> outcome.FileProof:
+        return outcome.FileProof(self.file, self.type, self.passed, {p.name: p.verdict for p in self.parts})
+
+    def as_proofs(self) -> outcome.Proofs:
+        """For a verb's outcome (converter.outcome); what a failed file's VerificationFailed reports."""
+        return outcome.Proofs(gguf=(self.summary(),))
 
 
 @dataclass

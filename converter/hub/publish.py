@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter import outcome
 from converter.errors import BadInputError, PushError, UsageError
 from converter.hub import client as hub
 from converter.io.records import REPORT_FILE
@@ -28,6 +29,12 @@ class PushResult:
     commit: str | None
     pr_url: str | None
     changed: bool
+    pr_updated: bool = False  # our open pull request got the commit (no new one opened)
+    repo_id: str = ""
+
+    def published(self) -> outcome.Published:
+        """For a verb's outcome (converter.outcome)."""
+        return outcome.Published(self.repo_id, self.url, self.commit, self.pr_url, self.changed, self.pr_updated)
 
     def summary(self) -> str:
         """The one line the CLI and the Space print after a push."""
@@ -161,7 +168,8 @@ class Publication:
         )
         endpoint = api.endpoint.rstrip("/")
         pr_url = info.pr_url or (f"{endpoint}/{repo_id}/discussions/{self.open_pr.num}" if self.open_pr else None)
-        return PushResult(url=f"{endpoint}/{repo_id}", commit=info.oid, pr_url=pr_url, changed=info.oid != head)
+        return PushResult(url=f"{endpoint}/{repo_id}", commit=info.oid, pr_url=pr_url, changed=info.oid != head,
+                          pr_updated=self.open_pr is not None, repo_id=repo_id)  # fmt: skip
 
     def abandon(self) -> None:
         """The job failed: remove the repo if this run created it (uploaded blobs without a commit are not
@@ -201,7 +209,8 @@ def push_folder(
     if target.has_model and not (create_pr or overwrite):
         if _same_files(api, repo_id, folder, replace):
             head = hub.call(repo_id, lambda: api.model_info(repo_id).sha, repo_id=repo_id)
-            return PushResult(url=f"{api.endpoint.rstrip('/')}/{repo_id}", commit=head, pr_url=None, changed=False)
+            url = f"{api.endpoint.rstrip('/')}/{repo_id}"
+            return PushResult(url=url, commit=head, pr_url=None, changed=False, repo_id=repo_id)
         raise PushError(
             f"{repo_id} already has a model; use --create-pr to propose this one, or --overwrite to replace it",
             repo_id=repo_id,

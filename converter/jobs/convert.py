@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converter import outcome
 from converter.conversion.core import TARGETS, ConvertResult
 from converter.conversion.core import convert as convert_format
 from converter.errors import UsageError
-from converter.gguf.proof import Part
+from converter.gguf.proof import FileProof, Part
 
 #: every `to` convert() takes: the adapter formats, and llama.cpp's GGUF adapter
 ALL_TARGETS = (*TARGETS, "gguf")
@@ -35,6 +36,10 @@ class GGUFConvertResult(ConvertResult):
         """The proof's verdict: "pass" when every part that ran passed (a failed one raises instead); "skipped" when
         none ran (`verify=False`)."""
         return "pass" if self.proof and all(p.passed for p in self.proof) else "skipped"
+
+    def as_proofs(self) -> outcome.Proofs:
+        """The file's proof for the command's outcome (converter.outcome)."""
+        return FileProof(self.out.name, self.type, self.proof).as_proofs() + outcome.Proofs(notes=tuple(self.notes))
 
 
 def convert(

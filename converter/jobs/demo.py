@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from converter.engine.merging import merge
+from converter.engine.merging import MergeResult, merge
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.jobs.pipeline import verify_folder
+from converter.verification.report import VerificationReport
 
 
 def build_demo_inputs(folder: Path) -> tuple[Path, Path]:
@@ -41,13 +42,15 @@ def build_demo_inputs(folder: Path) -> tuple[Path, Path]:
     return base_dir, adapter_dir
 
 
-def run_demo(directory: str, log: Callable[[str], None] = print) -> None:
+def run_demo(directory: str, log: Callable[[str], None] = print) -> tuple[MergeResult, VerificationReport]:
+    """Build, merge, verify; the merge's result and its VerificationReport (for the command's outcome)."""
     folder = Path(directory).resolve()
     log(f"building a tiny Llama base (bf16) and a rank-8 all-linear LoRA in {folder}")
     base_dir, adapter_dir = build_demo_inputs(folder)
     recipe = Recipe(base=str(base_dir), adapters=[AdapterSpec(str(adapter_dir))], out=str(folder / "merged"))
     result = merge(recipe, force=True, log=log)
-    verify_folder(result.out, recipe, log=log)
+    report = verify_folder(result.out, recipe, log=log)
     log(f"merged model: {result.out}")
     log(f"files: {', '.join(result.files)}")
     log(f"try: converter inspect {result.out}")
+    return result, report

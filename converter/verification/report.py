@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from converter import outcome
 from converter.io.records import REPORT_FILE, read_report
 from converter.verification.plain import OMIT_NONE, from_plain, to_plain
 from converter.verification.tensors import TensorProofResult
@@ -246,6 +247,20 @@ class VerificationReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
+    @property
+    def outcome_verdict(self) -> outcome.Verdict:
+        """The report's verdict as the outcome's (verification.json keeps "pass" / "fail" / "skipped")."""
+        return VERDICTS[self.verdict]
+
+    def as_proofs(self) -> outcome.Proofs:
+        """Both proofs summarised for a verb's outcome (converter.outcome)."""
+        return outcome.Proofs(
+            tensors=_tensor_summary(self.tensors, self.tensors_skipped),
+            behaviour=_behaviour_summary(self),
+            problems=tuple(self.problems),
+            notes=tuple(self.notes),
+        )
+
     @classmethod
     def from_json(cls, text: str | bytes) -> VerificationReport:
         return cls.from_dict(json.loads(text))
@@ -261,3 +276,44 @@ class VerificationReport:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, VerificationReport) and self.to_dict() == other.to_dict()
+
+
+VERDICTS = {"pass": outcome.Verdict.PROVEN, "fail": outcome.Verdict.FAILED, "skipped": outcome.Verdict.NOT_VERIFIED}
+
+
+def _tensor_summary(result: TensorProofResult | None, skipped: str | None) -> outcome.TensorProof | None:
+    if result is None:
+        return outcome.TensorProof(ran=False, reason=skipped) if skipped else None
+    worst = max((c for c in (result.worst, *result.failures) if c is not None), key=lambda c: c.ratio, default=None)
+    return outcome.TensorProof(
+        ran=True,
+        referee=result.referee.name,
+        tensors=result.tensors,
+        changed=result.changed,
+        failed=result.failed,
+        worst_ratio=worst.ratio if worst else 0.0,
+        worst_tensor=worst.name if worst else None,
+        passed=result.passed,
+    )
+
+
+def _behaviour_summary(report: VerificationReport) -> outcome.BehaviourProof | None:
+    b = report.behaviour
+    if b is None:
+        return outcome.BehaviourProof(ran=False, reason=report.behaviour_skipped) if report.behaviour_skipped else None
+    tensors_failed = report.tensors is not None and not report.tensors.passed
+    passed = report.verdict != "fail" or tensors_failed  # a fail the tensors explain is not the behaviour's
+    if isinstance(b, LLMBehaviour):
+        m = b.merged_vs_reference
+        metrics = {
+            "mean_kl": m.mean_kl,
+            "top1_agreement": m.top1_agreement,
+            "confident_top1_agreement": m.confident_top1_agreement,
+            "max_abs_logit_diff": m.max_abs_logit_diff,
+            "limit_mean_kl": b.tolerance.mean_kl,
+            "limit_confident_top1_agreement": b.tolerance.confident_top1_agreement,
+        }
+    else:
+        metrics = {f"{name}.rel_err": c.merged_vs_reference.rel_err for name, c in b.components.items()}
+        metrics["limit_output_rel_err"] = b.tolerance.output_rel_err
+    return outcome.BehaviourProof(ran=True, reference=b.reference, metrics=metrics, passed=passed)

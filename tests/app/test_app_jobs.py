@@ -534,7 +534,7 @@ work = Path({str(tmp_path)!r}) / "jobs"
 lines = []
 try:
     r = run_convert(ConvertRequest(**{request!r}), {MOCK_TOKEN!r}, workroot=work, log=lines.append)
-    out = dict(url=r.url, repo=r.repo_id, modules=r.modules, files=r.files)
+    out = dict(url=r.url, repo=r.repo_id, modules=r.modules, files=r.files, updated=r.updated, proofs=r.proofs)
 except ConverterError as e:
     out = dict(error=str(e), kind=type(e).__name__)
 result(dict(out, log=lines, left=[p.name for p in work.iterdir()] if work.exists() else []))
@@ -546,9 +546,9 @@ result(dict(out, log=lines, left=[p.name for p in work.iterdir()] if work.exists
 def test_convert_job_opens_a_pr_pushes_and_refuses_a_broken_file(hub, tmp_path):
     first = _convert(hub, tmp_path, adapter=SD_LORA, to="diffusers", base=SD_BASE, mode="pr")
     assert first["url"].startswith(f"{hub.url}/{SD_REPO}/discussions/") and first["modules"] == 52, first
+    assert not first["updated"] and first["proofs"], first  # its ΔW proof, rendered from the typed result
     again = _convert(hub, tmp_path, adapter=SD_LORA, to="diffusers", base=SD_BASE, mode="pr")
-    assert again["url"] == first["url"]  # our open PR is updated, not a second one opened
-    assert any("updating our open pull request" in line for line in again["log"])
+    assert again["url"] == first["url"] and again["updated"]  # our open PR is updated, not a second one opened
     pushed = _convert(hub, tmp_path, adapter=SD_LORA, to="peft", base=SD_BASE, mode="push", repo_id="demo/sd-peft")
     assert pushed["url"] == f"{hub.url}/demo/sd-peft" and pushed["modules"] == 52
     assert {"unet/adapter_config.json", "text_encoder/adapter_model.safetensors"} <= set(hub.files("demo/sd-peft"))

@@ -27,6 +27,7 @@ from model_helpers import make_adapter, make_base
 from converter.batch.job_list import Job, jobs_from_search, load_jobs
 from converter.batch.run import STOP_ENV
 from converter.cli import main
+from converter.outcome import Outcome, Published, Verdict, last_outcome
 from converter.testing.hub import HubServer, client_env, hub_env
 
 BOB = "hf_fake_bob_batch_0123456789"  # recognisable: must appear in no argument, log, report or state file
@@ -117,15 +118,17 @@ def test_batch_opens_every_pr_fails_the_corrupt_one_alone_and_a_rerun_opens_none
         "defaults": {"to": "diffusers", "base": str(hub.local.clip), "component": "text_encoder"},
         "jobs": [{"convert": f"{r}/style.safetensors"} for r in [*GOOD, "alice/broken-lora"]],
     }))  # fmt: skip
-    code, out, err = batch(hub, cluster, jobs)
-    assert code == 4, out + err  # some jobs failed
+    code, out, err = batch(hub, cluster, "--json", jobs)
+    outcome = last_outcome(out)  # the human lines went to stderr
+    assert code == outcome.exit_code == 4 and outcome.verdict is Verdict.FAILED, out + err  # some jobs failed
+    assert (outcome.details["jobs"], outcome.details["done"], outcome.details["failed"]) == (9, 8, 1)
     state = rows(jobs.with_suffix(".state.sqlite"))
     for repo in GOOD:
         (pr,) = hub.repo(repo).discussions
         assert pr["isPullRequest"] and pr["author"] == "bob", pr
         assert "pytorch_lora_weights.safetensors" in hub.files(repo, revision="refs/pr/1")
         (row,) = [r for r in state.values() if r["target"] == f"{repo}/style.safetensors"]
-        assert row["status"] == "done" and row["result"] == "PR opened", row
+        assert row["status"] == "done" and row["result"] == "PR opened" and row["verdict"] == "proven", row
         assert row["url"] == f"{hub.url}/{repo}/discussions/1"
         assert yaml.safe_load(row["sources"]) == {f"{repo}/style.safetensors": hub.head(repo)}  # source@sha
         assert row["peak_bytes"] > 10_000_000 and row["seconds"] > 0
@@ -135,7 +138,7 @@ def test_batch_opens_every_pr_fails_the_corrupt_one_alone_and_a_rerun_opens_none
     assert "Traceback" not in broken["error"]
     report = jobs.with_suffix(".report.md").read_text()
     assert "9 jobs: 8 done, 1 failed, 0 skipped" in report and report.count(hub.head(GOOD[0])[:10]) == 1
-    assert all(r["id"] in report and r["id"] in out for r in state.values())
+    assert all(r["id"] in report and r["id"] in err for r in state.values())
 
     code, out2, err2 = batch(hub, cluster, jobs)  # re-run: the done jobs are skipped, the failed one retried
     assert code == 4, out2 + err2
@@ -193,7 +196,7 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
             driver.kill()
     assert driver.returncode == 0, out + err
     (row,) = rows(jobs.with_suffix(".state.sqlite")).values()
-    assert row["status"] == "done" and row["result"] == "pushed" and row["verdict"] == "passed", row
+    assert row["status"] == "done" and row["result"] == "pushed" and row["verdict"] == "proven", row
     files = hub.files("bob/merged")
     assert {"model.safetensors", "config.json", "README.md", "converter_recipe.yaml"} <= set(files), files
     uploads = [c for c in hub.history("bob/merged") if "converter" in c.title]
@@ -208,7 +211,7 @@ def test_a_killed_worker_is_retried_and_leaves_no_half_made_repo(hub, cluster, t
     code, out, err = batch(hub, cluster, jobs)
     assert code == 0 and "1 job(s) already done (skipped); 1 to run" in out, out + err
     verify = [r for r in rows(jobs.with_suffix(".state.sqlite")).values() if r["kind"] == "verify"]
-    assert [(r["status"], r["result"], r["verdict"]) for r in verify] == [("done", "verified", "passed")], verify
+    assert [(r["status"], r["result"], r["verdict"]) for r in verify] == [("done", "verified", "proven")], verify
     assert yaml.safe_load(verify[0]["sources"]) == {"bob/merged": hub.head("bob/merged")}
 
 
@@ -231,6 +234,37 @@ def test_hub_faults_beyond_the_clis_retries_are_retried_by_ray_and_a_slow_job_ti
     assert "timed out after 1 s" in state["slow"]["error"] and hub.repo("alice/slow").discussions == []
     running = [p for p in Path("/proc").glob("[0-9]*/cmdline") if b"alice/slow" in _read(p)]
     assert running == []  # the timed-out job's process group was killed
+
+
+def test_a_jobs_row_is_read_from_its_outcome_not_its_prose():
+    """What the runner records comes from the child's `--json` outcome: the link, whether anything changed, the
+    verdict, and whether a failure was the Hub's (HubError.transient, which Ray retries); no outcome: its stderr."""
+    from converter.batch.run import _read_outcome
+    from converter.errors import HubError
+
+    merge, convert = Job("merge", "me/out", {"base": "a/b", "adapter": "c/d"}), Job("convert", "a/b/x.safetensors")
+    url = "https://hub/me/out"
+
+    def read(outcome: Outcome, job: Job = merge, stderr: str = "") -> dict:
+        return _read_outcome(job, outcome.exit_code, "a human line\n" + outcome.to_json() + "\n", stderr, None)
+
+    pushed = Outcome("push", Verdict.PROVEN, published=(Published("me/out", url, "abc"),))
+    assert read(pushed) == {"status": "done", "verdict": "proven", "result": "pushed", "url": f"{url}/commit/abc"}
+    same = Outcome("push", Verdict.PROVEN, published=(Published("me/out", url, "abc", changed=False),))
+    assert read(same)["result"] == "unchanged" and read(same)["url"] == url
+    pr = Published("a/b", "https://hub/a/b", "def", "https://hub/a/b/discussions/3", pr_updated=True)
+    updated = read(Outcome("convert", Verdict.PROVEN, published=(pr,)), convert)
+    assert (updated["result"], updated["url"]) == ("PR updated", pr.pr_url)
+    had = Outcome("convert", Verdict.NOT_VERIFIED, "has it", proof_asked=False, details={"existing": "x.safetensors"})
+    assert read(had, convert) == {"status": "done", "verdict": "not verified", "result": "already converted"}
+    down = read(Outcome.failure("push", HubError("the Hub said 503", repo_id="me/out", status=503, reason="server")))
+    assert down["status"] == "failed" and down["transient"] and down["error"] == "the Hub said 503"
+    gone = read(Outcome.failure("push", HubError("me/out: not found", repo_id="me/out", reason="repo-not-found")))
+    assert gone["result"] == "error" and not gone["transient"]
+    unproven = read(Outcome("push", Verdict.NOT_VERIFIED, "no referee"))
+    assert (unproven["status"], unproven["result"], unproven["error"]) == ("failed", "not verified", "no referee")
+    died = _read_outcome(merge, 1, "", "Traceback ...\nMemoryError\n", None)
+    assert died == {"status": "failed", "result": "crashed", "error": "MemoryError"}
 
 
 def _read(path: Path) -> bytes:

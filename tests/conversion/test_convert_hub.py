@@ -119,7 +119,7 @@ def test_hub_base_is_read_from_headers_only(hub, tmp_path, capsys):
     assert code == 0, err
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "sd15"), "--json"]) == 0
-    local = json.loads(capsys.readouterr().out)
-    remote = json.loads(out)
+    local = json.loads(capsys.readouterr().out)["details"]
+    remote = json.loads(out)["details"]
     assert remote.pop("path") == f"alice/tiny-sd15@{hub.head('alice/tiny-sd15')}"
     assert {**local, "path": None} == {**remote, "path": None} and local["parameters"] > 0

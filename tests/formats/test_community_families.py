@@ -118,7 +118,7 @@ def test_every_spelling_merges_like_the_formula_and_diffusers(built, name, spell
     # inspect names the family, the spelling and who loads it
     code, out, err = cli("inspect", adapter, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     if info["family"] is None:  # names other families share (FLUX.1 and HunyuanVideo name diffusers' blocks alike)
         assert case.family in info["family_candidates"] and len(info["family_candidates"]) > 1, info
         assert info["spelling"] in (spelling, spelling.split("/")[0]), info
@@ -146,7 +146,7 @@ def test_convert_to_every_target_reads_back_everywhere(built, name, to, cli, tmp
         file = out if out.is_file() else out / "pytorch_lora_weights.safetensors"
         code, info, err = cli("inspect", file, "--json")
         assert code == 0, err
-        info = json.loads(info)
+        info = json.loads(info)["details"]
         loads_in = info["loads_in"] if info["family"] else _tools(keymap(case.family), info["spelling"])
         assert to in loads_in or to not in keymap(case.family).loaders, info  # the target's tool reads it
         if "diffusers" in loads_in and info["spelling"] not in case.unchecked:
@@ -349,7 +349,7 @@ def test_lokr_files_merge_as_diffusers_reads_them(built, which, cli, tmp_path):
     want = dict(base) | {k: (base[k].double() + d).to(base[k].dtype) for k, d in deltas.items()}
     code, out, err = cli("inspect", adapter, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["family"] == family and "kohya" not in info["loads_in"], info
     assert info["convert_for"] and all("--rank RANK" in c for c in info["convert_for"].values()), info
     try:

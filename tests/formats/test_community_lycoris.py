@@ -391,7 +391,7 @@ def test_detection_of_each_flavour(keys, flavour, components, tmp_path, cli):
     save(tensors, tmp_path / "a.safetensors")
     code, out, err = cli("inspect", tmp_path / "a.safetensors", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["kind"] == "adapter" and info["format"] == flavour and info["components"] == components
     from converter.formats import load_adapter
 

@@ -346,7 +346,7 @@ def test_inspect_describes_a_kohya_file(sd15, tmp_path, cli):
     save(lora, tmp_path / "lora.safetensors", {"ss_network_module": "networks.lora", "ss_base_model_version": "sd_v1"})
     code, out, err = cli("inspect", tmp_path / "lora.safetensors", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["format"] == "kohya-lora" and info["network_module"] == "networks.lora"
     assert info["components"] == ["denoiser", "text_encoder"] and info["ranks"] == [2, 4]
     code, out, err = cli("merge", "--base", base, "--adapter", tmp_path / "lora.safetensors", "--dry-run")
@@ -357,7 +357,7 @@ def test_inspect_describes_diffusion_bases(sd15, tmp_path, cli):
     base, models = sd15
     code, out, err = cli("inspect", base, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["keymap"] == "sd" and info["layout"] == "diffusers" and info["pipeline"] == "StableDiffusionPipeline"
     assert set(info["components"]) == {"unet", "text_encoder", "vae"}
     assert info["components"]["unet"] == len(models["unet"].state_dict())

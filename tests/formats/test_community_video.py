@@ -197,7 +197,7 @@ def test_musubi_lora_on_each_family(family, prefix, tmp_path, cli):
     single = save(base, tmp_path / f"{family}.safetensors")
     code, out, err = cli("inspect", single, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert (
         info["keymap"] == family
         and info["layout"] == "single_file"

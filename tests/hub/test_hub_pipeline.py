@@ -391,7 +391,7 @@ def test_push_from_folder(hub, tmp_path):
 def test_inspect_hub_ids(hub):
     code, out, err = cli(hub, "inspect", "alice/tiny-llama", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     local = read_tensors(hub.local["base"])
     assert info["path"] == f"alice/tiny-llama@{hub.head('alice/tiny-llama')}"
     assert info["parameters"] == sum(t.numel() for t in local.values()) and info["tensors"] == len(local)
@@ -399,7 +399,7 @@ def test_inspect_hub_ids(hub):
     hub.reset_log()
     code, out, err = cli(hub, "inspect", "alice/tiny-lora", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["kind"] == "adapter" and info["r"] == 4 and info["path"].startswith("alice/tiny-lora@")
 
 

@@ -22,7 +22,7 @@ def test_inspect_adapter(tmp_path, cli):
     )
     code, out, err = cli("inspect", adapter, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["kind"] == "adapter" and info["format"] == "peft" and info["peft_type"] == "LORA"
     assert info["ranks"] == [2, 4] and info["lora_alpha"] == 16 and info["use_dora"] and info["use_rslora"]
     assert info["module_names"] == ["q_proj", "v_proj"] and info["modules"] == 4
@@ -35,7 +35,7 @@ def test_inspect_model(tmp_path, cli):
     base = make_base(tmp_path / "base", "llama", dtype=torch.bfloat16)
     code, out, err = cli("inspect", base, "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     from safetensors.torch import load_file
 
     tensors = load_file(base / "model.safetensors")

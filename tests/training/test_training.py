@@ -324,7 +324,7 @@ def test_moe_with_fused_experts_reassembles_and_loads(ckpts, tmp_path, cli):
 def test_inspect_describes_a_training_checkpoint(ckpts, cli):
     code, out, err = cli("inspect", ckpts / "lora", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["layout"] == "verl FSDP" and info["architecture"] == "LlamaForCausalLM"
     assert info["shards"] == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
     assert info["tensors"] == 20 and any("LoRA inside" in n for n in info["notes"])

@@ -214,11 +214,11 @@ def test_megatron_bridge_runs_keep_their_weights_in_huggingface(built, runs, tmp
 def test_inspect_names_the_layout_and_the_step(built, runs, cli):
     code, out, err = cli("inspect", runs / "verl_mcore_v2", "--json")
     assert code == 0, err
-    info = json.loads(out)
+    info = json.loads(out)["details"]
     assert info["layout"] == "Megatron torch_dist (Megatron-Core names)" and info["tensors"] == 39
     assert any("global_step_5 taken" in n for n in info["notes"])
     code, out, err = cli("inspect", runs / "titan/checkpoint", "--json", "--config", built / LLAMA)
-    assert code == 0 and json.loads(out)["layout"] == "torchtitan DCP", err
+    assert code == 0 and json.loads(out)["details"]["layout"] == "torchtitan DCP", err
 
 
 def test_push_from_a_verl_megatron_run(built, runs, tmp_path):
