@@ -7,6 +7,7 @@ Served only by a server built with ``jobs=True``: a job runs any command it is g
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import re
 import threading
@@ -195,7 +196,7 @@ def run_job(hub: HubServer, req: Request) -> Response:
 def rerun_job(hub: HubServer, req: Request) -> Response:
     old = _find(hub, req, write=True)
     _check_can_pay(hub, old.namespace)
-    return _launch(hub, req, old.namespace, old.spec)
+    return _launch(hub, req, old.namespace, dataclasses.replace(old.spec, labels=dict(old.spec.labels)))
 
 
 def list_jobs(hub: HubServer, req: Request) -> Response:
@@ -244,7 +245,7 @@ def hardware(hub: HubServer, req: Request) -> Response:
     return json_response(HARDWARE)
 
 
-_JOB = r"/api/jobs/(?P<namespace>[^/]+)/(?P<job>[0-9a-f]{24})"
+_JOB = r"/api/jobs/(?P<namespace>[^/]+)/(?P<job>[^/]+)"
 ROUTES = [
     (("GET",), r"/api/jobs/hardware", hardware),
     (("GET",), r"/api/jobs/(?P<namespace>[^/]+)", list_jobs),
