@@ -13,6 +13,7 @@ import importlib
 
 from converter import errors
 from converter.errors import ConverterError, NotVerified, VerificationFailed
+from converter.outcome import Outcome, Verdict
 
 __version__ = "0.1.0"
 
@@ -34,8 +35,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "AdapterSpec", "ConverterError", "NotVerified", "Recipe", "VerificationFailed", "__version__", "combine", "convert",
-    "deploy", "errors", "extract", "inspect", "merge", "push", "push_folder", "resize", "verify",
+    "AdapterSpec", "ConverterError", "NotVerified", "Outcome", "Recipe", "Verdict", "VerificationFailed", "__version__",
+    "combine", "convert", "deploy", "errors", "extract", "inspect", "merge", "push", "push_folder", "resize", "verify",
 ]  # fmt: skip
 
 

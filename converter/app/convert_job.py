@@ -62,8 +62,11 @@ class ConvertJobResult:
         c = self.conversion
         if c is None:
             return []
-        svd = [f"{len(c.svd_errors)} modules approximated by SVD: relative error max {max(c.svd_errors.values()):.3e}"]
-        return ([c.read_back.summary()] if c.read_back is not None else []) + (svd if c.svd_errors else [])
+        lines = [c.read_back.summary()] if c.read_back is not None else []
+        if c.svd_errors:
+            worst = max(c.svd_errors.values())
+            lines.append(f"{len(c.svd_errors)} modules approximated by SVD: relative error max {worst:.3e}")
+        return lines
 
 
 def default_convert_repo(user: str, adapter: str, to: str) -> str:

@@ -136,11 +136,13 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
 
 DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter": ["Recipe", "AdapterSpec", "merge", "push", "verify", "push_folder", "convert", "extract", "resize",
-                  "combine", "inspect", "deploy", "errors", "ConverterError", "VerificationFailed", "__version__"],
+                  "combine", "inspect", "deploy", "errors", "ConverterError", "VerificationFailed", "Outcome",
+                  "Verdict", "__version__"],
     "converter.jobs.describe": ["render"],
     "converter.jobs.pipeline": ["STAGES"],
     "converter.hub.publish": ["PushResult"],
-    "converter.conversion": ["push_pr"],
+    "converter.conversion": ["push_pr", "PullRequest"],
+    "converter.outcome": ["Outcome", "Verdict", "last_outcome"],
     "converter.jobs.demo": ["build_demo_inputs"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",
                          "KeymapError", "CheckpointError", "CheckpointNotFound", "NoModelWeights", "OutputError",
