@@ -50,8 +50,8 @@ class JobsMixin:
 
     def _add_job(self, job: LocalJob) -> None:
         with self._lock:
-            if not self._jobs:
-                atexit.register(self._stop_jobs)  # a server never stopped still kills its jobs on exit
+            atexit.unregister(self._stop_jobs)  # registered once: a server never stopped still kills its jobs on exit
+            atexit.register(self._stop_jobs)
             self._jobs[job.id] = job
         job.start()
 
