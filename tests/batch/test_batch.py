@@ -140,9 +140,9 @@ def test_batch_opens_every_pr_fails_the_corrupt_one_alone_and_a_rerun_opens_none
     assert "9 jobs: 8 done, 1 failed, 0 skipped" in report and report.count(hub.head(GOOD[0])[:10]) == 1
     assert all(r["id"] in report and r["id"] in err for r in state.values())
 
-    code, out2, err2 = batch(hub, cluster, jobs)  # re-run: the done jobs are skipped, the failed one retried
-    assert code == 4, out2 + err2
-    assert "8 job(s) already done (skipped); 1 to run" in out2
+    code, out2, err2 = batch(hub, cluster, "--json", jobs)  # re-run: the done jobs are skipped, the failed one retried
+    again = last_outcome(out2)
+    assert code == again.exit_code == 4 and (again.details["skipped"], again.details["failed"]) == (8, 1), out2 + err2
     assert all(len(hub.repo(r).discussions) == 1 for r in GOOD)
     again = rows(jobs.with_suffix(".state.sqlite"))
     assert again[broken["id"]]["attempts"] == 2 and again[broken["id"]]["status"] == "failed"

@@ -15,6 +15,7 @@ import torch
 import yaml
 from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
+from converter.outcome import last_outcome
 from converter.testing.hub import HubServer, client_env, run_client
 
 ALICE, BOB = "hf_fake_alice_0123456789", "hf_fake_bob_0123456789"
@@ -383,8 +384,9 @@ def test_push_from_folder(hub, tmp_path):
     assert str(tmp_path).encode() not in published and str(hub.local["base"]).encode() not in published
     # Re-pushing the same folder (its public records included) makes no new commit.
     commits = len(hub.history("alice/from-folder"))
-    code, out, err = cli(hub, "push", "--repo", "alice/from-folder", "--from", tmp_path / "m")
-    assert code == 0 and "nothing changed" in out, out + err
+    code, out, err = cli(hub, "--json", "push", "--repo", "alice/from-folder", "--from", tmp_path / "m")
+    pushed = last_outcome(out).publication
+    assert code == 0 and not pushed.changed and pushed.commit == hub.head("alice/from-folder"), out + err
     assert len(hub.history("alice/from-folder")) == commits
 
 
