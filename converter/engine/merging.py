@@ -87,6 +87,7 @@ def merge(
     on_shard: Callable[[Shard], None] | None = None,
     tee: TensorTee | None = None,
     on_planned: Callable[[], object] | None = None,
+    disk: int | None = None,
 ) -> MergeResult:
     """Merge `recipe.adapters` into `recipe.base` and write `recipe.out` (atomically).
 
@@ -95,7 +96,9 @@ def merge(
     still be arriving); `on_shard`: called with each output shard once it is durable (see ShardedWriter); `tee`:
     also given each merged tensor (its `start` and `put`; the caller finishes or discards what it wrote);
     `on_planned`: called once the inputs are found and planned, before anything is written (so work begun there,
-    such as verification's imports, is never spent on input that fails).
+    such as verification's imports, is never spent on input that fails); `disk`: the most bytes of weights the
+    output folder holds at once (a push deletes each shard once uploaded), checked against its free space before
+    anything is written (default: all of them).
     """
     quant = parse_output(recipe.dtype)
     if quant and tee is not None:
@@ -127,6 +130,7 @@ def merge(
             on_shard,
             tee,
             on_planned,
+            disk,
         )
 
 
@@ -144,6 +148,7 @@ def _merge(
     on_shard: Callable[[Shard], None] | None = None,
     tee: TensorTee | None = None,
     on_planned: Callable[[], object] | None = None,
+    disk: int | None = None,
 ) -> MergeResult:
     original = _open_arriving_base(recipe, base)
     if quant and original.diffusion:
@@ -167,7 +172,7 @@ def _merge(
     for note in plan.notes:
         log(f"note: {note}")
     out = Path(recipe.out)
-    _check_disk_space(out, plan.bytes_to_write)
+    _check_disk_space(out, min(plan.bytes_to_write, disk or plan.bytes_to_write))
     if on_planned is not None:
         on_planned()
     log(

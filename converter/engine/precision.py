@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from converter.engine.checkpoint import Checkpoint
 from converter.errors import ConverterError
@@ -79,6 +80,34 @@ def file_sources(model, folder: Path) -> dict[int, FileTensor]:
         if stored in ("F32", "BF16", "F16") and stored == info.dtype and tuple(param.shape) == tuple(info.shape):
             sources[id(param)] = FileTensor(where.path, info.start, info.end, info.dtype)
     return sources
+
+
+class Gate(Protocol):
+    """Where a weight's bytes may still be on their way (a push streaming its base in and its output out): the
+    reads of `float32_compute` wait at the gate, and tell it when a file's tensors have been read."""
+
+    def expect(self, reads: list) -> None:
+        """Before the first read: the source of every read the forward will make, in the order it makes them."""
+
+    def ready(self, src) -> FileTensor:
+        """Block until the bytes of `src` (a FileTensor, or a name the gate places once it is written) are on
+        disk; where to read them."""
+
+    def done(self, src) -> None:
+        """`src` has been read."""
+
+
+class _Open:
+    """The gate of weights whose files are complete: reads go straight to them."""
+
+    def expect(self, reads: list) -> None:
+        pass
+
+    def ready(self, src) -> FileTensor:
+        return src
+
+    def done(self, src) -> None:
+        pass
 
 
 class _Buffers:
@@ -167,15 +196,17 @@ def _units(model) -> list:
 
 
 @contextmanager
-def float32_compute(model, sources: dict[int, FileTensor] | None = None) -> Iterator[None]:
+def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate | None = None) -> Iterator[None]:
     """Within this block every forward of `model` computes in float32. Weights listed in `sources` (file_sources)
     are read from their files, the next unit's by a reader thread while this one computes (a read waits on the
     disk without holding the GIL); other bf16/fp16 tensors are copied from memory; float32 tensors that are not
     in `sources` are used as they are. After each unit runs its own tensors are put back (the very tensors, so
-    nothing is rounded twice). Tied weights are upcast once per use."""
+    nothing is rounded twice). Tied weights are upcast once per use. `gate`: reads wait there for bytes still
+    arriving (one forward over a streamed model: converter.verification.streamed)."""
     from concurrent.futures import ThreadPoolExecutor
 
     sources = sources or {}
+    gate = gate or _Open()
     buffers = _Buffers()
     reader = ThreadPoolExecutor(1, thread_name_prefix="verify-read")  # one reader: one staging buffer
     pending: dict[int, object] = {}
@@ -193,8 +224,13 @@ def float32_compute(model, sources: dict[int, FileTensor] | None = None) -> Iter
     units = _units(model)
     plans = [[t for t in tensors(unit, recurse) if wanted(t)] for unit, recurse in units]
 
+    def read(src, shape: tuple):
+        data = buffers.read(gate.ready(src), shape)
+        gate.done(src)
+        return data
+
     def read_unit(index: int) -> dict:
-        return {id(t): buffers.read(sources[id(t)], tuple(t.shape)) for t in plans[index] if id(t) in sources}
+        return {id(t): read(sources[id(t)], tuple(t.shape)) for t in plans[index] if id(t) in sources}
 
     def request(index: int) -> None:
         if index < len(plans) and index not in pending and any(id(t) in sources for t in plans[index]):
@@ -223,6 +259,7 @@ def float32_compute(model, sources: dict[int, FileTensor] | None = None) -> Iter
                 buffers.give(t.data)
                 t.data = kept[1]
 
+    gate.expect([sources[id(t)] for plan in plans for t in plan if id(t) in sources])
     hooks = []
     dense = _onednn_linears(model)
     for index, (unit, _recurse) in enumerate(units):

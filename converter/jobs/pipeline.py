@@ -16,7 +16,7 @@ from pathlib import Path
 from converter.engine.merging import TensorTee, merge
 from converter.engine.recipe import Recipe, recorded_recipe
 from converter.engine.writer import Shard
-from converter.errors import ConverterError, UsageError
+from converter.errors import ConverterError, OutputError, UsageError
 from converter.hub import client as hub
 from converter.hub.card import public_records, write_card
 from converter.hub.publish import (
@@ -32,8 +32,8 @@ from converter.hub.sources import Fetched, fetch, parse_source
 from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
-from converter.io.units import parse_size
-from converter.jobs.streaming import ScratchMeter, ShardUploader, StreamedBase
+from converter.io.units import human_bytes, parse_size
+from converter.jobs.streaming import SHARDS_ON_DISK, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
 from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
 from converter.verification.warmup import wait
@@ -141,13 +141,14 @@ def verify_folder(
     report_path: str | Path | None = None,
     log: Callable[[str], None] = print,
     shard_proof=None,
+    streamed=None,
     publishing: bool = False,
     **settings,
 ):
     """Verify, record the report next to the model, refresh the card; VerificationFailed on a fail, NotVerified
     when no proof could judge it (the folder is kept, its card says so; `publishing`: nothing is pushed).
     Returns the VerificationReport. `shard_proof`: the tensor proof already run shard by shard (a pipelined
-    push; see verify.shards)."""
+    push; see verify.shards); `streamed`: the behaviour compared while it streamed (verification.streamed)."""
     folder = Path(folder)
 
     wait()  # the warm-up import beside the merge (cli) finishes before anything here imports transformers
@@ -157,7 +158,7 @@ def verify_folder(
 
         report = verify_training(folder, recipe, verify, token=token, log=log, **settings)
     else:
-        report = verify(folder, recipe, token=token, log=log, shard_proof=shard_proof, **settings)
+        report = verify(folder, recipe, token=token, log=log, shard_proof=shard_proof, streamed=streamed, **settings)
     if report_path:
         Path(report_path).write_text(report.to_json())
     if (folder / PROVENANCE_FILE).is_file():
@@ -183,29 +184,38 @@ def _push_streamed(
     tee: TensorTee | None = None,
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
-    is then proven tensor by tensor before its upload: verify.shards)."""
+    is then proven tensor by tensor before its upload, verification.shards, and the behaviour compared as both
+    models stream, verification.streamed)."""
     repo_id = publication.target.repo_id
     tmp = make_temp("push", workdir, log)
     meter = ScratchMeter([tmp])
-    base_stream = uploader = shard_proof = None
+    base_stream = uploader = shard_proof = behaviour = None
     try:
         recipe = copy.deepcopy(recipe)
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
-        base_stream = _stream_base(recipe.base, token, tmp, meter, keep=verify is not None)
+        base_stream = _stream_base(recipe.base, token, tmp, meter)
         base, weights = _base_and_weights(recipe.base, base_stream, token)
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
+        keep = keep_output
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
             from converter.verification.shards import ShardProof
 
             shard_proof = ShardProof(recipe, token=token, log=log, base=Path(base.local))
             check_shard = _checks(shard_proof.check, check_shard)
-        keep = verify is not None or keep_output
-        uploader = _shard_uploader(publication, tmp, meter, check_shard, base_stream, keep, log)
+        if verify is not None:
+            behaviour, whole = _streamed_proofs(recipe, verify, base, base_stream, shard_proof, token, log)
+            keep = keep or whole  # verification reads the finished folder
+            if whole:
+                _whole_fits(tmp, base_stream, weights)
+        uploader = _shard_uploader(publication, tmp, meter, check_shard, base_stream, keep, behaviour, log)
         stage(TRANSFER)
-        folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log, tee)
+        folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log,
+                                   _tees(tee, behaviour))  # fmt: skip
         if verify is not None:
             stage(VERIFY)
-            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, publishing=True, **verify)
+            local = {"base": Path(base.local)} if base_stream is not None else {}  # (not fetched again)
+            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, streamed=behaviour,
+                          publishing=True, **verify, **local)  # fmt: skip
         operations, paths = _commit_contents(folder, repo_id, uploader)
         meter.sample()
         log(
@@ -222,6 +232,8 @@ def _push_streamed(
         publication.abandon()
         raise
     finally:
+        if behaviour is not None:
+            behaviour.abort()
         if base_stream is not None:
             base_stream.close()
         if shard_proof is not None:
@@ -229,12 +241,66 @@ def _push_streamed(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _stream_base(spec: str, token: str | None, tmp: Path, meter: ScratchMeter, keep: bool) -> StreamedBase | None:
-    """A Hub base's shards not already cached stream in while the merge reads them: for this job only, or (`keep`:
-    verification reads the base again after the merge) into the HF cache as a download would. None: a local base."""
+def _stream_base(spec: str, token: str | None, tmp: Path, meter: ScratchMeter) -> StreamedBase | None:
+    """A Hub base's shards not already cached stream in while the merge reads them, for this job only. None: a
+    local base."""
     if not parse_source(spec).repo_id:
         return None
-    return StreamedBase.open(spec, token, tmp / "base", meter, keep=keep)
+    return StreamedBase.open(spec, token, tmp / "base", meter)
+
+
+def _streamed_proofs(recipe: Recipe, verify: dict, base: Fetched, base_stream: StreamedBase | None, shard_proof,
+                     token: str | None, log: Callable[[str], None]):  # fmt: skip
+    """The behavioural comparison that runs while both models stream (its reference built now, before the merge;
+    None when not asked for), and whether verification must read the finished folder instead, which keeps the
+    whole model on disk: where either proof cannot run as the job streams."""
+    proofs = verify.get("proofs", ("tensors", "behaviour"))
+    why = None
+    if shard_proof is not None and not shard_proof.open():
+        why = f"the tensor proof reads the finished output ({shard_proof.declined})"
+    elif "behaviour" in proofs:
+        from converter.verification.streamed import prepare_streamed
+
+        bare = shard_proof is None or not shard_proof.proof.referee.info.independent  # what changed is unproven
+        check, why = prepare_streamed(recipe, verify, Path(base.local), base_stream, token, bare, log)
+        if check is not None:
+            return check, False
+    if why is not None:
+        log(f"verification reads the whole model once it is merged: {why}")
+    return None, why is not None
+
+
+def _whole_fits(tmp: Path, base_stream: StreamedBase | None, weights: int) -> None:
+    """Verification that reads the finished folder keeps the whole output, and the base it downloads, on disk
+    until the end: refused before anything is fetched when the disk cannot hold them."""
+    need = weights + (sum(d.size for d in base_stream.downloads) if base_stream is not None else 0)
+    free = shutil.disk_usage(tmp).free
+    if need > free:
+        raise OutputError(
+            f"{tmp.parent}: not enough disk space: verifying this merge reads the base and the output whole "
+            f"({human_bytes(need)}), {human_bytes(free)} free; point TMPDIR at a larger disk",
+            path=tmp.parent,
+        )
+    if base_stream is not None:
+        base_stream.keep()
+
+
+def _tees(*tees):
+    """One TensorTee handing each call to every one of `tees` that is not None (or None when none is)."""
+    present = [t for t in tees if t is not None]
+    if len(present) < 2:
+        return present[0] if present else None
+
+    class Tees:
+        def start(self, folder, specs):
+            for t in present:
+                t.start(folder, specs)
+
+        def put(self, spec, chunks):
+            for t in present:
+                t.put(spec, chunks)
+
+    return Tees()
 
 
 def _base_and_weights(spec: str, base_stream: StreamedBase | None, token: str | None) -> tuple[Fetched, int]:
@@ -253,10 +319,11 @@ def _shard_uploader(
     check_shard: Callable[[Shard], None] | None,
     base_stream: StreamedBase | None,
     keep: bool,
+    reader,
     log: Callable[[str], None],
 ) -> ShardUploader:
-    """Uploads each output shard once it is written and checked (`keep`: its file stays for verification); a
-    streamed base hears of each finished shard."""
+    """Uploads each output shard once it is written and checked (`keep`: its file stays in the output folder;
+    `reader`: also read by the streamed behaviour); a streamed base hears of each finished shard."""
     return ShardUploader(
         publication.api,
         publication.target.repo_id,
@@ -267,6 +334,7 @@ def _shard_uploader(
         keep=keep,
         check=check_shard,
         finished=base_stream.shard_done if base_stream else None,
+        reader=reader.out_gate if reader is not None else None,
         meter=meter,
         log=log,
     )
@@ -289,10 +357,11 @@ def _merge_overlapped(
     warmup = None
     if shard_proof is not None:  # transformers + PEFT for the first shard's referee, imported beside the merge
         from converter.verification.warmup import start as warmup
+    disk = None if uploader.keep else SHARDS_ON_DISK * parse_size(recipe.max_shard_size)
     folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit, tee=tee,
-                        on_planned=warmup).out)  # fmt: skip
+                        on_planned=warmup, disk=disk).out)  # fmt: skip
     uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
-    if base_stream is not None:
+    if base_stream is not None and not base_stream.keeping:
         base_stream.close()
     return folder
 

@@ -7,10 +7,13 @@ into a job-owned file, front to back; before any data arrives that file is a sta
 each tensor as soon as its bytes are there. The merge itself writes output shards; each one, once durable, goes to
 an upload thread that runs the per-shard check (when one is given), then `preupload_lfs_files` with the sha256
 the writer took as it wrote (no second read). Files fetched only for this job are deleted once merged (after the
-output shard holding their last tensor is finished), output shards once uploaded unless verification still
-needs them, so the scratch disk holds a few shards, whatever the model's size. Files already in the user's HF
-cache are read from there and left alone. A verified push reads the base again, so there its files fill in the HF
-cache instead and enter it when complete (`StreamedBase(keep=True)`).
+output shard holding their last tensor is finished), output shards once uploaded, so the scratch disk holds a few
+shards, whatever the model's size. Files already in the user's HF cache are read from there and left alone.
+
+A verified push reads both models again for its behavioural comparison, while they stream
+(converter.verification.streamed): a base file or an output shard is then also *held* until that comparison has
+read it, and the merge waits while more than a few output shards are held, so the bound stays. Where the
+comparison cannot stream, everything is held until the end (the whole model on disk, as the check says before).
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from converter.engine.writer import Shard
 from converter.errors import BadInputError, ConverterError, HubError
 from converter.hub import client as hub
-from converter.hub.sources import Fetched, Remote, cache_dir, check_disk, parse_source, resolve
+from converter.hub.sources import Fetched, Remote, cache_dir, parse_source, resolve
 from converter.io.background import Worker
 from converter.io.safetensors_header import HeaderError, decode_header
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
+HELD_FILES = 2  # base files the merge is done with, kept for another reader still busy with the one it has
+# Output shards on disk at most: the one being written, one waiting for its check and one checked, one waiting for
+# its upload and one uploading, and those a reader still holds (converter.verification.streamed.HELD_SHARDS + 1).
+SHARDS_ON_DISK = 9
 
 
 def _disk_bytes(folders: list[Path]) -> int:
@@ -58,68 +66,47 @@ class ScratchMeter:
 
 
 class _Download:
-    """One base file, filled front to back; `have` bytes from the start are on disk. `blob`: where it goes in the
-    HF cache when the job keeps the base (the file then fills beside it and `path` links to it)."""
+    """One base file, filled front to back; `have` bytes from the start are on disk."""
 
-    def __init__(self, index: int, name: str, path: Path, size: int, blob: Path | None = None):
-        self.index, self.name, self.path, self.size, self.blob = index, name, path, size, blob
+    def __init__(self, index: int, name: str, path: Path, size: int):
+        self.index, self.name, self.path, self.size = index, name, path, size
         self.have = 0
         self.started = self.deleted = False
         self.after: str | None = None  # released after this output tensor's shard is finished
-
-    @property
-    def partial(self) -> Path:
-        return self.blob.with_name(f"{self.blob.name}.converter-{os.getpid()}.incomplete")
+        self.held = False  # a reader other than the merge still needs it (see StreamedBase.hold)
 
 
 class StreamedBase:
     """A Hub base for one job: side files from the HF cache, weights from the cache where they already are,
-    the rest downloaded by one thread into files that the merge reads as they arrive.
+    the rest downloaded by one thread into job-owned files that the merge reads as they arrive, deleted once
+    merged and no longer held."""
 
-    Those files are the job's own, deleted once merged, unless `keep`: a verified push reads the base again after
-    the merge, so each file fills in the HF cache's blob folder and enters the cache when complete, as
-    `hf_hub_download` would have put it there (verification then finds it cached; nothing is downloaded twice)."""
-
-    def __init__(
-        self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None, keep: bool = False
-    ):
-        self.remote, self.folder, self.token, self.meter, self.keep = remote, folder, token, meter, keep
+    def __init__(self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None):
+        self.remote, self.folder, self.token, self.meter = remote, folder, token, meter
         self.downloads: list[_Download] = []
         self._cond = threading.Condition()
-        self._demand = -1
+        self._demand = self._other_demand = -1
         self._error: BaseException | None = None
         self._stop = False
         self._finished: set[str] = set()
+        self._keep = False  # every file stays until close (verification reads the whole base after the merge)
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def open(
-        cls, spec: str, token: str | None, folder: Path, meter: ScratchMeter | None = None, *, keep: bool = False
-    ) -> StreamedBase:
-        """Resolve the base, link its side files and cached weights into `folder`, stand-ins for the rest (in the
-        HF cache's blob folder with `keep`)."""
+    def open(cls, spec: str, token: str | None, folder: Path, meter: ScratchMeter | None = None) -> StreamedBase:
+        """Resolve the base, link its side files and cached weights into `folder`, stand-ins for the rest."""
         from huggingface_hub import hf_hub_download
 
         source = parse_source(spec)
         remote = resolve(source, "model", token)
-        self = cls(remote, folder, token, meter, keep)
+        self = cls(remote, folder, token, meter)
         weights = sorted(n for n in remote.wanted if n.endswith(".safetensors"))
-        blobs = _blob_folder(source.repo_id) if keep else None
-        if keep:
-            missing = sum(remote.siblings[n].size or 0 for n in weights if not remote.cached(n))
-            check_disk(remote.where, missing, "the base's download")
         for name in remote.wanted:
             target = folder / name
             target.parent.mkdir(parents=True, exist_ok=True)
             cached = remote.cached(name)
-            sha256 = getattr(remote.siblings[name].lfs, "sha256", None)
-            if name in weights and cached is None and (sha256 or not keep):
-                size = remote.siblings[name].size or 0
-                d = _Download(len(self.downloads), name, target, size, blobs / sha256 if keep else None)
-                if keep:
-                    blobs.mkdir(parents=True, exist_ok=True)
-                    os.symlink(d.partial, target)
-                self.downloads.append(d)
+            if name in weights and cached is None:
+                self.downloads.append(_Download(len(self.downloads), name, target, remote.siblings[name].size or 0))
                 continue
             if cached is None:  # a side file (config, tokenizer, card): small, into the HF cache as usual
                 cached = hub.call(
@@ -191,18 +178,24 @@ class StreamedBase:
     def _present(self) -> int:
         return sum(d.started and not d.deleted for d in self.downloads)
 
+    def _may_start(self, d: _Download) -> bool:
+        """Whether `d` may start arriving: within the look-ahead, or a reader waits for it; the merge's wait only
+        while few files it is done with are held for another reader (which, busy, holds the merge back)."""
+        if self._present() < LOOKAHEAD or self._other_demand >= d.index:
+            return True
+        kept = sum(f.started and not f.deleted and f.held and f.after is not None for f in self.downloads)
+        return self._demand >= d.index and kept < HELD_FILES
+
     def _run(self) -> None:
         try:
             for d in self.downloads:
                 with self._cond:
-                    while not self.keep and not self._stop and self._present() >= LOOKAHEAD and self._demand < d.index:
+                    while not self._stop and not self._may_start(d):
                         self._cond.wait()
                     if self._stop:
                         return
                     d.started = True
                 self._fill(d)
-                if self.keep:
-                    self._into_cache(d)
         except BaseException as e:  # noqa: BLE001 - handed to the readers
             with self._cond:
                 self._error = e
@@ -230,62 +223,76 @@ class StreamedBase:
         if self.meter is not None:
             self.meter.sample()
 
-    def _into_cache(self, d: _Download) -> None:
-        """A complete file enters the HF cache as `hf_hub_download` lays it out: the blob named by its sha256, the
-        snapshot's link to it. The job's link moves to the blob before the partial name goes (no moment without
-        a path for a reader); an open file stays the same file."""
-        remote = self.remote
-        with contextlib.suppress(FileExistsError):  # another process cached the same content meanwhile
-            os.link(d.partial, d.blob)
-        snapshot = d.blob.parent.parent / "snapshots" / remote.sha / d.name
-        snapshot.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.symlink(os.path.relpath(d.blob, snapshot.parent), snapshot)
-        relink = d.path.with_name(d.path.name + ".relink")
-        os.symlink(d.blob, relink)
-        os.replace(relink, d.path)
-        d.partial.unlink()
+    # -- the readers' side ---------------------------------------------------------------------------------------------
 
-    # -- the merge's side ----------------------------------------------------------------------------------------------
-
-    def wait(self, path: Path, end: int) -> None:
-        """Block until bytes [0, end) of `path` are on disk (the merge reads as the file arrives)."""
+    def wait(self, path: Path, end: int, *, other: bool = False) -> None:
+        """Block until bytes [0, end) of `path` are on disk (its readers read as the file arrives; a file of the
+        HF cache is complete). `other`: a reader besides the merge (it holds files, see `hold`)."""
         d = self._by_path(path)
+        if d is None:
+            return
         with self._cond:
-            if self._demand < d.index:  # a reader ahead of the look-ahead (a tensor read out of order)
+            if other and self._other_demand < d.index:
+                self._other_demand = d.index
+                self._cond.notify_all()
+            if not other and self._demand < d.index:  # a reader ahead of the look-ahead (a tensor read out of order)
                 self._demand = d.index
                 self._cond.notify_all()
-            while d.have < end and self._error is None:
+            while d.have < end and self._error is None and not self._stop:
                 self._cond.wait()
             if d.have < end:
                 if isinstance(self._error, ConverterError):
                     raise self._error
-                raise HubError(f"{self.remote.where}/{d.name}: download failed ({self._error})", **self.remote.ids)
+                why = self._error or "the job stopped"
+                raise HubError(f"{self.remote.where}/{d.name}: download failed ({why})", **self.remote.ids)
 
     def release(self, path: Path, after: str) -> None:
         """The merge has read all it needs from `path`; delete it once tensor `after` is in a finished shard."""
         d = self._by_path(path)
         with self._cond:
             d.after = after
-            if after in self._finished:
-                self._delete(d)
+            self._delete_if_done(d)
 
     def shard_done(self, tensors: tuple[str, ...]) -> None:
         """An output shard is finished (and checked): base files whose last tensor it holds can go."""
         with self._cond:
             self._finished.update(tensors)
             for d in self.downloads:
-                if d.after in self._finished and not d.deleted:
-                    self._delete(d)
+                self._delete_if_done(d)
 
-    def _delete(self, d: _Download) -> None:
-        if not self.keep:
+    def hold(self) -> None:
+        """Keep every job-owned file, even once merged, until `let_go` says another reader is done with it
+        (call before the merge starts)."""
+        with self._cond:
+            for d in self.downloads:
+                d.held = True
+
+    def keep(self) -> None:
+        """Keep every job-owned file until `close` (call before the merge starts)."""
+        with self._cond:
+            self._keep = True
+
+    @property
+    def keeping(self) -> bool:
+        return self._keep
+
+    def let_go(self, path: Path) -> None:
+        """Another reader is done with `path` (a file of the HF cache: nothing to do)."""
+        d = self._by_path(path)
+        if d is None:
+            return
+        with self._cond:
+            d.held = False
+            self._delete_if_done(d)
+
+    def _delete_if_done(self, d: _Download) -> None:
+        if not d.deleted and not d.held and not self._keep and d.after in self._finished:
             d.path.unlink(missing_ok=True)
-        d.deleted = True
-        self._cond.notify_all()
+            d.deleted = True
+            self._cond.notify_all()
 
-    def _by_path(self, path: Path) -> _Download:
-        return next(d for d in self.downloads if d.path == Path(path))
+    def _by_path(self, path: Path) -> _Download | None:
+        return next((d for d in self.downloads if d.path == Path(path)), None)
 
     def close(self) -> None:
         """Stop downloading and delete every job-owned file (the folder itself is the caller's)."""
@@ -296,17 +303,7 @@ class StreamedBase:
             self._thread.join(timeout=120)
         for d in self.downloads:
             d.path.unlink(missing_ok=True)
-            if d.blob is not None:  # what did not complete leaves the HF cache; what did stays, as a download would
-                d.partial.unlink(missing_ok=True)
             d.deleted = True
-
-
-def _blob_folder(repo_id: str) -> Path:
-    """The HF cache's blob folder of a model repo."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    return Path(cache_dir() or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
 
 
 class _RangeReader:
@@ -326,14 +323,23 @@ class _Stopped(Exception):
     """The job ended while a download was running."""
 
 
+class ShardReader(Protocol):
+    """Reads the output shards while the job streams (the behavioural comparison of a verified push)."""
+
+    def arrived(self, shard: Shard, let_go: Callable[[], None]) -> None:
+        """`shard` (at its stable spool path) is on disk; call `let_go` once done with it. May block, to hold the
+        merge back while too many shards wait to be read."""
+
+
 class ShardUploader:
     """Uploads each finished output shard (`preupload_lfs_files`) on its own thread while the merge goes on;
     `operations` are what the one commit at the end names. A shard's `check` (the tensor proof) runs on a thread
     of its own, before that shard's upload and during the previous one's, so a CPU-bound proof and a network-bound
     upload overlap instead of taking turns. Without `keep`, at most one shard waits at each step: a slower upload
-    holds the merge back instead of filling the disk. With `keep` (a verified push) every shard stays on disk for
-    the verification anyway, so nothing holds the merge back: it runs ahead of a slow upload, and the behaviour
-    check after it runs while the uploads finish."""
+    holds the merge back instead of filling the disk; a `reader` (the streamed behaviour) is handed each shard
+    too, and its file goes once both the upload and the reader are done with it. With `keep` every shard also
+    stays in the output folder (what reads the finished folder needs it), so nothing holds the merge back: it runs
+    ahead of a slow upload."""
 
     def __init__(
         self,
@@ -347,23 +353,27 @@ class ShardUploader:
         keep: bool = False,
         check: Callable[[Shard], None] | None = None,
         finished: Callable[[tuple[str, ...]], None] | None = None,
+        reader: ShardReader | None = None,
         meter: ScratchMeter | None = None,
         log: Callable[[str], None] = print,
     ):
         self.api, self.repo_id, self.spool = api, repo_id, spool
         spool.mkdir(parents=True, exist_ok=True)
         self.ensure_repo, self.revision, self.create_pr, self.keep = ensure_repo, revision, create_pr, keep
-        self.check, self.finished, self.meter, self.log = check, finished, meter, log
+        self.check, self.finished, self.reader, self.meter, self.log = check, finished, reader, meter, log
         self.operations: list = []
         self.uploaded = 0
         self._worker_items = 0
+        self._lock = threading.Lock()
+        self._read: set[Path] = set()  # spool files the reader is done with (or never had)
+        self._sent: set[Path] = set()  # spool files uploaded
         waiting = 0 if keep else 1  # 0: no limit
         self._worker = Worker(self._upload, maxsize=waiting, name="converter-upload")
         self._checker = Worker(self._check, maxsize=waiting, name="converter-check") if check is not None else None
 
     def submit(self, shard: Shard) -> None:
         """Called by the writer thread with each durable shard; without `keep`, blocks while the uploader is a
-        shard behind.
+        shard behind (or the reader too many).
 
         The shard is hard-linked into the spool folder first: the merge's output folder is renamed into place
         when the merge ends, and without `keep` the shard leaves it at once (the spool's link is uploaded)."""
@@ -372,7 +382,19 @@ class ShardUploader:
         os.link(shard.path, link)
         if not self.keep:
             shard.path.unlink()
-        (self._checker or self._worker).put(dataclasses.replace(shard, path=link))
+        spooled = dataclasses.replace(shard, path=link)
+        if self.reader is not None:
+            self.reader.arrived(spooled, lambda: self._done(link, self._read))
+        else:
+            self._read.add(link)
+        (self._checker or self._worker).put(spooled)
+
+    def _done(self, link: Path, party: set[Path]) -> None:
+        """One of the spool file's two users (upload, reader) is done with it; the second deletes it."""
+        with self._lock:
+            party.add(link)
+            if link in self._read and link in self._sent:
+                link.unlink(missing_ok=True)
 
     def _check(self, shard: Shard) -> None:
         self.check(shard)
@@ -401,7 +423,7 @@ class ShardUploader:
         )
         self.operations.append(op)
         self.uploaded += shard.size
-        shard.path.unlink()
+        self._done(shard.path, self._sent)
         self.log(f"  uploaded {name} ({shard.size / 1e9:.2f} GB, {time.monotonic() - started:.1f} s)")
 
     def checked(self) -> None:

@@ -75,6 +75,8 @@ def verify(
     single_file_config: str | None = None,
     proofs: tuple[str, ...] = PROOFS,
     shard_proof=None,
+    streamed=None,
+    base: Path | None = None,
     notes: tuple[str, ...] = (),
 ) -> VerificationReport:
     """Prove `merged` against base + adapters (the recipe); returns the report, also written next to the model.
@@ -84,26 +86,34 @@ def verify(
     continuations for the card. `single_file_config`: diffusers' config for a single-file diffusion base.
     `proofs`: both by default; one of them alone to look at it by itself (the other is reported as not run).
     `shard_proof`: a `shards.ShardProof` that already proved the output's shards as they were written (a
-    pipelined push): its verdict is the tensor proof, the files are not read again. `notes`: what the caller
-    knows about this verification, noted after the verdict's own notes."""
+    pipelined push): its verdict is the tensor proof, the files are not read again. `streamed`: a
+    `streamed.StreamedLLMCheck` that compared the behaviour while the push streamed (the output's weights are
+    then no longer on disk). `base`: the base as the caller already has it (a push's streamed download), else it
+    is fetched. `notes`: what the caller knows about this verification, noted after the verdict's
+    own notes."""
     if mode not in MODES:
         raise ValueError(f"verification mode {mode!r}: use one of {', '.join(MODES)}")
 
     wait()  # a warm-up import started beside the merge (cli) must finish before this thread imports anything
     import_peft()
     started = time.time()
-    job = Job(Path(merged), recipe, *sources(recipe, token), log, Clock())
+    job = Job(Path(merged), recipe, *sources(recipe, token, base), log, Clock())
     if job.diffusion:  # never a weaker referee because diffusers is missing: one line naming the extra
         require("diffusers", "verifying a diffusion merge")
     report = VerificationReport("diffusion" if job.diffusion else "llm")
     log(f"verifying {job.merged.name}: {' and '.join(proofs)}")
 
     with reused_heap():
-        referee = _tensor_proof(job, report, shard_proof) if "tensors" in proofs else None
+        referee = _tensor_proof(job, report, shard_proof, streamed) if "tensors" in proofs else None
         if "tensors" not in proofs:
             report.tensors_skipped = "not asked for"
         settings = Settings(prompts, mode, max_new_tokens, memory, token, bare_base=not _proven(report))
-        findings = _behaviour(job, report, referee, settings, single_file_config) if "behaviour" in proofs else None
+        if streamed is not None:
+            findings = _streamed_behaviour(job, report, streamed)
+        elif "behaviour" in proofs:
+            findings = _behaviour(job, report, referee, settings, single_file_config)
+        else:
+            findings = None
     if "behaviour" not in proofs:
         report.behaviour_skipped = "not asked for"
     needed = "tensors" in proofs and not job.tensors_by_design
@@ -139,7 +149,7 @@ def sources(recipe: Recipe, token: str | None, base: Path | None = None) -> tupl
     return Path(base), [Path(fetch(s.source, "adapter", token).local) for s in recipe.adapters]
 
 
-def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
+def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None, streamed=None):
     """The tensor proof into the report; returns its referee (the diffusion images may use it)."""
     finished = shard_proof.finish() if shard_proof is not None else None
     if finished is not None:
@@ -147,6 +157,10 @@ def _tensor_proof(job: Job, report: VerificationReport, shard_proof=None):
         job.log(f"tensor proof: {report.tensors.tensors} tensors, proven shard by shard as they were written")
         job.clock.lap("tensor proof")
         return referee
+    if streamed is not None:  # the shards are gone: what stopped the proof on the way is the reason
+        report.tensors_skipped = getattr(shard_proof, "declined", None) or "not run while the output streamed"
+        job.log(f"tensor proof not run: {report.tensors_skipped}")
+        return None
     report.tensors, declined, referee = prove_tensors(job.merged, job.recipe, job.base, job.adapters, job.log)
     if declined is not None:
         report.tensors_skipped, job.tensors_by_design = str(declined), declined.by_design
@@ -181,6 +195,22 @@ def _behaviour(job: Job, report: VerificationReport, referee, settings, single_f
     return None
 
 
+def _streamed_behaviour(job: Job, report: VerificationReport, streamed):
+    """The comparison that ran while the push streamed, into the report (its forwards are over by now)."""
+    if report.tensors is not None and not report.tensors.passed:
+        streamed.abort()
+        report.behaviour_skipped = "the tensor proof already failed"
+        return None
+    try:
+        report.behaviour, findings = streamed.finish()
+    except Skip as e:
+        report.behaviour_skipped = str(e)
+        job.log(f"behavioural comparison not run: {e}")
+        return None
+    job.clock.lap("behaviour, compared as both models streamed")
+    return findings
+
+
 def _llm_behaviour(report: VerificationReport, job: Job, settings):
     """The model's behaviour against PEFT's unmerged reference (a causal LM: llm.py; another model PEFT adapts:
     task_check.py); None (with the reason) when it cannot run."""
@@ -197,6 +227,10 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
     if isinstance(check, str):
         report.behaviour_skipped = check
         return None
+    if check is LLMCheck:
+        ran, findings = _hollow_behaviour(report, job, folders, settings)
+        if ran:
+            return findings
     with temp_folder("verify", log=job.log) as scratch:
         try:
             report.behaviour, findings = check(job.merged, job.recipe, job.base, folders, settings, Path(scratch),
@@ -205,6 +239,24 @@ def _llm_behaviour(report: VerificationReport, job: Job, settings):
             report.behaviour_skipped = str(e)
             return None
     return findings
+
+
+def _hollow_behaviour(report: VerificationReport, job: Job, adapters: list[Path], settings):
+    """The quick comparison with both models hollow (streamed.py, as a push runs it), where it can run: (whether it
+    ran, its findings). Where it cannot or its forwards fail, the models are loaded instead (LLMCheck), which says
+    why in its own words; and so they are when it finds a problem: their module probe names the first module
+    that disagrees."""
+    from converter.verification.streamed import Unstreamable, compare_finished
+
+    try:
+        behaviour, findings = compare_finished(job.merged, job.recipe, job.base, adapters, settings, job.log,
+                                               job.clock)  # fmt: skip
+    except (Unstreamable, Skip, PeftRefused):
+        return False, None
+    if findings[0]:
+        return False, None
+    report.behaviour = behaviour
+    return True, findings
 
 
 def _check_for(base: Path, adapters: list[Path]):

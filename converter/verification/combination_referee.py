@@ -19,7 +19,7 @@ from pathlib import Path
 
 from converter.engine.recipe import Recipe
 from converter.engine.ties_dare import dare_mask
-from converter.verification.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, _hollow_peft_model
+from converter.verification.peft_referee import PREFIX, PeftLayers, _adapters_in, _allowance, hollow_peft_model
 from converter.verification.peft_referee import _tied_sources as tied_sources
 from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable
 
@@ -35,7 +35,7 @@ class CombinationReferee:
             raise RefereeUnavailable(f"PEFT has no combination rule for --method {recipe.method}")
         self.recipe, self.rule = recipe, PEFT_RULE[recipe.method]
         self.names = [f"adapter{i}" for i in range(len(adapters))]
-        self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
+        self.model = hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
         self.layers = PeftLayers(self.model, PREFIX, "", self.names, recipe.adapters, base_names,
                                  tied_sources(self.model), saved=self.model.saved_names)  # fmt: skip
         self.info = RefereeInfo(

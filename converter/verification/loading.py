@@ -305,6 +305,15 @@ def load_reference(
     require_trained_scales(model, names, adapters)
     if sources is not None:
         _exact_adapter_tensors(model, adapters, names, sources)
+    set_recipe_scales(model, recipe)
+    return model.eval()
+
+
+def set_recipe_scales(model, recipe: Recipe) -> None:
+    """Every adapter of a PEFT model (named adapter0, adapter1 ... in recipe order) active, each scaled by its
+    recipe weight on the modules its include/exclude admits and by 0 elsewhere, as PEFT's multi-adapter forward
+    scales them."""
+    names = [f"adapter{i}" for i in range(len(recipe.adapters))]
     if len(names) > 1:
         model.base_model.set_adapter(names)
     for name, spec in zip(names, recipe.adapters, strict=True):
@@ -312,7 +321,6 @@ def load_reference(
             if hasattr(module, "set_scale") and name in getattr(module, "scaling", {}):
                 key = module_name.removeprefix("base_model.model.") + ".weight"
                 module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
-    return model.eval()
 
 
 def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict) -> None:

@@ -150,11 +150,8 @@ def mixed_batch(model, inputs, ppl_ids) -> tuple[Run, Run] | None:
     """The reference (a PEFT model with one LoRA adapter) and the bare base in one forward, as rows of PEFT's
     mixed-adapter batch (the adapter's name, and "__base__" for no adapter); None where PEFT does not offer that
     for these adapters (DoRA, aLoRA): then the caller runs the two one after the other (disable_adapter)."""
-    config = getattr(model, "peft_config", {})
-    if len(config) != 1:
-        return None
-    ((name, adapter),) = config.items()
-    if adapter.peft_type != "LORA" or adapter.use_dora or getattr(adapter, "alora_invocation_tokens", None):
+    name = mixed_batch_adapter(model)
+    if name is None:
         return None
     try:
         ref, bare = run_variants(model, inputs, ppl_ids, [name, "__base__"])
@@ -162,6 +159,18 @@ def mixed_batch(model, inputs, ppl_ids) -> tuple[Run, Run] | None:
         _drop_adapter_names_hooks(model)
         return None
     return ref, bare
+
+
+def mixed_batch_adapter(model) -> str | None:
+    """The one adapter of a PEFT model that PEFT's mixed-adapter batch can run beside the bare base (a plain
+    LoRA: not DoRA, not aLoRA); None where it cannot."""
+    config = getattr(model, "peft_config", {})
+    if len(config) != 1:
+        return None
+    ((name, adapter),) = config.items()
+    if adapter.peft_type != "LORA" or adapter.use_dora or getattr(adapter, "alora_invocation_tokens", None):
+        return None
+    return name
 
 
 def _drop_adapter_names_hooks(model) -> None:

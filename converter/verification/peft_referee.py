@@ -167,7 +167,7 @@ class PeftReferee:
 
     def __init__(self, base: Path, adapters: list[Path], recipe: Recipe, base_names: set[str], vocab: int | None):
         self.names = [f"adapter{i}" for i in range(len(adapters))]
-        self.model = _hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
+        self.model = hollow_peft_model(Path(base), [Path(a) for a in adapters], self.names, vocab)
         model_class = type(self.model.base_model.model).__name__
         for name, spec in zip(self.names, recipe.adapters, strict=True):  # the recipe's weights, as PEFT scales
             for module in self.model.modules():
@@ -210,9 +210,10 @@ def _round_trip_4bit(base, recipe: Recipe):
     return bnb.dequantize_4bit(packed, state).to(base.dtype)
 
 
-def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None):
+def hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab: int | None, before_peft=None):
     """The base's module tree on no memory (the model class the adapters were trained on), PEFT's adapters
-    loaded onto it for real."""
+    loaded onto it for real. `before_peft(model, written, saved)` sees the hollow base before PEFT wraps it
+    (`written`: the weights an adapter file holds whole; `saved`: saved_names)."""
     from peft import PeftModel
 
     try:
@@ -229,6 +230,8 @@ def _hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab
     if vocab and _embedding_rows(model) not in (None, vocab):
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
         hollow(model, written)
+    if before_peft is not None:
+        before_peft(model, written, saved)
     with load_results() as results, peft_refusals():
         model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
         for name, path in zip(names[1:], adapters[1:], strict=True):

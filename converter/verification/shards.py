@@ -69,6 +69,12 @@ class ShardProof:
             self.declined = "a shard failed"
             raise VerificationFailed(f"verification failed: tensor proof of {shard.name}: {problems[0]}{more}")
 
+    def open(self) -> bool:
+        """Build the referee now, before the merge: whether shards will be proven as they come (False: the proof
+        reads the finished output)."""
+        with self._lock:
+            return self._open() is not None
+
     def finish(self) -> tuple[TensorProofResult, Referee] | None:
         """The tensor proof over every shard that came (tensors that never came are missing), or None when the
         per-shard proof did not run (verification then proves the finished folder)."""

@@ -18,7 +18,9 @@ from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.jobs.pipeline import pipelined_shard_size
+from converter.jobs.streaming import HELD_FILES, LOOKAHEAD, SHARDS_ON_DISK
 from converter.testing.hub import HubServer, Link, client_env
+from converter.verification.streamed import EXECUTION
 
 ALICE = "hf_fake_alice_0123456789"
 
@@ -260,10 +262,10 @@ def fetched_bytes(hub: HubServer, name: str) -> int:
     return total
 
 
-def test_a_verified_push_streams_the_base_into_the_hf_cache_once(hub, tmp_path):
-    """With verification on, the base still streams in while the merge reads it, but into the HF cache, where the
-    proof and the behavioural comparison read it again: each weight file fetched exactly once, by Range reads, and
-    cached complete as a download would have cached it; a file that failed midway is not left in the cache."""
+def test_a_verified_push_proves_both_ways_within_a_few_shards_of_disk(hub, tmp_path):
+    """With verification on, both proofs run while the models stream: each base weight file is fetched exactly
+    once, by Range reads, into the job's own files (never the HF cache), and the behaviour is compared as the base
+    arrives and the output is written, so the scratch disk holds a few shards of each side, as without it."""
     home = tmp_path / "hf-home"
     hub.reset_log()
     code, out, err = push(hub, tmp_path, "alice/verified-once", home=home)
@@ -271,20 +273,40 @@ def test_a_verified_push_streams_the_base_into_the_hf_cache_once(hub, tmp_path):
     assert same_as_reference(hub, "alice/verified-once") and len(hub.history("alice/verified-once")) == 2
     shards = hub.local["shards"]
     assert {p.name: fetched_bytes(hub, p.name) for p in shards} == {p.name: p.stat().st_size for p in shards}
-    cached = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cached_weights(home)}
-    assert cached == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards}
-    blobs = home / "hub" / "models--alice--sharded" / "blobs"
-    assert not list(blobs.glob("*.incomplete")) and not any((tmp_path / "tmp").iterdir())
-    # A download that fails for good midway: no repo, and of the base only the files that completed are cached.
-    fourth = shards[3].name
+    assert not cached_weights(home) and not any((tmp_path / "tmp").iterdir())
+    report = json.loads(hub.read_file("alice/verified-once", "verification.json"))
+    assert report["verdict"] == "pass" and report["tensors"]["failed"] == 0, report
+    assert report["execution"] == EXECUTION and report["behaviour_skipped"] is None  # (its fields at the top)
+    assert report["merged_vs_reference"]["mean_kl"] < report["tolerance"]["mean_kl"]
+    peak = float(re.search(r"scratch disk peak: ([\d.]+) MiB", out)[1]) * 2**20
+    base_shard = max(p.stat().st_size for p in shards)
+    out_shard = max(len(hub.read_file("alice/verified-once", n)) for n in hub.files("alice/verified-once")
+                    if n.endswith(".safetensors"))  # fmt: skip
+    held = (LOOKAHEAD + HELD_FILES + 1) * base_shard + SHARDS_ON_DISK * out_shard
+    assert 0 < peak <= held + 128 * 1024, (peak, held)  # (+ the side files, a 4 KiB block each)
+
+
+def test_a_verified_push_whose_download_fails_leaves_nothing(hub, tmp_path):
+    """A download that fails for good midway: no repo, and nothing of the base is left on disk."""
+    fourth = hub.local["shards"][3].name
     hub.inject("GET", rf"resolve/[^/]+/{fourth}", status=500, times=100, after=2)
-    home = tmp_path / "hf-home-2"
+    home = tmp_path / "hf-home"
     code, out, err = push(hub, tmp_path, "alice/verified-doomed", "--weight", "0.7", home=home)
     hub.clear_faults()
     assert code == 2 and "Hub error 500" in err and "Traceback" not in err, err
     assert not hub.exists("alice/verified-doomed")
-    assert [p.name for p in cached_weights(home)] == [p.name for p in shards[:3]]
-    assert not list((home / "hub" / "models--alice--sharded" / "blobs").glob("*.incomplete"))
+    assert not cached_weights(home) and not any((tmp_path / "tmp").iterdir())
+
+
+def test_a_check_that_cannot_stream_reads_the_whole_model_after_the_merge(hub, tmp_path):
+    """The full check generates continuations (every weight read once per token): verification then reads the
+    finished folder, says why, and still proves both ways before the one commit."""
+    code, out, err = push(hub, tmp_path, "alice/verified-full", "--verify", "full", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "verification reads the whole model once it is merged: the full check generates continuations" in out
+    report = json.loads(hub.read_file("alice/verified-full", "verification.json"))
+    assert report["verdict"] == "pass" and report.get("mode") == "full", report["notes"]
+    assert report["execution"] != EXECUTION and same_as_reference(hub, "alice/verified-full")
 
 
 def test_link_holds_transfers_to_its_rate():
