@@ -152,3 +152,61 @@ class NotVerified(ConverterError):
     def __init__(self, message: str, *, report: object = None):
         super().__init__(message)
         self.report = report
+
+
+class DoesNotFit(ConverterError):
+    """A job this machine cannot hold, found from the headers before anything is downloaded: `where` (the folder
+    whose disk was counted), the scratch `disk` it needs and the `free` bytes there, the `memory` it needs and the
+    `available` memory; `flavor` is the Hugging Face Jobs flavor that fits it (None: none does), with its estimated
+    `seconds` and `usd`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        where: object = None,
+        disk: int = 0,
+        free: int = 0,
+        memory: int = 0,
+        available: int = 0,
+        flavor: str | None = None,
+        seconds: float | None = None,
+        usd: float | None = None,
+    ):
+        super().__init__(message)
+        self.where = None if where is None else str(where)
+        self.disk, self.free, self.memory, self.available = disk, free, memory, available
+        self.flavor, self.seconds, self.usd = flavor, seconds, usd
+
+
+class JobsUnavailable(ConverterError):
+    """Hugging Face Jobs cannot run under `namespace` for this token: a free account (Jobs need PRO, or an
+    organization with credits), or a namespace the user is not a member of."""
+
+    def __init__(self, message: str, *, namespace: str | None = None):
+        super().__init__(message)
+        self.namespace = namespace
+
+
+class RemoteJobError(ConverterError):
+    """A Hugging Face Job that ended without the outcome of the converter command it ran (it timed out, could not
+    start, was canceled by someone else): `job_id`, its `url`, its last `stage` and the Hub's `status` message."""
+
+    def __init__(
+        self, message: str, *, job_id: str | None = None, url: str | None = None, stage: str | None = None,
+        status: str | None = None,
+    ):  # fmt: skip
+        super().__init__(message)
+        self.job_id, self.url, self.stage, self.status = job_id, url, stage, status
+
+
+class JobInterrupted(RemoteJobError):
+    """Ctrl-C while following a Hugging Face Job: `canceled` says whether the job was canceled on request or left
+    running (then the message says how to follow it)."""
+
+    verdict = Verdict.INTERRUPTED
+    exit_code = _exit_code(verdict)
+
+    def __init__(self, message: str, *, job_id: str, url: str, canceled: bool):
+        super().__init__(message, job_id=job_id, url=url, stage="CANCELED" if canceled else "RUNNING")
+        self.canceled = canceled

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_push.add_argument("--gguf", metavar="TYPE[,TYPE...]",
                         help="also GGUF files of these types, proven before anything is committed, into the repo "
                         "REPO-GGUF")  # fmt: skip
+    p_push.add_argument("--dry-run", action="store_true",
+                        help="print the plan and the disk, memory and time it needs here and on Hugging Face Jobs "
+                        "(with --on-jobs: the Job's spec); download, write and submit nothing")  # fmt: skip
+    from converter.cli.on_jobs import add_jobs_options
+
+    add_jobs_options(p_push)
     _verify_options(p_push)
 
     v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
@@ -275,6 +281,9 @@ def _merge_options(p: argparse.ArgumentParser) -> None:
                    help="how the adapters' deltas combine on each tensor (default sum)")  # fmt: skip
     p.add_argument("--density", type=float, help="ties/dare: the fraction of each delta kept, in (0, 1]")
     p.add_argument("--seed", type=int, help="dare: the seed of the drop masks (default 0)")
+    from converter.cli.on_jobs import add_fit_options
+
+    add_fit_options(p)
 
 
 def _adapter_specs(args: argparse.Namespace) -> list:
@@ -396,18 +405,25 @@ def _run_inspect(args: argparse.Namespace) -> Outcome:
 
 
 def _run_merge(args: argparse.Namespace) -> Outcome:
-    """Merge, then verify (unless --no-verify or --dry-run) and export GGUF files when asked; the checks that
-    can fail early (verification's extras, the GGUF types) run before the merge."""
+    """Merge, then verify (unless --no-verify) and export GGUF files when asked; the checks that can fail early
+    (where it fits, verification's extras, the GGUF types) run before the merge. --dry-run: the plan and the fit."""
     _one_blas_thread()
     from converter.engine.merging import merge
 
     if args.keep_adapter:
         return _keep_adapter(args)
     recipe = _recipe_from_args(args)
-    settings = None if args.no_verify or args.dry_run else _verify_settings(args)
+    from converter.cli import on_jobs
+
+    on_jobs.mount(args, recipe)
+    if args.dry_run:
+        details = on_jobs.dry_run(args, recipe, None if args.no_verify else _verify_settings(args), "merge", _log)
+        return not_asked("merge", "a dry run: nothing was written", details={"fit": details})
+    settings = None if args.no_verify else _verify_settings(args)
+    on_jobs.check_merge_fits(args, recipe, settings)
     from converter.gguf.export import check_merge_gguf
 
-    gguf_types = None if args.dry_run else check_merge_gguf(args.gguf, recipe.base)
+    gguf_types = check_merge_gguf(args.gguf, recipe.base)
     warmup = None
     if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
         from converter.jobs.pipeline import check_extras
@@ -421,8 +437,7 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
         tee = merge_tee(recipe.out, gguf_types, log=_log)
     report = exported = None
     try:
-        result = merge(recipe, dry_run=args.dry_run, force=args.force, token=args.token, log=_log, tee=tee,
-                       on_planned=warmup)  # fmt: skip
+        result = merge(recipe, force=args.force, token=args.token, log=_log, tee=tee, on_planned=warmup)
         written = tee.finish() if tee else None
         if settings is not None:
             from converter.jobs.pipeline import verify_folder
@@ -435,8 +450,6 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
     finally:
         if tee is not None:
             tee.discard()  # what export did not take (all of it, if anything failed)
-    if args.dry_run:
-        return not_asked("merge", "a dry run: nothing was written")
     out = {"out": str(result.out), "files": paths(result.out, [*result.files, *_report_file(report)])}
     outcome = verified("merge", report, **out) if report is not None else not_asked("merge", **out)
     if exported is not None:
@@ -484,6 +497,19 @@ def _run_push(args: argparse.Namespace) -> Outcome:
 
     recipe = None if args.from_folder else _recipe_from_args(args)
     settings = None if args.no_verify else _verify_settings(args)
+    from converter.cli import on_jobs
+
+    if args.on_jobs:
+        if recipe is None:
+            raise UsageError("--on-jobs merges Hub sources in the Job; --from is for a folder on this machine")
+        return on_jobs.run_push(args, recipe, settings, _log)
+    if recipe is not None:
+        on_jobs.mount(args, recipe)
+    if args.dry_run:
+        if recipe is None:
+            raise UsageError("--dry-run plans a merge; a --from folder is pushed as it is")
+        details = on_jobs.dry_run(args, recipe, settings, "push", _log)
+        return not_asked("push", "a dry run: nothing was written", details={"fit": details})
     gguf = None
     if args.gguf:
         from converter.cli.gguf import prepare_push_gguf
@@ -516,6 +542,7 @@ def _run_push(args: argparse.Namespace) -> Outcome:
             finished=finished,
             keep_output=gguf is not None,
             tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
+            max_disk=on_jobs.max_disk(args),
         )
         _log(result.summary())
         published.append(result.published())

@@ -68,6 +68,30 @@ def cache_dir() -> str | None:
     return _CACHE_DIR.get()
 
 
+# Pinned Hub sources already on this machine, as a Hugging Face Jobs volume mounts a repo: (repo id, commit sha) ->
+# the folder. Process-wide, not per context: the threads of a push (the proofs) fetch the base too.
+_MOUNTED: dict[tuple[str, str], Path] = {}
+
+
+def use_mounted(spec: str, folder: str | Path) -> None:
+    """`spec` (org/name@<commit sha>) is already in `folder` (a Jobs volume): `fetch` reads it there, downloading
+    nothing, and records it as the Hub id it is, so recipe, provenance and card stay true. Each file is checked
+    against the Hub's listing of that commit (present, same size) when it is fetched."""
+    source = parse_source(spec)
+    if source.repo_id is None or not re.fullmatch(r"[0-9a-f]{40}", source.revision or ""):
+        raise UsageError(f"{spec}: a mounted base is named by its commit, org/name@<40-hex sha>")
+    if not Path(folder).is_dir():
+        raise BadInputError(f"{folder}: the folder of the mounted base {spec} does not exist", file=folder)
+    _MOUNTED[(source.repo_id.lower(), source.revision)] = Path(folder)
+
+
+def mounted(source: Source) -> Path | None:
+    """Where a pinned Hub source is mounted (use_mounted), or None."""
+    if source.repo_id is None or source.revision is None:
+        return None
+    return _MOUNTED.get((source.repo_id.lower(), source.revision))
+
+
 @dataclass(frozen=True)
 class Source:
     """A parsed source spec: `local` for paths on disk, else a Hub repo (+ revision, + file inside it)."""
@@ -212,6 +236,8 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     from huggingface_hub import hf_hub_download, snapshot_download
 
     remote = resolve(source, kind, token)
+    if (folder := mounted(source)) is not None:
+        return _from_mount(remote, folder)
     repo, sha, where, wanted = source.repo_id, remote.sha, remote.where, remote.wanted
     cache = cache_dir()
     missing = [n for n in wanted if remote.cached(n) is None]
@@ -239,6 +265,22 @@ def fetch(spec: str, kind: str = "model", token: str | None = None, need_bytes: 
     card_path = (local.parent if local.is_file() else local) / "README.md"
     card = card_path.read_text() if card_path.is_file() else None
     return Fetched(source, local, sha, remote.records(), card)
+
+
+def _from_mount(remote: Remote, folder: Path) -> Fetched:
+    """A pinned source read from its mount: every file the job needs there, of the size the Hub lists."""
+    for name in remote.wanted:
+        path, size = folder / name, remote.siblings[name].size
+        if not path.is_file() or (size is not None and path.stat().st_size != size):
+            state = "missing" if not path.is_file() else f"{path.stat().st_size} bytes, the Hub lists {size}"
+            raise BadInputError(
+                f"{folder}: not {remote.source.repo_id}@{remote.sha} as mounted: {name} is {state}", file=path
+            )
+    source = remote.source
+    local = folder / source.path if source.path else folder
+    card_path = (local.parent if source.path else local) / "README.md"
+    card = card_path.read_text(errors="replace") if card_path.is_file() else None
+    return Fetched(source, local, remote.sha, remote.records(), card)
 
 
 def _check_names(where: str, repo: str, revision: str, names) -> None:

@@ -28,11 +28,12 @@ from converter.hub.publish import (
     local_files,
     push_folder,
 )
-from converter.hub.sources import Fetched, fetch, parse_source
+from converter.hub.sources import Fetched, fetch, mounted, parse_source
 from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
+from converter.jobs.fit import check_here
 from converter.jobs.streaming import SHARDS_ON_DISK, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
 from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
@@ -68,6 +69,7 @@ def push(
     finished: Callable[[Path], None] | None = None,
     keep_output: bool = False,
     tee: TensorTee | None = None,
+    max_disk: int | None = None,
 ) -> PushResult:
     """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
 
@@ -77,7 +79,9 @@ def push(
     each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
     report written) just before the commit, while it still exists (a merging push's folder is temporary);
     `keep_output` keeps every shard in it until then even without verification (`finished` reads them all);
-    `tee` sees a merge's tensors as they are written (converter.engine.merging.TensorTee).
+    `tee` sees a merge's tensors as they are written (converter.engine.merging.TensorTee). A merge that cannot fit
+    on this machine (converter.jobs.fit: its disk, at most `max_disk`, and memory, from the headers) is refused
+    before anything is downloaded (DoesNotFit, naming the Hugging Face Jobs flavor that fits).
     """
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
@@ -93,7 +97,9 @@ def push(
         if create_pr or overwrite or not target.has_model:
             publication = Publication(api, target, private=private, create_pr=create_pr, overwrite=overwrite, log=log)
             return _push_streamed(publication, recipe, token, workdir, verify, check_shard, stage, finished, log,
-                                  keep_output, tee)  # fmt: skip
+                                  keep_output, tee, max_disk)  # fmt: skip
+        whole = "the repo holds a model already: merged whole first, compared before any upload"
+        check_here(recipe, verify, token, workdir, whole=whole, max_disk=max_disk)
     tmp = None
     try:
         if recipe is not None:
@@ -182,6 +188,7 @@ def _push_streamed(
     log: Callable[[str], None],
     keep_output: bool = False,
     tee: TensorTee | None = None,
+    max_disk: int | None = None,
 ) -> PushResult:
     """Download, merge and upload at once; one commit at the end, after verification when it is on (each shard
     is then proven tensor by tensor before its upload, verification.shards, and the behaviour compared as both
@@ -195,6 +202,7 @@ def _push_streamed(
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
         base_stream = _stream_base(recipe.base, token, tmp, meter)
         base, weights = _base_and_weights(recipe.base, base_stream, token)
+        _fits(recipe, verify, token, workdir, base, base_stream, max_disk)
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         keep = keep_output
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
@@ -244,9 +252,21 @@ def _push_streamed(
 def _stream_base(spec: str, token: str | None, tmp: Path, meter: ScratchMeter) -> StreamedBase | None:
     """A Hub base's shards not already cached stream in while the merge reads them, for this job only. None: a
     local base."""
-    if not parse_source(spec).repo_id:
+    source = parse_source(spec)
+    if not source.repo_id or mounted(source) is not None:  # local, or a Jobs volume: read in place
         return None
     return StreamedBase.open(spec, token, tmp / "base", meter)
+
+
+def _fits(recipe: Recipe, verify: dict | None, token: str | None, workdir: str | Path | None, base: Fetched,
+          base_stream: StreamedBase | None, max_disk: int | None) -> None:  # fmt: skip
+    """Refused (DoesNotFit) before any weight is downloaded when this machine cannot hold the job, streamed or
+    whole (converter.jobs.fit), from the headers the stream has read already."""
+    from converter.jobs.shape import BaseHeaders
+
+    side = sum(f["size"] or 0 for f in base.files if not f["name"].endswith(".safetensors"))
+    headers = BaseHeaders(Path(base.local), side if base_stream is not None else 0, base_stream is not None)
+    check_here(recipe, verify, token, workdir, max_disk=max_disk, headers=headers)
 
 
 def _streamed_proofs(recipe: Recipe, verify: dict, base: Fetched, base_stream: StreamedBase | None, shard_proof,
@@ -278,7 +298,8 @@ def _whole_fits(tmp: Path, base_stream: StreamedBase | None, weights: int) -> No
     if need > free:
         raise OutputError(
             f"{tmp.parent}: not enough disk space: verifying this merge reads the base and the output whole "
-            f"({human_bytes(need)}), {human_bytes(free)} free; point TMPDIR at a larger disk",
+            f"({human_bytes(need)}), {human_bytes(free)} free; point TMPDIR at a larger disk, or run it on Hugging "
+            "Face Jobs (--on-jobs)",
             path=tmp.parent,
         )
     if base_stream is not None:

@@ -48,6 +48,11 @@ class JobsMixin:
         with self._lock:
             return self._jobs[job_id]
 
+    def jobs(self) -> list[LocalJob]:
+        """Every job the server has run or is running, oldest first."""
+        with self._lock:
+            return list(self._jobs.values())
+
     def _add_job(self, job: LocalJob) -> None:
         with self._lock:
             atexit.unregister(self._stop_jobs)  # registered once: a server never stopped still kills its jobs on exit
