@@ -31,7 +31,7 @@ try:
 except MissingExtraError as e:  # run as a script: the one line, no traceback
     raise SystemExit(f"error: {e}") from None
 
-from converter.app.check import Limits, check, describe_adapter, describe_base, weight_text  # noqa: E402
+from converter.app.check import check, describe_adapter, describe_base, space_machine, weight_text  # noqa: E402
 from converter.app.convert_job import ConvertRequest, default_convert_repo, run_convert  # noqa: E402
 from converter.app.merge_job import (  # noqa: E402
     DTYPES,
@@ -144,7 +144,9 @@ def suggest_repo(base: str, adapters: str, profile: gr.OAuthProfile | None):
     return gr.update(placeholder=default_repo(user, base or "", adapters or ""))
 
 
-def _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile) -> JobRequest:
+def _request(
+    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs, profile
+) -> JobRequest:
     base, adapters, repo, prompts = (str(x or "") for x in (base, adapters, repo, prompts))  # empty boxes: None
     repo = repo.strip() or default_repo(profile.username, base, adapters)
     return JobRequest(
@@ -158,21 +160,25 @@ def _request(base, adapters, repo, dtype, qlora, verify, prompts, private, creat
         private=private,
         create_pr=create_pr,
         gguf=gguf or "none",
+        on_jobs=bool(on_jobs),
     )
 
 
 def check_job(
-    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf,
+    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs,
     profile: gr.OAuthProfile | None, oauth_token: gr.OAuthToken | None,
 ) -> str:  # fmt: skip
-    """The plan before the work: formats, coverage, bytes to download and write, warnings."""
+    """The plan before the work: formats, coverage, bytes to download and write, warnings, and whether it fits
+    this Space (where not: the Hugging Face Jobs flavor that does, its time and cost)."""
     token = None
     try:
         token = _token(oauth_token)
-        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile)
+        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs,
+                           profile)  # fmt: skip
         with temp_folder("check") as tmp, job_sources(Path(tmp) / "cache"):
             try:
-                report = check(request.recipe(), token, Path(tmp) / "standin", Limits.from_env())
+                report = check(request.recipe(), token, Path(tmp) / "standin", space_machine(WORKROOT),
+                               request.verify_settings())  # fmt: skip
                 plan = public_paths(report.markdown(), tmp)
             except ConverterError as e:  # the page names Hub repos, never where the server keeps them
                 e.args = (public_paths(str(e), tmp),)
@@ -183,14 +189,15 @@ def check_job(
 
 
 def run(
-    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf,
+    base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs,
     profile: gr.OAuthProfile | None, oauth_token: gr.OAuthToken | None, progress=gr.Progress(),  # noqa: B008 - gradio's way
 ):  # fmt: skip
     """The job, as a generator: the live log streams while it runs; the result replaces it at the end."""
     token = None
     try:
         token = _token(oauth_token)
-        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, profile)
+        request = _request(base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs,
+                           profile)  # fmt: skip
         request.recipe()  # bad input fails here, before the job takes a worker
     except Exception as e:  # noqa: BLE001
         raise _fail(e, token) from None
@@ -203,7 +210,6 @@ def run(
                 request,
                 token,
                 workroot=WORKROOT,
-                limits=Limits.from_env(),
                 stage=lambda name: state.update(stage=name),
                 log=lines.append,
             )
@@ -325,6 +331,12 @@ def build() -> gr.Blocks:
                                 "pushed; into REPO-GGUF)",
                                 elem_id="gguf",
                             )
+                        on_jobs = gr.Checkbox(
+                            label="Run on Hugging Face Jobs with my account (for a model too big for this Space; "
+                            "needs PRO or an organization with credits; Check shows the machine, time and cost)",
+                            value=False,
+                            elem_id="on-jobs",
+                        )
                         with gr.Row():
                             check_btn = gr.Button("Check", elem_id="check")
                             run_btn = gr.Button("Merge, verify and push", variant="primary", elem_id="run")
@@ -369,7 +381,7 @@ def build() -> gr.Blocks:
                     c_result = gr.Markdown(elem_id="convert-result")
                     c_log = gr.Textbox(label="Log", lines=10, max_lines=20, elem_id="convert-log")
 
-        form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf]
+        form = [base, adapters, repo, dtype, qlora, verify, prompts, private, create_pr, gguf, on_jobs]
         demo.load(show_user, outputs=user, queue=False)
         base.change(base_info, inputs=base, outputs=base_status, queue=False, api_visibility="private")
         adapters.change(adapters_info, inputs=adapters, outputs=adapter_status, queue=False, api_visibility="private")

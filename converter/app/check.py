@@ -2,14 +2,15 @@
 
 A Hub base is planned from its safetensors headers alone (converter.hub.remote_headers: sparse stand-in files of the
 real size), so the merge planner sees exactly the names, shapes and byte ranges it will see after the download,
-while the disk holds only the headers. Adapters are small and are fetched.
+while the disk holds only the headers. Adapters are small and are fetched. The same headers say what the job needs
+(converter.jobs.fit): a job this Space's machine cannot hold is offered on Hugging Face Jobs instead.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from converter.engine.base_reader import open_base
@@ -18,28 +19,24 @@ from converter.engine.plan import plan_merge
 from converter.engine.recipe import Recipe
 from converter.errors import CheckpointError, UsageError
 from converter.formats import load_adapter
+from converter.hub.hf_jobs import hardware
 from converter.hub.remote_headers import hub_base_headers
 from converter.hub.remote_headers import write_standin as _sparse_standin  # noqa: F401 - the name tests/app/test_app_jobs.py uses
 from converter.hub.sources import fetch, parse_source
 from converter.io.units import human_bytes, parse_size
+from converter.jobs import fit
+from converter.jobs.fit import Estimate, Machine
+from converter.jobs.shape import BaseHeaders, shape_of
 
 
-@dataclass(frozen=True)
-class Limits:
-    """The largest job a server accepts: refused up front, before anything is downloaded."""
-
-    max_params: int = 4_000_000_000
-    max_bytes: int = 20 * 10**9
-
-    @classmethod
-    def from_env(cls) -> Limits:
-        """CONVERTER_APP_MAX_PARAMS (e.g. 4e9) and CONVERTER_APP_MAX_BYTES (e.g. 20GB) override the defaults."""
-        params = os.environ.get("CONVERTER_APP_MAX_PARAMS")
-        size = os.environ.get("CONVERTER_APP_MAX_BYTES")
-        return cls(
-            max_params=int(float(params)) if params else cls.max_params,
-            max_bytes=parse_size(size) if size else cls.max_bytes,
-        )
+def space_machine(workroot: str | Path | None = None) -> Machine:
+    """This Space's machine as one job gets it: the free disk where jobs run (at most CONVERTER_APP_MAX_DISK), the
+    memory available now and the cores, the disk and memory shared by the jobs that run at once
+    (CONVERTER_APP_CONCURRENCY). What a job needs is estimated against this, not against fixed limits."""
+    share = max(1, int(os.environ.get("CONVERTER_APP_CONCURRENCY", "1")))
+    cap = os.environ.get("CONVERTER_APP_MAX_DISK")
+    machine = fit.here(workroot, max_disk=parse_size(cap) if cap else None)
+    return replace(machine, name="this Space", disk=machine.disk // share, memory=machine.memory // share)
 
 
 @dataclass
@@ -54,6 +51,12 @@ class CheckReport:
     notes: list[str] = field(default_factory=list)
     # diffusion bases: component -> tensors the adapters change in it (the VAE, untouched, is a byte copy)
     changed_by_component: dict[str, int] = field(default_factory=dict)
+    fit: Estimate | None = None  # the job on this Space's machine
+    jobs: Estimate | None = None  # where it does not fit: the cheapest Hugging Face Jobs flavor that does
+
+    @property
+    def fits(self) -> bool:
+        return self.fit is None or self.fit.fits
 
     def markdown(self) -> str:
         b = self.base
@@ -80,9 +83,30 @@ class CheckReport:
             f"**Download** {human_bytes(self.bytes_to_download)} · **write** {human_bytes(self.bytes_to_write)} · "
             f"{self.changed_tensors} of {self.total_tensors} tensors change",
         ]
+        lines += self._fit_lines()
         lines += [f"\n- ⚠️ warning: {w}" for w in self.warnings]
         lines += [f"\n- note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _fit_lines(self) -> list[str]:
+        e = self.fit
+        if e is None:
+            return []
+        needs = (
+            f"disk {human_bytes(e.disk)} of {human_bytes(e.machine.disk)} free · memory "
+            f"{human_bytes(e.memory)} of {human_bytes(e.machine.memory)} · about {fit.duration(e.seconds)}"
+        )
+        if e.fits:
+            return ["", f"**Fits this Space** ({'streamed' if e.streamed else 'whole'}: {e.why}) · {needs}"]
+        lines = ["", f"**Too big for this Space**: {e.short}"]
+        if self.jobs is not None:
+            j = self.jobs
+            lines.append(
+                f"\n**Run it on Hugging Face Jobs** with your account (PRO or an organization with credits): "
+                f"`{j.machine.name}`, about {fit.duration(j.seconds)}, {fit.money(j.usd)} (tick *Run on Hugging "
+                "Face Jobs*)"
+            )
+        return lines
 
 
 def weight_text(weight) -> str:
@@ -124,6 +148,8 @@ def describe_base(spec: str, token: str | None, workdir: Path) -> dict:
         "size": sum(base.sizes[n] for n in base.files if n.endswith(".safetensors")),
         "download": sum(base.sizes[n] for n in base.files),
         "checkpoint": checkpoint,
+        "path": base.path,  # the stand-ins, which the estimate reads too
+        "side": sum(base.sizes[n] for n in base.files if not n.endswith(".safetensors")),
     }
 
 
@@ -147,17 +173,13 @@ def describe_adapter(spec: str, token: str | None) -> dict:
     }
 
 
-def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | None = None) -> CheckReport:
-    """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail."""
-    limits = limits or Limits.from_env()
+def check(
+    recipe: Recipe, token: str | None, workdir: Path, machine: Machine | None = None, verify: dict | None = None
+) -> CheckReport:
+    """Plan the job without fetching base weights; raise ConverterError for anything that would make it fail. Its
+    disk, memory and time on `machine` (default: this Space's) say whether it fits here; where it does not, the
+    report names the Hugging Face Jobs flavor that fits. `verify`: the job's verification settings (None: off)."""
     base = describe_base(recipe.base, token, workdir)
-    if base["parameters"] > limits.max_params or base["download"] > limits.max_bytes:
-        raise CheckpointError(
-            f"{recipe.base}: {base['parameters'] / 1e9:.2f} B parameters, {human_bytes(base['download'])} to "
-            f"download; this server merges models up to {limits.max_params / 1e9:.2f} B parameters and "
-            f"{human_bytes(limits.max_bytes)} (run `converter push` on your own machine for larger ones)",
-            file=recipe.base,
-        )
     adapters = [describe_adapter(spec.source, token) for spec in recipe.adapters]
     checkpoint: Checkpoint = base["checkpoint"]
     pairs = [(a["adapter"], spec) for a, spec in zip(adapters, recipe.adapters, strict=True)]
@@ -173,7 +195,10 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
                 "used": cov.used,
             }
         )
-    base_row = {k: v for k, v in base.items() if k != "checkpoint"}
+    base_row = {k: v for k, v in base.items() if k not in ("checkpoint", "path", "side")}
+    shape = shape_of(recipe, verify, token, workdir, BaseHeaders(base["path"], base["side"], True))
+    here = fit.estimate(shape, machine or space_machine())
+    jobs = None if here.fits else fit.best_flavor(fit.on_jobs(shape, hardware(token)))
     return CheckReport(
         base=base_row,
         adapters=rows,
@@ -184,6 +209,8 @@ def check(recipe: Recipe, token: str | None, workdir: Path, limits: Limits | Non
         warnings=warnings,
         notes=list(plan.notes),
         changed_by_component=_by_component(plan.changed, base_row["components"]) if base_row["family"] else {},
+        fit=here,
+        jobs=jobs,
     )
 
 

@@ -14,15 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.app.check import check
+from converter.app.check import check, space_machine
 from converter.engine.recipe import AdapterSpec, Recipe
-from converter.errors import ConverterError, UsageError
+from converter.errors import ConverterError, DoesNotFit, UsageError
 from converter.gguf.types import ALL_TYPES as ALL_GGUF_TYPES
 from converter.hub import client as hub
 from converter.hub.publish import check_repo_id, check_writable
-from converter.hub.sources import job_sources
+from converter.hub.sources import cache_dir, job_sources
 from converter.io.records import read_report
 from converter.io.scratch import make_temp
+from converter.jobs.fit import duration, money
 from converter.jobs.pipeline import STAGES as PUSH_STAGES
 from converter.jobs.pipeline import push
 from converter.verification import VerificationReport
@@ -46,6 +47,7 @@ class JobRequest:
     private: bool = False
     create_pr: bool = False
     gguf: str = "none"  # also a GGUF of this type, proven, in REPO-GGUF
+    on_jobs: bool = False  # run as a Hugging Face Job with the user's token (a model too big for this Space)
 
     def recipe(self) -> Recipe:
         base = self.base.strip()
@@ -64,6 +66,10 @@ class JobRequest:
 
     def prompt_list(self) -> list[str] | None:
         return [p.strip() for p in self.prompts.splitlines() if p.strip()] or None
+
+    def verify_settings(self) -> dict | None:
+        """The page shows the greedy continuations side by side: the full check (same verdict as quick)."""
+        return {"prompts": self.prompt_list(), "mode": "full"} if self.verify else None
 
 
 @dataclass
@@ -186,7 +192,7 @@ def run_job(
     token: str,
     *,
     workroot: str | Path | None = None,
-    limits=None,
+    machine=None,
     stage: Callable[[str], None] = lambda name: None,
     log: Callable[[str], None] = print,
 ) -> JobResult:
@@ -207,7 +213,7 @@ def run_job(
         log(message)
 
     try:
-        return _job(request, token, recipe, tmp, limits, stage, say, lines)
+        return _job(request, token, recipe, tmp, machine or space_machine(workroot), stage, say, lines)
     except ConverterError as e:  # the page shows the message: no server paths in it either
         e.args = (public_paths(clean(str(e)), *roots),)
         raise
@@ -215,19 +221,22 @@ def run_job(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, stage, say, lines) -> JobResult:
+def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, machine, stage, say, lines) -> JobResult:
     """Check, then the pipelined push (download, merge and upload at once; verification; one commit)."""
     repo_id = request.repo_id.strip()
     with job_sources(tmp / "hf-cache"):
         stage("check")
         check_namespace(repo_id, token)
-        plan = check(recipe, token, tmp / "check", limits)
+        verify = request.verify_settings()
+        plan = check(recipe, token, tmp / "check", machine, verify)
         shutil.rmtree(tmp / "check", ignore_errors=True)
         for w in plan.warnings:
             say(f"warning: {w}")
+        if request.on_jobs:
+            return _on_jobs(request, token, recipe, tmp, stage, say, lines)
+        if not plan.fits:
+            raise _too_big(recipe.base, plan)
         say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
-        # The page shows the greedy continuations side by side: the full check (same verdict as quick)
-        verify = {"prompts": request.prompt_list(), "mode": "full"} if request.verify else None
         published: dict = {}
         gguf = _pending_gguf(request, repo_id, tmp, say)
 
@@ -261,6 +270,63 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, limits, sta
         repo_id, result.url, result.pr_url, result.commit, result.changed, published.get("report"),
         published.get("card", ""), lines, published.get("images", []), published.get("gguf_url"),
     )  # fmt: skip
+
+
+def _too_big(base: str, plan) -> DoesNotFit:
+    """A job this Space cannot hold, refused before any download, with the way out the page offers."""
+    jobs, e = plan.jobs, plan.fit
+    way = "run `converter push` on a larger machine"
+    if jobs is not None:
+        way = (f"tick 'Run on Hugging Face Jobs' to run it with your account on {jobs.machine.name} (about "
+               f"{duration(jobs.seconds)}, {money(jobs.usd)})")  # fmt: skip
+    return DoesNotFit(
+        f"{base}: too big for this Space: {e.short}; {way}",
+        disk=e.disk, free=e.machine.disk, memory=e.memory, available=e.machine.memory,
+        flavor=jobs.machine.name if jobs else None, seconds=jobs.seconds if jobs else None,
+        usd=jobs.usd if jobs else None,
+    )  # fmt: skip
+
+
+def _on_jobs(request: JobRequest, token: str, recipe: Recipe, tmp: Path, stage, say, lines) -> JobResult:
+    """The same push as a Hugging Face Job with the user's own token (its secret there), the Job's log streamed
+    into the page; the page then shows what the Job published (its verification.json and card, read back)."""
+    from converter.jobs import remote
+
+    if request.gguf != "none":
+        raise UsageError("a GGUF is made on this Space only; run the merge on Hugging Face Jobs without it")
+    options = remote.PushOptions(private=request.private, create_pr=request.create_pr,
+                                 verify={"mode": "full"} if request.verify else None)  # fmt: skip
+    if request.prompt_list():
+        say("note: a Job verifies with the built-in prompts")
+    planned = remote.plan(request.repo_id.strip(), recipe, options, token, workdir=tmp)
+    stage(PUSH_STAGES[0])
+    outcome = remote.raise_for(remote.run(planned, token, log=say, ask=lambda _question: ""))
+    stage(PUSH_STAGES[-1])
+    pub = outcome.publication
+    report, card = _published_records(pub, token) if pub is not None else (None, "")
+    url = pub.url if pub else ""
+    return JobResult(pub.repo_id if pub else request.repo_id, url, pub.pr_url if pub else None,
+                     pub.commit if pub else None, pub.changed if pub else False, report, card, lines)  # fmt: skip
+
+
+def _published_records(pub, token: str) -> tuple[dict | None, str]:
+    """verification.json and README.md as the Job committed them (the page shows both)."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    def read(name: str) -> str | None:
+        def download() -> str:
+            return hf_hub_download(pub.repo_id, name, revision=pub.commit, token=token, cache_dir=cache_dir())
+
+        try:
+            path = hub.call(f"{pub.repo_id}/{name}", download, repo_id=pub.repo_id)
+        except ConverterError:
+            return None
+        return Path(path).read_text()
+
+    report = read("verification.json")
+    return (json.loads(report) if report else None), read("README.md") or ""
 
 
 def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[str], None]):

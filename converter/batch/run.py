@@ -42,7 +42,10 @@ PROCESS_BYTES = 1 << 30
 #: so a test can kill the worker at a known moment.
 STOP_ENV = "CONVERTER_BATCH_TEST_STOP"
 #: Settings the driver forwards to the workers of an existing cluster (never HF_TOKEN unless asked, see above).
-FORWARDED = ("HF_ENDPOINT", "HF_HUB_DISABLE_XET", "CONVERTER_HUB_RETRIES")
+FORWARDED = (
+    "HF_ENDPOINT", "HF_HUB_DISABLE_XET", "CONVERTER_HUB_RETRIES",
+    "CONVERTER_JOBS_IMAGE", "CONVERTER_JOBS_FROM", "CONVERTER_JOBS_NAMESPACE", "CONVERTER_JOBS_LINK_RATE",
+)  # fmt: skip
 
 
 class HubFault(Exception):
@@ -52,8 +55,10 @@ class HubFault(Exception):
 # --- inside a Ray worker -------------------------------------------------------------------------------------------
 
 
-def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
-    """Run one job in a child `converter` process and return its outcome (status, link, verdict, time, peak)."""
+def run_job(job: Job, timeout: float | None, on_jobs: str | None = None) -> dict[str, Any]:
+    """Run one job in a child `converter` process and return its outcome (status, link, verdict, time, peak).
+    `on_jobs` (a flavor, or "auto"): a merge job runs as its own Hugging Face Job, which the child submits (or
+    follows, when the same job is running already) and waits for; its outcome is the Job's."""
     started = time.monotonic()
     try:
         sources = resolve_sources(job)
@@ -65,7 +70,7 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
     pinned = {s: pin(s, sha) for s, sha in sources.items() if sha}
 
     with temp_folder("batch", log=lambda _m: None) as scratch:
-        argv = job.argv(pinned)
+        argv = job.argv(pinned) + on_jobs_args(job, on_jobs)
         if job.kind == "verify" and is_hub_id(job.target):
             argv[1] = _download(job.target, sources[job.target], scratch / "model")
         code, out, err, peak = _run_child(argv, job, scratch, timeout)
@@ -73,6 +78,13 @@ def run_job(job: Job, timeout: float | None) -> dict[str, Any]:
     if outcome["status"] == "failed" and outcome.get("transient"):
         raise HubFault(outcome["error"])
     return _outcome(outcome.pop("status"), started, sources=sources, peak_bytes=peak, **outcome)
+
+
+def on_jobs_args(job: Job, on_jobs: str | None) -> list[str]:
+    """`--on-jobs [FLAVOR]` for a merge job sent to Hugging Face Jobs; conversions and verifications run here."""
+    if not on_jobs or job.kind != "merge":
+        return []
+    return ["--on-jobs"] + ([] if on_jobs == "auto" else [on_jobs])
 
 
 def resolve_sources(job: Job) -> dict[str, str | None]:
@@ -213,12 +225,15 @@ def _redact(text: str) -> str:
 # --- the driver ----------------------------------------------------------------------------------------------------
 
 
-def estimate_memory(job: Job) -> int:
+def estimate_memory(job: Job, on_jobs: str | None = None) -> int:
     """Bytes to reserve for a job so Ray packs jobs without running out: the process itself, plus for merges and
     verifications one copy of the base in float32 (verification holds one model at a time; merging streams one
-    tensor at a time, far less), plus for conversions a few float32 copies of the adapter."""
+    tensor at a time, far less), plus for conversions a few float32 copies of the adapter. A merge on Hugging Face
+    Jobs only waits here: the process alone."""
     if job.memory:
         return job.memory
+    if on_jobs_args(job, on_jobs):
+        return CONVERT_BYTES
     if job.kind == "convert":
         return CONVERT_BYTES + 4 * _weight_bytes(job.target)
     model = job.options["base"] if job.kind == "merge" else job.target
@@ -254,6 +269,7 @@ def run_batch(
     retries: int = 3,
     job_timeout: float | None = None,
     token_in_runtime_env: bool = False,
+    on_jobs: str | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[list[str], list[str], float]:
     """Run every job not already done; record each outcome in the state file as it arrives.
@@ -271,7 +287,7 @@ def run_batch(
             return [], skipped, 0.0
         try:
             elapsed = _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout,
-                                  token_in_runtime_env, log)  # fmt: skip
+                                  token_in_runtime_env, log, on_jobs)  # fmt: skip
         except ConverterError:
             if created and all(state.status(j.id) == "pending" for j in jobs):  # Ray never started: leave nothing
                 state.close()
@@ -282,7 +298,8 @@ def run_batch(
         state.close()
 
 
-def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout, token_in_runtime_env, log):
+def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeout, token_in_runtime_env, log,
+                on_jobs=None):  # fmt: skip
     import logging
 
     ray = require("ray", "converter batch")
@@ -307,7 +324,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
         refs = {}
         started = time.monotonic()
         with ThreadPoolExecutor(8) as pool:  # one Hub listing per job: look them up side by side
-            memories = list(pool.map(estimate_memory, todo))
+            memories = list(pool.map(lambda j: estimate_memory(j, on_jobs), todo))
         for job, memory in zip(todo, memories, strict=True):
             if capacity:
                 memory = min(memory, int(capacity))  # too big for any node: verification offloads instead
@@ -317,7 +334,7 @@ def _run_on_ray(todo, state, address, num_cpus, cpus_per_job, retries, job_timeo
                 max_retries=retries,
                 retry_exceptions=[HubFault],
                 name=f"converter-batch:{job.id}",
-            ).remote(job, job.timeout or job_timeout)
+            ).remote(job, job.timeout or job_timeout, on_jobs)
             refs[ref] = job
             state.start(job.id)
         counts = {"done": 0, "failed": 0}

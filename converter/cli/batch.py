@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     b.add_argument("--cpus-per-job", type=float, default=1.0, help="CPUs each job reserves (default 1)")
     b.add_argument("--retries", type=int, default=3, help="retries per job for Hub faults and lost workers")
     b.add_argument("--job-timeout", type=float, help="seconds before a job is killed (default: none)")
+    from converter.cli.on_jobs import add_jobs_options
+
+    add_jobs_options(b, batch=True)
     b.add_argument(
         "--token-in-runtime-env",
         action="store_true",
@@ -69,7 +72,7 @@ def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> Out
     _, skipped, elapsed = run_batch(
         jobs, state, address=args.address, num_cpus=args.num_cpus, cpus_per_job=args.cpus_per_job,
         retries=args.retries, job_timeout=args.job_timeout, token_in_runtime_env=args.token_in_runtime_env,
-        log=log,
+        on_jobs=args.on_jobs, log=log,
     )  # fmt: skip
     db = State(state)
     try:

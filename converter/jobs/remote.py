@@ -333,3 +333,20 @@ def _interrupted(job: hf_jobs.Job, namespace: str, token: str, ask: Callable[[st
         "the same command again",
         job_id=job.id, url=job.url, canceled=False,
     )  # fmt: skip
+
+
+def raise_for(outcome: Outcome) -> Outcome:
+    """The outcome of a job that did what it was asked; else its failure as the error it was in the job (a failed
+    proof is VerificationFailed, an impossible one NotVerified, an interruption JobInterrupted, the rest
+    RemoteJobError), for callers that take errors rather than outcomes (the Space)."""
+    from converter.errors import NotVerified, VerificationFailed
+    from converter.outcome import Verdict
+
+    if outcome.exit_code == 0:
+        return outcome
+    job = outcome.details.get("job") or {}
+    if outcome.verdict is Verdict.FAILED:
+        raise VerificationFailed(outcome.reason)
+    if outcome.verdict is Verdict.NOT_VERIFIED:
+        raise NotVerified(outcome.reason)
+    raise RemoteJobError(outcome.reason, job_id=job.get("id"), url=job.get("url"), stage=job.get("stage"))

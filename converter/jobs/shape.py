@@ -89,6 +89,8 @@ def base_headers(spec: str, token: str | None, workdir: Path) -> BaseHeaders:
         return BaseHeaders(source.local, 0, False)
     if (folder := mounted(source)) is not None:
         return BaseHeaders(folder / source.path if source.path else folder, 0, False)
+    if (cached := _cached(source, token)) is not None:
+        return cached
     standin = hub_base_headers(source, token, workdir)
     side = sum(standin.sizes[n] for n in standin.files if not n.endswith(".safetensors"))
     config = standin.path / "config.json" if standin.path.is_dir() else None
@@ -97,6 +99,19 @@ def base_headers(spec: str, token: str | None, workdir: Path) -> BaseHeaders:
         records = [{"name": n, "size": standin.sizes.get(n), "sha256": None} for n in standin.files]
         fetched = Fetched(source, standin.path, standin.sha, records)
     return BaseHeaders(standin.path, side, True, fetched)
+
+
+def _cached(source, token: str | None) -> BaseHeaders | None:
+    """A Hub base whose every file is in the HF cache already: read there (nothing to download, nothing asked of
+    the Hub but its listing)."""
+    remote = resolve(source, "model", token)
+    found = {name: remote.cached(name) for name in remote.wanted}
+    if not found or None in found.values():
+        return None
+    name, path = next(iter(found.items()))
+    root = Path(path[: -len(name)])  # the snapshot folder
+    local = root / source.path if source.path else root
+    return BaseHeaders(local, 0, False, Fetched(source, local, remote.sha, remote.records()))
 
 
 def _tensors(base: Path, dtype: str | None) -> tuple[int, int, bool]:

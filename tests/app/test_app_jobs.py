@@ -18,7 +18,7 @@ import yaml
 from model_helpers import make_adapter, make_base
 from safetensors.torch import save_file
 
-from converter.app.check import Limits, _sparse_standin
+from converter.app.check import _sparse_standin, space_machine
 from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA
 from converter.app.local import BASE, LORA, LORA_B, MOCK_TOKEN, SD_BAD, SD_BASE, SD_LORA, SD_REPO, WRONG, seed_demo
 from converter.app.merge_job import JobRequest, default_repo, parse_adapters, redactor, report_images
@@ -83,12 +83,13 @@ def test_request_and_default_repo():
         JobRequest(base=" ", adapters="x/a").recipe()
 
 
-def test_redactor_and_limits(monkeypatch):
+def test_redactor_and_the_space_machine(monkeypatch, tmp_path):
     assert redactor("hf_secret")("Bearer hf_secret failed") == "Bearer <token> failed"
     assert redactor(None)("unchanged") == "unchanged"
-    monkeypatch.setenv("CONVERTER_APP_MAX_PARAMS", "1.5e9")
-    monkeypatch.setenv("CONVERTER_APP_MAX_BYTES", "3GB")
-    assert Limits.from_env() == Limits(max_params=1_500_000_000, max_bytes=3 * 10**9)
+    monkeypatch.setenv("CONVERTER_APP_MAX_DISK", "3GB")
+    monkeypatch.setenv("CONVERTER_APP_CONCURRENCY", "2")
+    machine = space_machine(tmp_path)  # a job's share of this machine: what the estimate is held against
+    assert machine.name == "this Space" and machine.disk <= 1_500_000_000 and machine.where == str(tmp_path)
 
 
 def test_job_sources_are_hub_only(tmp_path):
@@ -204,26 +205,39 @@ result(dict(write=report.bytes_to_write, download=report.bytes_to_download, chan
     assert any("stored as bitsandbytes NF4 4-bit" in note for note in out["nf4"])  # 4-bit output planned too
 
 
-def test_check_refuses_too_large_and_wrong_adapters(hub, tmp_path):
+def test_check_says_where_a_job_fits_and_refuses_wrong_adapters(hub, tmp_path):
+    """The Space's limit is the estimate against its own machine: a job that does not fit is shown with the Jobs
+    flavor that does (this Hub serves no hardware list: the built-in table), and refused before any download."""
     out = _client(
         hub,
         f"""
 from pathlib import Path
-from converter.app.check import check, Limits
+from converter.app.check import check
+from converter.app.merge_job import JobRequest, run_job
 from converter.engine.recipe import Recipe, AdapterSpec
+from converter.jobs.fit import Machine
+tmp = Path({str(tmp_path)!r})
+small = Machine("a small Space", disk=1000, memory=10**10, cores=2, link=1e6)
+recipe = Recipe(base={BASE!r}, adapters=[AdapterSpec({LORA!r})])
+report, roomy = check(recipe, {MOCK_TOKEN!r}, tmp / "a", small), check(recipe, {MOCK_TOKEN!r}, tmp / "b")
 errors = []
-for adapter, limits in [({LORA!r}, Limits(max_params=1000)), ({WRONG!r}, Limits())]:
-    try:
-        check(Recipe(base={BASE!r}, adapters=[AdapterSpec(adapter)]), {MOCK_TOKEN!r}, Path({str(tmp_path)!r}), limits)
-    except ConverterError as e:
-        errors.append(str(e))
-result(errors)
+try:
+    check(Recipe(base={BASE!r}, adapters=[AdapterSpec({WRONG!r})]), {MOCK_TOKEN!r}, tmp / "c")
+except ConverterError as e:
+    errors.append(str(e))
+try:
+    run_job(JobRequest(base={BASE!r}, adapters={LORA!r}, repo_id="demo/too-big", verify=False), {MOCK_TOKEN!r},
+            workroot=tmp / "jobs", machine=small)
+except ConverterError as e:
+    errors.append([type(e).__name__, e.flavor])
+result(dict(fits=[report.fits, roomy.fits], flavor=report.jobs.machine.name, md=report.markdown(), errors=errors))
 """,
         tmp_path,
     )
-    assert len(out) == 2
-    assert "this server merges models up to 0.00 B parameters" in out[0] and "converter push" in out[0]
-    assert out[1].startswith(WRONG) and "adapter trained on a different model size?" in out[1]
+    assert out["fits"] == [False, True] and out["flavor"] == "cpu-basic"
+    assert "Too big for this Space" in out["md"] and "`cpu-basic`" in out["md"]
+    assert out["errors"][0].startswith(WRONG) and "adapter trained on a different model size?" in out["errors"][0]
+    assert out["errors"][1] == ["DoesNotFit", "cpu-basic"] and not hub.exists("demo/too-big")
 
 
 def _run_job(hub: HubServer, tmp_path: Path, token: str | None, **request) -> dict:
