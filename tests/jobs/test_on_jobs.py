@@ -293,3 +293,53 @@ print(json.dumps([run_job(job, None, "auto") for job in load_jobs({str(jobs)!r})
     for repo, row in zip(("alice/batch-one", "alice/batch-two"), rows, strict=True):
         (job,) = jobs_for(hub, repo)
         assert job.stage == "COMPLETED" and row["url"].endswith(hub.head(repo))
+
+
+SPACE = """
+import json
+from pathlib import Path
+from converter.app.merge_job import JobRequest, run_job
+from converter.errors import ConverterError
+from converter.jobs.fit import Machine
+small = Machine("a small Space", disk=1000, memory=10**10, cores=2, link=1e6)
+out, lines = {{}}, []
+for repo, on_jobs in {runs!r}:
+    request = JobRequest(base="alice/sharded", adapters="alice/lora 0.8", repo_id=repo, on_jobs=on_jobs)
+    try:
+        r = run_job(request, {token!r}, workroot=Path({work!r}), machine=small, log=lines.append)
+        out[repo] = dict(url=r.url, commit=r.commit, verdict=(r.report or {{}}).get("verdict"), card=r.card)
+    except ConverterError as e:
+        out[repo] = dict(error=type(e).__name__, flavor=getattr(e, "flavor", None))
+print(json.dumps(dict(out, lines=lines)))
+"""
+
+
+def space(hub: HubServer, tmp_path: Path, runs: list[tuple[str, bool]]) -> dict:
+    code = SPACE.format(runs=runs, token=ALICE, work=str(tmp_path / "work"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, hub.redact(proc.stderr)
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_space_offers_jobs_for_a_model_too_big_for_it(hub, tmp_path, monkeypatch):
+    """On a Space too small for the model: refused up front naming the flavor; with 'Run on Hugging Face Jobs' the
+    same merge runs as the user's Job, its log in the page, its verification and card read back from the repo. A
+    sabotaged merge sent that way publishes nothing."""
+    stand_in_uvx(tmp_path, monkeypatch)
+    out = space(hub, tmp_path, [("alice/space-refused", False), ("alice/space-jobs", True)])
+    assert out["alice/space-refused"] == {"error": "DoesNotFit", "flavor": "cpu-basic"}
+    done = out["alice/space-jobs"]
+    assert done["commit"] == hub.head("alice/space-jobs") and done["verdict"] == "pass", out
+    assert "alice/space-jobs" in done["card"] and not hub.exists("alice/space-refused")
+    (job,) = jobs_for(hub, "alice/space-jobs")
+    assert "--verify" in job.spec.command and any("submitted: " in line for line in out["lines"])
+    assert any(line.startswith("merging 1 adapter(s)") for line in out["lines"])  # the Job's own log, streamed
+    assert ALICE not in json.dumps(out) and ALICE not in json.dumps(job.to_json())
+
+    sabotaged = tmp_path / "sabotaged"
+    sabotaged.mkdir()
+    stand_in_uvx(sabotaged, monkeypatch, prelude=SABOTAGE)
+    out = space(hub, sabotaged, [("alice/space-sabotaged", True)])
+    assert out["alice/space-sabotaged"]["error"] == "VerificationFailed"
+    assert not hub.exists("alice/space-sabotaged")
