@@ -103,6 +103,7 @@ def dry_run(args: argparse.Namespace, recipe, verify: dict | None, verb: str, lo
 
         hardware = jobs_hardware(token)
         estimates += fit.on_jobs(shape, hardware, _link(args, jobs=True))
+    log("where it would run (what it needs, next to what each machine has):")
     log(fit.table(estimates))
     if not here.fits:
         try:
