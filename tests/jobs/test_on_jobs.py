@@ -343,3 +343,25 @@ def test_the_space_offers_jobs_for_a_model_too_big_for_it(hub, tmp_path, monkeyp
     out = space(hub, sabotaged, [("alice/space-sabotaged", True)])
     assert out["alice/space-sabotaged"]["error"] == "VerificationFailed"
     assert not hub.exists("alice/space-sabotaged")
+
+
+def test_a_push_dry_run_shows_the_needs_here_and_on_jobs_from_headers(hub, tmp_path):
+    """`push --dry-run`: the plan and the estimates (here and on each flavor) as the outcome's details; nothing of
+    the base's weights downloaded, no repo made."""
+    hub.reset_log()
+    args = ["--json", "push", "--repo", "alice/planned", "--base", "alice/sharded", "--adapter", "alice/lora",
+            "--dry-run", "--link-rate", "10MB"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "converter", *args], env=env(hub, tmp_path), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    outcome = last_outcome(proc.stdout)
+    assert proc.returncode == 0 and not outcome.proof_asked, proc.stderr
+    fit = outcome.details["fit"]
+    here, jobs = fit["here"], fit["jobs"]
+    assert here["fits"] and here["streamed"] and here["machine"]["name"] == "this machine"
+    assert here["machine"]["link"] == 10e6 and here["download"] > sum(p.stat().st_size for p in hub.shards)
+    assert [j["machine"]["name"] for j in jobs] == ["cpu-basic", "cpu-upgrade", "cpu-xl"]
+    assert fit["hardware"] == "the Hub's hardware list" and fit["shape"]["weights"] > 0
+    for shard in hub.shards:  # headers only
+        reads = [s for s in hub.seen if s.method == "GET" and s.path.endswith(f"/{shard.name}")]
+        assert len(reads) <= 2 and all(s.range for s in reads), (shard.name, reads)
+    assert not hub.exists("alice/planned")
