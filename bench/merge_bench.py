@@ -179,10 +179,12 @@ class Comparison:
 # ---------------------------------------------------------------------------------------------------------- inputs
 
 
-def build_inputs(shape: Shape, folder: Path) -> tuple[Path, Path]:
-    """Create (once) a random-init bf16 Llama base and a non-zero rank-16 all-linear PEFT LoRA for it."""
+def build_inputs(shape: Shape, folder: Path, shard: str = "1GB") -> tuple[Path, Path]:
+    """Create (once) a random-init bf16 Llama base (in shards of `shard`) and a non-zero rank-16 all-linear PEFT
+    LoRA for it."""
     base_dir, adapter_dir, marker = folder / "base", folder / "adapter", folder / ".complete"
-    if marker.is_file() and marker.read_text() == shape.tag:
+    tag = shape.tag if shard == "1GB" else f"{shape.tag}-s{shard}"
+    if marker.is_file() and marker.read_text() == tag:
         return base_dir, adapter_dir
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
@@ -207,11 +209,11 @@ def build_inputs(shape: Shape, folder: Path) -> tuple[Path, Path]:
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(base_dir, max_shard_size="1GB")
+    model.save_pretrained(base_dir, max_shard_size=shard)
     lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", init_lora_weights=False)
     get_peft_model(model, lora).save_pretrained(adapter_dir)
     del model
-    marker.write_text(shape.tag)
+    marker.write_text(tag)
     print(f"  {params / 1e9:.3f} B parameters, built in {time.perf_counter() - t0:.0f} s", flush=True)
     return base_dir, adapter_dir
 

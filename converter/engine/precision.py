@@ -24,6 +24,7 @@ from typing import Protocol
 from converter.engine.checkpoint import Checkpoint
 from converter.errors import ConverterError
 from converter.io import dtypes
+from converter.io.dtypes import ITEMSIZE
 
 LOW = ("bfloat16", "float16")
 # Linear layers with at least this many weights compute through oneDNN (below: LoRA factors, where its set-up costs more
@@ -31,6 +32,12 @@ LOW = ("bfloat16", "float16")
 DENSE_MIN_WEIGHTS = 1 << 20
 # Above this many bytes one read may return less than asked (Linux caps a single read at 2 GiB - 4 KiB).
 _MAX_READ = 1 << 30
+# 16-bit weights are read and upcast this many bytes at a time: the staging buffer never holds a whole tensor.
+STAGING = 32 << 20
+# A plain head (nn.Linear) or embedding whose weight has at least this many elements is never upcast whole: the
+# head computes from blocks of ROW_BLOCK bytes of rows read in turn, the embedding reads only the rows its ids use.
+ROWS_MIN = 1 << 24
+ROW_BLOCK = 64 << 20
 
 
 def own_dtype(folder: Path):
@@ -133,34 +140,50 @@ class _Buffers:
             self.files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 (closed in close())
         return self.files[path]
 
-    def _read_into(self, view: memoryview, src: FileTensor) -> None:
-        f, done, size = self._file(src.path), 0, len(view)
-        f.seek(src.start)
+    def _read_into(self, view: memoryview, path: Path, start: int) -> None:
+        f, done, size = self._file(path), 0, len(view)
+        f.seek(start)
         while done < size:
             got = f.readinto(view[done : done + _MAX_READ])
             if not got:
-                raise OSError(f"{src.path}: could not read {size} bytes at offset {src.start} (truncated file?)")
+                raise OSError(f"{path}: could not read {size} bytes at offset {start} (truncated file?)")
             done += got
         if hasattr(os, "posix_fadvise"):  # consumed: drop it from the page cache, as the merge does with its input
-            os.posix_fadvise(f.fileno(), src.start, size, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(f.fileno(), start, size, os.POSIX_FADV_DONTNEED)
 
     def read(self, src: FileTensor, shape: tuple):
         """A float32 tensor holding the file's bytes for `src` (upcast exactly when stored in 16 bits)."""
+        out = self.take(shape)
+        self._fill(out, src.path, src.start, src.end - src.start, src.dtype)
+        return out
+
+    def read_rows(self, src: FileTensor, rows: range, shape: tuple, out=None):
+        """Rows `rows` of the 2-D weight `src` (`shape`: its full shape) as a float32 tensor (into `out`)."""
+        out = self.take((len(rows), *shape[1:])) if out is None else out
+        row = (src.end - src.start) // shape[0]
+        self._fill(out, src.path, src.start + rows.start * row, len(rows) * row, src.dtype)
+        return out
+
+    def _fill(self, out, path: Path, start: int, size: int, dtype: str) -> None:
+        """`out` (float32) from `size` bytes at `start`, stored as `dtype`: read in place, or STAGING bytes at a
+        time and upcast. Only as many elements as `out` holds are read: a vocabulary resized smaller in memory
+        keeps the first rows of the file's."""
         import torch
 
-        out = self.take(shape)
-        size = src.end - src.start
+        size = min(size, out.numel() * ITEMSIZE[dtype])
         if size == 0:
-            return out
-        if src.dtype == "F32":
-            self._read_into(memoryview(out.numpy()).cast("B"), src)
-            return out
-        if len(self.staging) < size:
-            self.staging = bytearray(size)
-        self._read_into(memoryview(self.staging)[:size], src)
-        stored = torch.frombuffer(self.staging, dtype=dtypes.ST_TO_TORCH[src.dtype], count=out.numel()).view(shape)
-        out.copy_(stored)
-        return out
+            return
+        if dtype == "F32":
+            self._read_into(memoryview(out.numpy()).cast("B"), path, start)
+            return
+        if len(self.staging) < min(size, STAGING):
+            self.staging = bytearray(min(size, STAGING))
+        flat, stored, itemsize = out.view(-1), dtypes.ST_TO_TORCH[dtype], ITEMSIZE[dtype]
+        for offset in range(0, size, STAGING):
+            n = min(STAGING, size - offset)
+            self._read_into(memoryview(self.staging)[:n], path, start + offset)
+            first = offset // itemsize
+            flat[first : first + n // itemsize].copy_(torch.frombuffer(self.staging, dtype=stored, count=n // itemsize))
 
     def close(self) -> None:
         for f in self.files.values():
@@ -196,13 +219,17 @@ def _units(model) -> list:
 
 
 @contextmanager
-def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate | None = None) -> Iterator[None]:
+def float32_compute(
+    model, sources: dict[int, object] | None = None, gate: Gate | None = None, prefetch: bool = True
+) -> Iterator[None]:
     """Within this block every forward of `model` computes in float32. Weights listed in `sources` (file_sources)
     are read from their files, the next unit's by a reader thread while this one computes (a read waits on the
     disk without holding the GIL); other bf16/fp16 tensors are copied from memory; float32 tensors that are not
     in `sources` are used as they are. After each unit runs its own tensors are put back (the very tensors, so
     nothing is rounded twice). Tied weights are upcast once per use. `gate`: reads wait there for bytes still
-    arriving (one forward over a streamed model: converter.verification.streamed)."""
+    arriving (one forward over a streamed model: converter.verification.streamed). `prefetch`: read the next
+    unit while this one computes (off, each unit is read when it runs: one unit in memory, not two; faster where
+    two models compute side by side on few cores, measured)."""
     from concurrent.futures import ThreadPoolExecutor
 
     sources = sources or {}
@@ -222,7 +249,9 @@ def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate 
         return t.is_floating_point() and str(t.dtype).removeprefix("torch.") in LOW
 
     units = _units(model)
-    plans = [[t for t in tensors(unit, recurse) if wanted(t)] for unit, recurse in units]
+    by_rows = {i: kind for i, (unit, recurse) in enumerate(units) if (kind := _by_rows(unit, recurse, sources))}
+    plans = [[t for t in tensors(unit, recurse) if wanted(t) and not (i in by_rows and t is unit.weight)]
+             for i, (unit, recurse) in enumerate(units)]  # fmt: skip
 
     def read(src, shape: tuple):
         data = buffers.read(gate.ready(src), shape)
@@ -239,7 +268,8 @@ def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate 
     def up(_unit, _args, index):
         request(index)
         ready = pending.pop(index).result() if index in pending else {}
-        request(index + 1)  # the next unit in registration order: in practice the next to run
+        if prefetch:
+            request(index + 1)  # the next unit in registration order: in practice the next to run
         for t in plans[index]:
             if id(t) in saved:
                 if id(t) in ready:
@@ -259,9 +289,22 @@ def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate 
                 buffers.give(t.data)
                 t.data = kept[1]
 
-    gate.expect([sources[id(t)] for plan in plans for t in plan if id(t) in sources])
-    hooks = []
-    dense = _onednn_linears(model)
+    reads = []
+    for index, (unit, _recurse) in enumerate(units):
+        reads += [sources[id(t)] for t in plans[index] if id(t) in sources]
+        if index in by_rows:
+            reads.append(sources[id(unit.weight)])
+    gate.expect(reads)
+    hooks, dense = [], []
+    for index, kind in by_rows.items():
+        unit = units[index][0]
+        if kind == "linear":
+            unit.forward = partial(_head_by_rows, unit, sources[id(unit.weight)], gate, buffers)
+            dense.append(unit)
+        else:
+            rows = _EmbeddingRows(unit, sources[id(unit.weight)], gate, buffers)
+            hooks += [unit.register_forward_pre_hook(rows.before), unit.register_forward_hook(rows.after)]
+    dense += _onednn_linears(model)
     for index, (unit, _recurse) in enumerate(units):
         if plans[index]:
             hooks.append(unit.register_forward_pre_hook(partial(up, index=index)))
@@ -279,6 +322,68 @@ def float32_compute(model, sources: dict[int, object] | None = None, gate: Gate 
         reader.shutdown(wait=True)  # a read still under way finishes before its file is closed
         pending.clear()
         buffers.close()
+
+
+def _by_rows(unit, recurse: bool, sources: dict) -> str | None:
+    """ "linear" or "embedding" for a plain head or embedding unit (not inside a block or a PEFT wrapper, which
+    may read the weight whole) whose weight is a file tensor of at least ROWS_MIN elements; else None."""
+    import torch
+
+    weight = getattr(unit, "weight", None)
+    if recurse or weight is None or id(weight) not in sources or weight.numel() < ROWS_MIN or weight.dim() != 2:
+        return None
+    if type(unit) is torch.nn.Linear:
+        return "linear"
+    return "embedding" if isinstance(unit, torch.nn.Embedding) else None
+
+
+def _head_by_rows(module, src, gate: Gate, buffers: _Buffers, x):
+    """A head's forward from its weight's rows, ROW_BLOCK bytes of them read and upcast at a time."""
+    import torch
+
+    where, shape = gate.ready(src), tuple(module.weight.shape)
+    step = max(1, ROW_BLOCK // max(1, (where.end - where.start) // shape[0]))
+    bias = module.bias.float() if module.bias is not None else None
+    outs = []
+    for first in range(0, shape[0], step):
+        rows = range(first, min(shape[0], first + step))
+        block = buffers.read_rows(where, rows, shape)
+        outs.append(torch.nn.functional.linear(x, block, None if bias is None else bias[rows.start : rows.stop]))
+        buffers.give(block)
+    gate.done(src)
+    return torch.cat(outs, dim=-1)
+
+
+class _EmbeddingRows:
+    """An embedding's forward from only the rows its ids use: the ids are renumbered onto a float32 table of
+    those rows, read from the file, for the call (the module's own forward runs, scaling included)."""
+
+    def __init__(self, module, src, gate: Gate, buffers: _Buffers):
+        self.module, self.src, self.gate, self.buffers = module, src, gate, buffers
+        self.kept = None
+
+    def before(self, module, args):
+        import torch
+
+        ids, weight = args[0], module.weight
+        where, shape = self.gate.ready(self.src), tuple(weight.shape)
+        used, renumbered = torch.unique(ids, return_inverse=True)
+        table = self.buffers.take((len(used), shape[1]))
+        rows = used.tolist()
+        start = 0
+        for end in range(1, len(rows) + 1):  # runs of consecutive rows, one read each
+            if end == len(rows) or rows[end] != rows[end - 1] + 1:
+                self.buffers.read_rows(where, range(rows[start], rows[end - 1] + 1), shape, table[start:end])
+                start = end
+        self.kept = (weight.data, module.padding_idx)
+        weight.data, module.padding_idx = table, None  # (padding_idx only shapes gradients; it must fit the table)
+        return (renumbered, *args[1:])
+
+    def after(self, module, _args, _out):
+        table = module.weight.data
+        module.weight.data, module.padding_idx = self.kept
+        self.buffers.give(table)
+        self.gate.done(self.src)
 
 
 def _onednn_linears(model) -> list:

@@ -35,7 +35,7 @@ from converter.io.background import Worker
 from converter.io.safetensors_header import HeaderError, decode_header
 
 LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
-HELD_FILES = 2  # base files the merge is done with, kept for another reader still busy with the one it has
+HELD_FILES = 1  # one more while another reader holds files (the behaviour check reads the base beside the merge)
 # Output shards on disk at most: the one being written, one waiting for its check and one checked, one waiting for
 # its upload and one uploading, and those a reader still holds (converter.verification.streamed.HELD_SHARDS + 1).
 SHARDS_ON_DISK = 9
@@ -85,7 +85,8 @@ class StreamedBase:
         self.remote, self.folder, self.token, self.meter = remote, folder, token, meter
         self.downloads: list[_Download] = []
         self._cond = threading.Condition()
-        self._demand = self._other_demand = -1
+        self._waits: list[tuple[str, int]] = []  # readers ("merge", "other") waiting for a file not yet started
+        self._holding = False  # another reader holds files (see `hold`)
         self._error: BaseException | None = None
         self._stop = False
         self._finished: set[str] = set()
@@ -179,12 +180,13 @@ class StreamedBase:
         return sum(d.started and not d.deleted for d in self.downloads)
 
     def _may_start(self, d: _Download) -> bool:
-        """Whether `d` may start arriving: within the look-ahead, or a reader waits for it; the merge's wait only
-        while few files it is done with are held for another reader (which, busy, holds the merge back)."""
-        if self._present() < LOOKAHEAD or self._other_demand >= d.index:
+        """Whether the next file may start arriving: while fewer than the window's files are on disk, or when
+        every reader waits for one not here yet (none of them can then free one: a read out of the window's order,
+        such as a head at the end from the first file). A busy reader holds the others back instead."""
+        if self._present() < LOOKAHEAD + (HELD_FILES if self._holding else 0):
             return True
-        kept = sum(f.started and not f.deleted and f.held and f.after is not None for f in self.downloads)
-        return self._demand >= d.index and kept < HELD_FILES
+        blocked = {reader for reader, index in self._waits if index >= d.index}
+        return blocked >= {"merge", "other"} if self._holding else "merge" in blocked
 
     def _run(self) -> None:
         try:
@@ -232,14 +234,14 @@ class StreamedBase:
         if d is None:
             return
         with self._cond:
-            if other and self._other_demand < d.index:
-                self._other_demand = d.index
-                self._cond.notify_all()
-            if not other and self._demand < d.index:  # a reader ahead of the look-ahead (a tensor read out of order)
-                self._demand = d.index
-                self._cond.notify_all()
-            while d.have < end and self._error is None and not self._stop:
-                self._cond.wait()
+            wait = ("other" if other else "merge", d.index)
+            self._waits.append(wait)
+            self._cond.notify_all()
+            try:
+                while d.have < end and self._error is None and not self._stop:
+                    self._cond.wait()
+            finally:
+                self._waits.remove(wait)
             if d.have < end:
                 if isinstance(self._error, ConverterError):
                     raise self._error
@@ -262,10 +264,20 @@ class StreamedBase:
 
     def hold(self) -> None:
         """Keep every job-owned file, even once merged, until `let_go` says another reader is done with it
-        (call before the merge starts)."""
+        (call before the merge starts); that reader's waits count in the window until `done_holding`."""
         with self._cond:
+            self._holding = True
             for d in self.downloads:
                 d.held = True
+
+    def done_holding(self) -> None:
+        """The other reader is done: every file it still held goes once merged, and the window is the merge's."""
+        with self._cond:
+            self._holding = False
+            for d in self.downloads:
+                d.held = False
+                self._delete_if_done(d)
+            self._cond.notify_all()
 
     def keep(self) -> None:
         """Keep every job-owned file until `close` (call before the merge starts)."""

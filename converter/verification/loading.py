@@ -139,6 +139,25 @@ def upcast_working_set(folder: Path) -> int:
     return 4 * (2 * (sum(sizes) // int(layers)) + largest) + 2 * largest + 2**30
 
 
+def streamed_working_set(folder: Path, adapters: list[Path] = ()) -> int:
+    """Bytes the hollow comparison takes (converter.verification.streamed: two forwards side by side, no read
+    ahead): per model one block's weights in float32, a block of head rows and the 16-bit staging buffer
+    (converter.engine.precision), the logits three times over (the run, the comparison's two log-softmaxes) for
+    up to 512 positions; the adapters in float32 (PEFT upcasts them) and 256 MiB for activations."""
+    from converter.engine.precision import ROW_BLOCK, ROWS_MIN, STAGING
+
+    ckpt = Checkpoint(folder)
+    sizes = [ckpt.info(name).numel for name in ckpt.names()]
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config") or {}
+    layers = int(config.get("num_hidden_layers") or text.get("num_hidden_layers") or 1)
+    vocab = int(config.get("vocab_size") or text.get("vocab_size") or 0)
+    rowwise = sum(n for n in sizes if n >= ROWS_MIN and n % max(vocab, 1) == 0)  # a big head or embedding
+    block = max((sum(sizes) - rowwise) // layers, max((n for n in sizes if n < ROWS_MIN), default=0))
+    adapter = sum(f.stat().st_size for a in adapters for f in Path(a).glob("adapter_model*.safetensors"))
+    return 2 * (4 * block + ROW_BLOCK + STAGING + 3 * 512 * vocab * 4) + 2 * adapter + 2**28
+
+
 def resident_bytes(model, sources: dict | None) -> int:
     """Bytes of `model`'s parameters held in memory: all of them, less those left mapped from their files."""
     skip = sources or {}

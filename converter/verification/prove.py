@@ -45,6 +45,8 @@ def prove_tensors(
                     proof.check_file(f.path, f"{f.path.parent.name}/" if output.diffusion == "diffusers" else "")
         except RefereeUnavailable as e:
             return None, e, None
+        finally:
+            proof.close()
         return proof.result(), None, proof.referee
 
 

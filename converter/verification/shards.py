@@ -96,6 +96,7 @@ class ShardProof:
         scratch = Path(self._resources.enter_context(temp_folder("proof", log=self.log)))
         try:
             self.proof, _ = open_proof(Path(self.recipe.out), self.recipe, base, adapters, scratch)
+            self._resources.callback(self.proof.close)
         except RefereeUnavailable as e:  # verification says it again, after the merge, before any commit
             self.declined = str(e)
             self.log(f"tensor proof: after the merge ({e})")

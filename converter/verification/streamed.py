@@ -59,8 +59,9 @@ class BaseGate:
     """The reference's reads of the base's files: each waits for its bytes (`arrival`), and a file is let go
     (`let_go`) after the forward's last read of it, or at once when the forward reads nothing of it."""
 
-    def __init__(self, files: list[Path], arrival: Callable[[Path, int], None] | None, let_go: Callable[[Path], None]):
-        self.files, self.arrival, self.let_go = files, arrival, let_go
+    def __init__(self, files: list[Path], arrival: Callable[[Path, int], None] | None, let_go: Callable[[Path], None],
+                 finished: Callable[[], None] | None = None):  # fmt: skip
+        self.files, self.arrival, self.let_go, self.finished = files, arrival, let_go, finished
         self.left: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -84,11 +85,13 @@ class BaseGate:
             self.let_go(src.path)
 
     def open(self) -> None:
-        """Stop holding: every file still counted is let go (the forward failed or the job stopped)."""
+        """Stop holding: every file still counted is let go (the forward is over, failed or the job stopped)."""
         with self._lock:
             held, self.left = [p for p, n in self.left.items() if n > 0], Counter()
         for path in held:
             self.let_go(path)
+        if self.finished is not None:
+            self.finished()
 
 
 class OutputGate:
@@ -177,7 +180,8 @@ def prepare_streamed(recipe: Recipe, verify: dict, base: Path, stream, token: st
     if not_peft := [a.name for a in adapters if not is_peft_folder(a)]:
         return None, f"{', '.join(not_peft)} is not a PEFT adapter folder"
     arrival = functools.partial(stream.wait, other=True) if stream else None
-    gate = BaseGate([f.path for f in Checkpoint(base).files], arrival, stream.let_go if stream else _keep)
+    gate = BaseGate([f.path for f in Checkpoint(base).files], arrival, stream.let_go if stream else _keep,
+                    stream.done_holding if stream else None)  # fmt: skip
     try:
         check = _prepared(recipe, base, [a if a.is_dir() else a.parent for a in adapters], settings, gate, log)
     except Unstreamable as e:
@@ -215,7 +219,7 @@ def _prepared(recipe: Recipe, base: Path, adapters: list[Path], settings: Settin
               log: Callable[[str], None]) -> StreamedLLMCheck:  # fmt: skip
     from converter.verification.warmup import import_peft
 
-    if (why := _memory_refuses(base, settings)) is not None:
+    if (why := _memory_refuses(base, adapters, settings)) is not None:
         raise Unstreamable(why)
     import_peft()
     check = StreamedLLMCheck(recipe, base, adapters, settings, gate, log)
@@ -236,12 +240,12 @@ def _recipe_refuses(recipe: Recipe, settings: Settings) -> str | None:
     return None
 
 
-def _memory_refuses(base: Path, settings: Settings) -> str | None:
-    """Both forwards hold a few blocks of their model in float32 at once (upcast_working_set each)."""
+def _memory_refuses(base: Path, adapters: list[Path], settings: Settings) -> str | None:
+    """Both forwards hold a block of their model in float32 at once (loading.streamed_working_set)."""
     from converter.io.units import human_bytes
-    from converter.verification.loading import available_memory, upcast_working_set
+    from converter.verification.loading import available_memory, streamed_working_set
 
-    need, budget = 2 * upcast_working_set(base), settings.memory or available_memory()
+    need, budget = streamed_working_set(base, adapters), settings.memory or available_memory()
     if need > budget:
         return f"its two forwards need about {human_bytes(need)} of memory, {human_bytes(budget)} is available"
     return None
@@ -313,7 +317,7 @@ class StreamedLLMCheck(LLMCheck):
     def _reference_forward(self) -> None:
         """The reference's one forward; with the bare base, both as rows of PEFT's mixed-adapter batch."""
         model = self.ref_model
-        with float32_compute(model, self.ref_sources, self.base_gate):
+        with float32_compute(model, self.ref_sources, self.base_gate, prefetch=False):
             if self.bare_base:
                 variants = [mixed_batch_adapter(model), "__base__"]
                 self.runs["reference"], self.runs["bare base"] = run_variants(model, self.inputs, self.ppl_ids,
@@ -323,7 +327,7 @@ class StreamedLLMCheck(LLMCheck):
 
     def _merged_forward(self, config: bytes, written: set[str]) -> None:
         model, sources = _merged(config, self.class_name, written)
-        with float32_compute(model, sources, self.out_gate):
+        with float32_compute(model, sources, self.out_gate, prefetch=False):
             self.runs["merged"] = run_model(model, self.inputs, None, self.ppl_ids, 0)
 
     def abort(self) -> None:

@@ -145,10 +145,14 @@ class TensorProof:
         self._failed: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._scratch = threading.local()  # each worker's reused block buffers (see _take)
+        self._pool = None  # the workers, kept from file to file (see check_file)
 
     def check_file(self, path: Path, prefix: str = "") -> list[TensorCheck]:
         """Every tensor of one safetensors file, `workers` tensors at a time (each a different module, so the
-        referee's per-module state is never shared; torch and the reads release the GIL)."""
+        referee's per-module state is never shared; torch and the reads release the GIL). The same worker threads
+        prove every file, each with its own block buffers: new threads per file (a push proves dozens of shards)
+        left each one's buffers in an allocator arena of its own, and the process grew shard by shard (measured:
+        240 MiB over a 3 GB model's 13 shards)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from converter.io.safetensors_file import SafetensorsFile
@@ -160,10 +164,17 @@ class TensorProof:
         def one(t):
             return self._tensor(prefix + t.name, Location(f.path, t.start, t.end, t.dtype, t.shape))
 
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="converter-proof") as pool:
-            checks = [c for c in pool.map(one, order) if c is not None]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="converter-proof")
+        checks = [c for c in self._pool.map(one, order) if c is not None]
         self.seconds += time.perf_counter() - started
         return checks
+
+    def close(self) -> None:
+        """Stop the worker threads (a file's proof still under way finishes first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def check_tensor(self, name: str, out: Location) -> TensorCheck | None:
         """Check one output tensor (None: a name that is not the base's, counted as extra)."""

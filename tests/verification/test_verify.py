@@ -103,13 +103,15 @@ def test_quick_is_the_default_and_judges_the_same(llama, tmp_path, cli):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2"])
-def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_path):
+def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_path, monkeypatch):
     """Weights kept in bf16, each block upcast while it runs (copied from memory, or read from the safetensors
-    files): the logits of a float32 load, each packed row exactly those of the row run alone, for the merged
-    model and for PEFT's unmerged reference (adapters on top); afterwards the very bf16 tensors are back."""
+    files, also with the head and the embedding read a few rows at a time, 16-bit bytes staged a few at a time,
+    no read ahead): the logits of a float32 load, each packed row exactly those of the row run alone, for the
+    merged model and for PEFT's unmerged reference (adapters on top); afterwards the very bf16 tensors are back."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from converter.engine import precision
     from converter.engine.precision import float32_compute
     from converter.verification.loading import load_model
     from converter.verification.metrics import logits_of
@@ -122,12 +124,16 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
         exact = wrap(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval())
         with torch.no_grad():  # each row alone, unpadded: what packing must reproduce
             want = [exact(input_ids=r).logits[0] for r in rows]
-        for streamed in (False, True):
+        for streamed, by_rows in ((False, False), (True, False), (True, True)):
             sources = {} if streamed else None
             lean = wrap(load_model(base, torch.bfloat16, sources=sources))
             assert bool(sources) == streamed  # every weight of the folder is found in its file
             before = {n: (p.dtype, p.data_ptr()) for n, p in lean.named_parameters()}
-            with float32_compute(lean, sources):
+            if by_rows:  # a head read in 5 blocks of rows, 16-bit bytes upcast 1,000 at a time
+                monkeypatch.setattr(precision, "ROWS_MIN", 1000)
+                monkeypatch.setattr(precision, "ROW_BLOCK", lean.get_output_embeddings().weight.nbytes // 5)
+                monkeypatch.setattr(precision, "STAGING", 2000)
+            with float32_compute(lean, sources, prefetch=not by_rows):
                 got = logits_of(lean, rows)
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
