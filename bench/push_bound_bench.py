@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = work / f"reference-l{layers}"
         if not (reference / "config.json").is_file():
             shutil.rmtree(reference, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "converter", "merge", "--base", str(base), "--adapter",
-                            str(adapter), "--out", str(reference), "--no-verify"], check=True, cwd=BENCH_DIR.parent)  # fmt: skip
+            merge = ["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(reference), "--no-verify"]
+            subprocess.run([sys.executable, "-m", "converter", *merge], check=True, cwd=BENCH_DIR.parent)
         models[layers] = (base, adapter, weights, reference)
     root = work / "hub"
     shutil.rmtree(root, ignore_errors=True)
@@ -237,7 +237,7 @@ def render(runs: list[Run], models: dict, args) -> str:
         "own process; capped: temp folder and HF cache on a loop-mounted ext4 of the model's size / 2.5, the push "
         "in a memory cgroup of the model's size / 2 (page cache charged)",
         "",
-        "| model | run | exit | wall (s), median | scratch peak | peak RSS | cgroup peak | proofs | repo = local merge |",
+        "| model | run | exit | wall (s), median | scratch peak | peak RSS | cgroup peak | proofs | repo = merge |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for layers, (_, _, weights, _) in models.items():
@@ -251,7 +251,8 @@ def render(runs: list[Run], models: dict, args) -> str:
             )
             lines.append(
                 f"| L{layers}, {weights / 2**30:.2f} GiB | {what} | {','.join(str(r.rc) for r in mine)} | "
-                f"{statistics.median(r.wall_s for r in mine):.1f} | {max(r.scratch_peak for r in mine) / MiB:.0f} MiB | "
+                f"{statistics.median(r.wall_s for r in mine):.1f} | "
+                f"{max(r.scratch_peak for r in mine) / MiB:.0f} MiB | "
                 f"{max(r.rss_peak for r in mine) / MiB:.0f} MiB | "
                 + (f"{max(r.cgroup_peak for r in mine) / MiB:.0f} MiB" if mine[0].cgroup_peak else "-")
                 + f" | {mine[0].proofs} | {all(r.same for r in mine)} |"
@@ -260,9 +261,8 @@ def render(runs: list[Run], models: dict, args) -> str:
         u = [r.wall_s for r in runs if r.layers == layers and r.label == "unlimited"]
         c = [r.wall_s for r in runs if r.layers == layers and r.label == "capped"]
         if u and c:
-            lines.append(
-                f"\n- L{layers}: capped / unlimited wall time, medians: **{statistics.median(c) / statistics.median(u):.2f}x**"
-            )
+            ratio = statistics.median(c) / statistics.median(u)
+            lines.append(f"\n- L{layers}: capped / unlimited wall time, medians: **{ratio:.2f}x**")
     return "\n".join(lines) + "\n"
 
 
