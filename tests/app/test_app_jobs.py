@@ -370,7 +370,7 @@ def test_space_deploy(hub, tmp_path):
     config = yaml.safe_load(readme.split("---")[1])
     assert config["sdk"] == "gradio" and config["sdk_version"] == gradio.__version__  # the tested version
     assert config["app_file"] == "app.py" and config["hf_oauth"] is True
-    assert config["hf_oauth_scopes"] == ["read-repos", "contribute-repos", "write-discussions"]
+    assert config["hf_oauth_scopes"] == ["read-repos", "contribute-repos", "write-discussions", "jobs"]
     assert len(config["short_description"]) <= 60 and config["suggested_hardware"]
     # The Space installs exactly the pins the package is tested with (constraints.txt), diffusers included.
     pins = (ROOT / "constraints.txt").read_text().splitlines()
