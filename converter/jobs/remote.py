@@ -94,7 +94,7 @@ class Planned:
     def summary(self) -> str:
         e = self.estimate
         return (
-            f"on Hugging Face Jobs: {e.machine.name} ({e.machine.cores} vCPU, {e.streamed and 'streamed' or 'whole'}),"
+            f"on Hugging Face Jobs: {e.machine.name} ({e.machine.cores} vCPU, {'streamed' if e.streamed else 'whole'}),"
             f" about {duration(e.seconds)}, {money(e.usd)}; stopped after {duration(self.spec.timeout)}"
         )
 
@@ -127,9 +127,10 @@ def plan(
     estimates = on_jobs(shape, hardware, link)
     chosen = _flavor(estimates, flavor, hardware, recipe.base)
     base = parse_source(recipe.base)
+    runner = runner or Runner.default()
     spec = hf_jobs.JobSpec(
-        image=(runner or Runner.default()).image,
-        command=tuple((runner or Runner.default()).command(arguments)),
+        image=runner.image,
+        command=tuple(runner.command(arguments)),
         flavor=chosen.machine.name,
         timeout=chosen.timeout,
         namespace=namespace,
