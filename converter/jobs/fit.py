@@ -41,8 +41,11 @@ VERIFIED_CPU_PER_GB = 10.1  # seconds per GB of base weights
 MERGE_CPU_PER_GB = 3.4
 # Cores those runs kept busy: CPU / wall time was 1.17 and 1.30; more cores are not assumed to help.
 PARALLEL = 1.2
-# The process with the libraries a verified merge imports: 1410 MiB peak for the 1.7 GB run above.
+# The process with the libraries a verified merge imports: 1410 MiB peak for the 1.7 GB run above; the merge alone
+# (`--no-verify`) peaked at 220 MiB in the same run. Below these a job is refused; above, memory only decides
+# whether the comparison streams.
 PROCESS_MEMORY = 1536 * 2**20
+MERGE_MEMORY = 256 * 2**20
 # Assumptions, not measurements: a link to the Hub from a workstation, and from a Jobs machine next to it.
 LINK_RATE = 50 * 10**6  # bytes/s each way; --link-rate or CONVERTER_LINK_RATE
 JOBS_LINK_RATE = 200 * 10**6  # CONVERTER_JOBS_LINK_RATE
@@ -149,7 +152,7 @@ def estimate(shape: JobShape, machine: Machine, verb: str = "push", *, whole: st
         why = "a merge writes its whole output"
     disk = _disk(shape, verb, streamed)
     hollow = shape.verify and 0 < streamed_memory <= budget  # else the comparison offloads what memory lacks
-    memory = PROCESS_MEMORY + (streamed_memory if hollow else 0)
+    memory = _process(shape) + (streamed_memory if hollow else 0)
     download = (shape.weights + shape.side if shape.hub else 0) + shape.adapters
     upload = shape.output if verb == "push" else 0
     cpu, seconds = _time(shape, machine, verb, streamed, download, upload)
@@ -191,9 +194,14 @@ def _short(shape: JobShape, machine: Machine, verb: str, disk: int, streamed: bo
     if disk > machine.disk:
         how = "streamed" if streamed else f"read whole ({why})"
         return f"it needs {human_bytes(disk)} of scratch disk {how}, {human_bytes(machine.disk)} is free{where}"
-    if machine.memory < PROCESS_MEMORY:
-        return f"it needs {human_bytes(PROCESS_MEMORY)} of memory, {human_bytes(machine.memory)} is available"
+    if machine.memory < _process(shape):
+        return f"it needs {human_bytes(_process(shape))} of memory, {human_bytes(machine.memory)} is available"
     return None
+
+
+def _process(shape: JobShape) -> int:
+    """The process's own memory: the libraries verification imports, or the merge alone."""
+    return PROCESS_MEMORY if shape.verify else MERGE_MEMORY
 
 
 def on_jobs(shape: JobShape, hardware: Hardware, link: float | None = None) -> list[Estimate]:

@@ -160,3 +160,12 @@ def test_a_mounted_base_is_named_by_its_commit(tmp_path):
         use_mounted("org/base@main", tmp_path)
     use_mounted(f"Org/Base@{SHA}", tmp_path)
     assert mounted(parse_source(f"org/base@{SHA}")) == tmp_path and mounted(parse_source("org/base")) is None
+
+
+def test_without_verification_the_process_needs_little_memory():
+    """A merge alone streams in a few hundred MiB (it finishes under a 512 MiB cap): only a verified job needs the
+    libraries' memory, so only it is refused on a small machine."""
+    small = machine(memory=512 * 2**20)
+    assert fit.estimate(shape(verify=False), small).fits
+    refused = fit.estimate(shape(), small)
+    assert not refused.fits and refused.short.startswith("it needs 1.61 GB of memory")
