@@ -474,6 +474,7 @@ def _consume(
     last_use: dict, progress: Progress | None,
 ) -> None:  # fmt: skip
     """Merge and write each output from the pieces `ahead` reads for it, in the plan's order."""
+    last_tensor_use = {o.source.name: o.name for o in plan.outputs}
     for o, way in zip(plan.outputs, ways, strict=True):
         part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
         name = o.name[len(part.prefix) :]
@@ -498,8 +499,11 @@ def _consume(
             writer.write(name, lambda sink, d=data: sink(d))
             del data
         source_file = checkpoint.where[o.source.name]
-        if last_use.get(source_file.path) == o.name and getattr(source_file, "release", None) is not None:
-            source_file.release(o.name)  # nothing more is read from it: a file fetched for this job can go
+        if getattr(source_file, "release", None) is not None:  # a file fetched for this job: what is read can go
+            if last_tensor_use.get(o.source.name) == o.name:
+                source_file.release(o.name, o.source.name)
+            if last_use.get(source_file.path) == o.name:
+                source_file.release(o.name)
         if progress is not None:
             progress.update(o.spec.nbytes)
 

@@ -49,8 +49,8 @@ class SafetensorsFile:
     """One .safetensors file: header parsed and checked eagerly, tensor bytes read on demand."""
 
     # A file fetched for one job (converter.jobs.streaming) sets these: `arrival(end)` returns once bytes [0, end) are
-    # on disk; `release(after)` is called once the merge has read everything it needs from the file (`after`: the
-    # last output tensor that read it). None: a complete file that stays.
+    # on disk; `release(after, tensor)` is called once the merge has read everything it needs of `tensor` (None: of
+    # the whole file; `after`: the last output tensor that read it). None: a complete file that stays.
     arrival = None
     release = None
 

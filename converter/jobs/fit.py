@@ -4,13 +4,14 @@ this machine does not.
 
 The model is deliberately simple, and each number says where it comes from:
 
-- Disk. A streamed push holds (LOOKAHEAD + HELD_FILES + 1) x the largest base weight file (LOOKAHEAD + 1 without
-  verification), SHARDS_ON_DISK x the output shard size, and the adapters (converter.jobs.streaming's bounds). Where
+- Disk. A streamed push holds the base's window (WINDOW_SHARDS x the output shard size: bytes every reader is done
+  with are given back as holes) plus its largest tensor (one that does not fit the window still arrives whole),
+  SHARDS_ON_DISK x the output shard size, and the adapters (converter.jobs.streaming's bounds). Where
   the behaviour cannot be compared as the models stream, verification reads the finished folder: the whole base
   download plus the whole output. A local or mounted base is read in place (no base bytes on disk). A `merge` writes
   the whole output, and a Hub base is downloaded whole into the HF cache (assumed to be on the same disk).
-- Memory. The merge's own peak is nearly flat (PROCESS_MEMORY); the streamed comparison holds two forwards of
-  `upcast_working_set` each, and runs only where that is available (else verification reads the finished folder,
+- Memory. The merge's own peak is nearly flat (PROCESS_MEMORY); the streamed comparison holds its two forwards'
+  `streamed_working_set`, and runs only where that is available (else verification reads the finished folder,
   offloading to disk what memory cannot hold).
 - Time. Bytes over a link rate (an assumption: LINK_RATE here, JOBS_LINK_RATE next to the Hub, or --link-rate),
   and CPU seconds per GB of weights for the default verified merge, measured (VERIFIED_CPU_*), spread over at
@@ -30,7 +31,7 @@ from converter.errors import DoesNotFit
 from converter.hub.hf_jobs import Flavor, Hardware
 from converter.io.units import human_bytes, parse_size
 from converter.jobs.shape import JobShape
-from converter.jobs.streaming import HELD_FILES, LOOKAHEAD, SHARDS_ON_DISK
+from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 
 # CPU of the default merge (merge, tensor proof, quick behaviour check) against the base's weights: 24.5 s for
 # 1.707 GB and 169.6 s for 16.06 GB, on a 2-core AMD EPYC (bench/RESULTS.md, 2026-12-05 12:44 and 12:50 UTC,
@@ -142,7 +143,7 @@ def _stated() -> list[Flavor]:
 def estimate(shape: JobShape, machine: Machine, verb: str = "push", *, whole: str | None = None) -> Estimate:
     """`shape` on `machine`. `whole`: a reason this job reads its output whole anyway (a push merged first)."""
     budget = shape.memory_budget or machine.memory
-    streamed_memory = 2 * shape.upcast
+    streamed_memory = shape.behaviour
     why = whole or shape.cannot_stream
     if why is None and shape.verify and streamed_memory > budget:
         why = (f"its two forwards need about {human_bytes(streamed_memory)} of memory, {human_bytes(budget)} is "
@@ -164,8 +165,8 @@ def estimate(shape: JobShape, machine: Machine, verb: str = "push", *, whole: st
 def _disk(shape: JobShape, verb: str, streamed: bool) -> int:
     if verb == "merge" or not streamed:
         return (shape.weights + shape.side if shape.hub else 0) + shape.output + shape.adapters
-    held = LOOKAHEAD + (HELD_FILES if shape.verify else 0) + 1
-    base = min(held * shape.largest_file, shape.weights) + shape.side if shape.hub else 0
+    window = WINDOW_SHARDS * shape.shard + shape.largest_tensor
+    base = min(window, shape.weights) + shape.side if shape.hub else 0
     return base + min(SHARDS_ON_DISK * shape.shard, shape.output) + shape.adapters
 
 

@@ -34,7 +34,7 @@ from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
 from converter.jobs.fit import check_here
-from converter.jobs.streaming import SHARDS_ON_DISK, ScratchMeter, ShardUploader, StreamedBase
+from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
 from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
 from converter.verification.warmup import wait
@@ -204,6 +204,8 @@ def _push_streamed(
         base, weights = _base_and_weights(recipe.base, base_stream, token)
         _fits(recipe, verify, token, workdir, base, base_stream, max_disk)
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
+        if base_stream is not None:
+            base_stream.window = WINDOW_SHARDS * parse_size(recipe.max_shard_size)
         keep = keep_output
         if verify is not None and "tensors" in verify.get("proofs", ("tensors",)):
             from converter.verification.shards import ShardProof
@@ -355,6 +357,7 @@ def _shard_uploader(
         keep=keep,
         check=check_shard,
         finished=base_stream.shard_done if base_stream else None,
+        written=base_stream.shard_written if base_stream else None,
         reader=reader.out_gate if reader is not None else None,
         meter=meter,
         log=log,

@@ -21,20 +21,22 @@ from converter.io.dtypes import FLOATING, ITEMSIZE, parse_user_dtype
 @dataclass(frozen=True)
 class JobShape:
     """Sizes in bytes. `hub`: the base is downloaded (a Hub base, not mounted); `largest_file`: its largest weight
-    file; `side`: its other files (configs, tokenizer); `adapters`: the Hub adapters' files; `output`: the merged
-    weights; `upcast`: what one streamed forward holds (converter.verification.loading.upcast_working_set; 0 where
-    the comparison is not a transformers model's); `cannot_stream`: why the behaviour cannot be compared as the
-    models stream on any machine (None: it can where memory allows); `verify`: whether verification runs at all."""
+    file, `largest_tensor` its largest tensor; `side`: its other files (configs, tokenizer); `adapters`: the Hub
+    adapters' files; `output`: the merged weights; `behaviour`: what the streamed comparison holds, both forwards
+    (converter.verification.loading.streamed_working_set; 0 where the comparison is not a transformers model's);
+    `cannot_stream`: why the behaviour cannot be compared as the models stream on any machine (None: it can where
+    memory allows); `verify`: whether verification runs at all."""
 
     base: str
     hub: bool
     weights: int
     largest_file: int
+    largest_tensor: int
     side: int
     adapters: int
     output: int
     parameters: int
-    upcast: int
+    behaviour: int
     cannot_stream: str | None
     verify: bool
     max_shard_size: str | None = None
@@ -71,13 +73,13 @@ def shape_of(recipe: Recipe, verify: dict | None, token: str | None, workdir: Pa
     base, side, hub = headers.path, headers.side, headers.hub
     files = sorted(base.rglob("*.safetensors")) if base.is_dir() else [base]
     sizes = [f.stat().st_size for f in files]
-    parameters, output, transformers_model = _tensors(base, recipe.dtype)
-    upcast = _upcast(base) if transformers_model and verify is not None else 0
+    parameters, output, largest, transformers_model = _tensors(base, recipe.dtype)
+    behaviour = _behaviour(base) if transformers_model and verify is not None else 0
     why = _cannot_stream(recipe, verify, transformers_model, token) if verify is not None else None
     return JobShape(
-        base=recipe.base, hub=hub, weights=sum(sizes), largest_file=max(sizes, default=0), side=side,
-        adapters=sum(adapter_bytes(s.source, token) for s in recipe.adapters), output=output or sum(sizes),
-        parameters=parameters, upcast=upcast, cannot_stream=why, verify=verify is not None,
+        base=recipe.base, hub=hub, weights=sum(sizes), largest_file=max(sizes, default=0), largest_tensor=largest,
+        side=side, adapters=sum(adapter_bytes(s.source, token) for s in recipe.adapters), output=output or sum(sizes),
+        parameters=parameters, behaviour=behaviour, cannot_stream=why, verify=verify is not None,
         max_shard_size=recipe.max_shard_size, memory_budget=(verify or {}).get("memory"),
     )  # fmt: skip
 
@@ -114,31 +116,33 @@ def _cached(source, token: str | None) -> BaseHeaders | None:
     return BaseHeaders(local, 0, False, Fetched(source, local, remote.sha, remote.records()))
 
 
-def _tensors(base: Path, dtype: str | None) -> tuple[int, int, bool]:
-    """(parameters, bytes of the merged weights, whether the base is one transformers model folder), from the
-    headers; (0, 0, False) where the base is no checkpoint converter reads that way (a training run)."""
+def _tensors(base: Path, dtype: str | None) -> tuple[int, int, int, bool]:
+    """(parameters, bytes of the merged weights, bytes of the largest base tensor, whether the base is one
+    transformers model folder), from the headers; (0, 0, 0, False) where the base is no checkpoint converter reads
+    that way (a training run)."""
     from converter.engine.base_reader import open_base
 
     try:
         checkpoint = open_base(base)
     except ConverterError:
-        return 0, 0, False
+        return 0, 0, 0, False
     target = parse_user_dtype(dtype) if dtype and not dtype.lower().startswith("bnb") else None
-    parameters = output = 0
+    parameters = output = largest = 0
     for name in checkpoint.names():
         info = checkpoint.info(name)
         parameters += info.numel
+        largest = max(largest, info.numel * ITEMSIZE.get(info.dtype, 4))
         size = ITEMSIZE[target] if target and info.dtype in FLOATING else ITEMSIZE.get(info.dtype, 4)
         output += info.numel * size
     plain = base.is_dir() and (base / "config.json").is_file() and not (base / "model_index.json").is_file()
-    return parameters, output, plain and not getattr(checkpoint, "diffusion", False)
+    return parameters, output, largest, plain and not getattr(checkpoint, "diffusion", False)
 
 
-def _upcast(base: Path) -> int:
-    from converter.verification.loading import upcast_working_set
+def _behaviour(base: Path) -> int:
+    from converter.verification.loading import streamed_working_set
 
     try:
-        return upcast_working_set(base)
+        return streamed_working_set(base)
     except (ConverterError, OSError, ValueError, KeyError):
         return 0
 

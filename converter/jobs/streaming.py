@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import threading
 import time
@@ -32,10 +33,13 @@ from converter.errors import BadInputError, ConverterError, HubError
 from converter.hub import client as hub
 from converter.hub.sources import Fetched, Remote, cache_dir, parse_source, resolve
 from converter.io.background import Worker
+from converter.io.holes import punch
 from converter.io.safetensors_header import HeaderError, decode_header
 
-LOOKAHEAD = 2  # job-owned base files on disk at once (the one being merged, the next arriving)
-HELD_FILES = 1  # one more while another reader holds files (the behaviour check reads the base beside the merge)
+# Base bytes on disk at once (downloaded, not yet given back), in output shards: those the shard being proven reads,
+# those the merge reads now and those arriving. Readers past it wait, unless every one of them waits for bytes.
+WINDOW_SHARDS = 2
+CHUNK = 64 * 2**20  # a download's range requests, the window checked between them
 # Output shards on disk at most: the one being written, one waiting for its check and one checked, one waiting for
 # its upload and one uploading, and those a reader still holds (converter.verification.streamed.HELD_SHARDS + 1).
 SHARDS_ON_DISK = 9
@@ -66,14 +70,18 @@ class ScratchMeter:
 
 
 class _Download:
-    """One base file, filled front to back; `have` bytes from the start are on disk."""
+    """One base file, filled front to back; `have` bytes from the start are on disk, `freed` of them given back
+    (holes where every reader is done with a tensor, converter.io.holes)."""
 
     def __init__(self, index: int, name: str, path: Path, size: int):
         self.index, self.name, self.path, self.size = index, name, path, size
-        self.have = 0
+        self.have = self.freed = 0
         self.started = self.deleted = False
-        self.after: str | None = None  # released after this output tensor's shard is finished
-        self.held = False  # a reader other than the merge still needs it (see StreamedBase.hold)
+        self.tensors: dict[str, tuple[int, int]] = {}  # name -> its bytes [start, end) in the file
+        self.after: str | None = None  # the merge's last read of the file: it goes after this output's shard ...
+        self.tensor_after: dict[str, str] = {}  # ... or a tensor after its own last read's output's shard
+        self.held: set[tuple[int, int]] = set()  # tensor byte ranges another reader still reads (see hold)
+        self.gone: set[str] = set()  # tensors whose bytes were given back
 
 
 class StreamedBase:
@@ -84,12 +92,14 @@ class StreamedBase:
     def __init__(self, remote: Remote, folder: Path, token: str | None, meter: ScratchMeter | None = None):
         self.remote, self.folder, self.token, self.meter = remote, folder, token, meter
         self.downloads: list[_Download] = []
+        self.window = WINDOW_SHARDS * 256 * 2**20  # bytes; the push sets it from its output shards' size
         self._cond = threading.Condition()
-        self._waits: list[tuple[str, int]] = []  # readers ("merge", "other") waiting for a file not yet started
+        self._waits: list[str] = []  # readers ("merge", "other") waiting for bytes not yet here
         self._holding = False  # another reader holds files (see `hold`)
         self._error: BaseException | None = None
         self._stop = False
-        self._finished: set[str] = set()
+        self._written: set[str] = set()  # output tensors in shards written, proven or not
+        self._finished: set[str] = set()  # ... and proven
         self._keep = False  # every file stays until close (verification reads the whole base after the merge)
         self._thread: threading.Thread | None = None
 
@@ -169,6 +179,9 @@ class StreamedBase:
             f.write(head.seen)
             f.truncate(d.size)
         d.have = len(head.seen)
+        header, data = decode_header(io.BytesIO(bytes(head.seen)), d.size)
+        d.tensors = {name: (data + e["data_offsets"][0], data + e["data_offsets"][1]) for name, e in header.items()
+                     if name != "__metadata__"}  # fmt: skip
 
     # -- the download thread -----------------------------------------------------------------------------------------
 
@@ -177,25 +190,33 @@ class StreamedBase:
         self._thread.start()
 
     def _present(self) -> int:
-        return sum(d.started and not d.deleted for d in self.downloads)
+        """Base bytes on disk now (downloaded, not given back)."""
+        return sum(d.have - d.freed for d in self.downloads if d.started and not d.deleted)
 
-    def _may_start(self, d: _Download) -> bool:
-        """Whether the next file may start arriving: while fewer than the window's files are on disk, or when
-        every reader waits for one not here yet (none of them can then free one: a read out of the window's order,
-        such as a head at the end from the first file). A busy reader holds the others back instead."""
-        if self._present() < LOOKAHEAD + (HELD_FILES if self._holding else 0):
+    def _may_fetch(self) -> bool:
+        """Whether the next chunk may come: while the window has room, or when every reader waits for bytes not
+        here yet (none of them can then free any: a read out of order, such as a head at the end from the first
+        file). A busy reader holds the others back instead."""
+        if self._keep or self._present() < self.window:
             return True
-        blocked = {reader for reader, index in self._waits if index >= d.index}
-        return blocked >= {"merge", "other"} if self._holding else "merge" in blocked
+        if self._proof_behind():
+            return False  # the shards' proof will give bytes back, without waiting for any download
+        return set(self._waits) >= ({"merge", "other"} if self._holding else {"merge"})
+
+    def _proof_behind(self) -> bool:
+        """Whether bytes on disk wait only for the proof of a shard already written."""
+        pending = self._written - self._finished
+        for d in self.downloads:
+            if d.started and not d.deleted:
+                for name, span in d.tensors.items():
+                    if name not in d.gone and span not in d.held and d.tensor_after.get(name, d.after) in pending:
+                        return True
+        return False
 
     def _run(self) -> None:
         try:
             for d in self.downloads:
                 with self._cond:
-                    while not self._stop and not self._may_start(d):
-                        self._cond.wait()
-                    if self._stop:
-                        return
                     d.started = True
                 self._fill(d)
         except BaseException as e:  # noqa: BLE001 - handed to the readers
@@ -220,8 +241,12 @@ class StreamedBase:
                     metered[0] = d.have
                     self.meter.sample()
 
-            while d.have < d.size:  # each try resumes where the last one stopped
-                hub.call(where, lambda: self._get(d.name, d.have, d.size, sink), **self.remote.ids)
+            while d.have < d.size:  # a chunk at a time, each try resuming where the last one stopped
+                with self._cond:
+                    while not self._stop and not self._may_fetch():
+                        self._cond.wait()
+                end = min(d.size, d.have + CHUNK)
+                hub.call(where, lambda end=end: self._get(d.name, d.have, end, sink), **self.remote.ids)
         if self.meter is not None:
             self.meter.sample()
 
@@ -234,49 +259,58 @@ class StreamedBase:
         if d is None:
             return
         with self._cond:
-            wait = ("other" if other else "merge", d.index)
-            self._waits.append(wait)
+            reader = "other" if other else "merge"
+            self._waits.append(reader)
             self._cond.notify_all()
             try:
                 while d.have < end and self._error is None and not self._stop:
                     self._cond.wait()
             finally:
-                self._waits.remove(wait)
+                self._waits.remove(reader)
             if d.have < end:
                 if isinstance(self._error, ConverterError):
                     raise self._error
                 why = self._error or "the job stopped"
                 raise HubError(f"{self.remote.where}/{d.name}: download failed ({why})", **self.remote.ids)
 
-    def release(self, path: Path, after: str) -> None:
-        """The merge has read all it needs from `path`; delete it once tensor `after` is in a finished shard."""
+    def release(self, path: Path, after: str, tensor: str | None = None) -> None:
+        """The merge has read all it needs of `tensor` in `path` (None: of the whole file): its bytes can go once
+        the output tensor `after` is in a finished (proven) shard."""
         d = self._by_path(path)
         with self._cond:
-            d.after = after
-            self._delete_if_done(d)
+            if tensor is None:
+                d.after = after
+            else:
+                d.tensor_after[tensor] = after
+            self._give_back(d)
+
+    def shard_written(self, tensors: tuple[str, ...]) -> None:
+        """An output shard is written, its proof to come."""
+        with self._cond:
+            self._written.update(tensors)
 
     def shard_done(self, tensors: tuple[str, ...]) -> None:
-        """An output shard is finished (and checked): base files whose last tensor it holds can go."""
+        """An output shard is finished (and checked): the base bytes only it still needed can go."""
         with self._cond:
             self._finished.update(tensors)
             for d in self.downloads:
-                self._delete_if_done(d)
+                self._give_back(d)
 
     def hold(self) -> None:
-        """Keep every job-owned file, even once merged, until `let_go` says another reader is done with it
-        (call before the merge starts); that reader's waits count in the window until `done_holding`."""
+        """Keep every tensor of every job-owned file, even once merged, until `let_go` says another reader is done
+        with it (call before the merge starts); that reader's waits count in the window until `done_holding`."""
         with self._cond:
             self._holding = True
             for d in self.downloads:
-                d.held = True
+                d.held = set(d.tensors.values())
 
     def done_holding(self) -> None:
-        """The other reader is done: every file it still held goes once merged, and the window is the merge's."""
+        """The other reader is done: what it still held goes once merged, and the window is the merge's."""
         with self._cond:
             self._holding = False
             for d in self.downloads:
-                d.held = False
-                self._delete_if_done(d)
+                d.held.clear()
+                self._give_back(d)
             self._cond.notify_all()
 
     def keep(self) -> None:
@@ -288,20 +322,29 @@ class StreamedBase:
     def keeping(self) -> bool:
         return self._keep
 
-    def let_go(self, path: Path) -> None:
-        """Another reader is done with `path` (a file of the HF cache: nothing to do)."""
+    def let_go(self, path: Path, start: int, end: int) -> None:
+        """Another reader is done with bytes [start, end) of `path`, a tensor (a file of the HF cache: nothing to
+        do)."""
         d = self._by_path(path)
         if d is None:
             return
         with self._cond:
-            d.held = False
-            self._delete_if_done(d)
+            d.held.discard((start, end))
+            self._give_back(d)
 
-    def _delete_if_done(self, d: _Download) -> None:
-        if not d.deleted and not d.held and not self._keep and d.after in self._finished:
+    def _give_back(self, d: _Download) -> None:
+        """Holes where every reader is done with a tensor; the file goes once all of them are (under the lock)."""
+        if d.deleted or self._keep:
+            return
+        for name, span in d.tensors.items():
+            after = d.tensor_after.get(name, d.after)
+            if name not in d.gone and after in self._finished and span not in d.held:
+                d.gone.add(name)
+                d.freed += punch(d.path, *span)
+        if len(d.gone) == len(d.tensors) and d.after in self._finished:
             d.path.unlink(missing_ok=True)
             d.deleted = True
-            self._cond.notify_all()
+        self._cond.notify_all()
 
     def _by_path(self, path: Path) -> _Download | None:
         return next((d for d in self.downloads if d.path == Path(path)), None)
@@ -365,6 +408,7 @@ class ShardUploader:
         keep: bool = False,
         check: Callable[[Shard], None] | None = None,
         finished: Callable[[tuple[str, ...]], None] | None = None,
+        written: Callable[[tuple[str, ...]], None] | None = None,
         reader: ShardReader | None = None,
         meter: ScratchMeter | None = None,
         log: Callable[[str], None] = print,
@@ -372,7 +416,8 @@ class ShardUploader:
         self.api, self.repo_id, self.spool = api, repo_id, spool
         spool.mkdir(parents=True, exist_ok=True)
         self.ensure_repo, self.revision, self.create_pr, self.keep = ensure_repo, revision, create_pr, keep
-        self.check, self.finished, self.reader, self.meter, self.log = check, finished, reader, meter, log
+        self.check, self.finished, self.written = check, finished, written
+        self.reader, self.meter, self.log = reader, meter, log
         self.operations: list = []
         self.uploaded = 0
         self._worker_items = 0
@@ -395,6 +440,8 @@ class ShardUploader:
         if not self.keep:
             shard.path.unlink()
         spooled = dataclasses.replace(shard, path=link)
+        if self.written is not None:
+            self.written(shard.tensors)
         if self.reader is not None:
             self.reader.arrived(spooled, lambda: self._done(link, self._read))
         else:

@@ -56,21 +56,23 @@ class Aborted(Exception):
 
 
 class BaseGate:
-    """The reference's reads of the base's files: each waits for its bytes (`arrival`), and a file is let go
-    (`let_go`) after the forward's last read of it, or at once when the forward reads nothing of it."""
+    """The reference's reads of the base's files: each waits for its bytes (`arrival`), and a tensor's bytes are
+    let go (`let_go(path, start, end)`) after the forward's last read of them, or at once when the forward reads
+    nothing of them; `finished` is told when the forward is over."""
 
-    def __init__(self, files: list[Path], arrival: Callable[[Path, int], None] | None, let_go: Callable[[Path], None],
-                 finished: Callable[[], None] | None = None):  # fmt: skip
-        self.files, self.arrival, self.let_go, self.finished = files, arrival, let_go, finished
+    def __init__(self, tensors: dict[Path, list[tuple[int, int]]], arrival: Callable[[Path, int], None] | None,
+                 let_go: Callable[[Path, int, int], None], finished: Callable[[], None] | None = None):  # fmt: skip
+        self.tensors, self.arrival, self.let_go, self.finished = tensors, arrival, let_go, finished
         self.left: Counter = Counter()
         self._lock = threading.Lock()
 
     def expect(self, reads: list) -> None:
         with self._lock:
-            self.left = Counter(src.path for src in reads)
-        for path in self.files:
-            if not self.left[path]:
-                self.let_go(path)
+            self.left = Counter((src.path, src.start, src.end) for src in reads)
+        for path, spans in self.tensors.items():
+            for start, end in spans:
+                if not self.left[path, start, end]:
+                    self.let_go(path, start, end)
 
     def ready(self, src: FileTensor) -> FileTensor:
         if self.arrival is not None:
@@ -78,18 +80,19 @@ class BaseGate:
         return src
 
     def done(self, src: FileTensor) -> None:
+        key = (src.path, src.start, src.end)
         with self._lock:
-            self.left[src.path] -= 1
-            last = self.left[src.path] == 0
+            self.left[key] -= 1
+            last = self.left[key] == 0
         if last:
-            self.let_go(src.path)
+            self.let_go(*key)
 
     def open(self) -> None:
-        """Stop holding: every file still counted is let go (the forward is over, failed or the job stopped)."""
+        """Stop holding: every tensor still counted is let go (the forward is over, failed or the job stopped)."""
         with self._lock:
-            held, self.left = [p for p, n in self.left.items() if n > 0], Counter()
-        for path in held:
-            self.let_go(path)
+            held, self.left = [key for key, n in self.left.items() if n > 0], Counter()
+        for key in held:
+            self.let_go(*key)
         if self.finished is not None:
             self.finished()
 
@@ -180,8 +183,8 @@ def prepare_streamed(recipe: Recipe, verify: dict, base: Path, stream, token: st
     if not_peft := [a.name for a in adapters if not is_peft_folder(a)]:
         return None, f"{', '.join(not_peft)} is not a PEFT adapter folder"
     arrival = functools.partial(stream.wait, other=True) if stream else None
-    gate = BaseGate([f.path for f in Checkpoint(base).files], arrival, stream.let_go if stream else _keep,
-                    stream.done_holding if stream else None)  # fmt: skip
+    spans = {f.path: [(t.start, t.end) for t in f.tensors.values()] for f in Checkpoint(base).files}
+    gate = BaseGate(spans, arrival, stream.let_go if stream else _keep, stream.done_holding if stream else None)
     try:
         check = _prepared(recipe, base, [a if a.is_dir() else a.parent for a in adapters], settings, gate, log)
     except Unstreamable as e:
@@ -201,7 +204,7 @@ def compare_finished(
 
     if why := _recipe_refuses(recipe, settings):
         raise Unstreamable(why)
-    check = _prepared(recipe, base, adapters, settings, BaseGate([], None, _keep), log)
+    check = _prepared(recipe, base, adapters, settings, BaseGate({}, None, _keep), log)
     check.clock = clock
     merged_files = Checkpoint(merged)
     check.start(merged, [OutSpec(n, merged_files.info(n).dtype, tuple(merged_files.info(n).shape))

@@ -18,7 +18,7 @@ from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.jobs.pipeline import pipelined_shard_size
-from converter.jobs.streaming import HELD_FILES, LOOKAHEAD, SHARDS_ON_DISK
+from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 from converter.testing.hub import HubServer, Link, client_env
 from converter.verification.streamed import EXECUTION
 
@@ -282,7 +282,8 @@ def test_a_verified_push_proves_both_ways_within_a_few_shards_of_disk(hub, tmp_p
     base_shard = max(p.stat().st_size for p in shards)
     out_shard = max(len(hub.read_file("alice/verified-once", n)) for n in hub.files("alice/verified-once")
                     if n.endswith(".safetensors"))  # fmt: skip
-    held = (LOOKAHEAD + HELD_FILES + 1) * base_shard + SHARDS_ON_DISK * out_shard
+    # The base's window (a chunk may overshoot it by one file this small) and the output shards in flight
+    held = WINDOW_SHARDS * out_shard + base_shard + SHARDS_ON_DISK * out_shard
     assert 0 < peak <= held + 128 * 1024, (peak, held)  # (+ the side files, a 4 KiB block each)
 
 
@@ -343,6 +344,7 @@ class _SlowHub:
         import threading
 
         self.gates: dict[str, threading.Event] = {}
+        self.started: dict[str, threading.Event] = {}
         self.uploaded: list[str] = []
 
     def gate(self, name: str):
@@ -350,8 +352,14 @@ class _SlowHub:
 
         return self.gates.setdefault(name, threading.Event())
 
+    def began(self, name: str):
+        import threading
+
+        return self.started.setdefault(name, threading.Event())
+
     def preupload_lfs_files(self, repo_id, operations, **kwargs):
         (op,) = operations
+        self.began(op.path_in_repo).set()
         assert self.gate(op.path_in_repo).wait(10), f"{op.path_in_repo}: its upload was never released"
         self.uploaded.append(op.path_in_repo)
 
@@ -402,6 +410,7 @@ def test_a_failed_check_stops_the_uploads_and_nothing_queued_starts(tmp_path):
 
     def check(shard):
         if shard.name == shards[1].name:
+            assert api.began(shards[0].name).wait(10)  # the upload before it is under way
             api.gate(shards[0].name).set()
             raise VerificationFailed(f"{shard.name}: sabotaged")
 

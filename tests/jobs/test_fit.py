@@ -14,7 +14,7 @@ from converter.hub import hf_jobs
 from converter.hub.hf_jobs import FALLBACK_FLAVORS, Hardware, check_can_pay
 from converter.jobs import fit, remote
 from converter.jobs.shape import JobShape
-from converter.jobs.streaming import HELD_FILES, LOOKAHEAD, SHARDS_ON_DISK
+from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 
 GB = 10**9
 SHA = "a" * 40
@@ -22,8 +22,9 @@ SHA = "a" * 40
 
 def shape(**changes) -> JobShape:
     """A 16 GB bf16 model in 4 GB files, a 100 MB adapter, verified, streamable."""
-    base = JobShape(base="org/big", hub=True, weights=16 * GB, largest_file=4 * GB, side=10**7, adapters=10**8,
-                    output=16 * GB, parameters=8 * GB, upcast=3 * GB, cannot_stream=None, verify=True)  # fmt: skip
+    base = JobShape(base="org/big", hub=True, weights=16 * GB, largest_file=4 * GB, largest_tensor=GB // 2,
+                    side=10**7, adapters=10**8,
+                    output=16 * GB, parameters=8 * GB, behaviour=6 * GB, cannot_stream=None, verify=True)  # fmt: skip
     return replace(base, **changes)
 
 
@@ -35,16 +36,16 @@ def test_a_streamed_push_holds_a_few_files_of_each_side():
     s = shape()
     e = fit.estimate(s, machine())
     assert e.streamed and e.fits and e.why == "both proofs run as the models stream"
-    held = (LOOKAHEAD + HELD_FILES + 1) * s.largest_file + s.side + SHARDS_ON_DISK * s.shard + s.adapters
+    held = WINDOW_SHARDS * s.shard + s.largest_tensor + s.side + SHARDS_ON_DISK * s.shard + s.adapters
     assert s.shard == 10**9 and e.disk == held < s.weights + s.output  # the shard: a sixteenth of the weights
-    assert e.memory == fit.PROCESS_MEMORY + 2 * s.upcast
+    assert e.memory == fit.PROCESS_MEMORY + s.behaviour
     assert e.download == s.weights + s.side + s.adapters and e.upload == s.output
     cpu = fit.VERIFIED_CPU_FIXED + fit.VERIFIED_CPU_PER_GB * 16
     assert e.cpu_seconds == pytest.approx(cpu)
     transfer = max(e.download, e.upload) / 50e6
     assert e.seconds == pytest.approx(max(transfer, cpu / fit.PARALLEL) + s.shard / 50e6)
     unverified = fit.estimate(replace(s, verify=False), machine())
-    assert unverified.disk == (LOOKAHEAD + 1) * s.largest_file + s.side + SHARDS_ON_DISK * s.shard + s.adapters
+    assert unverified.disk == held  # the same window: the merge's own reads are what it holds then
 
 
 def test_what_cannot_stream_is_read_whole():
@@ -71,7 +72,7 @@ def test_a_job_too_big_here_names_the_cheapest_flavor_that_fits():
     assert str(e).startswith("org/big: does not fit here: it needs ") and str(e).endswith("--on-jobs cpu-basic")
     # 60 GB of memory per forward: only cpu-xl holds the streamed comparison; the others would read the output
     # whole (the base is mounted, read in place), which their 20 GB of disk cannot hold
-    big = shape(upcast=60 * GB, output=40 * GB)
+    big = shape(behaviour=120 * GB, output=40 * GB)
     estimates = fit.on_jobs(big, hardware)
     assert [(e.machine.name, e.streamed, e.fits) for e in estimates] == [
         ("cpu-basic", False, False), ("cpu-upgrade", False, False), ("cpu-xl", True, True),

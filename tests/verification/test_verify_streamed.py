@@ -28,17 +28,23 @@ def shard(path: Path) -> Shard:
     return Shard(path, path.name, "", 0, b"", ())
 
 
-def test_base_gate_lets_each_file_go_after_its_last_read_and_unread_files_at_once(tmp_path):
-    a, b, c = (tmp_path / n for n in "abc")
-    gone, waited = [], []
-    gate = BaseGate([a, b, c], lambda path, end: waited.append((path, end)), gone.append)
-    reads = [FileTensor(a, 8, 16, "F32"), FileTensor(b, 8, 24, "F32"), FileTensor(a, 16, 32, "F32")]
+def test_base_gate_lets_each_tensor_go_after_its_last_read_and_unread_ones_at_once(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    gone, waited, over = [], [], []
+    spans = {a: [(8, 16), (16, 32), (32, 40)], b: [(8, 24)]}
+    gate = BaseGate(spans, lambda path, end: waited.append((path, end)), lambda *key: gone.append(key),
+                    lambda: over.append(True))  # fmt: skip
+    tied = FileTensor(a, 8, 16, "F32")
+    reads = [tied, FileTensor(b, 8, 24, "F32"), FileTensor(a, 16, 32, "F32"), tied]  # a tied weight read twice
     gate.expect(reads)
-    assert gone == [c]  # nothing of c is read: it goes now
+    assert gone == [(a, 32, 40)]  # nothing reads it: it goes now
     for src in reads:
         assert gate.ready(src) is src
         gate.done(src)
-    assert gone == [c, b, a] and waited == [(a, 16), (b, 24), (a, 32)]
+    assert gone == [(a, 32, 40), (b, 8, 24), (a, 16, 32), (a, 8, 16)]  # the tied one after its second read
+    assert waited == [(a, 16), (b, 24), (a, 32), (a, 16)] and not over
+    gate.open()
+    assert over == [True]
 
 
 def test_output_gate_holds_the_merge_while_too_many_shards_wait_unless_the_forward_needs_a_later_one(tmp_path):
