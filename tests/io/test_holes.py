@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from converter.io.holes import BLOCK, punch
 
 
+def _can_punch(folder) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(bytes(4 * BLOCK))
+    return punch(probe, 0, 2 * BLOCK) > 0
+
+
 def test_a_punched_range_reads_as_zeros_and_takes_no_blocks(tmp_path):
+    if not _can_punch(tmp_path):
+        pytest.skip("this file system makes no holes (files then go whole)")
     path = tmp_path / "f"
     data = os.urandom(64 * BLOCK)
     path.write_bytes(data)
