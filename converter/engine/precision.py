@@ -192,6 +192,38 @@ class _Buffers:
         self.free.clear()
 
 
+class SharedCompute:
+    """Buffers and a turn shared by models that compute side by side (converter.verification.streamed): one unit of
+    any of them computes at a time, so between them they hold one unit's float32 buffers, not one each. A unit takes
+    the turn only once all its bytes are there, so nothing waits for a download while holding it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.buffers = _Buffers()
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        self.buffers.close()
+
+
+class _Turn:
+    """One forward's hold on a SharedCompute's turn (nothing without one); given back on exit whatever happened."""
+
+    def __init__(self, shared: SharedCompute | None):
+        self.lock, self.held = (shared.lock if shared else None), False
+
+    def take(self) -> None:
+        if self.lock is not None and not self.held:
+            self.lock.acquire()
+            self.held = True
+
+    def give(self) -> None:
+        if self.held:
+            self.held = False
+            self.lock.release()
+
+
 def _units(model) -> list:
     """Modules upcast as one, in the order the model registers them (which is the order they run in for the
     models transformers has): each block of the outermost layer stacks (nn.ModuleList), each PEFT layer or wrapper
@@ -220,7 +252,11 @@ def _units(model) -> list:
 
 @contextmanager
 def float32_compute(
-    model, sources: dict[int, object] | None = None, gate: Gate | None = None, prefetch: bool = True
+    model,
+    sources: dict[int, object] | None = None,
+    gate: Gate | None = None,
+    prefetch: bool = True,
+    shared: SharedCompute | None = None,
 ) -> Iterator[None]:
     """Within this block every forward of `model` computes in float32. Weights listed in `sources` (file_sources)
     are read from their files, the next unit's by a reader thread while this one computes (a read waits on the
@@ -229,12 +265,14 @@ def float32_compute(
     nothing is rounded twice). Tied weights are upcast once per use. `gate`: reads wait there for bytes still
     arriving (one forward over a streamed model: converter.verification.streamed). `prefetch`: read the next
     unit while this one computes (off, each unit is read when it runs: one unit in memory, not two; faster where
-    two models compute side by side on few cores, measured)."""
+    two models compute side by side on few cores, measured). `shared`: buffers and a turn shared with other
+    models computing at the same time (without read-ahead)."""
     from concurrent.futures import ThreadPoolExecutor
 
     sources = sources or {}
     gate = gate or _Open()
-    buffers = _Buffers()
+    buffers = shared.buffers if shared else _Buffers()
+    turn = _Turn(shared)
     reader = ThreadPoolExecutor(1, thread_name_prefix="verify-read")  # one reader: one staging buffer
     pending: dict[int, object] = {}
     saved: dict[int, tuple] = {}
@@ -266,6 +304,11 @@ def float32_compute(
             pending[index] = reader.submit(read_unit, index)
 
     def up(_unit, _args, index):
+        if turn.lock is not None:  # the bytes first, then the turn
+            for t in plans[index]:
+                if id(t) in sources:
+                    gate.ready(sources[id(t)])
+            turn.take()
         request(index)
         ready = pending.pop(index).result() if index in pending else {}
         if prefetch:
@@ -288,6 +331,7 @@ def float32_compute(
             if kept is not None:
                 buffers.give(t.data)
                 t.data = kept[1]
+        turn.give()
 
     reads = []
     for index, (unit, _recurse) in enumerate(units):
@@ -299,10 +343,10 @@ def float32_compute(
     for index, kind in by_rows.items():
         unit = units[index][0]
         if kind == "linear":
-            unit.forward = partial(_head_by_rows, unit, sources[id(unit.weight)], gate, buffers)
+            unit.forward = partial(_head_by_rows, unit, sources[id(unit.weight)], gate, buffers, turn)
             dense.append(unit)
         else:
-            rows = _EmbeddingRows(unit, sources[id(unit.weight)], gate, buffers)
+            rows = _EmbeddingRows(unit, sources[id(unit.weight)], gate, buffers, turn)
             hooks += [unit.register_forward_pre_hook(rows.before), unit.register_forward_hook(rows.after)]
     dense += _onednn_linears(model)
     for index, (unit, _recurse) in enumerate(units):
@@ -321,7 +365,9 @@ def float32_compute(
         saved.clear()
         reader.shutdown(wait=True)  # a read still under way finishes before its file is closed
         pending.clear()
-        buffers.close()
+        turn.give()
+        if shared is None:
+            buffers.close()
 
 
 def _by_rows(unit, recurse: bool, sources: dict) -> str | None:
@@ -337,11 +383,12 @@ def _by_rows(unit, recurse: bool, sources: dict) -> str | None:
     return "embedding" if isinstance(unit, torch.nn.Embedding) else None
 
 
-def _head_by_rows(module, src, gate: Gate, buffers: _Buffers, x):
+def _head_by_rows(module, src, gate: Gate, buffers: _Buffers, turn: _Turn, x):
     """A head's forward from its weight's rows, ROW_BLOCK bytes of them read and upcast at a time."""
     import torch
 
     where, shape = gate.ready(src), tuple(module.weight.shape)
+    turn.take()
     step = max(1, ROW_BLOCK // max(1, (where.end - where.start) // shape[0]))
     bias = module.bias.float() if module.bias is not None else None
     outs = []
@@ -350,6 +397,7 @@ def _head_by_rows(module, src, gate: Gate, buffers: _Buffers, x):
         block = buffers.read_rows(where, rows, shape)
         outs.append(torch.nn.functional.linear(x, block, None if bias is None else bias[rows.start : rows.stop]))
         buffers.give(block)
+    turn.give()
     gate.done(src)
     return torch.cat(outs, dim=-1)
 
@@ -358,8 +406,8 @@ class _EmbeddingRows:
     """An embedding's forward from only the rows its ids use: the ids are renumbered onto a float32 table of
     those rows, read from the file, for the call (the module's own forward runs, scaling included)."""
 
-    def __init__(self, module, src, gate: Gate, buffers: _Buffers):
-        self.module, self.src, self.gate, self.buffers = module, src, gate, buffers
+    def __init__(self, module, src, gate: Gate, buffers: _Buffers, turn: _Turn):
+        self.module, self.src, self.gate, self.buffers, self.turn = module, src, gate, buffers, turn
         self.kept = None
 
     def before(self, module, args):
@@ -367,6 +415,7 @@ class _EmbeddingRows:
 
         ids, weight = args[0], module.weight
         where, shape = self.gate.ready(self.src), tuple(weight.shape)
+        self.turn.take()
         used, renumbered = torch.unique(ids, return_inverse=True)
         table = self.buffers.take((len(used), shape[1]))
         rows = used.tolist()
@@ -383,6 +432,7 @@ class _EmbeddingRows:
         table = module.weight.data
         module.weight.data, module.padding_idx = self.kept
         self.buffers.give(table)
+        self.turn.give()
         self.gate.done(self.src)
 
 

@@ -33,6 +33,11 @@ class Worker:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     self._error = e
 
+    @property
+    def failed(self) -> bool:
+        """Whether an item has raised (or the worker was aborted)."""
+        return self._error is not None
+
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error

@@ -358,6 +358,7 @@ def _shard_uploader(
         check=check_shard,
         finished=base_stream.shard_done if base_stream else None,
         written=base_stream.shard_written if base_stream else None,
+        failed=base_stream.fail if base_stream else None,
         reader=reader.out_gate if reader is not None else None,
         meter=meter,
         log=log,

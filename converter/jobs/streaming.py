@@ -40,9 +40,9 @@ from converter.io.safetensors_header import HeaderError, decode_header
 # those the merge reads now and those arriving. Readers past it wait, unless every one of them waits for bytes.
 WINDOW_SHARDS = 2
 CHUNK = 64 * 2**20  # a download's range requests, the window checked between them
-# Output shards on disk at most: the one being written, one waiting for its check and one checked, one waiting for
-# its upload and one uploading, and those a reader still holds (converter.verification.streamed.HELD_SHARDS + 1).
-SHARDS_ON_DISK = 9
+# Output shards on disk at most: the one being written, and three more (being proven, uploading, being read); the
+# merge waits for one to go, unless a reader waits for one not written yet.
+SHARDS_ON_DISK = 4
 
 
 def _disk_bytes(folders: list[Path]) -> int:
@@ -304,6 +304,13 @@ class StreamedBase:
             for d in self.downloads:
                 d.held = set(d.tensors.values())
 
+    def fail(self, error: BaseException) -> None:
+        """The job failed elsewhere (an upload, a shard's proof): readers waiting for bytes get `error` now."""
+        with self._cond:
+            self._error = self._error or error
+            self._stop = True
+            self._cond.notify_all()
+
     def done_holding(self) -> None:
         """The other reader is done: what it still held goes once merged, and the window is the merge's."""
         with self._cond:
@@ -382,8 +389,11 @@ class ShardReader(Protocol):
     """Reads the output shards while the job streams (the behavioural comparison of a verified push)."""
 
     def arrived(self, shard: Shard, let_go: Callable[[], None]) -> None:
-        """`shard` (at its stable spool path) is on disk; call `let_go` once done with it. May block, to hold the
-        merge back while too many shards wait to be read."""
+        """`shard` (at its stable spool path) is on disk; call `let_go` once done with it."""
+
+    @property
+    def starved(self) -> bool:
+        """Whether the reader waits for a shard not written yet (the merge must then go on, however many wait)."""
 
 
 class ShardUploader:
@@ -409,6 +419,7 @@ class ShardUploader:
         check: Callable[[Shard], None] | None = None,
         finished: Callable[[tuple[str, ...]], None] | None = None,
         written: Callable[[tuple[str, ...]], None] | None = None,
+        failed: Callable[[BaseException], None] | None = None,
         reader: ShardReader | None = None,
         meter: ScratchMeter | None = None,
         log: Callable[[str], None] = print,
@@ -416,21 +427,24 @@ class ShardUploader:
         self.api, self.repo_id, self.spool = api, repo_id, spool
         spool.mkdir(parents=True, exist_ok=True)
         self.ensure_repo, self.revision, self.create_pr, self.keep = ensure_repo, revision, create_pr, keep
-        self.check, self.finished, self.written = check, finished, written
+        self.check, self.finished, self.written, self.failed = check, finished, written, failed
         self.reader, self.meter, self.log = reader, meter, log
         self.operations: list = []
         self.uploaded = 0
         self._worker_items = 0
-        self._lock = threading.Lock()
+        self._gone = threading.Condition()
+        self._alive: set[Path] = set()  # spool files on disk
         self._read: set[Path] = set()  # spool files the reader is done with (or never had)
         self._sent: set[Path] = set()  # spool files uploaded
         waiting = 0 if keep else 1  # 0: no limit
-        self._worker = Worker(self._upload, maxsize=waiting, name="converter-upload")
-        self._checker = Worker(self._check, maxsize=waiting, name="converter-check") if check is not None else None
+        self._worker = Worker(self._told(self._upload), maxsize=waiting, name="converter-upload")
+        self._checker = (Worker(self._told(self._check), maxsize=waiting, name="converter-check")
+                         if check is not None else None)  # fmt: skip
 
     def submit(self, shard: Shard) -> None:
         """Called by the writer thread with each durable shard; without `keep`, blocks while the uploader is a
-        shard behind (or the reader too many).
+        shard behind, or while SHARDS_ON_DISK shards would be on disk with the next one (unless the reader waits
+        for one not written yet).
 
         The shard is hard-linked into the spool folder first: the merge's output folder is renamed into place
         when the merge ends, and without `keep` the shard leaves it at once (the spool's link is uploaded)."""
@@ -439,6 +453,8 @@ class ShardUploader:
         os.link(shard.path, link)
         if not self.keep:
             shard.path.unlink()
+        with self._gone:
+            self._alive.add(link)
         spooled = dataclasses.replace(shard, path=link)
         if self.written is not None:
             self.written(shard.tensors)
@@ -447,13 +463,39 @@ class ShardUploader:
         else:
             self._read.add(link)
         (self._checker or self._worker).put(spooled)
+        if not self.keep:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Wait until the next shard fits in SHARDS_ON_DISK (the reader's hunger is polled: it tells nobody)."""
+        with self._gone:
+            while len(self._alive) >= SHARDS_ON_DISK and not (self.reader is not None and self.reader.starved):
+                self._gone.wait(0.05)
+                if self._worker.failed or (self._checker is not None and self._checker.failed):
+                    return  # the next put raises it
 
     def _done(self, link: Path, party: set[Path]) -> None:
         """One of the spool file's two users (upload, reader) is done with it; the second deletes it."""
-        with self._lock:
+        with self._gone:
             party.add(link)
             if link in self._read and link in self._sent:
                 link.unlink(missing_ok=True)
+                self._alive.discard(link)
+                self._gone.notify_all()
+
+    def _told(self, step: Callable[[Shard], None]) -> Callable[[Shard], None]:
+        """`step`, whose failure `failed` also hears at once (a streamed base stops: the merge may be waiting for
+        its bytes rather than at a shard, where the failure would reach it)."""
+
+        def run(shard: Shard) -> None:
+            try:
+                step(shard)
+            except BaseException as e:
+                if self.failed is not None:
+                    self.failed(e)
+                raise
+
+        return run
 
     def _check(self, shard: Shard) -> None:
         self.check(shard)

@@ -8,9 +8,9 @@ Both models are built hollow (the module tree on no memory, converter.verificati
 weight a file's tensor. The reference's come from the base's files, which a push's download fills front to back
 (a read waits for its bytes); the merged model's from the output shards, which the merge writes (a read waits for
 the shard). Each side's gate counts the reads the forward will make of each file and lets the file go after the
-last one, so the push deletes it once everything else is done with it too. The merge is held back while more than
-`HELD_SHARDS` output shards wait to be read, unless the forward waits for one not written yet (a layout whose
-order differs from the forward's: then the disk holds more).
+last one, so the push deletes it once everything else is done with it too. The push holds the merge back while a
+few output shards are on disk, unless the merged model's forward waits for one not written yet (`starved`: a layout
+whose order differs from the forward's; then the disk holds more).
 
 It runs where the comparison is one forward over weights that are all plain file tensors: the quick mode, a
 causal LM, PEFT folders, no 4-bit model, no QLoRA study, and a bare base (when the tensor proof has not already
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
-from converter.engine.precision import FileTensor, float32_compute
+from converter.engine.precision import FileTensor, SharedCompute, float32_compute
 from converter.engine.recipe import Recipe
 from converter.engine.writer import OutSpec, Shard
 from converter.io.safetensors_file import SafetensorsFile
@@ -37,7 +37,6 @@ from converter.verification.metrics import Run, mixed_batch_adapter, run_model, 
 from converter.verification.report import Clock, LLMBehaviour, Skip
 from converter.verification.task_check import is_causal_lm
 
-HELD_SHARDS = 3  # output shards waiting to be read while the forward is busy with one it has
 WEIGHTS = (
     "weights read block by block from their files into float32 buffers as they arrive, both models hollow "
     "(never a whole model in memory or, in a push, on disk)"
@@ -101,8 +100,7 @@ class OutputGate:
     """The merged model's reads of the output shards (converter.jobs.streaming.ShardReader): a read by tensor
     name waits for the shard holding it; a shard is let go after the forward's last read of it."""
 
-    def __init__(self, limit: int = HELD_SHARDS):
-        self.limit = limit
+    def __init__(self) -> None:
         self.located: dict[str, FileTensor] = {}
         self.shards: dict[Path, Callable[[], None]] = {}  # shards held: their let_go
         self.left: Counter | None = None  # reads still to come per tensor name, once expected
@@ -121,8 +119,10 @@ class OutputGate:
             self.shards[shard.path] = let_go
             self._let_go_unread()
             self._cond.notify_all()
-            while len(self.shards) > self.limit and not self.waiting and not self.opened:
-                self._cond.wait()  # the merge waits for the forward to read what it has
+
+    @property
+    def starved(self) -> bool:
+        return self.waiting or self.opened
 
     def expect(self, reads: list) -> None:
         with self._cond:
@@ -262,6 +262,7 @@ class StreamedLLMCheck(LLMCheck):
                  log: Callable[[str], None]):  # fmt: skip
         super().__init__(Path(), recipe, base, adapters, settings, Path(), log, Clock())
         self.base_gate, self.out_gate = base_gate, OutputGate()
+        self.shared = SharedCompute()  # the two forwards take turns: one block of the two in float32 at a time
         self.bare_base, self.study, self.one_batch = settings.bare_base, False, settings.bare_base
         self.own, self.offload, self.stored_4bit, self.four_bit = True, None, None, None
         self.compute, self.reference = "float32", "the base + adapters applied unmerged through PEFT"
@@ -320,7 +321,7 @@ class StreamedLLMCheck(LLMCheck):
     def _reference_forward(self) -> None:
         """The reference's one forward; with the bare base, both as rows of PEFT's mixed-adapter batch."""
         model = self.ref_model
-        with float32_compute(model, self.ref_sources, self.base_gate, prefetch=False):
+        with float32_compute(model, self.ref_sources, self.base_gate, prefetch=False, shared=self.shared):
             if self.bare_base:
                 variants = [mixed_batch_adapter(model), "__base__"]
                 self.runs["reference"], self.runs["bare base"] = run_variants(model, self.inputs, self.ppl_ids,
@@ -330,7 +331,7 @@ class StreamedLLMCheck(LLMCheck):
 
     def _merged_forward(self, config: bytes, written: set[str]) -> None:
         model, sources = _merged(config, self.class_name, written)
-        with float32_compute(model, sources, self.out_gate, prefetch=False):
+        with float32_compute(model, sources, self.out_gate, prefetch=False, shared=self.shared):
             self.runs["merged"] = run_model(model, self.inputs, None, self.ppl_ids, 0)
 
     def abort(self) -> None:
@@ -348,6 +349,7 @@ class StreamedLLMCheck(LLMCheck):
 
         for thread in self._threads:
             thread.join()
+        self.shared.close()
         self.abort()  # whatever is still held (reads that never happened) goes
         self.clock.lap(f"run reference{' and bare base' if self.bare_base else ''} and merged, side by side")
         failed = {k: v for k, v in self.runs.items() if isinstance(v, BaseException)}

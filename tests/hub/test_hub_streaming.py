@@ -424,6 +424,49 @@ def test_a_failed_check_stops_the_uploads_and_nothing_queued_starts(tmp_path):
     assert api.uploaded == [shards[0].name]
 
 
+def test_the_merge_waits_while_the_output_holds_its_shards_unless_a_reader_waits_for_a_later_one(tmp_path):
+    """Without `keep`, at most SHARDS_ON_DISK output shards are on disk (the one being written counted): each goes
+    once uploaded and read. A reader busy with one it has holds the merge back; one waiting for a shard not yet
+    written lets it go on."""
+    import threading
+    import time
+
+    from converter.jobs.streaming import SHARDS_ON_DISK, ShardUploader
+
+    class Reader:  # reads nothing until told to, then lets go of what it holds
+        def __init__(self):
+            self.held, self.starved = [], False
+
+        def arrived(self, shard, let_go):
+            self.held.append(let_go)
+
+    api, reader = _SlowHub(), Reader()
+    shards = _shards(tmp_path, SHARDS_ON_DISK + 2)
+    for s in shards:
+        api.gate(s.name).set()  # uploads are instant here
+    uploader = ShardUploader(api, "alice/x", tmp_path / "spool", ensure_repo=lambda: None, reader=reader,
+                             log=lambda line: None)  # fmt: skip
+    submitted = []
+
+    def writer():
+        for s in shards:
+            uploader.submit(s)
+            submitted.append(s.name)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    assert len(submitted) == SHARDS_ON_DISK - 1  # the next one's submit waits: with it, SHARDS_ON_DISK + 1
+    assert len(list((tmp_path / "spool").iterdir())) == SHARDS_ON_DISK
+    reader.held.pop(0)()  # the reader is done with the first: one goes, one more comes
+    time.sleep(0.3)
+    assert len(submitted) == SHARDS_ON_DISK
+    reader.starved = True  # it waits for a shard not written yet: the merge must go on
+    thread.join(5)
+    assert len(submitted) == len(shards)
+    uploader.close()
+
+
 def test_with_keep_the_merge_runs_ahead_of_a_slow_upload(tmp_path):
     """A verified push keeps every shard on disk for the verification, so a slow upload does not hold the merge
     back: all shards are submitted and proven while the first upload is still stalled."""

@@ -47,38 +47,36 @@ def test_base_gate_lets_each_tensor_go_after_its_last_read_and_unread_ones_at_on
     assert over == [True]
 
 
-def test_output_gate_holds_the_merge_while_too_many_shards_wait_unless_the_forward_needs_a_later_one(tmp_path):
+def test_output_gate_places_each_tensor_as_its_shard_arrives_and_lets_the_shard_go_after_its_reads(tmp_path):
     from safetensors.torch import save_file
 
     paths = []
-    for i in range(6):
+    for i in range(3):
         paths.append(tmp_path / f"s{i}.safetensors")
-        save_file({f"t{i}": torch.full((2,), float(i))}, paths[-1])
-    gate, gone = OutputGate(limit=2), []
-    gate.expect([f"t{i}" for i in range(6)])
-    arrived = []
-
-    def writer():  # the merge's writer thread: each shard as it is finished
-        for p in paths:
-            gate.arrived(shard(p), lambda p=p: gone.append(p.name))
-            arrived.append(p.name)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    time.sleep(0.3)
-    assert arrived == ["s0.safetensors", "s1.safetensors"]  # a third waits: two are held, none read yet
+        save_file({f"t{i}": torch.full((2,), float(i)), f"u{i}": torch.zeros(3)}, paths[-1])
+    gate, gone = OutputGate(), []
+    gate.expect(["t0", "u0", "t1", "t2", "t2"])  # u1 and u2 are never read; t2 twice (a tied weight)
+    gate.arrived(shard(paths[0]), lambda: gone.append(0))
     src = gate.ready("t0")
-    assert src.path == paths[0] and src.end - src.start == 8
+    assert src.path == paths[0] and src.end - src.start == 8 and not gate.starved
     gate.done("t0")
-    time.sleep(0.3)
-    assert gone == ["s0.safetensors"] and len(arrived) == 3
-    # The forward waits for t5, not written yet: the merge is let through past the limit.
-    assert gate.ready("t5").path == paths[5]
-    thread.join(5)
-    assert len(arrived) == 6
-    for i in range(1, 6):
-        gate.done(f"t{i}")
-    assert sorted(gone) == sorted(p.name for p in paths)
+    assert gone == []  # u0 is still to be read
+    gate.done("u0")
+    assert gone == [0]
+    got = []
+    reader = threading.Thread(target=lambda: got.append(gate.ready("t1")), daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    assert gate.starved and not got  # the forward waits for a shard not written yet: the push must go on
+    gate.arrived(shard(paths[1]), lambda: gone.append(1))
+    reader.join(5)
+    assert got[0].path == paths[1] and not gate.starved
+    gate.done("t1")
+    gate.arrived(shard(paths[2]), lambda: gone.append(2))
+    gate.done("t2")
+    assert gone == [0, 1]
+    gate.done("t2")
+    assert gone == [0, 1, 2]
 
 
 def test_an_opened_gate_lets_everything_go_and_a_waiting_read_gives_up(tmp_path):
