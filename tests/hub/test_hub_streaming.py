@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -285,6 +286,39 @@ def test_a_verified_push_proves_both_ways_within_a_few_shards_of_disk(hub, tmp_p
     # The base's window (a chunk may overshoot it by one file this small) and the output shards in flight
     held = WINDOW_SHARDS * out_shard + base_shard + SHARDS_ON_DISK * out_shard
     assert 0 < peak <= held + 128 * 1024, (peak, held)  # (+ the side files, a 4 KiB block each)
+
+
+def test_a_verified_push_holds_the_same_disk_and_memory_for_a_model_four_times_larger(hub, tmp_path):
+    """The same verified push of a 4-layer and a 16-layer base (the same 40 KB shards): the weights grow more than threefold,
+    the job's scratch disk peak and its process's peak memory do not; both proofs run and pass each time."""
+    from transformers import AutoModelForCausalLM
+
+    peaks = {}
+    for layers in (4, 16):
+        folder = tmp_path / f"base-{layers}"
+        tiny = make_base(tmp_path / f"tiny-{layers}", "llama", dtype=torch.bfloat16, num_hidden_layers=layers)
+        AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="40KB")
+        hub.seed_folder(f"alice/layers-{layers}", folder)
+        hub.seed_folder(f"alice/lora-{layers}", make_adapter(folder, tmp_path / f"lora-{layers}", r=4, lora_alpha=8))
+        (tmp_path / "tmp").mkdir(exist_ok=True)
+        env = client_env(hub, ALICE, tmp_path / f"home-{layers}") | {"TMPDIR": str(tmp_path / "tmp")}
+        cmd = [sys.executable, "-m", "converter", "push", "--repo", f"alice/twice-{layers}", "--base",
+               f"alice/layers-{layers}", "--adapter", f"alice/lora-{layers}", "--max-shard-size", "40KB"]  # fmt: skip
+        log = tmp_path / f"push-{layers}.log"
+        with open(log, "w") as f:  # the child's own peak memory, from its exit status's resource usage
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)
+        out = log.read_text()
+        assert os.waitstatus_to_exitcode(status) == 0, out
+        report = json.loads(hub.read_file(f"alice/twice-{layers}", "verification.json"))
+        assert report["verdict"] == "pass" and report["behaviour_skipped"] is None and report["tensors_skipped"] is None
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        scratch = float(re.search(r"scratch disk peak: ([\d.]+) MiB", out)[1]) * 2**20
+        peaks[layers] = (weights, scratch, usage.ru_maxrss)
+    (small_w, small_disk, small_rss), (big_w, big_disk, big_rss) = peaks[4], peaks[16]
+    assert big_w > 3 * small_w
+    assert big_disk < 1.5 * small_disk + 64 * 1024, peaks  # a few shards either way (+ a block or two of side files)
+    assert big_rss < 1.25 * small_rss, peaks
 
 
 def test_a_verified_push_whose_download_fails_leaves_nothing(hub, tmp_path):
