@@ -386,8 +386,8 @@ def _merge_overlapped(
     folder = Path(merge(recipe, token=token, log=log, base=base, on_shard=uploader.submit, tee=tee,
                         on_planned=warmup, disk=disk).out)  # fmt: skip
     uploader.checked()  # every shard proven; the last uploads go on during the rest of the verification
-    if base_stream is not None and not base_stream.keeping:
-        base_stream.close()
+    if base_stream is not None and not base_stream.keeping and not base_stream.holding:
+        base_stream.close()  # (a reader still holding files lets them go as it reads; the job closes it at its end)
     return folder
 
 

@@ -329,6 +329,11 @@ class StreamedBase:
     def keeping(self) -> bool:
         return self._keep
 
+    @property
+    def holding(self) -> bool:
+        """Whether another reader still holds files (see `hold`)."""
+        return self._holding
+
     def let_go(self, path: Path, start: int, end: int) -> None:
         """Another reader is done with bytes [start, end) of `path`, a tensor (a file of the HF cache: nothing to
         do)."""
