@@ -33,6 +33,7 @@ from converter.io.units import human_bytes, parse_size
 from converter.jobs.shape import JobShape
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 
+SMALLEST_SHARD = 64 * 2**20  # the smallest output shard a push takes to fit a small disk
 # CPU of the default merge (merge, tensor proof, quick behaviour check) against the base's weights: 24.5 s for
 # 1.707 GB and 169.6 s for 16.06 GB, on a 2-core AMD EPYC (bench/RESULTS.md, 2026-12-05 12:44 and 12:50 UTC,
 # commit b74ca78: `python bench/verify_bench.py --rounds 3 --no-full` and `--big`); the line through both points.
@@ -89,6 +90,7 @@ class Estimate:
     seconds: float
     fits: bool
     short: str | None = None
+    shard: int = 0  # the output shard size it assumes (a push made to fit a small disk takes smaller ones)
 
     @property
     def usd(self) -> float | None:
@@ -141,7 +143,19 @@ def _stated() -> list[Flavor]:
 
 
 def estimate(shape: JobShape, machine: Machine, verb: str = "push", *, whole: str | None = None) -> Estimate:
-    """`shape` on `machine`. `whole`: a reason this job reads its output whole anyway (a push merged first)."""
+    """`shape` on `machine`. `whole`: a reason this job reads its output whole anyway (a push merged first). A
+    streamed push that the disk alone cannot hold takes smaller output shards, halved down to SMALLEST_SHARD,
+    where the user gave no --max-shard-size: what it holds on disk is a few of them."""
+    est = _estimate(shape, machine, verb, whole)
+    smaller = shape
+    while (not est.fits and est.streamed and shape.max_shard_size is None and est.memory <= machine.memory
+           and smaller.shard // 2 >= SMALLEST_SHARD):  # fmt: skip
+        smaller = replace(smaller, max_shard_size=str(smaller.shard // 2))
+        est = _estimate(smaller, machine, verb, whole)
+    return est if est.fits else _estimate(shape, machine, verb, whole)
+
+
+def _estimate(shape: JobShape, machine: Machine, verb: str, whole: str | None) -> Estimate:
     budget = shape.memory_budget or machine.memory
     streamed_memory = shape.behaviour
     why = whole or shape.cannot_stream
@@ -159,7 +173,7 @@ def estimate(shape: JobShape, machine: Machine, verb: str = "push", *, whole: st
     cpu, seconds = _time(shape, machine, verb, streamed, download, upload)
     short = _short(shape, machine, verb, disk, streamed, why)
     return Estimate(machine, verb, streamed, why or "both proofs run as the models stream", disk, memory, download,
-                    upload, cpu, seconds, short is None, short)  # fmt: skip
+                    upload, cpu, seconds, short is None, short, shape.shard)  # fmt: skip
 
 
 def _disk(shape: JobShape, verb: str, streamed: bool) -> int:

@@ -33,7 +33,7 @@ from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
-from converter.jobs.fit import check_here
+from converter.jobs.fit import Estimate, check_here
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
 from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
@@ -202,7 +202,8 @@ def _push_streamed(
         recipe.out = str(tmp / "out" / repo_id.split("/")[1])
         base_stream = _stream_base(recipe.base, token, tmp, meter)
         base, weights = _base_and_weights(recipe.base, base_stream, token)
-        _fits(recipe, verify, token, workdir, base, base_stream, max_disk)
+        fitted = _fits(recipe, verify, token, workdir, base, base_stream, max_disk)
+        recipe.max_shard_size = recipe.max_shard_size or (str(fitted.shard) if fitted.shard else None)
         recipe.max_shard_size = pipelined_shard_size(recipe.max_shard_size, weights)
         if base_stream is not None:
             base_stream.window = WINDOW_SHARDS * parse_size(recipe.max_shard_size)
@@ -261,14 +262,15 @@ def _stream_base(spec: str, token: str | None, tmp: Path, meter: ScratchMeter) -
 
 
 def _fits(recipe: Recipe, verify: dict | None, token: str | None, workdir: str | Path | None, base: Fetched,
-          base_stream: StreamedBase | None, max_disk: int | None) -> None:  # fmt: skip
+          base_stream: StreamedBase | None, max_disk: int | None) -> Estimate:  # fmt: skip
     """Refused (DoesNotFit) before any weight is downloaded when this machine cannot hold the job, streamed or
-    whole (converter.jobs.fit), from the headers the stream has read already."""
+    whole (converter.jobs.fit), from the headers the stream has read already; the estimate it fits by (its output
+    shard size: smaller on a small disk)."""
     from converter.jobs.shape import BaseHeaders
 
     side = sum(f["size"] or 0 for f in base.files if not f["name"].endswith(".safetensors"))
     headers = BaseHeaders(Path(base.local), side if base_stream is not None else 0, base_stream is not None)
-    check_here(recipe, verify, token, workdir, max_disk=max_disk, headers=headers)
+    return check_here(recipe, verify, token, workdir, max_disk=max_disk, headers=headers)
 
 
 def _streamed_proofs(recipe: Recipe, verify: dict, base: Fetched, base_stream: StreamedBase | None, shard_proof,

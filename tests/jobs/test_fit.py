@@ -64,10 +64,10 @@ def test_what_cannot_stream_is_read_whole():
 
 def test_a_job_too_big_here_names_the_cheapest_flavor_that_fits():
     hardware = Hardware(FALLBACK_FLAVORS, "a built-in table")
-    with pytest.raises(DoesNotFit) as refused:
-        fit.require_fit(shape(), machine(disk=5 * GB), hardware)
+    with pytest.raises(DoesNotFit) as refused:  # less than its largest tensor: no shard size makes it fit
+        fit.require_fit(shape(), machine(disk=GB // 4), hardware)
     e = refused.value
-    assert (e.flavor, e.free, e.where) == ("cpu-basic", 5 * GB, "/tmp") and e.disk > e.free
+    assert (e.flavor, e.free, e.where) == ("cpu-basic", GB // 4, "/tmp") and e.disk > e.free
     assert e.seconds > fit.JOB_START_SECONDS and 0 < e.usd < 0.01
     assert str(e).startswith("org/big: does not fit here: it needs ") and str(e).endswith("--on-jobs cpu-basic")
     # 60 GB of memory per forward: only cpu-xl holds the streamed comparison; the others would read the output
@@ -170,3 +170,16 @@ def test_without_verification_the_process_needs_little_memory():
     assert fit.estimate(shape(verify=False), small).fits
     refused = fit.estimate(shape(), small)
     assert not refused.fits and refused.short.startswith("it needs 1.61 GB of memory")
+
+
+def test_a_small_disk_takes_smaller_output_shards_unless_the_user_gave_their_size():
+    s = shape()
+    roomy = fit.estimate(s, machine())
+    tight = machine(disk=roomy.disk // 2)
+    e = fit.estimate(s, tight)
+    assert e.fits and e.streamed and e.shard < roomy.shard == s.shard and e.disk <= tight.disk
+    assert e.shard >= fit.SMALLEST_SHARD and fit.estimate(replace(s, max_shard_size=str(e.shard)), tight).fits
+    given = fit.estimate(replace(s, max_shard_size=str(s.shard)), tight)
+    assert not given.fits and given.shard == s.shard  # the size the user asked for is kept: refused
+    hopeless = fit.estimate(s, machine(disk=s.largest_tensor))
+    assert not hopeless.fits and hopeless.shard == s.shard
