@@ -124,7 +124,6 @@ class _Buffers:
     def __init__(self) -> None:
         self.free: dict[tuple, list] = {}
         self.staging = bytearray()
-        self.files: dict[Path, object] = {}
 
     def take(self, shape: tuple):
         import torch
@@ -135,21 +134,19 @@ class _Buffers:
     def give(self, t) -> None:
         self.free.setdefault(tuple(t.shape), []).append(t)
 
-    def _file(self, path: Path):
-        if path not in self.files:
-            self.files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 (closed in close())
-        return self.files[path]
-
     def _read_into(self, view: memoryview, path: Path, start: int) -> None:
-        f, done, size = self._file(path), 0, len(view)
-        f.seek(start)
-        while done < size:
-            got = f.readinto(view[done : done + _MAX_READ])
-            if not got:
-                raise OSError(f"{path}: could not read {size} bytes at offset {start} (truncated file?)")
-            done += got
-        if hasattr(os, "posix_fadvise"):  # consumed: drop it from the page cache, as the merge does with its input
-            os.posix_fadvise(f.fileno(), start, size, os.POSIX_FADV_DONTNEED)
+        """Bytes at `start` of `path` into `view`. The file is opened for each read and closed after it: a file
+        held open keeps its blocks on disk after it is deleted (a push deletes what every reader is done with)."""
+        with open(path, "rb", buffering=0) as f:
+            done, size = 0, len(view)
+            f.seek(start)
+            while done < size:
+                got = f.readinto(view[done : done + _MAX_READ])
+                if not got:
+                    raise OSError(f"{path}: could not read {size} bytes at offset {start} (truncated file?)")
+                done += got
+            if hasattr(os, "posix_fadvise"):  # consumed: drop it from the page cache, as the merge does its input
+                os.posix_fadvise(f.fileno(), start, size, os.POSIX_FADV_DONTNEED)
 
     def read(self, src: FileTensor, shape: tuple):
         """A float32 tensor holding the file's bytes for `src` (upcast exactly when stored in 16 bits)."""
@@ -186,9 +183,6 @@ class _Buffers:
             flat[first : first + n // itemsize].copy_(torch.frombuffer(self.staging, dtype=stored, count=n // itemsize))
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
         self.free.clear()
 
 

@@ -43,10 +43,11 @@ VERIFIED_CPU_PER_GB = 10.1  # seconds per GB of base weights
 MERGE_CPU_PER_GB = 3.4
 # Cores those runs kept busy: CPU / wall time was 1.17 and 1.30; more cores are not assumed to help.
 PARALLEL = 1.2
-# The process with the libraries a verified merge imports: 1410 MiB peak for the 1.7 GB run above; the merge alone
-# (`--no-verify`) peaked at 220 MiB in the same run. Below these a job is refused; above, memory only decides
-# whether the comparison streams.
-PROCESS_MEMORY = 1536 * 2**20
+# The process of a verified push without its behaviour comparison (the libraries verification imports, the merge,
+# the shard-by-shard tensor proof): 845 MiB peak for the 3.15 GB model of bench/push_bound_bench.py (2026-12-07);
+# the merge alone (`--no-verify`) peaked at 220 MiB (bench/RESULTS.md, 2026-12-05). Below these a job is refused;
+# above, memory only decides whether the comparison streams.
+PROCESS_MEMORY = 896 * 2**20
 MERGE_MEMORY = 256 * 2**20
 # Assumptions, not measurements: a link to the Hub from a workstation, and from a Jobs machine next to it.
 LINK_RATE = 50 * 10**6  # bytes/s each way; --link-rate or CONVERTER_LINK_RATE
@@ -124,8 +125,17 @@ def here(where: str | Path | None = None, *, link: float | None = None, max_disk
     probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
     free = shutil.disk_usage(probe).free
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return Machine("this machine", min(free, max_disk) if max_disk is not None else free, available_memory(), cores,
+    memory = available_memory() + _resident()  # what this process holds already is the job's too
+    return Machine("this machine", min(free, max_disk) if max_disk is not None else free, memory, cores,
                    link if link is not None else link_rate(), str(folder))  # fmt: skip
+
+
+def _resident() -> int:
+    """This process's resident memory (0 where /proc does not say)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def on_flavor(flavor: Flavor, link: float | None = None) -> Machine:

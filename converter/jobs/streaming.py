@@ -46,13 +46,26 @@ SHARDS_ON_DISK = 4
 
 
 def _disk_bytes(folders: list[Path]) -> int:
-    """Bytes the files under `folders` take on disk (holes of stand-ins not counted)."""
+    """Bytes the files under `folders` take on disk (holes not counted), and those of files this process deleted
+    there but still holds open (their blocks stay until they are closed)."""
     total = 0
     for folder in folders:
         for root, _, names in os.walk(folder):
             for name in names:
                 with contextlib.suppress(FileNotFoundError):  # deleted by another thread meanwhile
                     total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total + _deleted_but_open(folders)
+
+
+def _deleted_but_open(folders: list[Path]) -> int:
+    """Blocks of files under `folders` that are deleted but still open in this process (Linux: /proc/self/fd)."""
+    total, roots = 0, tuple(str(f) for f in folders)
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.endswith(" (deleted)") and target.startswith(roots):
+                    total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
     return total
 
 

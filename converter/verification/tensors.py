@@ -167,6 +167,7 @@ class TensorProof:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="converter-proof")
         checks = [c for c in self._pool.map(one, order) if c is not None]
+        self._close_files()  # a file held open keeps its blocks once deleted: a push deletes what is proven
         self.seconds += time.perf_counter() - started
         return checks
 
@@ -358,6 +359,12 @@ class TensorProof:
         shape = (end - start, *loc.shape[1:]) if loc.shape else ()
         return raw.view(_torch(loc.dtype)).to(dtype or torch.float64).reshape(shape)
 
+    def _close_files(self) -> None:
+        with self._lock:
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
+
     def _read(self, path: Path, offset: int, size: int):
         from converter.io.safetensors_file import buffer
 
@@ -385,9 +392,7 @@ class TensorProof:
             if check.name in self._failed:
                 check.relative, check.alignment = self._relative(*self._failed[check.name])
                 check.problem = _what(check)
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
+        self._close_files()
         changed = [c for c in self.checks if c.kind != "untouched" and c.changed is not None]
         return TensorProofResult(
             referee=self.referee.info,

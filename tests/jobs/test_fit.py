@@ -12,6 +12,7 @@ from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import DoesNotFit, JobsUnavailable, UsageError
 from converter.hub import hf_jobs
 from converter.hub.hf_jobs import FALLBACK_FLAVORS, Hardware, check_can_pay
+from converter.io.units import human_bytes
 from converter.jobs import fit, remote
 from converter.jobs.shape import JobShape
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
@@ -169,7 +170,7 @@ def test_without_verification_the_process_needs_little_memory():
     small = machine(memory=512 * 2**20)
     assert fit.estimate(shape(verify=False), small).fits
     refused = fit.estimate(shape(), small)
-    assert not refused.fits and refused.short.startswith("it needs 1.61 GB of memory")
+    assert not refused.fits and refused.short.startswith(f"it needs {human_bytes(fit.PROCESS_MEMORY)} of memory")
 
 
 def test_a_small_disk_takes_smaller_output_shards_unless_the_user_gave_their_size():
