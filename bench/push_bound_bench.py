@@ -119,18 +119,19 @@ def push(label: str, layers: int, repo: str, server: Server, scratch: Path, logs
     env = env_for(server, scratch / "hf-home") | {"TMPDIR": str(scratch / "tmp")}
     cmd = [sys.executable, "-m", "converter", "push", "--repo", f"alice/{repo}", "--base", f"alice/base-l{layers}",
            "--adapter", f"alice/lora-l{layers}"]  # fmt: skip
-    log = logs / f"{repo}.log"
+    log, peak_kib = logs / f"{repo}.log", logs / f"{repo}.maxrss"
+    # /usr/bin/time starts the push and reports its peak: a child of this (large) process would inherit its
+    # high-water mark in ru_maxrss.
+    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(peak_kib), *cmd]
     baseline = probe()
     sampler = Sampler(probe)
     start = time.perf_counter()
     with open(log, "w") as f:
         pre = (lambda: open(group / "cgroup.procs", "w").write(str(os.getpid()))) if group else None  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=BENCH_DIR.parent,
-                                preexec_fn=pre)  # fmt: skip
-        _, status, usage = os.wait4(proc.pid, 0)
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=BENCH_DIR.parent, preexec_fn=pre)
     wall = time.perf_counter() - start
     peak = sampler.stop() - baseline
-    rc = os.waitstatus_to_exitcode(status)
+    rss = int(peak_kib.read_text().split()[-1]) * 1024 if peak_kib.is_file() else 0
     cgroup_peak = int((group / "memory.max_usage_in_bytes").read_text()) if group else None
     proofs, same = "-", False
     if rc == 0:
@@ -141,7 +142,7 @@ def push(label: str, layers: int, repo: str, server: Server, scratch: Path, logs
                if report.get(skipped) is None]  # fmt: skip
         proofs = f"{report['verdict']}: {' + '.join(ran)}"
         same = same_tensors(server.root, repo, reference)[0]
-    run = Run(label, layers, rc, wall, peak, usage.ru_maxrss * 1024, cgroup_peak, proofs, same, log)
+    run = Run(label, layers, rc, wall, peak, rss, cgroup_peak, proofs, same, log)
     print(f"  L{layers} {label}: exit {rc}, {wall:.1f} s, scratch peak {peak / MiB:.0f} MiB, peak RSS "
           f"{run.rss_peak / MiB:.0f} MiB, {proofs}, same as a local merge: {same}", flush=True)  # fmt: skip
     return run
@@ -230,8 +231,8 @@ def render(runs: list[Run], models: dict, args) -> str:
         "",
         f"- Command: `python bench/push_bound_bench.py --rounds {args.rounds} --layers {args.layers}"
         + (f" --link {args.link:g}" if args.link else "")
-        + "`; converter commit "
-        + info.get("commit", "?"),
+        + "`; converter "
+        + info.get("source", "?"),
         f"- Machine: {info.get('cpu', '?')}, load average at start {os.getloadavg()[0]:.2f}",
         "- Bases: synthetic bf16 Llama, hidden 2048, in 256 MB shards, rank-16 all-linear LoRA; the local Hub in its "
         "own process; capped: temp folder and HF cache on a loop-mounted ext4 of the model's size / 2.5, the push "

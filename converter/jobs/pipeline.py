@@ -42,9 +42,9 @@ from converter.verification.warmup import wait
 
 def pipelined_shard_size(given: str | None, weights: int) -> str:
     """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
-    of the weights, 256 MiB to 2 GiB, so that the first upload starts early and the last one (which nothing
-    overlaps) is short."""
-    return given if given is not None else str(min(2 * 2**30, max(256 * 2**20, weights // 16)))
+    of the weights, 256 to 512 MiB, so that the first upload starts early, the last one (which nothing overlaps) is
+    short, and the few shards a push holds on disk take the same room whatever the model's size."""
+    return given if given is not None else str(min(512 * 2**20, max(256 * 2**20, weights // 16)))
 
 
 TRANSFER, VERIFY, COMMIT = STAGES = ("download, merge, upload", "verify", "commit")  # `push(stage=...)`, in order

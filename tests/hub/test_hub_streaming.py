@@ -395,8 +395,8 @@ def test_link_holds_transfers_to_its_rate():
 def test_pipelined_shard_size_keeps_what_the_user_gave():
     """--max-shard-size 5GB is the user's choice, not "no choice": only a size not given is picked for the pipeline."""
     assert pipelined_shard_size("5GB", 16 * 2**30) == "5GB"
-    assert pipelined_shard_size(None, 16 * 2**30) == str(2**30)
-    assert pipelined_shard_size(None, 2**20) == str(256 * 2**20) and pipelined_shard_size(None, 2**40) == str(2**31)
+    assert pipelined_shard_size(None, 6 * 2**30) == str(384 * 2**20)
+    assert pipelined_shard_size(None, 2**20) == str(256 * 2**20) and pipelined_shard_size(None, 2**40) == str(2**29)
     recipe = Recipe(base="b", adapters=[AdapterSpec(source="a")])
     assert recipe.max_shard_size is None and "max_shard_size" not in recipe.to_dict()
 
