@@ -119,20 +119,36 @@ class _Open:
 
 class _Buffers:
     """Float32 buffers reused from layer to layer (layers of one model have the same shapes, so after the first
-    block nothing new is allocated, and no page of it is faulted in again), and the reads that fill them."""
+    block nothing new is allocated, and no page of it is faulted in again), and the reads that fill them. Safe
+    from several threads (models sharing it, their reader threads): each has a staging buffer of its own."""
 
     def __init__(self) -> None:
+        import threading
+
         self.free: dict[tuple, list] = {}
-        self.staging = bytearray()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @property
+    def staging(self) -> bytearray:
+        return getattr(self._local, "staging", bytearray())
+
+    @staging.setter
+    def staging(self, buffer: bytearray) -> None:
+        self._local.staging = buffer
 
     def take(self, shape: tuple):
         import torch
 
-        spare = self.free.get(shape)
-        return spare.pop() if spare else torch.empty(shape, dtype=torch.float32)
+        with self._lock:
+            spare = self.free.get(shape)
+            if spare:
+                return spare.pop()
+        return torch.empty(shape, dtype=torch.float32)
 
     def give(self, t) -> None:
-        self.free.setdefault(tuple(t.shape), []).append(t)
+        with self._lock:
+            self.free.setdefault(tuple(t.shape), []).append(t)
 
     def _read_into(self, view: memoryview, path: Path, start: int) -> None:
         """Bytes at `start` of `path` into `view`. The file is opened for each read and closed after it: a file
@@ -173,17 +189,19 @@ class _Buffers:
         if dtype == "F32":
             self._read_into(memoryview(out.numpy()).cast("B"), path, start)
             return
-        if len(self.staging) < min(size, STAGING):
-            self.staging = bytearray(min(size, STAGING))
+        staging = self.staging
+        if len(staging) < min(size, STAGING):
+            staging = self.staging = bytearray(min(size, STAGING))
         flat, stored, itemsize = out.view(-1), dtypes.ST_TO_TORCH[dtype], ITEMSIZE[dtype]
         for offset in range(0, size, STAGING):
             n = min(STAGING, size - offset)
-            self._read_into(memoryview(self.staging)[:n], path, start + offset)
+            self._read_into(memoryview(staging)[:n], path, start + offset)
             first = offset // itemsize
-            flat[first : first + n // itemsize].copy_(torch.frombuffer(self.staging, dtype=stored, count=n // itemsize))
+            flat[first : first + n // itemsize].copy_(torch.frombuffer(staging, dtype=stored, count=n // itemsize))
 
     def close(self) -> None:
-        self.free.clear()
+        with self._lock:
+            self.free.clear()
 
 
 class SharedCompute:
@@ -258,9 +276,8 @@ def float32_compute(
     in `sources` are used as they are. After each unit runs its own tensors are put back (the very tensors, so
     nothing is rounded twice). Tied weights are upcast once per use. `gate`: reads wait there for bytes still
     arriving (one forward over a streamed model: converter.verification.streamed). `prefetch`: read the next
-    unit while this one computes (off, each unit is read when it runs: one unit in memory, not two; faster where
-    two models compute side by side on few cores, measured). `shared`: buffers and a turn shared with other
-    models computing at the same time (without read-ahead)."""
+    unit while this one computes (off: each unit is read when it runs, one unit in memory instead of two).
+    `shared`: buffers and a turn shared with other models computing at the same time."""
     from concurrent.futures import ThreadPoolExecutor
 
     sources = sources or {}

@@ -145,18 +145,27 @@ def streamed_working_set(folder: Path, adapters: list[Path] = ()) -> int:
     (converter.engine.precision), each model's logits twice (the run, then the comparison's log-softmax) for up to
     256 positions, the reference's adapters as PEFT holds them (float32), and 64 MiB for activations. Measured
     beside it: 475 MiB for the 3.15 GB bench model (bench/push_bound_bench.py), this gives 507 MiB."""
-    from converter.engine.precision import ROW_BLOCK, ROWS_MIN, STAGING
+    from converter.engine.precision import ROW_BLOCK, STAGING
+
+    vocab = _config_value(folder, "vocab_size")
+    adapter = sum(f.stat().st_size for a in adapters for f in Path(a).glob("adapter_model*.safetensors"))
+    return block_bytes(folder) + ROW_BLOCK + STAGING + 2 * 2 * 256 * vocab * 4 + adapter + 2**26
+
+
+def block_bytes(folder: Path) -> int:
+    """Bytes of one block of the model in float32 (a decoder layer; a head or an embedding read by rows aside)."""
+    from converter.engine.precision import ROWS_MIN
 
     ckpt = Checkpoint(folder)
     sizes = [ckpt.info(name).numel for name in ckpt.names()]
-    config = json.loads((folder / "config.json").read_text())
-    text = config.get("text_config") or {}
-    layers = int(config.get("num_hidden_layers") or text.get("num_hidden_layers") or 1)
-    vocab = int(config.get("vocab_size") or text.get("vocab_size") or 0)
+    layers, vocab = _config_value(folder, "num_hidden_layers") or 1, _config_value(folder, "vocab_size")
     rowwise = sum(n for n in sizes if n >= ROWS_MIN and n % max(vocab, 1) == 0)  # a big head or embedding
-    block = max((sum(sizes) - rowwise) // layers, max((n for n in sizes if n < ROWS_MIN), default=0))
-    adapter = sum(f.stat().st_size for a in adapters for f in Path(a).glob("adapter_model*.safetensors"))
-    return 4 * block + ROW_BLOCK + STAGING + 2 * 2 * 256 * vocab * 4 + adapter + 2**26
+    return 4 * max((sum(sizes) - rowwise) // layers, max((n for n in sizes if n < ROWS_MIN), default=0))
+
+
+def _config_value(folder: Path, key: str) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get(key) or (config.get("text_config") or {}).get(key) or 0)
 
 
 def resident_bytes(model, sources: dict | None) -> int:

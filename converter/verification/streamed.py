@@ -222,10 +222,12 @@ def _prepared(recipe: Recipe, base: Path, adapters: list[Path], settings: Settin
               log: Callable[[str], None]) -> StreamedLLMCheck:  # fmt: skip
     from converter.verification.warmup import import_peft
 
-    if (why := _memory_refuses(base, adapters, settings)) is not None:
+    why, prefetch = _memory(base, adapters, settings)
+    if why is not None:
         raise Unstreamable(why)
     import_peft()
     check = StreamedLLMCheck(recipe, base, adapters, settings, gate, log)
+    check.prefetch = prefetch
     check.prepare()
     return check
 
@@ -243,15 +245,16 @@ def _recipe_refuses(recipe: Recipe, settings: Settings) -> str | None:
     return None
 
 
-def _memory_refuses(base: Path, adapters: list[Path], settings: Settings) -> str | None:
-    """Both forwards hold a block of their model in float32 at once (loading.streamed_working_set)."""
+def _memory(base: Path, adapters: list[Path], settings: Settings) -> tuple[str | None, bool]:
+    """(Why the two forwards do not fit the memory, or None; whether there is room to read each next block ahead
+    as well, which is faster but holds a block more: loading.streamed_working_set)."""
     from converter.io.units import human_bytes
-    from converter.verification.loading import available_memory, streamed_working_set
+    from converter.verification.loading import available_memory, block_bytes, streamed_working_set
 
     need, budget = streamed_working_set(base, adapters), settings.memory or available_memory()
     if need > budget:
-        return f"its two forwards need about {human_bytes(need)} of memory, {human_bytes(budget)} is available"
-    return None
+        return f"its two forwards need about {human_bytes(need)} of memory, {human_bytes(budget)} is available", False
+    return None, need + 2 * block_bytes(base) <= budget
 
 
 class StreamedLLMCheck(LLMCheck):
@@ -263,6 +266,7 @@ class StreamedLLMCheck(LLMCheck):
         super().__init__(Path(), recipe, base, adapters, settings, Path(), log, Clock())
         self.base_gate, self.out_gate = base_gate, OutputGate()
         self.shared = SharedCompute()  # the two forwards take turns: one block of the two in float32 at a time
+        self.prefetch = False  # each next block read ahead too, where memory has room for it
         self.bare_base, self.study, self.one_batch = settings.bare_base, False, settings.bare_base
         self.own, self.offload, self.stored_4bit, self.four_bit = True, None, None, None
         self.compute, self.reference = "float32", "the base + adapters applied unmerged through PEFT"
@@ -321,7 +325,7 @@ class StreamedLLMCheck(LLMCheck):
     def _reference_forward(self) -> None:
         """The reference's one forward; with the bare base, both as rows of PEFT's mixed-adapter batch."""
         model = self.ref_model
-        with float32_compute(model, self.ref_sources, self.base_gate, prefetch=False, shared=self.shared):
+        with float32_compute(model, self.ref_sources, self.base_gate, prefetch=self.prefetch, shared=self.shared):
             if self.bare_base:
                 variants = [mixed_batch_adapter(model), "__base__"]
                 self.runs["reference"], self.runs["bare base"] = run_variants(model, self.inputs, self.ppl_ids,
@@ -331,7 +335,7 @@ class StreamedLLMCheck(LLMCheck):
 
     def _merged_forward(self, config: bytes, written: set[str]) -> None:
         model, sources = _merged(config, self.class_name, written)
-        with float32_compute(model, sources, self.out_gate, prefetch=False, shared=self.shared):
+        with float32_compute(model, sources, self.out_gate, prefetch=self.prefetch, shared=self.shared):
             self.runs["merged"] = run_model(model, self.inputs, None, self.ppl_ids, 0)
 
     def abort(self) -> None:
