@@ -189,6 +189,7 @@ def prepare_streamed(recipe: Recipe, verify: dict, base: Path, stream, token: st
         check = _prepared(recipe, base, [a if a.is_dir() else a.parent for a in adapters], settings, gate, log)
     except Unstreamable as e:
         return None, str(e)
+    check.prefetch = False  # the merge and the tensor proof compute beside it: reading ahead gains no time there
     if stream is not None:
         stream.hold()
     return check, None
@@ -247,14 +248,15 @@ def _recipe_refuses(recipe: Recipe, settings: Settings) -> str | None:
 
 def _memory(base: Path, adapters: list[Path], settings: Settings) -> tuple[str | None, bool]:
     """(Why the two forwards do not fit the memory, or None; whether there is room to read each next block ahead
-    as well, which is faster but holds a block more: loading.streamed_working_set)."""
+    as well, which is faster but holds a block more, with 1 GiB to spare for the rest of the job (a push's merge
+    and tensor proof grow after this is decided): loading.streamed_working_set)."""
     from converter.io.units import human_bytes
     from converter.verification.loading import available_memory, block_bytes, streamed_working_set
 
     need, budget = streamed_working_set(base, adapters), settings.memory or available_memory()
     if need > budget:
         return f"its two forwards need about {human_bytes(need)} of memory, {human_bytes(budget)} is available", False
-    return None, need + 2 * block_bytes(base) <= budget
+    return None, need + 2 * block_bytes(base) + 2**30 <= budget
 
 
 class StreamedLLMCheck(LLMCheck):
