@@ -238,7 +238,7 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, machine, st
             raise _too_big(recipe.base, plan)
         say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
         published: dict = {}
-        gguf = _pending_gguf(request, repo_id, tmp, say)
+        gguf = _pending_gguf(request, repo_id, tmp, say, token)
 
         def finished(folder: Path) -> None:  # the job folder goes with the push: read what the page shows now
             published["report"] = read_report(folder) if request.verify else None
@@ -329,7 +329,7 @@ def _published_records(pub, token: str) -> tuple[dict | None, str]:
     return (json.loads(report) if report else None), read("README.md") or ""
 
 
-def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[str], None]):
+def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[str], None], token: str | None):
     """The GGUF choice: its type and the extra it needs checked before the job starts (the architecture when the
     merged folder is there, still before the commit)."""
     if request.gguf == "none":
@@ -337,4 +337,4 @@ def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[s
     from converter.gguf.export import check_merge_gguf
     from converter.gguf.publish import PendingGGUF
 
-    return PendingGGUF(check_merge_gguf(request.gguf, None), repo_id.split("/")[1], say, workdir=tmp)
+    return PendingGGUF(check_merge_gguf(request.gguf, request.base, token), repo_id.split("/")[1], say, workdir=tmp)

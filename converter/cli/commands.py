@@ -423,7 +423,7 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
     on_jobs.check_merge_fits(args, recipe, settings)
     from converter.gguf.export import check_merge_gguf
 
-    gguf_types = check_merge_gguf(args.gguf, recipe.base)
+    gguf_types = check_merge_gguf(args.gguf, recipe.base, args.token)
     warmup = None
     if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
         from converter.jobs.pipeline import check_extras

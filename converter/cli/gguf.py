@@ -77,7 +77,8 @@ def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[
     from converter.gguf.export import check_merge_gguf
     from converter.gguf.publish import PendingGGUF
 
-    gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base), args.repo.split("/")[-1], log)
+    gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base, args.token), args.repo.split("/")[-1],
+                       log)  # fmt: skip
     if args.from_folder:
         try:
             gguf.export(args.from_folder)

@@ -23,6 +23,7 @@ from converter.gguf.fileio import Reader
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_in_python
 from converter.gguf.write import plan, write_ggufs
+from converter.hub.sources import is_diffusion_base
 from converter.io.optional import install_hint
 
 PROOF_FILE = "gguf-proof.json"
@@ -142,11 +143,16 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
     return fp
 
 
-def check_merge_gguf(text: str | None, base: str | None) -> list[str] | None:
-    """`merge --gguf`: the types, the extra they need and (for a local base) the architecture, checked before the
-    merge starts, so a refusal costs nothing."""
+def check_merge_gguf(text: str | None, base: str | None, token: str | None = None) -> list[str] | None:
+    """`merge --gguf`: the types, the extra they need and the base (a language model llama.cpp runs; for a local
+    base, its architecture), checked before the merge starts, so a refusal costs nothing."""
     if not text:
         return None
+    if base and is_diffusion_base(base, token):
+        raise UsageError(
+            f"--gguf {text}: {base} is a diffusion model; GGUF export is for the language models llama.cpp runs "
+            "(merge without --gguf)"
+        )
     types = parse_types(text)
     if needs_llama(types):
         llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")

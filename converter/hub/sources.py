@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converter.errors import BadInputError, HubError, OutputError, UsageError
+from converter.errors import BadInputError, ConverterError, HubError, OutputError, UsageError
 from converter.hub import client as hub
 from converter.io.units import human_bytes
 
@@ -339,6 +339,28 @@ def _check_repo_kind(where: str, kind: str, wanted: list[str], siblings: dict, r
             f"{where}: no adapter_config.json; for a single adapter file write {repo}@REV/path/file.safetensors",
             **ids,
         )
+
+
+def is_diffusion_base(spec: str, token: str | None) -> bool:
+    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
+    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
+    source = parse_source(spec)
+    if source.local is not None:
+        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
+    if source.path is not None:
+        return source.path.endswith(".safetensors")
+    from huggingface_hub import file_exists
+
+    try:
+        repo, revision = source.repo_id, source.revision
+        return hub.call(
+            spec,
+            lambda: file_exists(repo, "model_index.json", revision=revision, token=token),
+            repo_id=repo,
+            revision=revision,
+        )
+    except ConverterError:
+        return False
 
 
 def check_disk(where: str, need: int, what: str = "download + output") -> None:

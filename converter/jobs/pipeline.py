@@ -16,7 +16,7 @@ from pathlib import Path
 from converter.engine.merging import TensorTee, merge
 from converter.engine.recipe import Recipe, recorded_recipe
 from converter.engine.writer import Shard
-from converter.errors import ConverterError, OutputError, UsageError
+from converter.errors import OutputError, UsageError
 from converter.hub import client as hub
 from converter.hub.card import public_records, write_card
 from converter.hub.publish import (
@@ -28,7 +28,7 @@ from converter.hub.publish import (
     local_files,
     push_folder,
 )
-from converter.hub.sources import Fetched, fetch, mounted, parse_source
+from converter.hub.sources import Fetched, fetch, is_diffusion_base, mounted, parse_source
 from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
@@ -408,30 +408,8 @@ def check_extras(recipe: Recipe, token: str | None) -> None:
     """Before anything is merged or written: verifying a diffusion merge needs diffusers (converter[diffusion])."""
     import importlib.util
 
-    if importlib.util.find_spec("diffusers") is None and _diffusion_base(recipe.base, token):
+    if importlib.util.find_spec("diffusers") is None and is_diffusion_base(recipe.base, token):
         require("diffusers", "verifying a diffusion merge")
-
-
-def _diffusion_base(spec: str, token: str | None) -> bool:
-    """A diffusers pipeline (model_index.json) or a single .safetensors file (a single-file diffusion checkpoint),
-    local or on the Hub; False when the Hub cannot say (the merge reports that itself)."""
-    source = parse_source(spec)
-    if source.local is not None:
-        return (source.local / "model_index.json").is_file() or source.local.suffix == ".safetensors"
-    if source.path is not None:
-        return source.path.endswith(".safetensors")
-    from huggingface_hub import file_exists
-
-    try:
-        repo, revision = source.repo_id, source.revision
-        return hub.call(
-            spec,
-            lambda: file_exists(repo, "model_index.json", revision=revision, token=token),
-            repo_id=repo,
-            revision=revision,
-        )
-    except ConverterError:
-        return False
 
 
 def _checks(*checks: Callable[[Shard], None] | None) -> Callable[[Shard], None]:

@@ -411,3 +411,17 @@ def test_a_failed_verification_carries_its_report(llama, lora, tmp_path):
     report = caught.value.report
     assert caught.value.exit_code == 3 and isinstance(report, VerificationReport) and report.verdict == "fail"
     assert name in str(caught.value)
+
+
+def test_gguf_of_a_diffusion_base_is_refused_before_the_merge(lora, tmp_path, cli):
+    """GGUF export is for the language models llama.cpp runs: a diffusers pipeline or a single-file checkpoint as the
+    base of `merge --gguf` is one line, exit 2, before anything is merged (it crashed in the GGUF stream before)."""
+    pipeline = tmp_path / "pipeline"
+    pipeline.mkdir()
+    (pipeline / "model_index.json").write_text("{}")
+    single = tmp_path / "flux1-dev.safetensors"
+    single.write_bytes(b"")
+    why = "is a diffusion model; GGUF export is for the language models llama.cpp runs"
+    for base in (pipeline, single):
+        err = assert_fails(cli, tmp_path, "--base", base, "--adapter", lora, "--gguf", "Q8_0", message=why)
+        assert str(base) in err
