@@ -7,7 +7,6 @@ final when the shard is opened and tensors are streamed into it in order: memory
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import json
 import math
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.errors import OutputError
-from converter.io import scratch
+from converter.io import libc, scratch
 from converter.io.background import Worker
 from converter.io.dtypes import ITEMSIZE
 from converter.io.safetensors_header import encode_header, entry
@@ -48,20 +47,13 @@ class OutSpec:
 
 
 DROP_EVERY = 64 * 2**20
-_libc = None
 
 
 def _sync_file_range(fd: int, offset: int, length: int, flags: int) -> bool:
     """Linux sync_file_range(2) (not in the os module): start or wait for writeback of a byte range without the
     disk-cache flush that fdatasync issues. False where it is not available."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        except (OSError, AttributeError):
-            _libc = False
-    return bool(_libc) and _libc.sync_file_range(fd, offset, length, flags) == 0
+    call = libc.function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return call is not None and call(fd, offset, length, flags) == 0
 
 
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4

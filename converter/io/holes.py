@@ -7,31 +7,20 @@ done with a tensor, its bytes can go, so the disk holds what is still to be read
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from pathlib import Path
 
+from converter.io import libc
+
 BLOCK = 4096
 _PUNCH_HOLE, _KEEP_SIZE = 0x02, 0x01  # linux/falloc.h
-_libc = None
-
-
-def _fallocate():
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc.fallocate if _libc else None
 
 
 def punch(path: Path, start: int, end: int) -> int:
     """Free the whole blocks inside bytes [start, end) of `path`; the bytes freed (0 where the file system or the
     platform cannot make holes: the file then keeps its blocks until it is deleted)."""
     first, last = -(-start // BLOCK) * BLOCK, end // BLOCK * BLOCK
-    fallocate = _fallocate()
+    fallocate = libc.function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     if fallocate is None or last <= first:
         return 0
     fd = os.open(path, os.O_WRONLY)

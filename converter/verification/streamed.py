@@ -7,8 +7,8 @@ numbers, so a push and a re-push agree on the report).
 Both models are built hollow (the module tree on no memory, converter.verification.peft_referee.hollow), every
 weight a file's tensor. The reference's come from the base's files, which a push's download fills front to back
 (a read waits for its bytes); the merged model's from the output shards, which the merge writes (a read waits for
-the shard). Each side's gate counts the reads the forward will make of each file and lets the file go after the
-last one, so the push deletes it once everything else is done with it too. The push holds the merge back while a
+the shard). Each side's gate counts the reads the forward will make of each base tensor and output shard and lets
+it go after the last one, so the push gives its bytes back once everything else is done with them too. The push holds the merge back while a
 few output shards are on disk, unless the merged model's forward waits for one not written yet (`starved`: a layout
 whose order differs from the forward's; then the disk holds more).
 
