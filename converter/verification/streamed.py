@@ -8,9 +8,9 @@ Both models are built hollow (the module tree on no memory, converter.verificati
 weight a file's tensor. The reference's come from the base's files, which a push's download fills front to back
 (a read waits for its bytes); the merged model's from the output shards, which the merge writes (a read waits for
 the shard). Each side's gate counts the reads the forward will make of each base tensor and output shard and lets
-it go after the last one, so the push gives its bytes back once everything else is done with them too. The push holds the merge back while a
-few output shards are on disk, unless the merged model's forward waits for one not written yet (`starved`: a layout
-whose order differs from the forward's; then the disk holds more).
+it go after the last one, so the push gives its bytes back once everything else is done with them too. The push
+holds the merge back while a few output shards are on disk, unless the merged model's forward waits for one not
+written yet (`starved`: a layout whose order differs from the forward's; then the disk holds more).
 
 It runs where the comparison is one forward over weights that are all plain file tensors: the quick mode, a
 causal LM, PEFT folders, no 4-bit model, no QLoRA study, and a bare base (when the tensor proof has not already
