@@ -144,7 +144,7 @@ def streamed_working_set(folder: Path, adapters: list[Path] = ()) -> int:
     buffers, no read ahead): one block's weights in float32, a block of head rows and the 16-bit staging buffer
     (converter.engine.precision), each model's logits twice (the run, then the comparison's log-softmax) for up to
     256 positions, the reference's adapters as PEFT holds them (float32), and 64 MiB for activations. Measured
-    beside it: 475 MiB for the 3.15 GB bench model (bench/push_bound_bench.py), this gives 507 MiB."""
+    beside it: 475 MiB for the 3.15 GB bench model (bench/push_bound_bench.py), this gives 528 MiB."""
     from converter.engine.precision import ROW_BLOCK, STAGING
 
     vocab = _config_value(folder, "vocab_size")
