@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,9 +15,6 @@ from converter.errors import BadInputError
 from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DeltaPatch, DoRA, FullDelta, LoHa, LoKr, LowRank
 from converter.formats.peft import pattern_value
-
-if TYPE_CHECKING:
-    from converter.conversion.names import BaseNames
 
 
 @dataclass
@@ -173,11 +169,12 @@ def _is_block_diagonal(up: torch.Tensor, rows: list[int]) -> bool:
     return True
 
 
-def split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[LoraModule]:
+def split_modules(names: list[tuple[str | None, str]], ap, places, down, up, alpha, native) -> list[LoraModule]:
     """A fused module (BFL qkv, linear1) onto separate base tensors, ΔW unchanged: down split with the up when
-    the up matrix is block-diagonal (kohya split_qkv), else shared by every part (docs/FORMATS.md §4, §8)."""
+    the up matrix is block-diagonal (kohya split_qkv), else shared by every part (docs/FORMATS.md §4, §8).
+    `names`: each place's (component, module path) on the base, looked up by the caller (conversion.names)."""
     if len({p.key for p in places}) == 1:  # halves swapped on one tensor (BFL [shift, scale] <-> [scale, shift])
-        comp, name = base.split_key(places[0].key, ap.param)
+        comp, name = names[0]
         moved = torch.empty_like(up)
         for place in places:
             moved[slice(*place.rows)] = up[slice(*place.src)]
@@ -188,8 +185,7 @@ def split_modules(base: BaseNames, ap, places, down, up, alpha, native) -> list[
     block = _is_block_diagonal(up, rows)
     n, r = len(spans), down.shape[0]
     out = []
-    for j, (place, (a, b)) in enumerate(zip(places, spans, strict=True)):
-        comp, name = base.split_key(place.key, ap.param)
+    for j, ((comp, name), (a, b)) in enumerate(zip(names, spans, strict=True)):
         if block:
             w = r // n
             d, u = down[j * w : (j + 1) * w], up[a:b, j * w : (j + 1) * w]

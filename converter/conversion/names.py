@@ -229,7 +229,8 @@ def collect(
                 tensor=native,
             )
         if len(places) > 1:  # a fused module onto separate base tensors: split by rows
-            modules.extend(split_modules(base, ap, places, down, up, alpha, native))
+            names = [base.split_key(p.key, ap.param) for p in places]
+            modules.extend(split_modules(names, ap, places, down, up, alpha, native))
             continue
         place = places[0]
         comp, name = base.split_key(place.key, ap.param)
