@@ -30,7 +30,7 @@ from pathlib import Path
 from converter.errors import DoesNotFit
 from converter.hub.hf_jobs import Flavor, Hardware
 from converter.io.units import human_bytes, parse_size
-from converter.jobs.shape import JobShape
+from converter.jobs.shape import JobShape, shape_of
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 
 SMALLEST_SHARD = 64 * 2**20  # the smallest output shard a push takes to fit a small disk
@@ -314,7 +314,6 @@ def check_here(recipe, verify: dict | None, token: str | None, workdir: str | Pa
     against this machine's free disk in `workdir` (at most `max_disk`) and its memory."""
     from converter.hub.hf_jobs import hardware
     from converter.io.scratch import temp_folder
-    from converter.jobs.shape import shape_of
 
     if headers is not None:
         shape = shape_of(recipe, verify, token, Path(), headers)

@@ -34,18 +34,11 @@ from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
 from converter.jobs.fit import Estimate, check_here
+from converter.jobs.shape import BaseHeaders, pipelined_shard_size
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
 from converter.verification import VerificationReport, card_section, markdown, require_pass, verify
 from converter.verification.warmup import wait
-
-
-def pipelined_shard_size(given: str | None, weights: int) -> str:
-    """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
-    of the weights, 256 to 512 MiB, so that the first upload starts early, the last one (which nothing overlaps) is
-    short, and the few shards a push holds on disk take the same room whatever the model's size."""
-    return given if given is not None else str(min(512 * 2**20, max(256 * 2**20, weights // 16)))
-
 
 TRANSFER, VERIFY, COMMIT = STAGES = ("download, merge, upload", "verify", "commit")  # `push(stage=...)`, in order
 
@@ -266,8 +259,6 @@ def _fits(recipe: Recipe, verify: dict | None, token: str | None, workdir: str |
     """Refused (DoesNotFit) before any weight is downloaded when this machine cannot hold the job, streamed or
     whole (converter.jobs.fit), from the headers the stream has read already; the estimate it fits by (its output
     shard size: smaller on a small disk)."""
-    from converter.jobs.shape import BaseHeaders
-
     side = sum(f["size"] or 0 for f in base.files if not f["name"].endswith(".safetensors"))
     headers = BaseHeaders(Path(base.local), side if base_stream is not None else 0, base_stream is not None)
     return check_here(recipe, verify, token, workdir, max_disk=max_disk, headers=headers)

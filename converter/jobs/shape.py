@@ -16,6 +16,14 @@ from converter.errors import ConverterError
 from converter.hub.remote_headers import hub_base_headers
 from converter.hub.sources import Fetched, mounted, parse_source, resolve
 from converter.io.dtypes import FLOATING, ITEMSIZE, parse_user_dtype
+from converter.io.units import parse_size
+
+
+def pipelined_shard_size(given: str | None, weights: int) -> str:
+    """The output shard size of a pipelined push: the user's --max-shard-size when given (5GB too), else a sixteenth
+    of the weights, 256 to 512 MiB, so that the first upload starts early, the last one (which nothing overlaps) is
+    short, and the few shards a push holds on disk take the same room whatever the model's size."""
+    return given if given is not None else str(min(512 * 2**20, max(256 * 2**20, weights // 16)))
 
 
 @dataclass(frozen=True)
@@ -44,10 +52,7 @@ class JobShape:
 
     @property
     def shard(self) -> int:
-        """The output shard size of a pipelined push (converter.jobs.pipeline.pipelined_shard_size)."""
-        from converter.io.units import parse_size
-        from converter.jobs.pipeline import pipelined_shard_size
-
+        """The output shard size of a pipelined push (pipelined_shard_size)."""
         return parse_size(pipelined_shard_size(self.max_shard_size, self.weights))
 
     def to_dict(self) -> dict:

@@ -18,7 +18,7 @@ import torch
 from model_helpers import make_adapter, make_base, read_tensors, run_cli
 
 from converter.engine.recipe import AdapterSpec, Recipe
-from converter.jobs.pipeline import pipelined_shard_size
+from converter.jobs.shape import pipelined_shard_size
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 from converter.testing.hub import HubServer, Link, client_env
 from converter.verification.streamed import EXECUTION
