@@ -14,8 +14,9 @@ file whole. Each part is then loaded on its own, as its own adapter, into a fres
   formula, tensor by tensor, labelled;
 - a part diffusers reads only in part, or that misreads (ignored alphas), makes diffusers decline the whole file.
 
-Read whole is counted as the loader's own check is (diffusion._dropped_factors): the elements of the part's LoRA up
-factors against those of the up factors diffusers injected under the part's adapter name, no name mapping involved.
+Read whole is counted as the loader's own check is (diffusers_loader.dropped_factors): the elements of the part's
+LoRA up factors against those of the up factors diffusers injected under the part's adapter name, no name mapping
+involved.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from pathlib import Path
 
 from converter.engine.recipe import Recipe
 from converter.io.safetensors_file import SafetensorsFile
-from converter.verification.diffusion import (
+from converter.verification.diffusers_loader import (
     LoaderRefused,
-    _dropped_factors,
+    dropped_factors,
     heard,
     ignored_alphas,
     load_one,
@@ -128,7 +129,7 @@ def _read_part(pipe, path: Path, name: str, part: str, keys: set[str]) -> str | 
                                          f"the {part} part out ({', '.join(left_out[:2])})")  # fmt: skip
     if not loaded_elements(pipe, name):
         return None
-    if dropped := _dropped_factors(pipe, name, path):
+    if dropped := dropped_factors(pipe, name, path):
         raise RefereeUnavailable(dropped)
     return how
 
@@ -136,7 +137,7 @@ def _read_part(pipe, path: Path, name: str, part: str, keys: set[str]) -> str | 
 def _kohya_text_encoders(pipe, path: Path, name: str) -> tuple[int, list[str]] | None:
     """diffusers' kohya text-encoder conversion of the part, loaded by the pipeline's load_lora_into_text_encoder
     into the text encoders it names, when the pipeline's loader takes a LoRA for each of them: what diffusers said
-    while loading (diffusion.heard), or None when it does not read the part this way."""
+    while loading (diffusers_loader.heard), or None when it does not read the part this way."""
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lora_to_diffusers
     from safetensors.torch import load_file
 

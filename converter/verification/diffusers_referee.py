@@ -18,68 +18,23 @@ import json
 from pathlib import Path
 
 from converter.engine.base_reader import open_base
-from converter.engine.family import identify
 from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
-from converter.formats import load_adapter
 from converter.formats.components import component_folders
-from converter.io.safetensors_file import SafetensorsFile
 from converter.io.scratch import temp_folder
-from converter.verification.diffusers_parts import Parts, formula_part, load_parts
-from converter.verification.diffusion import (
+from converter.verification.diffusers_loader import (
     MODEL_PARTS,
     LoaderRefused,
     Unbuildable,
-    _apply_adapters,
-    _partial,
+    apply_adapters,
     component_model,
+    partial_pipeline,
 )
+from converter.verification.diffusers_parts import Parts, formula_part, load_parts
 from converter.verification.formula import REFERENCE
 from converter.verification.loading import peft_refusals
 from converter.verification.peft_referee import PeftLayers, hollow
 from converter.verification.referee import Expectation, RefereeInfo, RefereeUnavailable, first_line
-
-
-def diffusers_declines(recipe: Recipe, base: Path, adapters: list[Path]) -> str | None:
-    """Why diffusers' loader cannot stand for these adapters (None: it can). Asked, not caught."""
-    if any(spec.include or spec.exclude for spec in recipe.adapters):
-        return "diffusers' LoRA loader cannot restrict an adapter to some tensors (include/exclude)"
-    if not base.is_file() and not (base / "model_index.json").is_file():
-        return "the base is neither a diffusers folder nor a single file"
-
-    if folders := [a.name for a in adapters if component_folders(a)]:
-        return f"diffusers' loader reads a LoRA file, not PEFT folders per component ({', '.join(folders)})"
-    if folders := [a.name for a in adapters if (a / "adapter_config.json").is_file()]:
-        return (f"diffusers' loader takes a LoRA's scale from the file's own metadata, not from a PEFT folder's "
-                f"adapter_config.json ({', '.join(folders)})")  # fmt: skip
-    if dora := lycoris_dora(adapters):
-        return f"diffusers' loader drops the dora_scale tensors of {dora} (LyCORIS DoRA) and would be a wrong referee"
-    return unread_spelling(adapters)
-
-
-def unread_spelling(sources: list[Path]) -> str | None:
-    """The first adapter file whose family's keymap says diffusers' loader does not read its spelling, as a reason
-    (its loaders table is what the family tests check against diffusers itself); None when none is such."""
-    for path in sources:
-        if not (path.is_file() and path.suffix == ".safetensors"):
-            continue
-        identity = identify(load_adapter(path, require_scale=False))
-        if identity is None or identity.family is None:
-            continue
-        table = identity.family.lokr_loaders if identity.lokr else identity.family.loaders
-        if "diffusers" in table and "diffusers" not in identity.loads_in():
-            return (f"diffusers' loader does not read {path.name} as it is spelt ({identity.spelling} names of "
-                    f"{identity.family.title}, by the keymap's loaders)")  # fmt: skip
-    return None
-
-
-def lycoris_dora(sources: list[Path]) -> str | None:
-    """The first single-file adapter with LyCORIS `dora_scale` tensors (read from its header only), else None."""
-    for path in sources:
-        is_file = path.is_file() and path.suffix == ".safetensors"
-        if is_file and any(k.endswith(".dora_scale") for k in SafetensorsFile(path).tensors):
-            return path.name
-    return None
 
 
 class DiffusersReferee:
@@ -91,7 +46,7 @@ class DiffusersReferee:
         names = _base_names(base)
         pipe, parts, renamed = _weightless(base, names)
         try:
-            wrong = _apply_adapters(pipe, recipe, adapters)
+            wrong = apply_adapters(pipe, recipe, adapters)
         except LoaderRefused as e:
             raise RefereeUnavailable(f"diffusers cannot apply the adapters ({first_line(e, 160)})") from None
         adapter_names, specs = [f"adapter_{i}" for i in range(len(adapters))], recipe.adapters
@@ -128,7 +83,7 @@ class DiffusersReferee:
 def _weightless(base: Path, names: set[str]):
     """The base pipeline without weights, its model components, and each one's names as loaded -> file keys."""
     try:
-        pipe = _partial(base, json.loads((base / "model_index.json").read_text()), empty=True)
+        pipe = partial_pipeline(base, json.loads((base / "model_index.json").read_text()), empty=True)
     except Unbuildable as e:
         raise RefereeUnavailable(str(e)) from None
     parts = {c: getattr(pipe, c) for c in MODEL_PARTS if getattr(pipe, c, None) is not None}

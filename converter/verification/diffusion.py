@@ -16,21 +16,27 @@ refuses or would misread the file, include/exclude, a base it cannot load), `for
 from __future__ import annotations
 
 import gc
-import json
-import logging
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from converter.engine.base_reader import open_base
-from converter.engine.keymap import keymap_for
 from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
 from converter.io import dtypes
 from converter.io.safetensors_file import SafetensorsFile
+from converter.verification.diffusers_loader import (
+    MESSAGE_WIDTH,
+    MODEL_PARTS,
+    LoaderRefused,
+    Unbuildable,
+    apply_adapters,
+    diffusers_declines,
+    is_complete,
+    load_pipeline,
+    load_single_file,
+)
 from converter.verification.judge import failing_components, judge_diffusion
 from converter.verification.metrics import UNIT_ROUNDOFF, first_disagreement
-from converter.verification.peft_referee import hollow
 from converter.verification.referee import in_one_line
 from converter.verification.report import (
     Clock,
@@ -46,7 +52,6 @@ from converter.verification.report import (
 from converter.verification.tensors import locations
 
 IMAGE_DIR = "verification"
-MESSAGE_WIDTH = 120  # characters of a library's error message kept in the report
 # A denoiser's output after ~20-60 layers: each merged weight carries one rounding of its dtype (relative error
 # u); a right merge's output error is that rounding amplified by the network's depth, 8 u allowed (4 u per module).
 # On top, float32 compute itself: W x + B (A x) (reference) and (W + B A) x (merged) round differently, measured
@@ -72,15 +77,6 @@ def tolerance(output_dtype: str) -> DiffusionTolerance:
     )
 
 
-class LoaderRefused(Exception):
-    """diffusers' LoRA loader cannot read an adapter: its refusals are ValueErrors, but its converters from other
-    spellings also fail with KeyError or shape errors on files that lack modules or widths they expect."""
-
-
-class Unbuildable(Exception):
-    """A pipeline class that cannot be built from a folder's model components here."""
-
-
 class DiffusionCheck:
     """One diffusion merge's behaviour against diffusers' unmerged loader, and the images shown beside it."""
 
@@ -92,14 +88,12 @@ class DiffusionCheck:
         self.made: tuple[list, list, list] | None = None  # reference, merged, bare images
 
     def load(self, which: Path):
-        return _load_single(which, self.config) if self.single else _load(which)
+        return load_single_file(which, self.config) if self.single else load_pipeline(which)
 
     def merged_path(self) -> Path:
         return self.merged / self.base.name if self.single else self.merged
 
     def run(self) -> tuple[DiffusionBehaviour, tuple[list[str], list[str]]]:
-        from converter.verification.diffusers_referee import diffusers_declines  # a cycle: that module imports this one
-
         if why := diffusers_declines(self.recipe, self.base, self.adapters):
             raise Skip(why)
         self.log(f"comparing behaviour: reference = base + {len(self.adapters)} adapter(s) through diffusers' "
@@ -130,7 +124,7 @@ class DiffusionCheck:
             how = "from_single_file" if self.single else "from_pretrained"
             raise Skip(f"diffusers' {how} cannot load the base here ({in_one_line(e, MESSAGE_WIDTH)})") from None
         try:
-            wrong = _apply_adapters(pipe, self.recipe, self.adapters)
+            wrong = apply_adapters(pipe, self.recipe, self.adapters)
         except LoaderRefused as e:
             why = in_one_line(e, MESSAGE_WIDTH)
             raise Skip(f"diffusers cannot apply the adapters to this base unmerged ({why})") from None
@@ -169,7 +163,7 @@ class DiffusionCheck:
         self.log(f"locating the first disagreeing module of {', '.join(failing)} (both models again, with hooks)")
         probe_inputs = {**inputs, "calls": inputs["calls"][:1]}
         pipe = self.load(self.base)
-        _apply_adapters(pipe, self.recipe, self.adapters)
+        apply_adapters(pipe, self.recipe, self.adapters)
         ref_probe = _run(pipe, probe_inputs, failing, hooks=True)
         del pipe
         gc.collect()
@@ -189,7 +183,7 @@ class DiffusionCheck:
     def images(self, referee=None) -> list[ImageRow]:
         """The base / reference / merged images (saved next to the report): those the behaviour made, else, for a
         complete pipeline folder, the reference as the base pipeline holding the referee's tensors."""
-        if self.made is None and referee is not None and is_diffusion(self.base) and _complete(self.base):
+        if self.made is None and referee is not None and is_diffusion(self.base) and is_complete(self.base):
             self.made = self._referee_images(referee)
         if not self.made or not self.made[0]:
             return []
@@ -200,7 +194,7 @@ class DiffusionCheck:
         reference's images), then the merged pipeline's: one pipeline in memory at a time."""
         import torch
 
-        pipe = _load(self.base)
+        pipe = load_pipeline(self.base)
         bare = _images(pipe)
         base = locations(open_base_checkpoint(self.base))
         params = _pipeline_params(pipe, set(base))
@@ -216,7 +210,7 @@ class DiffusionCheck:
         ref = _images(pipe)
         del pipe
         gc.collect()
-        out = _images(_load(self.merged))
+        out = _images(load_pipeline(self.merged))
         self.clock.lap("images (referee's reference)")
         return ref, out, bare
 
@@ -257,238 +251,10 @@ def _denoiser_folder(merged: Path) -> str:
     return next((n for n in ("unet", "transformer") if (merged / n).is_dir()), "unet")
 
 
-def _load_single(file: Path, config: str | None):
-    """A single-file checkpoint as its family's diffusers pipeline (`from_single_file`). Parts the file does not
-    carry and the pipeline can go without (tokenizers, safety checker) are None; a VAE missing from the file is
-    the config folder's, when that is a local folder holding one."""
-    import inspect
-
-    import diffusers
-    import torch
-    from diffusers.utils import logging as dlog
-
-    checkpoint = open_base(file)
-    keymap = keymap_for(checkpoint.config)
-    if not keymap.pipelines:
-        raise ValueError(f"no diffusers pipeline for the {keymap.name} family")
-    cls = getattr(diffusers, keymap.pipelines[0])
-    params = inspect.signature(cls.__init__).parameters
-    kwargs = {"torch_dtype": torch.float32, **{k: None for k in OPTIONAL if k in params}}
-    if config:
-        kwargs["config"] = str(config)
-        vae = Path(config) / "vae"
-        if vae.is_dir() and not any(k.startswith("first_stage_model.") for k in checkpoint.names()):
-            kwargs["vae"] = diffusers.AutoencoderKL.from_pretrained(vae, torch_dtype=torch.float32)
-    level = dlog.get_verbosity()
-    dlog.set_verbosity_error()
-    try:
-        pipe = cls.from_single_file(str(file), **kwargs)
-    finally:
-        dlog.set_verbosity(level)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def _single_file_dtype(file: Path) -> str:
     tensors = SafetensorsFile(file).tensors
     first = next(iter(tensors.values())).dtype
     return next((t.dtype for k, t in tensors.items() if k.startswith("model.diffusion_model.")), first)
-
-
-def _load(folder: Path):
-    """The whole pipeline when its folder has one (UNet, VAE, scheduler: images can be made), else the pipeline
-    class built from the model components the folder holds (None for the rest), enough for diffusers' loader."""
-    import torch
-    from diffusers import DiffusionPipeline
-    from diffusers.utils import logging as dlog
-
-    index = json.loads((folder / "model_index.json").read_text())
-    level = dlog.get_verbosity()
-    dlog.set_verbosity_error()
-    try:
-        if _complete(folder):
-            absent = {k: None for k in OPTIONAL if k not in index or index[k] == [None, None]}
-            pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, **absent)
-            pipe.set_progress_bar_config(disable=True)
-            return pipe
-        return _partial(folder, index)
-    finally:
-        dlog.set_verbosity(level)
-
-
-def _complete(folder: Path) -> bool:
-    """A pipeline folder that can make images: a denoiser, a VAE and a scheduler."""
-    denoiser = any((folder / c).is_dir() for c in ("unet", "transformer"))
-    return denoiser and all((folder / c).is_dir() for c in ("vae", "scheduler"))
-
-
-OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
-MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
-
-
-def _partial(folder: Path, index: dict, empty: bool = False):
-    """The pipeline class built from the model components the folder holds (None for the rest): enough for
-    diffusers' loader. `empty`: each model's module tree without weights (peft_referee.hollow)."""
-    import inspect
-
-    import diffusers
-
-    cls = getattr(diffusers, index["_class_name"])
-    parts = {name: component_model(folder, name, index, empty) for name in MODEL_PARTS
-             if (folder / name / "config.json").is_file()}  # fmt: skip
-    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    if missing := [p for p in parts if p not in params]:
-        raise Unbuildable(f"diffusers' {cls.__name__} takes no {', '.join(missing)} when built (a modular pipeline)")
-    try:
-        return cls(**{p: parts.get(p) for p in params})
-    except Exception as e:  # noqa: BLE001 - diffusers' own constructor, given None for the parts the folder lacks
-        raise Unbuildable(f"diffusers' {cls.__name__} cannot be built here ({in_one_line(e, MESSAGE_WIDTH)})") from None
-
-
-def component_model(folder: Path, name: str, index: dict, empty: bool = False):
-    """One model component of a pipeline folder, loaded in float32, or (`empty`) its module tree only."""
-    import diffusers
-    import torch
-    import transformers
-
-    cfg = json.loads((folder / name / "config.json").read_text())
-    library, class_name = (index.get(name) or [None, None])[:2]
-    if not class_name:
-        library, class_name = (
-            ("diffusers", cfg["_class_name"]) if "_class_name" in cfg else ("transformers", cfg["architectures"][0])
-        )
-    cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
-    if not empty:
-        return cls.from_pretrained(folder / name, torch_dtype=torch.float32).eval()
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        if library == "diffusers":
-            model = cls.from_config(cls.load_config(folder / name))
-        else:
-            model = cls._from_config(transformers.AutoConfig.from_pretrained(folder / name), dtype=torch.float32)
-    hollow(model)
-    return model.eval()
-
-
-def _apply_adapters(pipe, recipe: Recipe, sources: list[Path]) -> str | None:
-    """load_lora_weights per adapter, then set_adapters with each one's per-component strengths; returns why the
-    pipeline's forward is not the adapters as trained (None: it is), from what diffusers said while loading."""
-    ignored, left_out, names = 0, [], []
-    for i, local in enumerate(sources):
-        name = f"adapter_{i}"
-        alphas, keys = load_one(pipe, local, name)
-        ignored, left_out = ignored + alphas, left_out + keys
-        names.append(name)
-    if ignored:
-        return ignored_alphas(ignored)
-    if left_out:
-        return (f"diffusers' loader leaves {len(left_out)} LoRA tensor(s) of the file out ({', '.join(left_out[:2])}"
-                f"{', ...' if len(left_out) > 2 else ''}), so its forward is not the adapter as trained")  # fmt: skip
-    per_component = pipe.get_list_adapters()
-    present = {n for adapters in per_component.values() for n in adapters}
-    if nothing := [local.name for local, n in zip(sources, names, strict=True) if n not in present]:
-        return f"diffusers' loader applies nothing of {', '.join(nothing)} to this pipeline"
-    for local, name in zip(sources, names, strict=True):
-        if dropped := _dropped_factors(pipe, name, local):
-            return dropped
-    weights = [{c: spec.weight_for(c) for c in per_component} for spec in recipe.adapters]
-    pipe.set_adapters(names, adapter_weights=weights)
-    return None
-
-
-def ignored_alphas(count: int) -> str:
-    return (f"diffusers' loader ignores the per-module alphas of {count} modules of this file (its "
-            "alpha_pattern names never match), so its forward is not the adapter as trained")  # fmt: skip
-
-
-def load_one(pipe, local: Path, name: str) -> tuple[int, list[str]]:
-    """load_lora_weights of one adapter as `name`: (how many per-module alphas diffusers says it ignores, the
-    LoRA keys it says it left out); LoaderRefused when diffusers raises."""
-    if local.is_dir():
-        return heard(local.name, lambda: pipe.load_lora_weights(str(local), adapter_name=name))
-    return heard(local.name, lambda: pipe.load_lora_weights(str(local.parent), weight_name=local.name,
-                                                            adapter_name=name))  # fmt: skip
-
-
-def heard(what: str, load: Callable[[], object]) -> tuple[int, list[str]]:
-    """Run one of diffusers' LoRA loaders on `what`: (how many per-module alphas it says it ignores, the LoRA keys
-    it says it left out), from its warnings and its logger; LoaderRefused when it raises."""
-    left_out = []
-    said, library = _Said(), logging.getLogger("diffusers")
-    level = library.level
-    library.addHandler(said)
-    library.setLevel(min(level or logging.WARNING, logging.WARNING))  # its warnings reach the handler
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:  # only diffusers' own code runs in here
-                load()
-            except Exception as e:  # noqa: BLE001 - see LoaderRefused
-                raise LoaderRefused(f"{what}: {type(e).__name__}: {in_one_line(e, MESSAGE_WIDTH)}") from None
-    finally:
-        library.removeHandler(said)
-        library.setLevel(level)
-    ignored = sum(str(w.message).count("', '") + 1 for w in caught
-                  if "alpha_pattern keys did not match" in str(w.message))  # fmt: skip
-    for text in said.lines:
-        for marker in ("led to unexpected keys found in the model:", "led to missing keys in the model:"):
-            if marker in text:
-                left_out += [k.strip() for k in text.split(marker, 1)[1].split(". ")[0].split(",")]
-    return ignored, left_out
-
-
-UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight")
-
-
-def _dropped_factors(pipe, name: str, source: Path) -> str | None:
-    """Why diffusers' forward is not all of the file: its converters drop modules they do not know without a word
-    (a kohya Flux file's T5 `lora_te3_` modules). Counted without any name mapping: the elements of the file's LoRA
-    up factors (read from its header) against those of the up factors diffusers loaded as `name` (a fused module
-    it splits keeps its rows); None when they agree or the file is not a safetensors file of such factors."""
-    file = source / "pytorch_lora_weights.safetensors" if source.is_dir() else source
-    if file.suffix != ".safetensors" or not file.is_file():
-        return None
-    ups, in_file = up_factors(file)
-    loaded = loaded_elements(pipe, name)
-    if loaded >= in_file:
-        return None
-    return (f"diffusers' loader leaves part of {source.name} out without a word: it loads {loaded} of the "
-            f"{in_file} elements of the file's {ups} LoRA up factors, so its forward is not the adapter as "
-            "trained")  # fmt: skip
-
-
-def up_factors(file: Path) -> tuple[int, int]:
-    """(how many LoRA up factors, their elements) of a safetensors file, from its header."""
-    import math
-
-    ups = [t for k, t in SafetensorsFile(file).tensors.items() if k.endswith(UP_FACTORS)]
-    return len(ups), sum(math.prod(t.shape) for t in ups)
-
-
-def loaded_elements(pipe, name: str) -> int:
-    """The elements of the LoRA up factors diffusers injected as adapter `name`, in every model of the pipeline."""
-    from torch import nn
-
-    loaded = 0
-    for model in (m for m in pipe.components.values() if isinstance(m, nn.Module)):
-        for module in model.modules():
-            for factors in (getattr(module, "lora_B", None), getattr(module, "lora_embedding_B", None)):
-                if factors is not None and name in factors:
-                    up = factors[name]
-                    loaded += (up.weight if isinstance(up, nn.Module) else up).numel()
-    return loaded
-
-
-class _Said(logging.Handler):
-    """What diffusers' logger says while attached (its loader reports the keys it left out there)."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _denoiser_name(pipe) -> str | None:

@@ -20,7 +20,8 @@ from converter.formats.components import component_folders
 from converter.io.dtypes import parse_user_dtype
 from converter.io.scratch import temp_folder
 from converter.verification.combination_referee import CombinationReferee
-from converter.verification.diffusers_referee import DiffusersReferee, PeftComponentsReferee, diffusers_declines
+from converter.verification.diffusers_loader import diffusers_declines
+from converter.verification.diffusers_referee import DiffusersReferee, PeftComponentsReferee
 from converter.verification.formula import FormulaReferee
 from converter.verification.fourbit import four_bit_config
 from converter.verification.peft_referee import PeftReferee

@@ -88,8 +88,8 @@ def test_peft_text_encoder_folder_of_an_llm_loads_under_the_models_names(tmp_pat
     from peft import LoraConfig, get_peft_model
 
     from converter.engine.model_class import loaded_names
+    from converter.verification.diffusers_loader import component_model
     from converter.verification.diffusers_referee import _inject
-    from converter.verification.diffusion import component_model
 
     model = qwen25_vl()
     model.save_pretrained(tmp_path / "pipe" / "text_encoder")

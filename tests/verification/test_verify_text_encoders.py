@@ -300,14 +300,15 @@ def test_the_referees_images_find_every_tensor_it_changes(merged):
     referee's tensors: each is found in the loaded pipeline by its file name (renamed on load included)."""
     from converter.engine.base_reader import open_base
     from converter.engine.recipe import recorded_recipe
-    from converter.verification.diffusion import _load, _pipeline_params
+    from converter.verification.diffusers_loader import load_pipeline
+    from converter.verification.diffusion import _pipeline_params
     from converter.verification.prove import choose_referee
 
     base, out = merged("sd15", "kohya")
     recipe = recorded_recipe(out)
     changed = set(choose_referee(out, recipe, base, [Path(a.source) for a in recipe.adapters]).expectations())
     assert any(name.startswith("text_encoder/text_model.") for name in changed)
-    assert changed <= set(_pipeline_params(_load(base), set(open_base(base).names())))
+    assert changed <= set(_pipeline_params(load_pipeline(base), set(open_base(base).names())))
 
 
 def test_per_module_alphas_diffusers_would_ignore_in_a_text_encoder_go_to_the_formula(merged, cli, tmp_path):
