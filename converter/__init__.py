@@ -17,6 +17,10 @@ from converter.outcome import Outcome, Verdict
 
 __version__ = "0.1.0"
 
+# The packages that register readers of bases with converter.engine.readers (training checkpoints): the engine opens
+# them without naming them, and imports these on its first open.
+BASE_READER_PACKAGES = ("converter.training",)
+
 # public name -> (module, attribute in it). Paths as strings: nothing is imported until asked for, and the
 # layers contract never sees this package as importing every layer (the engine reads `__version__` from here).
 _LAZY = {

@@ -6,6 +6,7 @@ keys), `family` (which diffusion family a community LoRA is for), `model_class` 
 was trained for, and the names it loads), `plan` (every output tensor and its patches, every check, before a byte
 is written), `merging` (the merge: stream, patch, round once, write, records), `npmerge` / `npmath` / `npkernel`
 (the torch-free LoRA math), `taskmerge` + `ties_dare` (TIES / DARE), `bnb4` (bitsandbytes 4-bit in and out),
-`writer` (sharded safetensors, headers final before data, one atomic rename). Training checkpoints read as bases
-are `converter.training`, the engine's sibling.
+`writer` (sharded safetensors, headers final before data, one atomic rename), `readers` (the readers of bases it
+does not read itself). Training checkpoints read as bases are `converter.training`, above the engine: it registers
+its reader with `readers`.
 """

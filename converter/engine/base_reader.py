@@ -1,7 +1,7 @@
 """Open any base: a transformers folder, a diffusers pipeline folder, a single-file diffusion checkpoint, or a
-training checkpoint. The one place that picks the reader, in front of the engine: `converter.engine.checkpoint` reads
-safetensors layouts and knows nothing of training layouts (`converter.training` builds on it), so the choice
-between them is made here, above both.
+training checkpoint. The one place that picks the reader: `converter.engine.checkpoint` reads safetensors layouts
+and knows nothing of training layouts; those are read by the readers registered with `converter.engine.readers`
+(`converter.training` registers its own), which are asked first.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint, DiffusersCheckpoint, SingleFileCheckpoint
 from converter.engine.keymap import all_keymaps, diffusion_family
+from converter.engine.readers import base_readers
 from converter.errors import CheckpointError, CheckpointNotFound, UsageError
 from converter.io.safetensors_file import SafetensorsFile
-from converter.training import open_training
-from converter.training.locate import is_shard_file
 
 
 def open_base(
@@ -26,9 +25,11 @@ def open_base(
     is refused in one line naming the layouts looked for."""
     path = Path(path)
     bare = path.is_dir() and not (path / "config.json").is_file() and not (path / "model_index.json").is_file()
-    if bare or is_shard_file(path):
+    for reader in base_readers():
+        if not (bare or reader.owns(path)):
+            continue
         try:
-            return open_training(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
+            return reader.open(path, lora_alpha=lora_alpha, allow_pickle=allow_pickle, config=config)
         except CheckpointNotFound as e:
             if (path / "adapter_config.json").is_file():
                 raise UsageError(

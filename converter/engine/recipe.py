@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from converter.engine.readers import base_readers
 from converter.errors import RecipeError
 from converter.io.records import RECIPE_FILE
 
@@ -79,7 +80,7 @@ class Recipe:
             raise RecipeError(f"qlora_base {self.qlora_base!r}: use original or dequantized")
         if self.qlora_quant not in ("nf4", "fp4"):
             raise RecipeError(f"qlora_quant {self.qlora_quant!r}: use nf4 or fp4")
-        if not self.adapters and not _is_training_checkpoint(self.base):  # a training run's state is whole
+        if not self.adapters and not _is_whole(self.base):  # a training run's state is whole
             raise RecipeError("recipe has no adapters: give at least one --adapter")
         for spec in self.adapters:
             if spec.lora_alpha is not None and not _is_number(spec.lora_alpha):
@@ -203,10 +204,9 @@ def _relative_to(spec: str, here: Path) -> str:
     return str(candidate) if not Path(spec).is_absolute() and candidate.exists() else spec
 
 
-def _is_training_checkpoint(base: str | None) -> bool:
-    from converter.training import is_training_base  # the readers bring numpy: a recipe alone stays light
-
-    return is_training_base(base)
+def _is_whole(base: str | None) -> bool:
+    """A base that needs no adapter (a training checkpoint: converter.engine.readers)."""
+    return any(reader.whole(base) for reader in base_readers())
 
 
 def recorded_recipe(folder: str | Path) -> Recipe:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
+from converter.engine.readers import BaseReader, register
 from converter.errors import (
     BadInputError,
     CheckpointError,
@@ -135,3 +136,6 @@ def _hf_export(folder: Path, located: Located, why: str):
     ckpt = Checkpoint(folder)
     ckpt.notes = [*located.notes, f"weights read from {folder} (the shards in {located.weights} hold no model: {why})"]
     return ckpt
+
+
+register(BaseReader("training checkpoint", owns=is_shard_file, whole=is_training_base, open=open_training))
