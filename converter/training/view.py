@@ -119,6 +119,25 @@ class TrainingCheckpoint(Checkpoint):
 
     def _build_names(self, lora_alpha: float | None) -> None:
         """HF name → (source key, LoRA (A key, B key) or None); keys in the source's order."""
+        groups, plain = self._group_keys()
+        self._map: dict[str, str] = {}
+        self._lora: dict[str, tuple[str, str, float]] = {}
+        # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module, stored (E, in, out))
+        self._experts: dict[str, tuple[str, str, float, int, str, bool]] = {}
+        self.alpha: tuple[float, bool, str, int | None] | None = None
+        ranks = set()
+        for module, roles in groups.items():
+            if (r := self._place_module(module, roles, plain, lora_alpha)) is not None:
+                ranks.add(r)
+        self._map.update(plain)
+        order = {k: i for i, k in enumerate(self.source.names())}
+        self._order = sorted(self._map, key=lambda n: order[self._map[n]])
+        self._check_layers()
+        self._drop_tied_head()
+        self._note_names(ranks)
+
+    def _group_keys(self) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+        """The source's keys as (module -> its LoRA roles' keys: A, B, weight, bias; the other tensors by name)."""
         groups: dict[str, dict[str, str]] = {}
         plain: dict[str, str] = {}
         for key in self.source.names():
@@ -137,59 +156,54 @@ class TrainingCheckpoint(Checkpoint):
                     break
             else:  # a wrapped module's other parameters sit under its base_layer(s) (PEFT ParamWrapper nesting)
                 plain[bare if ".lora_" in bare else NESTED.sub(".", bare)] = key
-        self._map: dict[str, str] = {}
-        self._lora: dict[str, tuple[str, str, float]] = {}
-        # fused expert tensor -> (lora_A key, lora_B key, scale, experts, PEFT wrapper module, stored (E, in, out))
-        self._experts: dict[str, tuple[str, str, float, int, str, bool]] = {}
-        self.alpha: tuple[float, bool, str, int | None] | None = None
-        ranks = set()
-        alpha = None
-        for module, roles in groups.items():
-            if ("A" in roles) != ("B" in roles):
-                raise CheckpointError(
-                    f"{self.weights_folder}: module {module} has only half a LoRA pair", file=self.weights_folder
-                )
-            if "weight" not in roles and "A" in roles:  # PEFT target_parameters: a LoRA on a 3D expert tensor
-                if alpha is None:
-                    alpha = self.alpha = self._alpha(lora_alpha)
-                name, key, experts, transposed = self._expert_target(module, roles, plain)
-                r = self.source.shape(roles["A"])[0] // experts
-                ranks.add(r)
-                self._map[name] = key
-                scale = lora_scale(alpha[0], r, alpha[1])
-                self._experts[name] = (roles["A"], roles["B"], scale, experts, module, transposed)
-                continue
-            if "weight" not in roles:
-                raise CheckpointError(
-                    f"{self.weights_folder}: module {module} has a base_layer but no base weight",
-                    file=self.weights_folder,
-                )
-            self._map[f"{module}.weight"] = roles["weight"]
-            if "bias" in roles:
-                self._map[f"{module}.bias"] = roles["bias"]
-            if "A" in roles:
-                r = self.source.shape(roles["A"])[0]
-                ranks.add(r)
-                if alpha is None:
-                    alpha = self.alpha = self._alpha(lora_alpha)
-                if alpha[3] is not None and alpha[3] != r:
-                    raise CheckpointError(
-                        f"{self.weights_folder}: {roles['A']} has rank {r} but lora_train_meta.json says r={alpha[3]}",
-                        file=self.weights_folder,
-                        tensor=roles["A"],
-                    )
-                self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(alpha[0], r, alpha[1]))
-        self._map.update(plain)
-        order = {k: i for i, k in enumerate(self.source.names())}
-        self._order = sorted(self._map, key=lambda n: order[self._map[n]])
-        self._check_layers()
-        self._drop_tied_head()
+        return groups, plain
+
+    def _place_module(self, module: str, roles: dict[str, str], plain: dict[str, str],
+                      lora_alpha: float | None) -> int | None:  # fmt: skip
+        """One wrapped module's tensors into the name map, its LoRA (if any) paired and scaled: its rank, or None."""
+        if ("A" in roles) != ("B" in roles):
+            raise CheckpointError(
+                f"{self.weights_folder}: module {module} has only half a LoRA pair", file=self.weights_folder
+            )
+        if "weight" not in roles and "A" in roles:  # PEFT target_parameters: a LoRA on a 3D expert tensor
+            if self.alpha is None:
+                self.alpha = self._alpha(lora_alpha)
+            name, key, experts, transposed = self._expert_target(module, roles, plain)
+            r = self.source.shape(roles["A"])[0] // experts
+            self._map[name] = key
+            scale = lora_scale(self.alpha[0], r, self.alpha[1])
+            self._experts[name] = (roles["A"], roles["B"], scale, experts, module, transposed)
+            return r
+        if "weight" not in roles:
+            raise CheckpointError(
+                f"{self.weights_folder}: module {module} has a base_layer but no base weight",
+                file=self.weights_folder,
+            )
+        self._map[f"{module}.weight"] = roles["weight"]
+        if "bias" in roles:
+            self._map[f"{module}.bias"] = roles["bias"]
+        if "A" not in roles:
+            return None
+        r = self.source.shape(roles["A"])[0]
+        if self.alpha is None:
+            self.alpha = self._alpha(lora_alpha)
+        if self.alpha[3] is not None and self.alpha[3] != r:
+            raise CheckpointError(
+                f"{self.weights_folder}: {roles['A']} has rank {r} but lora_train_meta.json says r={self.alpha[3]}",
+                file=self.weights_folder,
+                tensor=roles["A"],
+            )
+        self._lora[f"{module}.weight"] = (roles["A"], roles["B"], lora_scale(self.alpha[0], r, self.alpha[1]))
+        return r
+
+    def _note_names(self, ranks: set[int]) -> None:
+        """What reading the names did, for the plan's notes: a value head kept, the LoRA fused, float32 state."""
         if heads := [n for n in self._order if n.startswith("v_head.")]:
             self.notes.append(
                 f"value head kept as {', '.join(heads)} (trl's AutoModelForCausalLMWithValueHead loads it from the "
                 "same files; transformers' AutoModelForCausalLM ignores it)"
             )
-        if self._lora or self._experts:
+        if (self._lora or self._experts) and (alpha := self.alpha) is not None:
             self.notes.append(
                 f"LoRA inside the checkpoint fused into {len(self._lora) + len(self._experts)} weights "
                 + (f"({len(self._experts)} of them fused MoE expert tensors) " if self._experts else "")
