@@ -195,20 +195,7 @@ def collect(
     svd: dict[str, float] = {}
     for ap in adapter.patches:
         native = ap.native or ap.module
-        if isinstance(ap.patch, ExpertLowRank) or ap.either:
-            raise BadInputError(
-                f"{adapter.path}: {native} is a LoRA on fused MoE expert tensors (PEFT target_parameters); "
-                "converting those is not supported (kohya and diffusers have no form for them): merge it instead",
-                file=adapter.path,
-                tensor=native,
-            )
-        if ap.param != "weight":
-            raise BadInputError(
-                f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "
-                "is not supported (a LoRA in kohya/PEFT/diffusers form has none)",
-                file=adapter.path,
-                tensor=native,
-            )
+        _check_convertible(adapter, ap, native)
         down, up, alpha, magnitude = lowrank_factors(adapter, ap, rank, svd, native)
         if base is None:
             modules.append(_unresolved(adapter, ap, down, up, alpha, to, component, native))
@@ -252,6 +239,30 @@ def collect(
     if base is not None and to in ("peft", "diffusers"):
         for m in modules:
             m.name = base.loaded_name(m.component, m.name)
+    _check_unique(adapter, modules)
+    return modules, svd
+
+
+def _check_convertible(adapter: Adapter, ap: AdapterPatch, native: str) -> None:
+    """Refuse a patch no LoRA file form can hold: one on fused MoE expert tensors, or a bias delta."""
+    if isinstance(ap.patch, ExpertLowRank) or ap.either:
+        raise BadInputError(
+            f"{adapter.path}: {native} is a LoRA on fused MoE expert tensors (PEFT target_parameters); "
+            "converting those is not supported (kohya and diffusers have no form for them): merge it instead",
+            file=adapter.path,
+            tensor=native,
+        )
+    if ap.param != "weight":
+        raise BadInputError(
+            f"{adapter.path}: {native} has a bias delta ({ap.patch.sources[0]}); converting bias deltas "
+            "is not supported (a LoRA in kohya/PEFT/diffusers form has none)",
+            file=adapter.path,
+            tensor=native,
+        )
+
+
+def _check_unique(adapter: Adapter, modules: list[LoraModule]) -> None:
+    """Refuse two modules that land on one output name (the file would keep only one of them)."""
     seen: dict[tuple, str] = {}
     for m in modules:
         ident = (m.component, m.name)
@@ -262,7 +273,6 @@ def collect(
                 tensor=m.name,
             )
         seen[ident] = m.source
-    return modules, svd
 
 
 def _unresolved(adapter, ap, down, up, alpha, to, component, native) -> LoraModule:
