@@ -42,6 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     i.add_argument("--config", help=CONFIG_HELP)
 
+    _merge_parser(sub)
+    _push_parser(sub)
+    _verify_parser(sub)
+    _convert_parser(sub)
+    from converter.cli.gguf import add_parser as add_gguf_parser
+
+    add_gguf_parser(sub)
+    from converter.cli.batch import add_parser as add_batch_parser
+
+    add_batch_parser(sub)
+    from converter.cli.methods import add_parsers
+
+    add_parsers(sub)  # extract / resize / combine
+
+    d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
+    d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
+    _space_parser(sub)
+    _add_globals(p)
+    return p
+
+
+def _merge_parser(sub) -> None:
     m = sub.add_parser("merge", help="merge adapters into a base model")
     _merge_options(m)
     m.add_argument("--out", help="output folder (created atomically)")
@@ -57,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _verify_options(m)
 
+
+def _push_parser(sub) -> None:
     p_push = sub.add_parser("push", help="merge (or take --from FOLDER) and publish to the Hub in one commit")
     p_push.add_argument("--repo", required=True, help="target repo, namespace/name")
     p_push.add_argument("--from", dest="from_folder", help="push this merged folder instead of merging")
@@ -76,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_jobs_options(p_push)
     _verify_options(p_push)
 
+
+def _verify_parser(sub) -> None:
     v = sub.add_parser("verify", help="check that a merged folder behaves like base + adapters (unmerged)")
     v.add_argument("folder", help="the merged model folder")
     v.add_argument("--base", help="base model (default: from the folder's converter_recipe.yaml)")
@@ -88,20 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
     _verify_options(v)
 
-    _convert_parser(sub)
-    from converter.cli.gguf import add_parser as add_gguf_parser
 
-    add_gguf_parser(sub)
-    from converter.cli.batch import add_parser as add_batch_parser
-
-    add_batch_parser(sub)
-    from converter.cli.methods import add_parsers
-
-    add_parsers(sub)  # extract / resize / combine
-
-    d = sub.add_parser("demo", help="build a small demo base and adapter offline, merge them, and say where")
-    d.add_argument("--dir", default="demo-output", help="where to put the demo (default ./demo-output)")
-
+def _space_parser(sub) -> None:
     s = sub.add_parser("space", help="the Gradio app as a Hugging Face Space")
     space_sub = s.add_subparsers(dest="space_command", required=True, parser_class=_Parser)
     sd = space_sub.add_parser("deploy", help="create/update a Space with app.py and this package, in one commit")
@@ -109,8 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     sd.add_argument("--source", help="checkout holding app.py, spaces/ and converter/ (default: this package's)")
     sd.add_argument("--private", action="store_true", help="create the Space private")
     sd.add_argument("--token", help="Hugging Face token (default: HF_TOKEN, then the cached login)")
-    _add_globals(p)
-    return p
 
 
 def _add_globals(parser: argparse.ArgumentParser, top: bool = True) -> None:
