@@ -98,6 +98,32 @@ def extract(
     for role, spec in (("base", base), ("tuned", tuned)):
         fetched[role] = fetch(spec, "model", token)
     b, t = open_base(fetched["base"].local), open_base(fetched["tuned"].local)
+    keys = _compared_keys(b, t, tuned, keep)
+    whole = _whole_modules(b, t, keys)
+    if whole and (not modules_to_save or to != "peft"):
+        first = next(iter(whole.values()))
+        why = "--no-modules-to-save" if not modules_to_save else f"--to {to} has no form for them (use --to peft)"
+        raise CheckpointError(
+            f"{tuned}: {first} differs and has no low-rank form (an embedding, norm or bias); {len(whole)} such "
+            f"module(s) would be saved whole, but {why}, or --exclude them",
+            file=tuned,
+        )
+    modules, saved, report = _factored(b, t, keys, whole, rank, rule, param)
+    if not modules:
+        where = " (after --include/--exclude)" if include or exclude else ""
+        raise CheckpointError(f"{tuned}: no weight matrix differs from the base{where}; nothing to extract", file=tuned)
+    files = _write(modules, saved, to, out, force, fetched, report, base)
+    notes = _summary(report, saved)
+    for note in notes:
+        log(f"note: {note}")
+    log(f"wrote {out}: {len(modules)} LoRA modules extracted as {to} ({', '.join(files)})")
+    names = [f"{c}/{m}" if c else m for c, m in saved]
+    return ExtractResult(out, files, len(modules), names, report, notes)
+
+
+def _compared_keys(b, t, tuned: str, keep: Callable[[str], bool]) -> list[str]:
+    """The tuned model's keys to compare (those `keep` lets through); refused unless both models share a layout
+    and the base holds every one of them."""
     if b.diffusion != t.diffusion:
         raise CheckpointError(
             f"{tuned}: is a {t.diffusion or 'transformers'} checkpoint, the base a {b.diffusion or 'transformers'} "
@@ -115,15 +141,11 @@ def extract(
             tensor=missing[0],
         )
     _refuse_transposed(b, keys)
-    whole = _whole_modules(b, t, keys)
-    if whole and (not modules_to_save or to != "peft"):
-        first = next(iter(whole.values()))
-        why = "--no-modules-to-save" if not modules_to_save else f"--to {to} has no form for them (use --to peft)"
-        raise CheckpointError(
-            f"{tuned}: {first} differs and has no low-rank form (an embedding, norm or bias); {len(whole)} such "
-            f"module(s) would be saved whole, but {why}, or --exclude them",
-            file=tuned,
-        )
+    return keys
+
+
+def _factored(b, t, keys: list[str], whole: dict, rank: int, rule: str, param: float | None):
+    """(the LoRA module of each changed weight, the tensors of modules saved whole, each weight's SVD facts)."""
     modules: list[LoraModule] = []
     saved: dict[tuple, dict[str, torch.Tensor]] = {}
     report: dict[str, dict] = {}
@@ -140,16 +162,7 @@ def extract(
         down, up, facts = extract_factors(delta, rank, rule, param)
         modules.append(LoraModule(comp, module, down, up, float(facts["rank"]), key))
         report[key] = facts
-    if not modules:
-        where = " (after --include/--exclude)" if include or exclude else ""
-        raise CheckpointError(f"{tuned}: no weight matrix differs from the base{where}; nothing to extract", file=tuned)
-    files = _write(modules, saved, to, out, force, fetched, report, base)
-    notes = _summary(report, saved)
-    for note in notes:
-        log(f"note: {note}")
-    log(f"wrote {out}: {len(modules)} LoRA modules extracted as {to} ({', '.join(files)})")
-    names = [f"{c}/{m}" if c else m for c, m in saved]
-    return ExtractResult(out, files, len(modules), names, report, notes)
+    return modules, saved, report
 
 
 def _refuse_transposed(b, keys: list[str]) -> None:
