@@ -97,102 +97,137 @@ def _run(rank: int, world: int, port: int, out: str, layers: int, hidden: int, o
     dist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(out)
     try:
-        config = _config(layers, hidden, tied=False)
-        model = _model(config, seed=0)
         if only_plain:  # the bench: one big plain checkpoint, nothing else
-            if rank == 0:
-                _side_files(config, root / "plain/actor", world, None)
-            dist.barrier()
-            _shard_and_save(model, root / "plain/actor", rank, world)
-            dist.barrier()
+            _plain(root, rank, world, layers, hidden, bench=True)
             return
-        if rank == 0:
-            model.save_pretrained(root / "ref/plain/base")
-            _side_files(config, root / "plain/actor", world, None)
-            config.save_pretrained(root / "dcp/actor/huggingface")
-        dist.barrier()
-        _shard_and_save(model, root / "plain/actor", rank, world, dcp=root / "dcp/actor")
-
-        from peft import LoraConfig, get_peft_model
-
-        config = _config(layers, hidden, tied=True)
-        model = _model(config, seed=1)
-        if rank == 0:
-            model.save_pretrained(root / "ref/lora/base")
-        lora = dict(r=4, lora_alpha=8, task_type="CAUSAL_LM")
-        torch.manual_seed(2)
-        model = get_peft_model(model, LoraConfig(target_modules="all-linear", init_lora_weights=False, **lora))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * 0.05)
-        if rank == 0:
-            model.save_pretrained(root / "ref/lora/adapter")
-            _side_files(config, root / "lora/actor", world, lora)
-        dist.barrier()
-        _shard_and_save(model, root / "lora/actor", rank, world)
-        dist.barrier()
+        _plain(root, rank, world, layers, hidden)
+        _lora(root, rank, world, layers, hidden)
         _partial(root / "partial", rank, world)
-
-        from transformers import AutoModelForTokenClassification
-
-        config = _config(layers, hidden, tied=False)
-        config.num_labels = 1
-        config.architectures = ["LlamaForTokenClassification"]
-        torch.manual_seed(4)
-        model = AutoModelForTokenClassification.from_config(config)
-        if rank == 0:
-            model.save_pretrained(root / "ref/critic/base")
-            _side_files(config, root / "critic/critic", world, None)
-        dist.barrier()
-        _shard_and_save(model, root / "critic/critic", rank, world, hsdp=True)
-
-        config = _config(layers, hidden, tied=True)
-        value = _ValueHeadModel(_model(config, seed=7))
-        if rank == 0:
-            from safetensors.torch import save_file
-
-            value.pretrained_model.save_pretrained(root / "ref/value/base")
-            save_file({f"v_head.{k}": v.contiguous() for k, v in value.v_head.state_dict().items()},
-                      root / "ref/value/v_head.safetensors")  # fmt: skip
-            _side_files(config, root / "value/critic", world, None)
-        dist.barrier()
-        _shard_and_save(value, root / "value/critic", rank, world)
-
-        from transformers import Qwen3MoeConfig
-
-        config = Qwen3MoeConfig(
-            vocab_size=67, hidden_size=hidden, intermediate_size=hidden * 3 // 2, moe_intermediate_size=16,
-            num_experts=4, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-        )  # fmt: skip
-        model = _model(config, seed=3)
-        if rank == 0:
-            model.save_pretrained(root / "ref/moe/base")
-            _side_files(config, root / "moe/actor", world, None)
-        dist.barrier()
-        _shard_and_save(model, root / "moe/actor", rank, world)
-
-        model = _model(config, seed=5)  # and with a LoRA on attention and on the fused expert tensors
-        if rank == 0:
-            model.save_pretrained(root / "ref/moe_lora/base")
-        torch.manual_seed(6)
-        lora = dict(r=2, lora_alpha=4, task_type="CAUSAL_LM")
-        targets = dict(
-            target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        )
-        model = get_peft_model(model, LoraConfig(init_lora_weights=False, **targets, **lora))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn_like(p) * 0.05)
-        if rank == 0:
-            model.save_pretrained(root / "ref/moe_lora/adapter")
-            _side_files(config, root / "moe_lora/actor", world, lora)
-        dist.barrier()
-        _shard_and_save(model, root / "moe_lora/actor", rank, world)
+        _critic(root, rank, world, layers, hidden)
+        _value(root, rank, world, layers, hidden)
+        _moe(root, rank, world, layers, hidden)
     finally:
         dist.destroy_process_group()
+
+
+# Each variant below is built by every rank in turn, in this order: the seeds and barriers are the ranks' common steps.
+
+
+def _plain(root: Path, rank: int, world: int, layers: int, hidden: int, bench: bool = False) -> None:
+    """plain/actor (untied Llama) and, beside it, its sharded state dict as DCP (dcp/actor); `bench`: that alone."""
+    import torch.distributed as dist
+
+    config = _config(layers, hidden, tied=False)
+    model = _model(config, seed=0)
+    if bench:
+        if rank == 0:
+            _side_files(config, root / "plain/actor", world, None)
+        dist.barrier()
+        _shard_and_save(model, root / "plain/actor", rank, world)
+        dist.barrier()
+        return
+    if rank == 0:
+        model.save_pretrained(root / "ref/plain/base")
+        _side_files(config, root / "plain/actor", world, None)
+        config.save_pretrained(root / "dcp/actor/huggingface")
+    dist.barrier()
+    _shard_and_save(model, root / "plain/actor", rank, world, dcp=root / "dcp/actor")
+
+
+def _with_lora(model, lora: dict, **targets):
+    """`model` wrapped by PEFT with a LoRA whose factors are all non-zero (as after training)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(init_lora_weights=False, **targets, **lora))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _lora(root: Path, rank: int, world: int, layers: int, hidden: int) -> None:
+    """lora/actor: a tied Llama with a PEFT LoRA on all linear layers, kept unmerged as verl does."""
+    import torch.distributed as dist
+
+    config = _config(layers, hidden, tied=True)
+    model = _model(config, seed=1)
+    if rank == 0:
+        model.save_pretrained(root / "ref/lora/base")
+    lora = dict(r=4, lora_alpha=8, task_type="CAUSAL_LM")
+    torch.manual_seed(2)
+    model = _with_lora(model, lora, target_modules="all-linear")
+    if rank == 0:
+        model.save_pretrained(root / "ref/lora/adapter")
+        _side_files(config, root / "lora/actor", world, lora)
+    dist.barrier()
+    _shard_and_save(model, root / "lora/actor", rank, world)
+    dist.barrier()
+
+
+def _critic(root: Path, rank: int, world: int, layers: int, hidden: int) -> None:
+    """critic/critic: a verl critic (LlamaForTokenClassification, one label) on an HSDP mesh."""
+    import torch.distributed as dist
+    from transformers import AutoModelForTokenClassification
+
+    config = _config(layers, hidden, tied=False)
+    config.num_labels = 1
+    config.architectures = ["LlamaForTokenClassification"]
+    torch.manual_seed(4)
+    model = AutoModelForTokenClassification.from_config(config)
+    if rank == 0:
+        model.save_pretrained(root / "ref/critic/base")
+        _side_files(config, root / "critic/critic", world, None)
+    dist.barrier()
+    _shard_and_save(model, root / "critic/critic", rank, world, hsdp=True)
+
+
+def _value(root: Path, rank: int, world: int, layers: int, hidden: int) -> None:
+    """value/critic: trl's value-head layout; ref/value/v_head.safetensors holds the head."""
+    import torch.distributed as dist
+
+    config = _config(layers, hidden, tied=True)
+    value = _ValueHeadModel(_model(config, seed=7))
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        value.pretrained_model.save_pretrained(root / "ref/value/base")
+        save_file({f"v_head.{k}": v.contiguous() for k, v in value.v_head.state_dict().items()},
+                  root / "ref/value/v_head.safetensors")  # fmt: skip
+        _side_files(config, root / "value/critic", world, None)
+    dist.barrier()
+    _shard_and_save(value, root / "value/critic", rank, world)
+
+
+def _moe(root: Path, rank: int, world: int, layers: int, hidden: int) -> None:
+    """moe/actor (a tiny Qwen3-MoE) and moe_lora/actor (a LoRA on attention and on the fused expert tensors)."""
+    import torch.distributed as dist
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=67, hidden_size=hidden, intermediate_size=hidden * 3 // 2, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = _model(config, seed=3)
+    if rank == 0:
+        model.save_pretrained(root / "ref/moe/base")
+        _side_files(config, root / "moe/actor", world, None)
+    dist.barrier()
+    _shard_and_save(model, root / "moe/actor", rank, world)
+
+    model = _model(config, seed=5)
+    if rank == 0:
+        model.save_pretrained(root / "ref/moe_lora/base")
+    torch.manual_seed(6)
+    lora = dict(r=2, lora_alpha=4, task_type="CAUSAL_LM")
+    model = _with_lora(model, lora, target_modules=["q_proj"],
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    if rank == 0:
+        model.save_pretrained(root / "ref/moe_lora/adapter")
+        _side_files(config, root / "moe_lora/actor", world, lora)
+    dist.barrier()
+    _shard_and_save(model, root / "moe_lora/actor", rank, world)
 
 
 def _partial(folder: Path, rank: int, world: int) -> None:
