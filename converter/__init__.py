@@ -25,22 +25,33 @@ BASE_READER_PACKAGES = ("converter.training",)
 # layers contract never sees this package as importing every layer (the engine reads `__version__` from here).
 _LAZY = {
     "AdapterSpec": ("converter.engine.recipe", "AdapterSpec"),
+    "HubServer": ("converter.testing.hub", "HubServer"),
+    "PushOptions": ("converter.jobs.remote", "PushOptions"),
     "Recipe": ("converter.engine.recipe", "Recipe"),
+    "build_demo_inputs": ("converter.jobs.demo", "build_demo_inputs"),
     "combine": ("converter.methods.combination", "combine"),
     "convert": ("converter.jobs.convert", "convert"),
     "deploy": ("converter.app.deploy", "deploy"),
     "extract": ("converter.methods.extraction", "extract"),
     "inspect": ("converter.jobs.describe", "inspect_path"),
+    "last_outcome": ("converter.outcome", "last_outcome"),
     "merge": ("converter.engine.merging", "merge"),
+    "plan_on_jobs": ("converter.jobs.remote", "plan"),
     "push": ("converter.jobs.pipeline", "push"),
     "push_folder": ("converter.hub.publish", "push_folder"),
+    "push_pr": ("converter.conversion.pr", "push_pr"),
+    "render_inspect": ("converter.jobs.describe", "render"),
+    "report_markdown": ("converter.verification.render", "markdown"),
     "resize": ("converter.methods.resizing", "resize"),
+    "run_on_jobs": ("converter.jobs.remote", "run"),
     "verify": ("converter.jobs.pipeline", "verify_folder"),
 }
 
 __all__ = [
-    "AdapterSpec", "ConverterError", "NotVerified", "Outcome", "Recipe", "Verdict", "VerificationFailed", "__version__",
-    "combine", "convert", "deploy", "errors", "extract", "inspect", "merge", "push", "push_folder", "resize", "verify",
+    "AdapterSpec", "ConverterError", "HubServer", "NotVerified", "Outcome", "PushOptions", "Recipe", "Verdict",
+    "VerificationFailed", "__version__", "build_demo_inputs", "combine", "convert", "deploy", "errors", "extract",
+    "inspect", "last_outcome", "merge", "plan_on_jobs", "push", "push_folder", "push_pr", "render_inspect",
+    "report_markdown", "resize", "run_on_jobs", "verify",
 ]  # fmt: skip
 
 

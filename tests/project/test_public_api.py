@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,20 @@ def test_no_private_name_is_imported_from_another_package():
                     if private and _package(node.module) != _package(module):
                         crossing.append(f"{module}: from {node.module} import {alias.name}")
     assert crossing == []
+
+
+def test_the_python_api_page_imports_only_from_converter():
+    """docs/python-api.md shows the one import path: its code imports `converter`'s public names, no module of it."""
+    page = (ROOT / "docs" / "python-api.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert blocks
+    wrong = []
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "converter":
+                if node.module != "converter":
+                    wrong.append(f"from {node.module} import ...")
+                wrong += [f"from converter import {a.name}" for a in node.names if a.name not in converter.__all__]
+            elif isinstance(node, ast.Import):
+                wrong += [f"import {a.name}" for a in node.names if a.name.startswith("converter.")]
+    assert wrong == []
