@@ -278,107 +278,125 @@ def float32_compute(
     arriving (one forward over a streamed model: converter.verification.streamed). `prefetch`: read the next
     unit while this one computes (off: each unit is read when it runs, one unit in memory instead of two).
     `shared`: buffers and a turn shared with other models computing at the same time."""
-    from concurrent.futures import ThreadPoolExecutor
+    upcast = _Upcast(model, sources or {}, gate or _Open(), prefetch, shared)
+    try:
+        upcast.install()
+        yield
+    finally:
+        upcast.remove()
 
-    sources = sources or {}
-    gate = gate or _Open()
-    buffers = shared.buffers if shared else _Buffers()
-    turn = _Turn(shared)
-    reader = ThreadPoolExecutor(1, thread_name_prefix="verify-read")  # one reader: one staging buffer
-    pending: dict[int, object] = {}
-    saved: dict[int, tuple] = {}
 
-    def tensors(unit, recurse):
-        yield from unit.parameters(recurse=recurse)
-        yield from unit.buffers(recurse=recurse)
+class _Upcast:
+    """float32_compute's state: each unit's plan (the tensors it upcasts), the reads in flight, the tensors it
+    has swapped for float32 copies, and the hooks that do it."""
 
-    def wanted(t) -> bool:
-        if id(t) in sources:
-            return True
-        return t.is_floating_point() and str(t.dtype).removeprefix("torch.") in LOW
+    def __init__(self, model, sources: dict, gate: Gate, prefetch: bool, shared: SharedCompute | None):
+        from concurrent.futures import ThreadPoolExecutor
 
-    units = _units(model)
-    by_rows = {i: kind for i, (unit, recurse) in enumerate(units) if (kind := _by_rows(unit, recurse, sources))}
-    plans = [[t for t in tensors(unit, recurse) if wanted(t) and not (i in by_rows and t is unit.weight)]
-             for i, (unit, recurse) in enumerate(units)]  # fmt: skip
+        self.model, self.sources, self.gate, self.prefetch, self.shared = model, sources, gate, prefetch, shared
+        self.buffers = shared.buffers if shared else _Buffers()
+        self.turn = _Turn(shared)
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="verify-read")
+        self.pending: dict[int, object] = {}
+        self.saved: dict[int, tuple] = {}
+        self.units = _units(model)
+        self.by_rows = {i: kind for i, (unit, recurse) in enumerate(self.units)
+                        if (kind := _by_rows(unit, recurse, sources))}  # fmt: skip
+        self.plans = [[t for t in _tensors(unit, recurse) if self._wanted(t) and not (i in self.by_rows and t is
+                       unit.weight)] for i, (unit, recurse) in enumerate(self.units)]  # fmt: skip
+        self.hooks: list = []
+        self.dense: list = []
 
-    def read(src, shape: tuple):
-        data = buffers.read(gate.ready(src), shape)
-        gate.done(src)
+    def _wanted(self, t) -> bool:
+        return id(t) in self.sources or (t.is_floating_point() and str(t.dtype).removeprefix("torch.") in LOW)
+
+    def install(self) -> None:
+        """Tell the gate every read to come, then hook each unit (and the heads and embeddings read by rows)."""
+        reads = []
+        for index, (unit, _recurse) in enumerate(self.units):
+            reads += [self.sources[id(t)] for t in self.plans[index] if id(t) in self.sources]
+            if index in self.by_rows:
+                reads.append(self.sources[id(unit.weight)])
+        self.gate.expect(reads)
+        for index, kind in self.by_rows.items():
+            unit = self.units[index][0]
+            src = self.sources[id(unit.weight)]
+            if kind == "linear":
+                unit.forward = partial(_head_by_rows, unit, src, self.gate, self.buffers, self.turn)
+                self.dense.append(unit)
+            else:
+                rows = _EmbeddingRows(unit, src, self.gate, self.buffers, self.turn)
+                self.hooks += [unit.register_forward_pre_hook(rows.before), unit.register_forward_hook(rows.after)]
+        self.dense += _onednn_linears(self.model)
+        for index, (unit, _recurse) in enumerate(self.units):
+            if self.plans[index]:
+                self.hooks.append(unit.register_forward_pre_hook(partial(self.up, index=index)))
+                self.hooks.append(unit.register_forward_hook(partial(self.down, index=index)))
+
+    def _read(self, src, shape: tuple):
+        data = self.buffers.read(self.gate.ready(src), shape)
+        self.gate.done(src)
         return data
 
-    def read_unit(index: int) -> dict:
-        return {id(t): read(sources[id(t)], tuple(t.shape)) for t in plans[index] if id(t) in sources}
+    def _read_unit(self, index: int) -> dict:
+        return {id(t): self._read(self.sources[id(t)], tuple(t.shape)) for t in self.plans[index]
+                if id(t) in self.sources}  # fmt: skip
 
-    def request(index: int) -> None:
-        if index < len(plans) and index not in pending and any(id(t) in sources for t in plans[index]):
-            pending[index] = reader.submit(read_unit, index)
+    def _request(self, index: int) -> None:
+        plans, sources = self.plans, self.sources
+        if index < len(plans) and index not in self.pending and any(id(t) in sources for t in plans[index]):
+            self.pending[index] = self.reader.submit(self._read_unit, index)
 
-    def up(_unit, _args, index):
-        if turn.lock is not None:  # the bytes first, then the turn
-            for t in plans[index]:
-                if id(t) in sources:
-                    gate.ready(sources[id(t)])
-            turn.take()
-        request(index)
-        ready = pending.pop(index).result() if index in pending else {}
-        if prefetch:
-            request(index + 1)  # the next unit in registration order: in practice the next to run
-        for t in plans[index]:
-            if id(t) in saved:
+    def up(self, _unit, _args, index: int) -> None:
+        """Before unit `index` runs: its tensors swapped for float32 copies (read, or copied from memory)."""
+        if self.turn.lock is not None:  # the bytes first, then the turn
+            for t in self.plans[index]:
+                if id(t) in self.sources:
+                    self.gate.ready(self.sources[id(t)])
+            self.turn.take()
+        self._request(index)
+        ready = self.pending.pop(index).result() if index in self.pending else {}
+        if self.prefetch:
+            self._request(index + 1)  # the next unit in registration order: in practice the next to run
+        for t in self.plans[index]:
+            if id(t) in self.saved:
                 if id(t) in ready:
-                    buffers.give(ready[id(t)])
+                    self.buffers.give(ready[id(t)])
                 continue
             data = ready.get(id(t))
             if data is None:
-                data = buffers.take(tuple(t.shape))
+                data = self.buffers.take(tuple(t.shape))
                 data.copy_(t.data)
-            saved[id(t)] = (t, t.data)
+            self.saved[id(t)] = (t, t.data)
             t.data = data
 
-    def down(_unit, _args, _out, index):
-        for t in plans[index]:
-            kept = saved.pop(id(t), None)
+    def down(self, _unit, _args, _out, index: int) -> None:
+        """After unit `index` ran: its own tensors back, the buffers to the pool."""
+        for t in self.plans[index]:
+            kept = self.saved.pop(id(t), None)
             if kept is not None:
-                buffers.give(t.data)
+                self.buffers.give(t.data)
                 t.data = kept[1]
-        turn.give()
+        self.turn.give()
 
-    reads = []
-    for index, (unit, _recurse) in enumerate(units):
-        reads += [sources[id(t)] for t in plans[index] if id(t) in sources]
-        if index in by_rows:
-            reads.append(sources[id(unit.weight)])
-    gate.expect(reads)
-    hooks, dense = [], []
-    for index, kind in by_rows.items():
-        unit = units[index][0]
-        if kind == "linear":
-            unit.forward = partial(_head_by_rows, unit, sources[id(unit.weight)], gate, buffers, turn)
-            dense.append(unit)
-        else:
-            rows = _EmbeddingRows(unit, sources[id(unit.weight)], gate, buffers, turn)
-            hooks += [unit.register_forward_pre_hook(rows.before), unit.register_forward_hook(rows.after)]
-    dense += _onednn_linears(model)
-    for index, (unit, _recurse) in enumerate(units):
-        if plans[index]:
-            hooks.append(unit.register_forward_pre_hook(partial(up, index=index)))
-            hooks.append(unit.register_forward_hook(partial(down, index=index)))
-    try:
-        yield
-    finally:
-        for h in hooks:
+    def remove(self) -> None:
+        for h in self.hooks:
             h.remove()
-        for module in dense:
+        for module in self.dense:
             del module.forward
-        for t, data in saved.values():
+        for t, data in self.saved.values():
             t.data = data
-        saved.clear()
-        reader.shutdown(wait=True)  # a read still under way finishes before its file is closed
-        pending.clear()
-        turn.give()
-        if shared is None:
-            buffers.close()
+        self.saved.clear()
+        self.reader.shutdown(wait=True)  # a read still under way finishes first
+        self.pending.clear()
+        self.turn.give()
+        if self.shared is None:
+            self.buffers.close()
+
+
+def _tensors(unit, recurse: bool):
+    yield from unit.parameters(recurse=recurse)
+    yield from unit.buffers(recurse=recurse)
 
 
 def _by_rows(unit, recurse: bool, sources: dict) -> str | None:
