@@ -26,7 +26,7 @@ from converter.engine.plan import OutputTensor, PlannedPatch
 from converter.errors import BadInputError
 from converter.formats.patches import BiasDelta, FullDelta, LowRank, Ref, Replace, RowReplace, RowsOf
 
-BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2 (measured fastest)
+BLOCK_ELEMENTS = 1 << 15  # 32 K elements: a float64 block (256 KiB) and its product stay in L2
 CHUNK_BYTES = 8 * 2**20  # output handed to the writer in chunks of this size
 
 
@@ -224,8 +224,8 @@ class _Tensor:
 @cache
 def one_blas_thread() -> None:
     """Ask numpy's OpenBLAS for one thread: each product is a (rows, r) @ (r, in) block, too small to split, and
-    BLAS threads spinning next to our own math threads made the merge 15x slower on 2 cores (measured).
-    The CLI sets OPENBLAS_NUM_THREADS before numpy loads; this covers callers that imported numpy already."""
+    BLAS threads would spin next to our own math threads. The CLI sets OPENBLAS_NUM_THREADS before numpy loads;
+    this covers callers that imported numpy already."""
     try:
         with open("/proc/self/maps") as f:
             libs = {line.split()[-1] for line in f if "openblas" in line.lower() and line.rstrip().endswith(".so")}
@@ -245,8 +245,7 @@ def one_blas_thread() -> None:
 def merged_chunks(o: OutputTensor, base: np.ndarray, pool: Executor | None = None) -> Iterator[np.ndarray]:
     """Output tensor `o` in chunks of about CHUNK_BYTES, in order: each chunk's row blocks are merged straight
     into its rows, on `pool`'s threads when given. Chunks, not blocks, go to the writer (one queue hand-off per
-    8 MiB, not per 64 KiB block), and never the whole tensor (a 90 MB output buffer per tensor in flight, next to
-    the base buffers waiting for the hasher, went over a 512 MiB cap; measured)."""
+    8 MiB, not per 64 KiB block), and never the whole tensor (its buffer would grow with the largest tensor)."""
     t = _Tensor(o, base)
     dtype = npmath.NUMPY_FLOATS[o.dtype]
     rows = max(1, CHUNK_BYTES // (t.row * np.dtype(dtype).itemsize) // t.step) * t.step
@@ -257,8 +256,7 @@ def merged_chunks(o: OutputTensor, base: np.ndarray, pool: Executor | None = Non
         starts = list(range(c, e, t.step))
         if pool is None or len(starts) == 1:
             _blocks(t, out, c, starts)
-        else:  # one task per thread, each a run of consecutive blocks: a task per 64 KiB block cost more in
-            # hand-offs and wake-ups than the blocks' own math (measured)
+        else:  # one task per thread, each a run of consecutive blocks: fewer hand-offs and wake-ups
             share = -(-len(starts) // workers)
             tasks = [pool.submit(_blocks, t, out, c, starts[k : k + share]) for k in range(0, len(starts), share)]
             for f in tasks:

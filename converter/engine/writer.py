@@ -61,9 +61,8 @@ _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 
 class _Writeback:
     """Streams a file out of the page cache as it is written: each 64 MiB window is handed to writeback at once,
-    the one before it is waited for and dropped. The page cache would otherwise grow by the model's size (slow on
-    these VMs, and charged to a memory cgroup); an fdatasync per window (what this replaced) also flushes the
-    disk's cache each time and made writing 5x slower than `cp` (bench/RESULTS.md, the merge runs of 2026-12-02)."""
+    the one before it is waited for and dropped. Why: the page cache would otherwise grow by the model's size
+    (charged to a memory cgroup), and an fdatasync per window would flush the disk's cache each time."""
 
     def __init__(self, f):
         self.f, self.done, self.kicked = f, 0, 0

@@ -34,19 +34,16 @@ from converter.jobs.shape import JobShape, shape_of
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS
 
 SMALLEST_SHARD = 64 * 2**20  # the smallest output shard a push takes to fit a small disk
-# CPU of the default merge (merge, tensor proof, quick behaviour check) against the base's weights: 24.5 s for
-# 1.707 GB and 169.6 s for 16.06 GB, on a 2-core AMD EPYC (bench/RESULTS.md, 2026-12-05 12:44 and 12:50 UTC,
-# commit b74ca78: `python bench/verify_bench.py --rounds 3 --no-full` and `--big`); the line through both points.
+# The CPU rates and the process's memory below are measured: docs/jobs.md ("What the estimate assumes") names the
+# runs they come from. CPU of the default merge (merge, tensor proof, quick behaviour check) against the base's
+# weights, the line through two runs:
 VERIFIED_CPU_FIXED = 7.2  # seconds
 VERIFIED_CPU_PER_GB = 10.1  # seconds per GB of base weights
-# The merge alone (`--no-verify`) in the first of those runs: 5.8 s of CPU for 1.707 GB.
-MERGE_CPU_PER_GB = 3.4
-# Cores those runs kept busy: CPU / wall time was 1.17 and 1.30; more cores are not assumed to help.
-PARALLEL = 1.2
+MERGE_CPU_PER_GB = 3.4  # the merge alone (`--no-verify`)
+PARALLEL = 1.2  # the cores those runs kept busy; more cores are not assumed to help
 # The process of a verified push without its behaviour comparison (the libraries verification imports, the merge,
-# the shard-by-shard tensor proof): 845 MiB peak for the 3.15 GB model of bench/push_bound_bench.py (2026-12-07);
-# the merge alone (`--no-verify`) peaked at 220 MiB (bench/RESULTS.md, 2026-12-05). Below these a job is refused;
-# above, memory only decides whether the comparison streams.
+# the shard-by-shard tensor proof), and of the merge alone: below these a job is refused; above, memory only decides
+# whether the comparison streams.
 PROCESS_MEMORY = 896 * 2**20
 MERGE_MEMORY = 256 * 2**20
 # Assumptions, not measurements: a link to the Hub from a workstation, and from a Jobs machine next to it.

@@ -108,8 +108,8 @@ def logits_of(model, rows: list, variants: list[str] | None = None) -> list:
 
 
 def greedy(model, inputs: list, max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations with the KV cache, one prompt at a time: a left-padded batched generate measured
-    3x slower here (CPU, transformers 5.x), and unpadded each continuation is exactly its own."""
+    """Greedy continuations with the KV cache, one prompt at a time: a left-padded batched generate is slower on a
+    CPU, and unpadded each continuation is exactly its own."""
     import torch
 
     generations = []

@@ -80,8 +80,8 @@ def _plain_base(base: Path, scratch: Path, recipe: Recipe) -> tuple[Path, str | 
 
 @contextmanager
 def one_torch_thread():
-    """torch's own threads for elementwise work: one. The proof is memory-bound row blocks; a second intra-op
-    thread spinning beside other work made it 6x slower in CPU time on a busy 2-core machine (measured)."""
+    """torch's own threads for elementwise work: one. The proof is memory-bound row blocks, and a second intra-op
+    thread spins beside other work."""
     import torch
 
     before = torch.get_num_threads()

@@ -1,8 +1,7 @@
 """Import what verification needs while the merge runs.
 
-Why: transformers + PEFT take ~4 s of CPU to import, a fifth of the default
-`converter merge` of the 0.85 B bench model; the merge is mostly file I/O and torch kernels that release the GIL, so
-a thread importing them beside it hides much of that time. It is started only when verification follows, so
+Why: importing transformers + PEFT takes seconds of CPU; the merge is mostly file I/O and kernels that release the
+GIL, so a thread importing them beside it hides much of that time. It is started only when verification follows, so
 `converter merge --no-verify` still never imports them, and only once the merge has found and planned its inputs
 (`merge(on_planned=)`), so input that fails is refused in a second, without them, and the merge's own imports are
 done: the two threads never import the same module at once; verification waits for the thread before it imports anything
