@@ -14,9 +14,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
-from converter.cli import quiet
 from converter.cli.outcomes import NOTHING_TO_PROVE, not_asked, paths, verified
 from converter.errors import BadInputError, ConverterError, UsageError
+from converter.io import quiet
 from converter.outcome import Outcome, Published
 
 
@@ -382,7 +382,7 @@ def _training_base(base: str) -> bool:
     return is_training_base(base)
 
 
-_console: quiet.Console | None = None  # the running command's (converter.cli.quiet.session)
+_console: quiet.Console | None = None  # the running command's (converter.io.quiet.session)
 
 
 def _log(msg: str) -> None:

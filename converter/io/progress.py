@@ -2,7 +2,7 @@
 
 Why: a bar redrawn in place is what a person at a terminal wants (huggingface_hub's CLI does the same); a pipe, a
 log file or the Space's log box wants a few whole lines instead of carriage returns. Only the command line knows
-which it is: it sets `bar_file` (converter.cli.quiet) to its terminal; the Python API and the app leave it None and
+which it is: it sets `bar_file` (converter.io.quiet) to its terminal; the Python API and the app leave it None and
 get lines through their `log`.
 """
 

@@ -13,8 +13,7 @@ import sys
 import pytest
 from model_helpers import make_adapter, make_base
 
-from converter.cli import quiet
-from converter.io import progress
+from converter.io import progress, quiet
 
 # Markers of what the libraries print during a merge + verification on this stack (any one shows up in -v).
 THIRD_PARTY = ("Loading weights", "Warning", "warn", "gemm_4bit", "it/s]", "%|")
@@ -124,7 +123,7 @@ def test_progress_is_one_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
 def test_the_session_holds_back_output_below_python_and_shows_it_with_verbose(capfd):
     script = (
         "import os, sys, warnings\n"
-        "from converter.cli import quiet\n"
+        "from converter.io import quiet\n"
         "verbose = sys.argv[1] == '-v'\n"
         "with quiet.session(verbose) as console:\n"
         "    console.line('converter says this')\n"

@@ -1,4 +1,5 @@
-"""The command line speaks only for itself: converter's own lines, nothing from the libraries under it.
+"""converter speaks only for itself: its own lines, nothing from the libraries under it (the command line while a
+command runs, `make run` while it starts).
 
 Why: a merge imports transformers, PEFT, bitsandbytes, diffusers, Ray ...; each has warnings, log lines and
 progress bars of its own ("Failed to load CPU gemm_4bit_forward ...", "Loading weights", FutureWarnings) that look
