@@ -21,11 +21,13 @@ is merged, and the comparison loads the models as converter.verification.llm doe
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine.bnb4 import parse_output
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.precision import FileTensor, SharedCompute, float32_compute
 from converter.engine.recipe import Recipe
@@ -205,6 +207,8 @@ def compare_finished(
 
     if why := _recipe_refuses(recipe, settings):
         raise Unstreamable(why)
+    if "quantization_config" in json.loads((merged / "config.json").read_text()):
+        raise Unstreamable("quantized models are compared loaded whole")
     check = _prepared(recipe, base, adapters, settings, BaseGate({}, None, _keep), log)
     check.clock = clock
     merged_files = Checkpoint(merged)
@@ -239,7 +243,7 @@ def _recipe_refuses(recipe: Recipe, settings: Settings) -> str | None:
         return "the full check generates continuations, which read every weight once per token"
     if recipe.method not in (None, "sum"):
         return f"a --method {recipe.method} merge has no unmerged PEFT forward"
-    if recipe.qlora_base == "dequantized" or (recipe.dtype or "").lower() in ("nf4", "fp4"):
+    if recipe.qlora_base == "dequantized" or parse_output(recipe.dtype) is not None:
         return "4-bit models are compared loaded whole"
     if not recipe.adapters:
         return "no adapters"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,23 @@ def test_where_it_cannot_stream_it_says_why(merged):
     assert check is None and "continuations" in why
     check, why = prepare_streamed(recipe, {"memory": 1000}, base, None, None, False, lambda _: None)
     assert check is None and "memory" in why
+    check, why = prepare_streamed(replace(recipe, dtype="bnb-nf4"), {}, base, None, None, False, lambda _: None)
+    assert check is None and "4-bit" in why
+
+
+def test_a_quantized_folder_is_compared_loaded_whole(merged, tmp_path):
+    import json
+    import shutil
+
+    from converter.verification.streamed import Unstreamable, compare_finished
+
+    base, out = merged
+    quantized = tmp_path / "q"
+    shutil.copytree(out, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantized / "config.json").write_text(json.dumps(config))
+    recipe = recorded_recipe(out)
+    b, adapters = sources(recipe, None, base)
+    with pytest.raises(Unstreamable, match="loaded whole"):
+        compare_finished(quantized, recipe, b, adapters, Settings(), lambda _: None, Clock())
