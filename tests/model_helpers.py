@@ -89,6 +89,33 @@ def make_adapter(base: Path, folder: Path, seed: int = 1, **lora) -> Path:
     return folder
 
 
+CLASSIFIERS = {"SEQ_CLS": "AutoModelForSequenceClassification", "TOKEN_CLS": "AutoModelForTokenClassification"}
+
+
+def make_classifier_adapter(base: Path, folder: Path, task: str, labels: int, seed: int = 1,
+                            dtype: torch.dtype = torch.float32, said: bool = True, **lora) -> Path:  # fmt: skip
+    """A classifier made from a causal LM's checkpoint as TRL's RewardTrainer makes one (`from_pretrained(base,
+    num_labels=labels)`, the pad token id the eos id where the base has none), and PEFT's adapter for it (`task`:
+    SEQ_CLS or TOKEN_CLS; the new head saved whole; not `said`: no task_type, the head in modules_to_save), every
+    trainable tensor random."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSIFIERS[task]).from_pretrained(base, num_labels=labels, dtype=dtype)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    lora.setdefault("target_modules", "all-linear")
+    lora.update({"task_type": task} if said else {"modules_to_save": ["score"]})
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
 def reference_model(
     base: Path, adapters: list[Path], weights: list[float] | None = None, dtype: torch.dtype = torch.float32
 ):

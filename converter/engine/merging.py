@@ -457,7 +457,7 @@ def _stream_into(
     checkpoint: Checkpoint, plan: MergePlan, writers: list, readers: dict, use_numpy: bool, pool,
     progress: Progress | None,
 ) -> None:  # fmt: skip
-    last_use = {checkpoint.where[o.source.name].path: o.name for o in plan.outputs}
+    last_use = {checkpoint.where[o.source.name].path: o.name for o in plan.outputs if o.source is not None}
     ways = [_way(checkpoint, o, use_numpy) for o in plan.outputs]
     jobs = [_read_job(checkpoint, o, way, readers, last_use) for o, way in zip(plan.outputs, ways, strict=True)]
     ahead = ReadAhead(jobs, READ_AHEAD)
@@ -474,7 +474,7 @@ def _consume(
     last_use: dict, progress: Progress | None,
 ) -> None:  # fmt: skip
     """Merge and write each output from the pieces `ahead` reads for it, in the plan's order."""
-    last_tensor_use = {o.source.name: o.name for o in plan.outputs}
+    last_tensor_use = {o.source.name: o.name for o in plan.outputs if o.source is not None}
     for o, way in zip(plan.outputs, ways, strict=True):
         part, writer = next((p, w) for p, w in writers if o.name.startswith(p.prefix))
         name = o.name[len(part.prefix) :]
@@ -498,7 +498,7 @@ def _consume(
             del t, result
             writer.write(name, lambda sink, d=data: sink(d))
             del data
-        source_file = checkpoint.where[o.source.name]
+        source_file = checkpoint.where[o.source.name] if o.source is not None else None
         if getattr(source_file, "release", None) is not None:  # a file fetched for this job: what is read can go
             if last_tensor_use.get(o.source.name) == o.name:
                 source_file.release(o.name, o.source.name)
@@ -520,15 +520,18 @@ def _in_order(checkpoint: Checkpoint, o: OutputTensor) -> bool:
 
 
 def _way(checkpoint: Checkpoint, o: OutputTensor, use_numpy: bool) -> str:
-    """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.engine.npmerge) or "torch"."""
+    """How output `o` is made: "copy" (the base's bytes as they are), "numpy" (converter.engine.npmerge) or "torch"
+    (a head the base lacks too: its replacement, rounded to the output dtype)."""
     if o.byte_copy and _in_order(checkpoint, o):
         return "copy"
-    return "numpy" if use_numpy and npmerge.supports(o) else "torch"
+    return "numpy" if use_numpy and o.source is not None and npmerge.supports(o) else "torch"
 
 
 def _read_job(checkpoint: Checkpoint, o: OutputTensor, way: str, readers: dict, last_use: dict) -> Job:
     """What the read-ahead thread does for output `o`: its base tensor's bytes (a tensor, for torch), or a byte
     copy's chunks; after a file's last tensor, the rest of the file is hashed and the file closed."""
+    if o.source is None:  # a head the base lacks: nothing of the base to read
+        return lambda put: put(torch.empty(0))
     source_file = checkpoint.where[o.source.name]
     reader = readers[source_file.path]
     in_order = _in_order(checkpoint, o)
@@ -666,6 +669,7 @@ def build_provenance(  # no timestamp: the same inputs give the same bytes, so a
             else ""
         ),
         "config_updates": plan.config_updates,
+        **({"task_head": plan.task_head.record()} if plan.task_head else {}),
         "tensors": {"total": len(plan.outputs), "changed": [o.name for o in plan.changed]},
         "notes": plan.notes,
     }

@@ -56,12 +56,36 @@ def candidates(config: dict, task_type: str | None) -> list[str]:
     model_type = config.get("model_type")
     out = []
     for mapping in TASK_MAPPINGS.get(task_type or "", ()):
-        name = getattr(modeling_auto, mapping, {}).get(model_type)
-        out += list(name) if isinstance(name, list | tuple) else [name] if name else []
+        out += _mapped(getattr(modeling_auto, mapping, {}), model_type)
     out += list(config.get("architectures") or [])
-    name = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
-    out += list(name) if isinstance(name, list | tuple) else [name] if name else []
+    out += _mapped(modeling_auto.MODEL_MAPPING_NAMES, model_type)
+    if task_type is None:  # no task said: a head saved whole that none of these has may be a classifier's
+        for mapping in (*TASK_MAPPINGS["SEQ_CLS"][:1], *TASK_MAPPINGS["TOKEN_CLS"]):
+            out += _mapped(getattr(modeling_auto, mapping), model_type)
     return list(dict.fromkeys(out))
+
+
+def _mapped(mapping: dict, model_type: str | None) -> list[str]:
+    name = mapping.get(model_type)
+    return list(name) if isinstance(name, list | tuple) else [name] if name else []
+
+
+def task_of(model_type: str, class_name: str) -> str | None:
+    """The PEFT task type whose transformers mapping gives `class_name` for this model type (None: none does)."""
+    from transformers.models.auto import modeling_auto
+
+    for task, mappings in TASK_MAPPINGS.items():
+        if any(class_name in _mapped(getattr(modeling_auto, m, {}), model_type) for m in mappings):
+            return task
+    return None
+
+
+def is_causal_lm(class_name: str) -> bool:
+    """Whether transformers' causal-LM mapping names this class (for any model type)."""
+    from transformers.models.auto import modeling_auto
+
+    names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return any(class_name == n or (isinstance(n, list | tuple) and class_name in n) for n in names)
 
 
 def adapter_modules(keys) -> set[str]:
@@ -113,9 +137,11 @@ def hollow_model(config, class_name: str):
 _CHOSEN: dict[tuple, str] = {}  # what trained_model chose, so the behaviour check after the proof builds nothing
 
 
-def trained_model(config, task_type: str | None, modules: set[str]):
+def trained_model(config, task_type: str | None, modules: set[str], whole: dict[str, tuple] | None = None):
     """The hollow model the adapter was trained on: the first candidate class holding every module in `modules`
-    (else the first that builds, whose refusal PEFT will then word). NoModelClass: none builds."""
+    (else the first that builds, whose refusal PEFT will then word). NoModelClass: none builds. `whole`: the
+    shapes of the weights the adapter holds whole (PEFT's modules_to_save), by their names in the model: a
+    classifier's head is built with as many labels as the adapter's head has rows (fit_labels)."""
     key, first, tried = _key(config, task_type, modules), None, []  # (building a model sets fields of its config)
     for name in candidates(config.to_dict(), task_type):
         try:
@@ -131,7 +157,29 @@ def trained_model(config, task_type: str | None, modules: set[str]):
     if first is None:
         raise NoModelClass("no transformers class builds this model (" + "; ".join(tried or ["none known"]) + ")")
     _CHOSEN[key] = type(first).__name__
-    return first
+    return fit_labels(first, config, whole or {})
+
+
+def fit_labels(model, config, whole: dict[str, tuple]):
+    """`model` rebuilt with `num_labels` set to the rows of the adapter's saved head, where the config's label
+    count (2 unless it says otherwise) builds the head another size: a classifier made from a checkpoint saved
+    without one (`from_pretrained(causal_lm, num_labels=1)`) was trained with the head the adapter saved. Kept
+    as it is where no label count makes more of the `whole` shapes fit."""
+    import copy
+
+    def off(m) -> set[str]:
+        own = {n: tuple(p.shape) for n, p in m.named_parameters()}
+        return {n for n, shape in whole.items() if n in own and own[n] != tuple(shape)}
+
+    wrong = off(model)
+    for rows in sorted({whole[n][0] for n in wrong if whole[n]}):
+        trial = copy.deepcopy(config)
+        trial.num_labels = rows
+        candidate = hollow_model(trial, type(model).__name__)
+        left = off(candidate)
+        if left < wrong:
+            return candidate
+    return model
 
 
 def trained_class(config, task_type: str | None, modules: set[str]) -> str:
@@ -158,21 +206,17 @@ def loaded_names(model, keys) -> dict[str, str | None]:
     keys = list(keys)
     try:
         from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+        from transformers.core_model_loading import dot_natural_key
     except ImportError as e:
         raise LoadingRulesUnreadable(f"transformers' loading rules cannot be read here ({e})") from None
     if not isinstance(model, PreTrainedModel):
         return {k: k for k in keys}
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    prefix, meta = model.base_model_prefix, model.state_dict()  # a weightless model's: stand-ins, no memory
+    try:
+        converters, pairs = _loaded(model, sorted(keys, key=dot_natural_key))
+    except ImportError as e:
+        raise LoadingRulesUnreadable(f"transformers' loading rules cannot be read here ({e})") from None
     out: dict[str, str | None] = {}
-    for key in sorted(keys, key=dot_natural_key):
-        loaded, source = rename_source_key(key, renamings, converters, prefix, meta)
-        if loaded not in meta and key in meta:  # as transformers' loader: only the base-model prefix, then
-            loaded, source = rename_source_key(key, [], [], prefix, meta)
+    for key, loaded, source in pairs:
         if source is not None:  # every weight the converter makes (it names the first target)
             targets = next((c.target_patterns for c in converters if source in c.source_patterns), [])
             out[loaded] = None
@@ -182,6 +226,37 @@ def loaded_names(model, keys) -> dict[str, str | None]:
         else:
             out.setdefault(loaded, key)
     return out
+
+
+def _loaded(model, keys: list[str]) -> tuple[list, list[tuple[str, str, str | None]]]:
+    """transformers' converters for `model`, and per checkpoint key (key, the name it loads as, the converter's
+    source pattern or None), by its own loader: its renames and converters, then only the base-model prefix
+    added or removed."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    prefix, meta = model.base_model_prefix, model.state_dict()  # a weightless model's: stand-ins, no memory
+    pairs = []
+    for key in keys:
+        loaded, source = rename_source_key(key, renamings, converters, prefix, meta)
+        if loaded not in meta and key in meta:  # as transformers' loader: only the base-model prefix, then
+            loaded, source = rename_source_key(key, [], [], prefix, meta)
+        pairs.append((key, loaded, source))
+    return converters, pairs
+
+
+def unloaded_keys(model, keys) -> list[str]:
+    """The checkpoint keys `model`'s `from_pretrained` would report as unexpected: neither loaded under a name
+    the model has nor converted into one of its weights (LoadingRulesUnreadable: transformers' rules moved)."""
+    try:
+        _, pairs = _loaded(model, list(keys))
+    except ImportError as e:
+        raise LoadingRulesUnreadable(f"transformers' loading rules cannot be read here ({e})") from None
+    meta = model.state_dict()
+    return [key for key, loaded, source in pairs if source is None and loaded not in meta]
 
 
 class LoadedNames:

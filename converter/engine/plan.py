@@ -14,9 +14,10 @@ from pathlib import Path
 
 from converter.engine.bnb4 import Quant4, parse_output, quantized_names
 from converter.engine.checkpoint import Checkpoint
-from converter.engine.keymap import Keymap, Resolver, keymap_for
+from converter.engine.keymap import Keymap, Placement, Resolver, keymap_for
 from converter.engine.model_class import Converted, LoadedNames
 from converter.engine.recipe import AdapterSpec, Recipe
+from converter.engine.task_head import TaskHead, plan_head
 from converter.engine.writer import OutSpec
 from converter.errors import BadInputError, UsageError
 from converter.formats import Adapter
@@ -42,7 +43,7 @@ class PlannedPatch:
 @dataclass
 class OutputTensor:
     name: str
-    source: TensorInfo  # the base tensor read (for an untied head: the embedding)
+    source: TensorInfo | None  # the base tensor read (for an untied head: the embedding; None: a head the base lacks)
     dtype: str
     shape: tuple[int, ...]
     patches: list[PlannedPatch] = field(default_factory=list)
@@ -53,7 +54,7 @@ class OutputTensor:
 
     @property
     def byte_copy(self) -> bool:
-        return not self.patches and self.dtype == self.source.dtype
+        return not self.patches and self.source is not None and self.dtype == self.source.dtype
 
 
 @dataclass
@@ -73,6 +74,7 @@ class MergePlan:
     tokenizer_from: Path | None
     notes: list[str]
     task_merge: object | None = None  # TIES/DARE instead of the sum (converter.engine.taskmerge), set by merge
+    task_head: TaskHead | None = None  # a classifier written from a causal LM's checkpoint (engine.task_head)
 
     @property
     def changed(self) -> list[OutputTensor]:
@@ -129,13 +131,18 @@ def build_plan(
         _place_adapter(placing, i, adapter, spec, allow_unmatched) for i, (adapter, spec) in enumerate(adapters)
     ]
     _order_patches(placing.by_key, keymap, requantize)
-    outputs = [_output(key, checkpoint.info(key), placing.by_key.get(key, []), out_dtype, adapters) for key in keys]
-    config_updates: dict = {}
-    _untie_heads(placing, outputs, out_dtype, adapters, config_updates)
+    head = placing.head
+    dropped = set(head.dropped) if head else set()
+    outputs = [_output(key, checkpoint.info(key), placing.by_key.get(key, []), out_dtype, adapters)
+               for key in keys if key not in dropped]  # fmt: skip
+    outputs += _added_outputs(placing, out_dtype)
+    config_updates: dict = dict(head.config) if head else {}
+    if head is None:  # a classifier has no language-model head to tie or untie
+        _untie_heads(placing, outputs, out_dtype, adapters, config_updates)
     tokenizer_from = _resized_vocab(placing, outputs, adapters, config_updates)
     if out_dtype is not None:
         config_updates["dtype"] = out_dtype
-    return MergePlan(outputs, coverage, config_updates, tokenizer_from, placing.notes)
+    return MergePlan(outputs, coverage, config_updates, tokenizer_from, placing.notes, task_head=head)
 
 
 @dataclass
@@ -148,9 +155,20 @@ class _Placing:
     keys: list[str]
     by_key: dict[str, list[PlannedPatch]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    head: TaskHead | None = None  # the classifier an adapter was trained as, where the base lacks its head
+    asked: bool = False  # whether `head` has been asked for
 
     def add(self, key: str, planned: PlannedPatch) -> None:
         self.by_key.setdefault(key, []).append(planned)
+
+    def task_head(self, adapter: Adapter) -> TaskHead | None:
+        """The classifier (engine.task_head) that the first adapter saving a head the base lacks was trained as."""
+        if not self.asked:
+            self.asked = True
+            dtypes = {k: self.checkpoint.info(k).dtype for k in self.keys}
+            self.head = plan_head(self.checkpoint.config, self.keys, dtypes, self.checkpoint.folder, adapter)
+            self.notes.extend(self.head.notes if self.head else [])
+        return self.head
 
 
 def _place_adapter(placing: _Placing, i: int, adapter: Adapter, spec: AdapterSpec, allow_unmatched: bool) -> Coverage:
@@ -165,6 +183,7 @@ def _place_adapter(placing: _Placing, i: int, adapter: Adapter, spec: AdapterSpe
     for ap in adapter.patches:
         ap = _chosen(placing.resolver, checkpoint, ap, spec) if ap.either else ap
         places = _places(placing.resolver, ap, spec) or _loaded_places(loaded, placing.resolver, ap, spec)
+        places = places or _head_places(placing, adapter, ap)
         if not places:
             unmatched.extend(ap.patch.sources)
             whole.extend([ap.module] if isinstance(ap.patch, Replace) else [])
@@ -397,6 +416,25 @@ def _loaded_places(loaded: LoadedNames, resolver, ap, spec: AdapterSpec) -> list
         return []
     module, _, param = key.rpartition(".")
     return _places(resolver, replace(ap, module=module, param=param), spec)
+
+
+def _head_places(placing: _Placing, adapter: Adapter, ap: AdapterPatch) -> list:
+    """A tensor the adapter saves whole that lands nowhere in the base: the head of the classifier it was trained
+    as, when it was made from this causal LM's checkpoint (engine.task_head); written as it is."""
+    if not isinstance(ap.patch, Replace) or ap.flat or ap.component:
+        return []
+    head = placing.task_head(adapter)
+    return [Placement(ap.name)] if head is not None and ap.name in head.added else []
+
+
+def _added_outputs(placing: _Placing, out_dtype: str | None) -> list[OutputTensor]:
+    """The head's tensors, from the adapters alone (no base tensor to start from), in the base's dtype."""
+    head = placing.head
+    if head is None:
+        return []
+    dtype = out_dtype or head.dtype
+    return [OutputTensor(name, None, dtype, shape, placing.by_key[name])
+            for name, shape in head.added.items() if name in placing.by_key]  # fmt: skip
 
 
 def _component_of(key: str, component: str | None) -> str | None:

@@ -114,12 +114,14 @@ def _body(prov: dict, verification: str | None, repo: str) -> str:
     if prov.get("config_updates"):
         changes = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in prov["config_updates"].items())
         lines += ["", f"config.json changes: {changes}."]
+    if prov.get("task_head"):
+        lines += ["", _task_head(prov["task_head"])]
     lines += ["", "## Verification", ""]
     if verification:
         lines.append(verification)
     else:
         lines.append("**Not verified.** This merge was not compared with the base + adapters; treat it as untested.")
-    lines += ["", "## How to load", "", *_load_snippet(base, repo), ""]
+    lines += ["", "## How to load", "", *_load_snippet(base, repo, prov.get("task_head")), ""]
     lines += [
         "## Recipe",
         "",
@@ -140,7 +142,19 @@ def _alpha(settings: dict) -> str:
     return ", ".join(f"{a:g}" for a in settings["alphas"]) or "none (scale 1)"
 
 
-def _load_snippet(base: dict, repo: str) -> list[str]:
+def _task_head(head: dict) -> str:
+    """What a classifier made from a causal LM's checkpoint is, as written: its head from the adapter, the
+    language-model head left out."""
+    own = ", ".join(f"`{n}`" for n in head["head"])
+    dropped = (f"the base's language-model head ({', '.join(f'`{n}`' for n in head['dropped'])}) is dropped"
+               if head["dropped"] else "the base's tied language-model head goes with it")  # fmt: skip
+    return (f"Written as `{head['class']}`, the class the adapter was trained as (task_type {head['task_type']}) "
+            f"from the base's causal-LM checkpoint: its head {own} comes from the adapter (modules_to_save), and "
+            f"{dropped}, since a classifier has none. {head['labels']} label(s), pad_token_id "
+            f"{head['pad_token_id']}.")  # fmt: skip
+
+
+def _load_snippet(base: dict, repo: str, head: dict | None = None) -> list[str]:
     if base.get("layout") == "diffusers":
         return [
             "```python",
@@ -163,10 +177,11 @@ def _load_snippet(base: dict, repo: str) -> list[str]:
             f'pipe = {base["pipeline"]}.from_single_file("{where}")',
             "```",
         ]
+    auto = head["auto_class"] if head else "AutoModelForCausalLM"
     return [
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+        f"from transformers import {auto}, AutoTokenizer",
+        f'model = {auto}.from_pretrained("{repo}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         "```",
     ]

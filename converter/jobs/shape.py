@@ -170,7 +170,44 @@ def _cannot_stream(recipe: Recipe, verify: dict, transformers_model: bool, token
     not_peft = [s.source for s in recipe.adapters if not _peft_folder(s.source, token)]
     if not_peft:
         return f"{', '.join(not_peft)} is not a PEFT adapter folder"
+    tasks = sorted({t for s in recipe.adapters if (t := _task_type(s.source, token)) not in (None, "CAUSAL_LM")})
+    if tasks:
+        return f"adapters trained for {', '.join(tasks)}: a task model is compared loaded whole, not as it streams"
     return None
+
+
+def _task_type(spec: str, token: str | None) -> str | None:
+    """A PEFT adapter folder's task_type, from its adapter_config.json (a Hub adapter's fetched into the HF
+    cache, where its merge finds it); None where it says none or cannot be read."""
+    import json
+
+    source = parse_source(spec)
+    try:
+        if source.local is not None:
+            config = source.local / "adapter_config.json"
+        else:
+            config = _hub_file(source, "adapter_config.json", token)
+        return json.loads(config.read_text()).get("task_type")
+    except (ConverterError, OSError, ValueError, AttributeError):
+        return None
+
+
+def _hub_file(source, name: str, token: str | None) -> Path:
+    """One small file of a Hub repo, from the HF cache or downloaded into it."""
+    from huggingface_hub import hf_hub_download
+
+    from converter.hub import client as hub
+    from converter.hub.sources import cache_dir
+
+    remote = resolve(source, "adapter", token)
+    found = remote.cached(name)
+    if found is not None:
+        return Path(found)
+
+    def get() -> str:
+        return hf_hub_download(source.repo_id, name, revision=remote.sha, token=token, cache_dir=cache_dir())
+
+    return Path(hub.call(f"{remote.where}/{name}", get, **remote.ids))
 
 
 def _peft_folder(spec: str, token: str | None) -> bool:

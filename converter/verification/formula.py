@@ -219,10 +219,15 @@ class FormulaReferee:
         for o in self.plan.outputs:
             if o.patches and (only is None or o.name in only):
                 kinds = sorted({self._check(p) for p in o.patches})
-                base_name = o.source.name if o.source.name != o.name else None
+                base_name = o.source.name if o.source is not None and o.source.name != o.name else None
                 out[o.name] = Expectation(_module(o.name), ", ".join(kinds), self._rows(o), False, base_name,
-                                          tuple(o.shape))  # fmt: skip
+                                          tuple(o.shape), added=o.source is None)  # fmt: skip
         return out
+
+    @property
+    def dropped(self) -> list[str]:
+        """The base tensors the plan leaves out (a causal LM's head under the classifier made from it)."""
+        return self.plan.task_head.dropped if self.plan.task_head else []
 
     def _check(self, p) -> str:
         """The patch's kind, or Unsupported now (before any tensor is read) when there is no formula for it."""
@@ -250,7 +255,8 @@ class FormulaReferee:
         f = self.factors[p.adapter]
         if type(inner).__name__ == "Replace":
             value = f.read(inner.sources[0])
-            return value.reshape(ref.shape).clone(), 0 * ref
+            shape = ref.shape if o.source is not None else tuple(o.shape)  # a head the base lacks: from nothing
+            return value.reshape(shape).clone(), value.new_zeros(shape)
         ap = self.owner[id(inner)]
         weight = self.specs[p.adapter].weight_for(o.name.split("/", 1)[0] if "/" in o.name else ap.component)
         roles = f.group(inner.sources[0])

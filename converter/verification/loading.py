@@ -107,14 +107,16 @@ def _free_disk(folder: Path) -> int:
 
 
 def load_model(folder: Path, dtype, quantization=None, offload: Offload | None = None, sources: dict | None = None,
-               model_class: str | None = None):  # fmt: skip
+               model_class: str | None = None, config: dict | None = None):  # fmt: skip
     """transformers' own load (its weights stay views of the mapped files) as `model_class` (a transformers class
     name; default: the causal LM). `sources`, when given, is filled with the weights that are exactly a file's
-    tensor (converter.engine.precision.file_sources), for float32 compute read from the files."""
+    tensor (converter.engine.precision.file_sources), for float32 compute read from the files. `config`: settings
+    given to `from_pretrained` over the folder's config (a classifier's labels and pad token)."""
     import transformers
 
     cls = getattr(transformers, model_class) if model_class else transformers.AutoModelForCausalLM
     extra = {"quantization_config": quantization} if quantization else {}
+    extra.update(config or {})
     if offload:
         extra.update(offload.kwargs())
     model = cls.from_pretrained(folder, dtype=dtype, **extra).eval()
@@ -326,16 +328,18 @@ def load_reference(
     offload=None,
     sources: dict | None = None,
     model_class: str | None = None,
+    config: dict | None = None,
 ):
-    """PEFT's unmerged model: the base (as `model_class`, default the causal LM) with the adapters on top, each
-    scaled by its recipe weight. `sources`: as for load_model, of the base's weights (found before PEFT wraps
-    them; a parameter keeps its id inside PEFT). `vocab`: the rows the adapters were trained on (None: as is)."""
+    """PEFT's unmerged model: the base (as `model_class`, default the causal LM, with `config` over its own config)
+    with the adapters on top, each scaled by its recipe weight. `sources`: as for load_model, of the base's
+    weights (found before PEFT wraps them; a parameter keeps its id inside PEFT). `vocab`: the rows the adapters
+    were trained on (None: as is)."""
     from peft import PeftModel
 
     if offload:
         base = offload.peft_safe(base)
     # (a base's own quantization_config applies by itself)
-    model = load_model(base, dtype, quantization, offload, sources, model_class)
+    model = load_model(base, dtype, quantization, offload, sources, model_class, config)
     if vocab and model.get_input_embeddings().weight.shape[0] != vocab:
         model.resize_token_embeddings(vocab)  # the adapters were trained on a resized vocabulary
     names = [f"adapter{i}" for i in range(len(adapters))]

@@ -84,6 +84,16 @@ class PeftLayers:
     def _tensor(self, plain: str, param: str = "weight") -> tuple[str, str | None]:
         """The output tensor of a module's parameter, and the base tensor it starts from when that is another
         (a tied head, absent from the base's files, starts from the embedding)."""
+        found = self._located(plain, param)
+        if found is None:
+            raise RefereeUnavailable(
+                f"PEFT's module {plain} has no tensor {self.namespace}{plain}.{param} in the base's files (this "
+                "model's weights are renamed or fused when it is loaded)"
+            )
+        return found
+
+    def _located(self, plain: str, param: str) -> tuple[str, str | None] | None:
+        """_tensor's answer; None where the base's files hold no such tensor."""
         name = f"{self.namespace}{plain}.{param}"
         if name in self.base_names:
             return name, None
@@ -102,10 +112,7 @@ class PeftLayers:
         tied = self.ties.get(f"{plain}.{param}")
         if tied and f"{self.namespace}{tied}" in self.base_names:
             return name, f"{self.namespace}{tied}"
-        raise RefereeUnavailable(
-            f"PEFT's module {plain} has no tensor {name} in the base's files (this model's weights are renamed "
-            "or fused when it is loaded)"
-        )
+        return None
 
     def _lora(self, plain: str, layer) -> dict[str, Expectation]:
         kind = type(layer).__name__
@@ -139,14 +146,17 @@ class PeftLayers:
         return {name: Expectation(self.strip + owner, "LoRA (target_parameters)", _merged_parameter(layer, adapters))}
 
     def _replacement(self, plain: str, wrapper) -> dict[str, Expectation]:
+        """A modules_to_save copy: PEFT's own tensor, whatever the base holds; where the base's files hold none (a
+        classifier's head, made from a checkpoint saved without it), the output must add it as it is."""
         out = {}
         for pname, _ in wrapper.original_module.named_parameters():
-            name, _base = self._tensor(plain, pname)
+            found = self._located(plain, pname)
+            name = found[0] if found else f"{self.namespace}{plain}.{pname}"
             adapters = self._admitted(wrapper, name)
             if adapters:  # a replacement ignores the weight; the last adapter that replaces it wins
                 value = dict(wrapper.modules_to_save[adapters[-1]].named_parameters())[pname]
                 out[name] = Expectation(f"{self.strip}{plain}.modules_to_save.{adapters[-1]}", "replacement",
-                                        _constant(value), shape=tuple(value.shape))  # fmt: skip
+                                        _constant(value), shape=tuple(value.shape), added=found is None)  # fmt: skip
         return out
 
     def _tokens(self, plain: str, layer) -> dict[str, Expectation]:
@@ -182,9 +192,22 @@ class PeftReferee:
             f"{model_class}, located by PEFT's module names, adapter files read by PEFT, in float64 (float32 for "
             "16-bit outputs)",
         )
+        self.dropped: list[str] = []  # base tensors the output leaves out: the model PEFT wraps has none of them
 
     def expectations(self) -> dict[str, Expectation]:
-        return self.layers.expectations()
+        rules = self.layers.expectations()
+        if any(r.added for r in rules.values()):  # a classifier's head the base lacks
+            self.dropped = not_in_model(self.model.base_model.model, self.layers.base_names)
+        return rules
+
+
+def not_in_model(model, names: set[str]) -> list[str]:
+    """Base tensors of top-level modules `model` does not have, nor its base model (a causal LM's `lm_head` in a
+    sequence classifier, which has `model` and `score`): what the model never loads from those files."""
+    own = {n for n, _ in model.named_children()}
+    inner = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    own |= {n for n, _ in inner.named_children()} if inner is not None and inner is not model else set()
+    return sorted(n for n in names if n.split(".", 1)[0] not in own)
 
 
 def _qlora_base(model, recipe: Recipe):
@@ -216,14 +239,15 @@ def hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab:
     (`written`: the weights an adapter file holds whole; `saved`: saved_names)."""
     from peft import PeftModel
 
+    whole = _whole_shapes(adapters)
     try:
         config = folder_config(base)
-        model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)))
+        model = trained_model(config, task_type(adapters), adapter_modules(adapter_keys(adapters)), whole)
     except NoModelClass as e:
         raise RefereeUnavailable(f"PEFT needs the base's transformers model: {e}") from None
     saved = saved_names(model)  # before PEFT wraps the modules (and renames their weights `base_layer.`)
     vocab = vocab or _adapter_vocab(model, adapters)
-    written = _saved_base_weights(adapters)
+    written = _saved_base_weights(adapters) | _heads_base_lacks(base, whole)
     ties = {k: v for k, v in dict(getattr(model, "all_tied_weights_keys", None) or {}).items() if isinstance(v, str)}
     written |= {v for k, v in ties.items() if k in written} | {k for k, v in ties.items() if v in written}
     hollow(model, written)
@@ -325,6 +349,25 @@ def _saved_base_weights(adapters: list[Path]) -> set[str]:
                 if ".base_layer." in key and "lora_" not in key:
                     names.add(key.removeprefix(PREFIX).replace(".base_layer.", "."))
     return names
+
+
+def _whole_shapes(adapters: list[Path]) -> dict[str, tuple[int, ...]]:
+    """The weights the adapter files hold whole (modules_to_save: no LoRA factor, no base layer), by their names
+    in the model, with their shapes (read from the files' headers)."""
+    out = {}
+    for folder in adapters:
+        for f in folder.glob("adapter_model*.safetensors"):
+            for key, t in SafetensorsFile(f).tensors.items():
+                if not any(part in key for part in ("lora_", "base_layer", "trainable_tokens", "token_adapter")):
+                    out[key.removeprefix(PREFIX)] = tuple(t.shape)
+    return out
+
+
+def _heads_base_lacks(base: Path, whole: dict[str, tuple[int, ...]]) -> set[str]:
+    """Of `whole`, the weights the base's files do not hold (a classifier's head): PEFT's copy of them gets real
+    memory, and a reader of the base's files has nothing to read for them."""
+    names = {k for f in base.glob("*.safetensors") for k in SafetensorsFile(f).tensors}
+    return {n for n in whole if n not in names}
 
 
 def _adapter_vocab(model, adapters: list[Path]) -> int | None:

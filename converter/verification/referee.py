@@ -82,7 +82,9 @@ class Expectation:
     change is ("LoRA", "DoRA", "replacement", "trainable tokens", "TIES" ...); `rows(base, start, end)`: the
     expected rows start:end given the base's rows (float64); `row_blocks`: whether rows may be asked for a block
     at a time (else one call for the whole tensor); `base_name`: the base tensor it starts from when that is
-    not the output's own name (a tied head written untied starts from the embedding), None for the same name."""
+    not the output's own name (a tied head written untied starts from the embedding), None for the same name;
+    `added`: the base's files hold no such tensor (a classifier's head made from a checkpoint saved without one),
+    the referee's value is the whole expectation."""
 
     module: str
     kind: str
@@ -90,6 +92,7 @@ class Expectation:
     row_blocks: bool = False
     base_name: str | None = None
     shape: tuple[int, ...] | None = None  # the output's shape when the referee knows it (a resized vocabulary)
+    added: bool = False
 
 
 @dataclass
@@ -111,5 +114,6 @@ class Referee(Protocol):
     info: RefereeInfo
 
     def expectations(self) -> dict[str, Expectation]:
-        """Every output tensor name this referee changes, with its rule. Names not here are untouched."""
+        """Every output tensor name this referee changes, with its rule. Names not here are untouched. A referee
+        may also have `dropped`, base tensor names the output must leave out (known once this is asked)."""
         ...

@@ -60,7 +60,12 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
                 f", the others within their rounding bound (worst {ratio_text(result.worst.ratio)}x, "
                 f"`{result.worst.name}`)"
             )
-    facts += f"; {result.untouched} untouched tensors compared with the base byte for byte. {ref.detail}."
+    facts += f"; {result.untouched} untouched tensors compared with the base byte for byte."
+    if result.added:
+        facts += f" Added from the adapters, the base having none: {_names(result.added)} (the class's head)."
+    if result.dropped:
+        facts += f" Left out of the base, the class having no such module: {_names(result.dropped)}."
+    facts += f" {ref.detail}."
     facts += "".join(f" Note: {n}." for n in ref.notes)
     lines.append(facts)
     if len(result.groups) > 1:
@@ -69,6 +74,10 @@ def _tensors(result: TensorProofResult | None, skipped: str | None) -> list[str]
         for name, g in result.groups.items():
             lines.append(f"| {name} | {g.tensors} | {g.changed} | {ratio_text(g.worst_ratio)} | {g.failed} |")
     return lines
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
 
 
 def _behaviour(report: VerificationReport) -> list[str]:

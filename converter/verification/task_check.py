@@ -33,9 +33,6 @@ from converter.verification.peft_referee import adapter_keys, task_type
 from converter.verification.referee import in_one_line
 from converter.verification.report import Skip
 
-# Classes of these task mappings are compared by their outputs here; a causal LM goes through llm.py
-CAUSAL = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
-
 
 def trained_class(base: Path, adapters: list[Path]) -> str:
     """The transformers class name the adapters were trained on (NoModelClass: transformers has none)."""
@@ -43,11 +40,21 @@ def trained_class(base: Path, adapters: list[Path]) -> str:
     return model_class.trained_class(config, task_type(adapters), model_class.adapter_modules(adapter_keys(adapters)))
 
 
-def is_causal_lm(class_name: str) -> bool:
-    from transformers.models.auto import modeling_auto
+is_causal_lm = model_class.is_causal_lm  # (the name streamed.py and __init__ import from here)
+# A classifier's config that its training set beside the base's (from_pretrained(base, num_labels=1, ...))
+TRAINED_SETTINGS = ("id2label", "label2id", "pad_token_id")
 
-    names = getattr(modeling_auto, CAUSAL).values()
-    return any(class_name == n or (isinstance(n, list | tuple) and class_name in n) for n in names)
+
+def trained_settings(base: Path, merged: Path) -> dict:
+    """What a classifier made from a checkpoint saved as another class was built with, where the base's config
+    says otherwise: the labels and pad token id the output's config states (its class's own head size follows
+    from the labels). Nothing for a model merged into the class the base was saved as."""
+    import json
+
+    theirs, ours = (json.loads((f / "config.json").read_text()) for f in (base, merged))
+    if theirs.get("architectures") == ours.get("architectures"):
+        return {}
+    return {k: ours[k] for k in TRAINED_SETTINGS if k in ours and ours[k] != theirs.get(k)}
 
 
 def _generates_text(class_name: str) -> bool:
@@ -92,6 +99,7 @@ class TaskCheck(LLMCheck):
         if _generates_text(self.model_class):  # a vision-language model: its text path, on the prompts
             takes -= {"pixel_values", "pixel_values_videos"}
         classifier = self.model_class.endswith(HEADLESS)
+        self.scores = classifier and len(config.get("id2label") or {}) == 1  # one score per input: a reward model
         try:
             self.inputs, self.template = _model_inputs(config, self.tok, self.prompts, takes, classifier), False
         except (KeyError, TypeError, ValueError) as e:
@@ -105,19 +113,20 @@ class TaskCheck(LLMCheck):
     def _reference(self):
         self.quantization = None
         model = load_reference(self.base, self.adapters, self.recipe, self.dtype, None, None, None,
-                               model_class=self.model_class)  # fmt: skip
+                               model_class=self.model_class,
+                               config=trained_settings(self.base, self.merged))  # fmt: skip
         self.clock.lap("load reference")
         # PEFT's tuner (its LoRA layers sit in the model) called with the model's own arguments: PEFT's task
         # wrappers assume text inputs (its Seq2Seq one passes input_ids to Whisper beside input_features)
         lora = model.base_model
         try:
-            ref = _run(lora, self.inputs)
+            ref = _run(lora, self.inputs, self.scores)
         except Exception as e:  # PEFT's layers in this model's forward: its problem, said in one line
             raise Skip(f"PEFT's unmerged {self.model_class} does not run ({in_one_line(e, 160)})") from e
         self.bare_base, bare = self.settings.bare_base, None  # no bare base after a passed tensor proof (llm.py)
         if self.bare_base:
             with model.disable_adapter():
-                bare = _run(lora, self.inputs)
+                bare = _run(lora, self.inputs, self.scores)
         self.clock.lap("run reference and bare base" if self.bare_base else "run reference")
         self.one_batch = False
         self.reference = f"the base + adapters applied unmerged through PEFT ({self.model_class})"
@@ -126,7 +135,7 @@ class TaskCheck(LLMCheck):
     def _candidate(self):
         self.candidate = load_model(self.merged, self.dtype, model_class=self.model_class)
         self.clock.lap("load merged")
-        out = _run(self.candidate, self.inputs)
+        out = _run(self.candidate, self.inputs, self.scores)
         self.clock.lap("run merged")
         return out
 
@@ -175,16 +184,23 @@ def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str], classi
     return out
 
 
-def _run(model, inputs: list[dict]) -> Run:
-    """Every floating output of the model on each input, as rows of scores (last axis), in one list."""
+def _run(model, inputs: list[dict], scores: bool = False) -> Run:
+    """Every floating output of the model on each input, as rows of scores (last axis), in one list. `scores`: a
+    classifier with one label (a reward model) gives one score per input; each is compared as the two-way choice
+    [score, 0], whose softmax is the sigmoid its preferences are computed through (so a shift shows too)."""
     import torch
 
     rows = []
     with torch.no_grad():
         for kwargs in inputs:
             output = model(**kwargs, return_dict=True)
-            for value in output.values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1:
+            for key, value in output.items():
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    continue
+                if scores and key == "logits" and value.shape[-1] == 1:
+                    value = value.float().reshape(-1, 1)
+                    rows.append(torch.cat([value, torch.zeros_like(value)], -1))
+                elif value.numel() > 1:
                     value = value.float().reshape(-1, value.shape[-1]) if value.dim() > 1 else value.float()[None]
                     if value.shape[-1] > 1:
                         rows.append(value)

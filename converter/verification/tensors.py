@@ -13,7 +13,9 @@
   |scale|·|B|@|A| for LoRA: referee.gamma); s: half the spacing of the dtype's subnormal numbers (rounding near
   zero is absolute, not relative). Each tensor's worst |merged - expected| / bound is its ratio:
   a right merge stays at or below 1, whatever it computed in, and a wrong module is off by many times its bound.
-- Every tensor of the base must be there, and nothing else (a tied head the referee unties is expected).
+- Every tensor of the base must be there, and nothing else (a tied head the referee unties is expected; a head
+  the base lacks that the referee adds whole is expected, in the base's weights' dtype; a base tensor the referee
+  drops, such as a causal LM's head under the classifier made from it, must be gone).
 
 Streaming: tensors are read from the files in row blocks of at most BLOCK_ELEMENTS elements (plain reads, not
 memory maps, whose pages would count against the process), so memory does not grow with the model.
@@ -105,6 +107,8 @@ class TensorProofResult:
     groups: dict[str, TensorGroup] = field(default_factory=dict)  # per component ("unet" ...): counts, worst ratio
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)  # expected although the base lacks them (a classifier's head)
+    dropped: list[str] = field(default_factory=list)  # base tensors the referee leaves out (a causal LM's head)
     seconds: float = 0.0
     peak_rss_mb: float = 0.0
 
@@ -135,7 +139,9 @@ class TensorProof:
         self.referee = referee
         self.rules: dict[str, Expectation] = referee.expectations()
         self.out_dtype = out_dtype
-        self.expected = set(base) | set(self.rules)
+        self.dropped = set(getattr(referee, "dropped", ()))
+        self.expected = (set(base) - self.dropped) | set(self.rules)
+        self.weights_dtype = _weights_dtype(base)  # an added head's, when no out_dtype says
         self.seen: set[str] = set()
         self.extra: list[str] = []
         self.checks: list[TensorCheck] = []
@@ -201,10 +207,13 @@ class TensorProof:
         base = self.base.get(rule.base_name if rule and rule.base_name else name)
         kind = rule.kind if rule else "untouched"
         module = rule.module if rule else None
-        if base is None:
+        if base is None and not (rule and rule.added):
             return TensorCheck(name, kind, module, math.inf, problem="no base tensor to start from")
-        want_dtype = self.out_dtype if self.out_dtype and base.dtype in FLOATING else base.dtype
-        want_shape = (rule.shape if rule and rule.shape else None) or base.shape
+        if base is None:  # a head the base lacks: the referee's value whole, in the base's weights' dtype
+            want_dtype, want_shape = self.out_dtype or self.weights_dtype, rule.shape
+        else:
+            want_dtype = self.out_dtype if self.out_dtype and base.dtype in FLOATING else base.dtype
+            want_shape = (rule.shape if rule and rule.shape else None) or base.shape
         if out.dtype != want_dtype or tuple(out.shape) != tuple(want_shape):
             return TensorCheck(name, kind, module, math.inf, problem=(
                 f"stored as {out.dtype} {list(out.shape)}, expected {want_dtype} {list(want_shape)}"))  # fmt: skip
@@ -241,15 +250,27 @@ class TensorProof:
             check.problem = f"{check.ratio:.3g}x its rounding bound"
         return check
 
-    def _blocks_of(self, rule: Expectation, base: Location, out: Location) -> list[tuple[int, int]]:
-        return _blocks(out.shape) if rule.row_blocks and base.shape == out.shape else [(0, _rows_of(out))]
+    def _blocks_of(self, rule: Expectation, base: Location | None, out: Location) -> list[tuple[int, int]]:
+        whole = base is None or not rule.row_blocks or base.shape != out.shape
+        return [(0, _rows_of(out))] if whole else _blocks(out.shape)
 
-    def _expected(self, rule: Expectation, base: Location, out: Location, s: int, e: int, raw=None):
-        """The referee's rows s:e, from the base's rows (the whole base tensor when not row by row); `raw`: those
-        base rows as read already (their bits)."""
+    def _expected(self, rule: Expectation, base: Location | None, out: Location, s: int, e: int, raw=None):
+        """The referee's rows s:e, from the base's rows (the whole base tensor when not row by row; nothing for a
+        head the base lacks); `raw`: those base rows as read already (their bits)."""
+        import torch
+
+        dtype = _working_dtype(out.dtype)
+        if base is None:
+            return rule.rows(torch.empty(0, dtype=dtype), s, e)
         if raw is None:
-            raw = self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
-        return rule.rows(self._values(raw, base, _working_dtype(out.dtype)), s, e)
+            raw = self._base_raw(rule, base, s, e)
+        return rule.rows(self._values(raw, base, dtype), s, e)
+
+    def _base_raw(self, rule: Expectation, base: Location | None, s: int, e: int):
+        """The base's rows a block's expectation starts from, as read (None for a head the base lacks)."""
+        if base is None:
+            return None
+        return self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
 
     def _block(self, rule: Expectation, base: Location, out: Location, s: int, e: int):
         """(worst ratio, inexact elements, changed elements) of rows s:e, or the problem in words. Elements that
@@ -260,7 +281,7 @@ class TensorProof:
         import numpy as np
         import torch
 
-        raw = self._raw_rows(base, s, e) if rule.row_blocks else self._raw_rows(base, 0, _rows_of(base))
+        raw = self._base_raw(rule, base, s, e)
         want = self._expected(rule, base, out, s, e, raw)
         v = want.value
         m_bits = self._raw_rows(out, s, e).numpy()
@@ -268,7 +289,7 @@ class TensorProof:
             return f"the referee's {list(v.shape)} does not fit the output's {[e - s, *out.shape[1:]]}"
         rounded = self._take("rounded", v.numel(), _torch(out.dtype)).copy_(v.reshape(-1))  # torch's rounding
         rounded = rounded.view(_bits(out.dtype)).numpy()
-        same_shape = base.shape == out.shape  # then the base's rows read are rows s:e
+        same_shape = base is not None and base.shape == out.shape  # then the base's rows read are rows s:e
         if same_shape:
             base_bits = raw.numpy() if base.dtype == out.dtype else _cast_bits(raw, base, out.dtype).numpy()
             changed = int(np.count_nonzero(rounded != base_bits))
@@ -294,8 +315,8 @@ class TensorProof:
             v = self._expected(rule, base, out, s, e).value
             err = (self._rows(out, s, e, v.dtype) - v).nan_to_num_(posinf=1e30, neginf=-1e30).reshape(-1)
             err2 += float(err.double().square().sum())
-            if base.shape == out.shape:
-                change = (v - self._rows(base, s, e, v.dtype)).reshape(-1).double()
+            if base is None or base.shape == out.shape:  # (an added head changes from nothing)
+                change = (v if base is None else v - self._rows(base, s, e, v.dtype)).reshape(-1).double()
                 change2, dot = change2 + float(change.square().sum()), dot + float(err.double() @ change)
         if change2 == 0:
             return (0.0 if err2 == 0 else math.inf), None
@@ -408,9 +429,19 @@ class TensorProof:
             groups=_groups(self.checks),
             missing=sorted(self.expected - self.seen),
             extra=sorted(self.extra),
+            added=sorted(n for n, r in self.rules.items() if r.added),
+            dropped=sorted(self.dropped),
             seconds=round(self.seconds, 2),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         )
+
+
+def _weights_dtype(base: dict[str, Location]) -> str:
+    """The dtype most of the base's floating tensors have (a head the base lacks is made in it)."""
+    from collections import Counter
+
+    counts = Counter(loc.dtype for loc in base.values() if loc.dtype in FLOATING)
+    return counts.most_common(1)[0][0] if counts else "F32"
 
 
 def _working_dtype(out_dtype: str):
