@@ -25,9 +25,12 @@ BASE_READER_PACKAGES = ("converter.training",)
 # layers contract never sees this package as importing every layer (the engine reads `__version__` from here).
 _LAZY = {
     "AdapterSpec": ("converter.engine.recipe", "AdapterSpec"),
+    "CombineOptions": ("converter.methods.options", "CombineOptions"),
+    "ExtractOptions": ("converter.methods.options", "ExtractOptions"),
     "HubServer": ("converter.testing.hub", "HubServer"),
     "PushOptions": ("converter.jobs.remote", "PushOptions"),
     "Recipe": ("converter.engine.recipe", "Recipe"),
+    "ResizeOptions": ("converter.methods.options", "ResizeOptions"),
     "build_demo_inputs": ("converter.jobs.demo", "build_demo_inputs"),
     "combine": ("converter.methods.combination", "combine"),
     "convert": ("converter.jobs.convert", "convert"),
@@ -48,10 +51,10 @@ _LAZY = {
 }
 
 __all__ = [
-    "AdapterSpec", "ConverterError", "HubServer", "NotVerified", "Outcome", "PushOptions", "Recipe", "Verdict",
-    "VerificationFailed", "__version__", "build_demo_inputs", "combine", "convert", "deploy", "errors", "extract",
-    "inspect", "last_outcome", "merge", "plan_on_jobs", "push", "push_folder", "push_pr", "render_inspect",
-    "report_markdown", "resize", "run_on_jobs", "verify",
+    "AdapterSpec", "CombineOptions", "ConverterError", "ExtractOptions", "HubServer", "NotVerified", "Outcome",
+    "PushOptions", "Recipe", "ResizeOptions", "Verdict", "VerificationFailed", "__version__", "build_demo_inputs",
+    "combine", "convert", "deploy", "errors", "extract", "inspect", "last_outcome", "merge", "plan_on_jobs", "push",
+    "push_folder", "push_pr", "render_inspect", "report_markdown", "resize", "run_on_jobs", "verify"
 ]  # fmt: skip
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from converter.cli.options import options_from
 from converter.cli.outcomes import not_asked, paths
-from converter.methods.options import METHODS, RANK_RULES
+from converter.methods.options import METHODS, RANK_RULES, CombineOptions, ExtractOptions, ResizeOptions
 from converter.outcome import Outcome
 
 COMMANDS = ("extract", "resize", "combine")
@@ -22,7 +23,7 @@ def add_parsers(sub) -> None:
     _rank_rule(e)
     e.add_argument("--include", action="append", default=[], help="only tensors whose name matches (regex)")
     e.add_argument("--exclude", action="append", default=[], help="skip tensors whose name matches (regex)")
-    e.add_argument("--no-modules-to-save", action="store_true",
+    e.add_argument("--no-modules-to-save", action="store_false", dest="modules_to_save",
                    help="refuse (not save whole) embeddings, norms and biases that differ")  # fmt: skip
     _output(e)
 
@@ -36,12 +37,14 @@ def add_parsers(sub) -> None:
 
     c = sub.add_parser("combine", help="combine several LoRAs into one adapter (PEFT's add_weighted_adapter methods)")
     c.add_argument("--adapter", action="append", default=[], required=True, help="adapter (repeatable, in order)")
-    c.add_argument("--weight", action="append", type=float, default=[], help="weight per --adapter (default 1.0)")
+    c.add_argument("--weight", action="append", type=float, default=[], dest="weights",
+                   help="weight per --adapter (default 1.0)")  # fmt: skip
     c.add_argument("--method", default="cat", choices=METHODS, help="how to combine (default cat: the exact sum)")
     c.add_argument("--density", type=float, help="fraction of values kept (ties, dare_*, magnitude_prune)")
     c.add_argument("--rank", type=int, help="svd methods: the output rank (default: the largest input rank)")
     c.add_argument("--seed", type=int, default=0, help="dare_*: the seed of the drop masks (default 0)")
-    c.add_argument("--majority-sign", default="total", choices=["total", "frequency"], help="ties: sign election")
+    c.add_argument("--majority-sign", default="total", choices=["total", "frequency"], dest="sign_method",
+                   help="ties: sign election")  # fmt: skip
     c.add_argument("--svd-clamp", type=float, help="svd methods: clamp the factors at this quantile of their values")
     c.add_argument("--base", help="the model the adapters are for (needed to look up kohya's flattened names)")
     c.add_argument("--component", help="which model part PEFT adapters are for (unet, transformer, text_encoder...)")
@@ -49,10 +52,11 @@ def add_parsers(sub) -> None:
 
 
 def _rank_rule(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rank-rule", default="fixed", choices=RANK_RULES,
+    p.add_argument("--rank-rule", default="fixed", choices=RANK_RULES, dest="rule",
                    help="fixed, or a dynamic rule per module (kohya's sv_ratio / sv_fro / sv_cumulative, "
                    "mergekit's sv_epsilon), capped by --rank")  # fmt: skip
-    p.add_argument("--rank-param", type=float, help="the dynamic rule's parameter (ratio, fraction or threshold)")
+    p.add_argument("--rank-param", type=float, dest="param",
+                   help="the dynamic rule's parameter (ratio, fraction or threshold)")  # fmt: skip
 
 
 def _output(p: argparse.ArgumentParser) -> None:
@@ -67,24 +71,18 @@ def _output(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> Outcome:
     """Run one of COMMANDS from parsed arguments; errors are ConverterErrors (exit code 2). None of them has a proof
     of its own: each module's error is in its report (--report)."""
-    common = dict(to=args.to, force=args.force, token=args.token, allow_pickle=args.allow_pickle, log=log)
     if args.command == "extract":
         from converter.methods.extraction import extract
 
-        result = extract(args.base, args.tuned, args.out, rank=args.rank, rule=args.rank_rule, param=args.rank_param,
-                         include=args.include, exclude=args.exclude,
-                         modules_to_save=not args.no_modules_to_save, **common)  # fmt: skip
+        result = extract(args.base, args.tuned, args.out, options_from(ExtractOptions, args), token=args.token, log=log)
     elif args.command == "resize":
         from converter.methods.resizing import resize
 
-        result = resize(args.adapter, args.out, rank=args.rank, rule=args.rank_rule, param=args.rank_param,
-                        base=args.base, component=args.component, **common)  # fmt: skip
+        result = resize(args.adapter, args.out, options_from(ResizeOptions, args), token=args.token, log=log)
     else:
         from converter.methods.combination import combine
 
-        result = combine(args.adapter, args.out, weights=args.weight, method=args.method, density=args.density,
-                         rank=args.rank, seed=args.seed, sign_method=args.majority_sign, svd_clamp=args.svd_clamp,
-                         base=args.base, component=args.component, **common)  # fmt: skip
+        result = combine(args.adapter, args.out, options_from(CombineOptions, args), token=args.token, log=log)
     if args.report:
         _write_report(args.report, result)
     files = paths(result.out, result.files) + ((args.report,) if args.report else ())

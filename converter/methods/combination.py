@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
-from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.core import check_output_path
 from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
 from converter.conversion.writers import write
 from converter.engine.ties_dare import combine_tensors, dare_mask
-from converter.errors import AdapterFormatError, BadInputError, UsageError
+from converter.errors import AdapterFormatError, BadInputError
 from converter.formats import load_adapter
 from converter.hub.sources import fetch
 from converter.io.scratch import temp_folder
-from converter.methods.options import FACTOR_METHODS, METHODS, NEEDS_DENSITY, SVD_METHODS
+from converter.methods.options import FACTOR_METHODS, CombineOptions
 from converter.methods.resizing import lora_svd
 
 
@@ -44,25 +44,6 @@ class CombineResult:
     method: str
     notes: list[str] = field(default_factory=list)
     svd_errors: dict[str, float] = field(default_factory=dict)
-
-
-def check_options(method: str, n: int, density: float | None, rank: int | None, svd_clamp: float | None) -> None:
-    """Every option problem as a one-line error, before an adapter is read."""
-    if method not in METHODS:
-        raise UsageError(f"--method {method}: choose one of {', '.join(METHODS)}")
-    if n < 1:
-        raise UsageError("combine needs at least one --adapter")
-    base = method.removesuffix("_svd")
-    if base in NEEDS_DENSITY and density is None:
-        raise UsageError(f"--method {method} needs --density (the fraction of values kept, in (0, 1])")
-    if density is not None and not 0 < density <= 1:
-        raise UsageError(f"--density {density}: give the fraction of values kept, in (0, 1]")
-    if rank is not None and method not in SVD_METHODS:
-        raise UsageError(f"--rank applies to the svd methods only; {method} keeps the input ranks")
-    if rank is not None and rank < 1:
-        raise UsageError(f"--rank {rank}: give a positive rank")
-    if svd_clamp is not None and (method not in SVD_METHODS or not 0 < svd_clamp <= 1):
-        raise UsageError("--svd-clamp is a quantile in (0, 1] and applies to the svd methods only")
 
 
 def combine_module(
@@ -145,38 +126,23 @@ def svd_factors(
 def combine(
     adapters: list[str],
     out: str | Path,
+    options: CombineOptions | None = None,
     *,
-    weights: list[float] | None = None,
-    method: str = "cat",
-    density: float | None = None,
-    rank: int | None = None,
-    seed: int = 0,
-    sign_method: str = "total",
-    svd_clamp: float | None = None,
-    to: str = "peft",
-    base: str | None = None,
-    component: str | None = None,
-    force: bool = False,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
 ) -> CombineResult:
-    """Combine `adapters` (local or Hub) with `weights` by `method` into one adapter written at `out` as `to`."""
-    weights = list(weights) if weights else [1.0] * len(adapters)
-    if len(weights) != len(adapters):
-        raise UsageError(f"{len(weights)} --weight for {len(adapters)} --adapter: give one per adapter")
-    if sign_method not in ("total", "frequency"):
-        raise UsageError(f"--majority-sign {sign_method}: choose total or frequency")
-    if to not in TARGETS:
-        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
-    check_options(method, len(adapters), density, rank, svd_clamp)
+    """Combine `adapters` (local or Hub) into one adapter written at `out`, as `options` say (default: their
+    exact sum, `cat`, as PEFT)."""
+    o = options or CombineOptions()
+    weights = o.weights_for(adapters)
     out = Path(out)
-    check_output_path(out, to, force)
+    check_output_path(out, o.to, o.force)
     notes: list[str] = []
+    method = o.method
     if len(adapters) == 1 and method != "linear":
         notes.append(f"one adapter: combined with linear, as PEFT's add_weighted_adapter does (not {method})")
         method = "linear"
-    loaded, sources = _load_all(adapters, base, to, component, token, allow_pickle, log)
+    loaded, sources = _load_all(adapters, o, token, log)
     order: dict[tuple, list[tuple[int, float, LoraModule]]] = {}
     for i, modules in enumerate(loaded):
         for m in modules:
@@ -188,12 +154,12 @@ def combine(
                     tensor=m.source,
                 )
             order.setdefault((m.component, m.name), []).append((i, weights[i], m))
-    target_rank = rank or max(m.rank for modules in loaded for m in modules)
+    target_rank = o.rank or max(m.rank for modules in loaded for m in modules)
     result: list[LoraModule] = []
     svd: dict[str, float] = {}
     for (comp, name), parts in order.items():
-        down, up, error = combine_module(parts, method, rank=target_rank, density=density, seed=seed,
-                                         sign_method=sign_method, svd_clamp=svd_clamp)  # fmt: skip
+        down, up, error = combine_module(parts, method, rank=target_rank, density=o.density, seed=o.seed,
+                                         sign_method=o.sign_method, svd_clamp=o.svd_clamp)  # fmt: skip
         first = parts[0][2]
         result.append(LoraModule(comp, name, down, up, float(down.shape[0]), first.source, first.flat, first.prefix))
         if error is not None:
@@ -203,25 +169,25 @@ def combine(
         notes.append(f"{method}: truncated to rank {target_rank}: relative error ‖ΔW − ΔW_r‖/‖ΔW‖ max "
                      f"{svd[worst]:.3e} ({worst}), mean {sum(svd.values()) / len(svd):.3e}")  # fmt: skip
     source = {"combined_from": sources, "weights": weights, "method": method}
-    extra = (("density", density), ("seed", seed if "dare" in method else None),
-             ("majority_sign", sign_method if "ties" in method else None))  # fmt: skip
+    extra = (("density", o.density), ("seed", o.seed if "dare" in method else None),
+             ("majority_sign", o.sign_method if "ties" in method else None))  # fmt: skip
     source.update({k: v for k, v in extra if v is not None})
-    files = write(result, to, out, force=force, source=source, svd=svd)
+    files = write(result, o.to, out, force=o.force, source=source, svd=svd)
     for note in notes:
         log(f"note: {note}")
-    log(f"wrote {out}: {len(result)} LoRA modules combined by {method} as {to} ({', '.join(files)})")
+    log(f"wrote {out}: {len(result)} LoRA modules combined by {method} as {o.to} ({', '.join(files)})")
     return CombineResult(out, files, len(result), method, notes, svd)
 
 
-def _load_all(adapters, base, to, component, token, allow_pickle, log) -> tuple[list[list[LoraModule]], list[str]]:
-    """Each adapter's modules named for the output (looked up on `base` when given), and a public name of each."""
+def _load_all(adapters: list[str], o: CombineOptions, token: str | None, log) -> tuple[list, list[str]]:
+    """Each adapter's modules named for the output (looked up on `o.base` when given), and a public name of each."""
     loaded, sources = [], []
     with temp_folder("base-headers", log=log) as scratch:
-        view = BaseNames(base_names(base, token, Path(scratch))) if base else None
+        view = BaseNames(base_names(o.base, token, Path(scratch))) if o.base else None
         for spec in adapters:
             fetched = fetch(spec, "adapter", token)
-            adapter = load_adapter(fetched.local, allow_pickle=allow_pickle)
-            modules, _ = collect(adapter, view, to, component=component)
+            adapter = load_adapter(fetched.local, allow_pickle=o.allow_pickle)
+            modules, _ = collect(adapter, view, o.to, component=o.component)
             loaded.append(modules)
             sources.append(fetched.pinned if fetched.sha else Path(spec).name)
     return loaded, sources

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.core import check_output_path
 from converter.conversion.modules import LoraModule
 from converter.conversion.writers import write, write_peft
 from converter.engine.base_reader import open_base
@@ -28,7 +28,8 @@ from converter.engine.keymap import keymap_for
 from converter.engine.writer import atomic_folder
 from converter.errors import CheckpointError, UsageError
 from converter.hub.sources import HUB_SPEC, fetch
-from converter.methods.ranks import check_rule, choose_rank, retained_energy
+from converter.methods.options import ExtractOptions
+from converter.methods.ranks import choose_rank, retained_energy
 
 # module names that are embeddings (a lookup table, not a linear map): token and position tables
 EMBEDDING = re.compile(
@@ -72,51 +73,39 @@ def extract(
     base: str,
     tuned: str,
     out: str | Path,
+    options: ExtractOptions,
     *,
-    rank: int,
-    rule: str = "fixed",
-    param: float | None = None,
-    include: list[str] | None = None,
-    exclude: list[str] | None = None,
-    modules_to_save: bool = True,
-    to: str = "peft",
-    force: bool = False,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
 ) -> ExtractResult:
-    """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `to`."""
-    if rank < 1:
-        raise UsageError(f"--rank {rank}: give a positive rank")
-    if to not in TARGETS:
-        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
-    check_rule(rule, param)
-    keep = _filter(include or [], exclude or [])
+    """Extract a LoRA adapter from `tuned` relative to `base` and write it at `out` as `options` say."""
+    o = options
+    keep = _filter(list(o.include), list(o.exclude))
     out = Path(out)
-    check_output_path(out, to, force)
+    check_output_path(out, o.to, o.force)
     fetched = {}
     for role, spec in (("base", base), ("tuned", tuned)):
         fetched[role] = fetch(spec, "model", token)
     b, t = open_base(fetched["base"].local), open_base(fetched["tuned"].local)
     keys = _compared_keys(b, t, tuned, keep)
     whole = _whole_modules(b, t, keys)
-    if whole and (not modules_to_save or to != "peft"):
+    if whole and (not o.modules_to_save or o.to != "peft"):
         first = next(iter(whole.values()))
-        why = "--no-modules-to-save" if not modules_to_save else f"--to {to} has no form for them (use --to peft)"
+        why = "--no-modules-to-save" if not o.modules_to_save else f"--to {o.to} has no form for them (use --to peft)"
         raise CheckpointError(
             f"{tuned}: {first} differs and has no low-rank form (an embedding, norm or bias); {len(whole)} such "
             f"module(s) would be saved whole, but {why}, or --exclude them",
             file=tuned,
         )
-    modules, saved, report = _factored(b, t, keys, whole, rank, rule, param)
+    modules, saved, report = _factored(b, t, keys, whole, o.rank, o.rule, o.param)
     if not modules:
-        where = " (after --include/--exclude)" if include or exclude else ""
+        where = " (after --include/--exclude)" if o.include or o.exclude else ""
         raise CheckpointError(f"{tuned}: no weight matrix differs from the base{where}; nothing to extract", file=tuned)
-    files = _write(modules, saved, to, out, force, fetched, report, base)
+    files = _write(modules, saved, o.to, out, o.force, fetched, report, base)
     notes = _summary(report, saved)
     for note in notes:
         log(f"note: {note}")
-    log(f"wrote {out}: {len(modules)} LoRA modules extracted as {to} ({', '.join(files)})")
+    log(f"wrote {out}: {len(modules)} LoRA modules extracted as {o.to} ({', '.join(files)})")
     names = [f"{c}/{m}" if c else m for c, m in saved]
     return ExtractResult(out, files, len(modules), names, report, notes)
 

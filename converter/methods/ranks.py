@@ -14,25 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from converter.errors import UsageError
-from converter.methods.options import RANK_RULES
-
-
-def check_rule(rule: str, param: float | None) -> None:
-    """A one-line error for a rule/parameter pair that cannot work, before any tensor is read."""
-    if rule not in RANK_RULES:
-        raise UsageError(f"--rank-rule {rule}: choose one of {', '.join(RANK_RULES)}")
-    if rule == "fixed":
-        return
-    if param is None:
-        raise UsageError(f"--rank-rule {rule} needs --rank-param (see `converter extract --help`)")
-    if rule == "sv_ratio" and param < 1:
-        raise UsageError(f"--rank-param {param}: sv_ratio keeps S > S₀/p, so p must be at least 1")
-    if rule in ("sv_fro", "sv_cumulative") and not 0 < param <= 1:
-        raise UsageError(f"--rank-param {param}: {rule} keeps a fraction, give a number in (0, 1]")
-    if rule == "sv_epsilon" and param < 0:
-        raise UsageError(f"--rank-param {param}: sv_epsilon is a threshold on singular values, give one >= 0")
-
 
 def choose_rank(s: torch.Tensor, cap: int, rule: str = "fixed", param: float | None = None) -> int:
     """The rank to keep for singular values `s` (descending), at most `cap` and at least 1."""

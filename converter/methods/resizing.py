@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from converter.conversion.core import TARGETS, check_output_path
+from converter.conversion.core import check_output_path
 from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
 from converter.conversion.writers import write
-from converter.errors import UsageError
 from converter.formats import load_adapter
 from converter.hub.sources import fetch
 from converter.io.scratch import temp_folder
-from converter.methods.ranks import check_rule, choose_rank, retained_energy
+from converter.methods.options import ResizeOptions
+from converter.methods.ranks import choose_rank, retained_energy
 
 
 @dataclass
@@ -63,43 +63,36 @@ def resize_module(m: LoraModule, cap: int, rule: str = "fixed", param: float | N
 def resize(
     adapter: str,
     out: str | Path,
+    options: ResizeOptions,
     *,
-    rank: int,
-    rule: str = "fixed",
-    param: float | None = None,
-    base: str | None = None,
-    component: str | None = None,
-    to: str = "peft",
-    force: bool = False,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
 ) -> ResizeResult:
-    """Resize every module of the adapter at `adapter` (local or Hub) and write it at `out` as `to`."""
-    if rank < 1:
-        raise UsageError(f"--rank {rank}: give a positive rank")
-    if to not in TARGETS:
-        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
-    check_rule(rule, param)
+    """Resize every module of the adapter at `adapter` (local or Hub) and write it at `out` as `options` say."""
+    o = options
     out = Path(out)
-    check_output_path(out, to, force)
+    check_output_path(out, o.to, o.force)
     fetched = fetch(adapter, "adapter", token)
-    loaded = load_adapter(fetched.local, allow_pickle=allow_pickle)
+    loaded = load_adapter(fetched.local, allow_pickle=o.allow_pickle)
     with temp_folder("base-headers", log=log) as scratch:
-        view = BaseNames(base_names(base, token, Path(scratch))) if base else None
-        modules, svd = collect(loaded, view, to, rank=rank, component=component)
+        view = BaseNames(base_names(o.base, token, Path(scratch))) if o.base else None
+        modules, svd = collect(loaded, view, o.to, rank=o.rank, component=o.component)
     resized, report = [], {}
     for m in modules:
-        new, facts = resize_module(m, rank, rule, param)
+        new, facts = resize_module(m, o.rank, o.rule, o.param)
         if m.source in svd:  # a LoHa/LoKr/full delta made a LoRA first: its error is that SVD's
             facts["relative_error"] = svd[m.source]
         resized.append(new)
         report[m.name] = facts
     errors = {k: v["relative_error"] for k, v in report.items()}
-    source = {"resized_from": fetched.pinned if fetched.sha else Path(adapter).name, "rank": rank, "rank_rule": rule}
-    if param is not None:
-        source["rank_param"] = param
-    files = write(resized, to, out, force=force, source=source, svd=errors)
+    source = {
+        "resized_from": fetched.pinned if fetched.sha else Path(adapter).name,
+        "rank": o.rank,
+        "rank_rule": o.rule,
+    }
+    if o.param is not None:
+        source["rank_param"] = o.param
+    files = write(resized, o.to, out, force=o.force, source=source, svd=errors)
     worst = max(errors, key=errors.get)
     ranks = sorted({v["rank"] for v in report.values()})
     notes = [f"{len(report)} modules, rank {ranks[0]}" + (f"..{ranks[-1]}" if len(ranks) > 1 else "") +
@@ -107,5 +100,5 @@ def resize(
              f"{errors[worst]:.3e} ({worst}), mean {sum(errors.values()) / len(errors):.3e}"]  # fmt: skip
     for note in notes:
         log(f"note: {note}")
-    log(f"wrote {out}: {len(resized)} LoRA modules resized as {to} ({', '.join(files)})")
+    log(f"wrote {out}: {len(resized)} LoRA modules resized as {o.to} ({', '.join(files)})")
     return ResizeResult(out, files, len(resized), report, notes)

@@ -234,10 +234,11 @@ def test_python_api_names_the_functions(trio, tmp_path):
     """`from converter.methods import combine` is the function even after its module was imported."""
     import converter.methods.combination  # noqa: F401
     from converter.methods import combine, extract, resize
+    from converter.methods.options import CombineOptions
 
     assert all(callable(f) and f.__module__.startswith("converter.methods.") for f in (combine, extract, resize))
     _, a, b, _ = trio
-    result = combine([str(a), str(b)], tmp_path / "o", weights=[1.0, 0.5], method="cat", log=lambda m: None)
+    result = combine([str(a), str(b)], tmp_path / "o", CombineOptions(weights=(1.0, 0.5)), log=lambda m: None)
     assert result.modules == 6 and (tmp_path / "o" / "adapter_model.safetensors").is_file()
 
 
