@@ -18,6 +18,7 @@ from converter.engine.checkpoint import Checkpoint
 from converter.engine.precision import file_sources
 from converter.engine.recipe import Recipe
 from converter.errors import OutputError
+from converter.verification.peft_names import older_name_mapping
 from converter.verification.referee import RefereeUnavailable, first_line
 
 PROMPTS = [
@@ -349,14 +350,15 @@ def load_reference(
         # Offloaded: torch warns that copying the adapter weights into meta parameters is a no-op, but PEFT then
         # writes them to the offload folder; the offloaded reference equals the in-memory one (tested).
         warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* is a no-op")
+        renamed = {"key_mapping": older_name_mapping(model, adapters) or None}  # transformers 4's module names
         with load_results() as results, peft_refusals():
-            model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed)
+            model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **placed, **renamed)
             for name, path in zip(names[1:], adapters[1:], strict=True):
-                model.load_adapter(path, adapter_name=name, **placed)
+                model.load_adapter(path, adapter_name=name, **placed, **renamed)
     require_all_loaded(results, adapters)
     require_trained_scales(model, names, adapters)
     if sources is not None:
-        _exact_adapter_tensors(model, adapters, names, sources)
+        _exact_adapter_tensors(model, adapters, names, sources, renamed["key_mapping"])
     set_recipe_scales(model, recipe)
     return model.eval()
 
@@ -375,7 +377,7 @@ def set_recipe_scales(model, recipe: Recipe) -> None:
                 module.set_scale(name, spec.weight if spec.admits(key) else 0.0)
 
 
-def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict) -> None:
+def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], sources: dict, renamed=None) -> None:
     """Float32 compute over weights in their own dtype must see the adapters' tensors as stored: PEFT makes its
     copies for modules_to_save and trainable tokens in the base's dtype, which rounds a float32 adapter's values
     (LoRA factors it upcasts itself). Upcast the adapters' own 16-bit tensors (PEFT puts the adapter's name in
@@ -393,7 +395,8 @@ def _exact_adapter_tensors(model, adapters: list[Path], names: list[str], source
     if not upcast:  # plain LoRA factors: PEFT loaded them in float32 already
         return
     for name, path in zip(names, adapters, strict=True):
-        set_peft_model_state_dict(model, load_peft_weights(str(path), device="cpu"), adapter_name=name)
+        weights = load_peft_weights(str(path), device="cpu", key_mapping=renamed)
+        set_peft_model_state_dict(model, weights, adapter_name=name)
 
 
 def side_by_side(tok, prompts: list[str], bare, ref, out, count: int = 3) -> list[dict]:

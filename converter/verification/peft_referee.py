@@ -24,6 +24,7 @@ from converter.engine.model_class import NoModelClass, adapter_modules, folder_c
 from converter.engine.recipe import Recipe
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
+from converter.verification.peft_names import older_name_mapping
 from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
 PREFIX = "base_model.model."
@@ -256,10 +257,11 @@ def hollow_peft_model(base: Path, adapters: list[Path], names: list[str], vocab:
         hollow(model, written)
     if before_peft is not None:
         before_peft(model, written, saved)
+    renamed = {"key_mapping": older_name_mapping(model, adapters) or None}  # transformers 4's module names
     with load_results() as results, peft_refusals():
-        model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0])
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name=names[0], **renamed)
         for name, path in zip(names[1:], adapters[1:], strict=True):
-            model.load_adapter(path, adapter_name=name)
+            model.load_adapter(path, adapter_name=name, **renamed)
     require_all_loaded(results, adapters)
     require_trained_scales(model, names, adapters)
     model.saved_names = saved

@@ -1,0 +1,126 @@
+"""Older names, same proof: where the merge places an adapter saved under older names, the referee reads it under
+the same mapping, so PEFT or diffusers judges every tensor and the behaviour check runs (not the formula).
+
+- a Qwen2-VL adapter saved under transformers 4's module names (`model.layers.N`, `visual.`), which transformers 5
+  loads as `model.language_model.layers.N` / `model.visual.`: PEFT is given its own `key_mapping`;
+- a diffusers attention-processor LoRA on SD 1.5 (`...attn1.processor.to_q_lora.down.weight`, the layout of
+  diffusers' `save_attn_procs` before PEFT): diffusers' loader is given it under the `unet.` prefix its own
+  conversion reads.
+
+Each adapter is made by the library that makes it (PEFT; diffusers' `add_adapter`, written in the published
+legacy layout), on tiny configs; one module put back unmerged exits 3.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from converter import AdapterSpec, Recipe
+from converter.engine.merging import merge
+from converter.verification import verify
+
+QWEN2_VL = dict(
+    text_config=dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=1,
+                       temporal_patch_size=1),
+    image_token_id=150, video_token_id=151, vision_start_token_id=152,
+)  # fmt: skip
+# transformers 5's module names -> transformers 4's, as Qwen2-VL adapters trained before it are saved
+TRANSFORMERS_4 = (("base_model.model.model.language_model.", "base_model.model.model."),
+                  ("base_model.model.model.visual.", "base_model.model.visual."))  # fmt: skip
+
+
+def qwen2_vl_adapter(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen2-VL base and PEFT's LoRA on its language model and vision tower, its keys then written as
+    transformers 4 named them."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(**QWEN2_VL)).eval()
+    base, adapter = root / "base", root / "adapter"
+    copy.deepcopy(model).save_pretrained(base)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"], task_type="CAUSAL_LM",
+                      init_lora_weights=False)  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    peft_model.save_pretrained(adapter)
+    file = adapter / "adapter_model.safetensors"
+    tensors = load_file(file)
+    assert any(".language_model." in k for k in tensors) and any(".visual." in k for k in tensors)
+    save_file({_older(k): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    return base, adapter
+
+
+def _older(key: str) -> str:
+    for new, old in TRANSFORMERS_4:
+        if key.startswith(new):
+            return old + key[len(new) :]
+    return key
+
+
+def changed(base: Path, out: Path, pattern: str = "*.safetensors") -> list[str]:
+    from safetensors.torch import load_file
+
+    before = {k: v for f in base.glob(pattern) for k, v in load_file(f).items()}
+    after = {k: v for f in out.glob(pattern) for k, v in load_file(f).items()}
+    return sorted(k for k in after if k in before and not torch.equal(after[k], before[k]))
+
+
+def put_back(out: Path, base: Path, name: str, pattern: str = "*.safetensors") -> None:
+    """Sabotage: one tensor of the output back to the base's value (a module left unmerged)."""
+    from safetensors.torch import load_file, save_file
+
+    original = {k: v for f in base.glob(pattern) for k, v in load_file(f).items()}[name]
+    for f in out.glob(pattern):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name] = original
+            save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_transformers_4_names_are_refereed_by_peft(tmp_path, cli):
+    base, adapter = qwen2_vl_adapter(tmp_path)
+    out = tmp_path / "out"
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(adapter))], out=str(out))
+    merge(recipe, force=True, log=lambda _: None)
+    report = verify(out, recipe, log=lambda _: None)
+    assert report.verdict == "pass", (report.problems, report.tensors_skipped, report.behaviour_skipped)
+    assert report.tensors.referee.name == "PEFT", report.tensors.referee.detail
+    assert report.behaviour is not None, report.behaviour_skipped
+
+    victims = changed(base, out)
+    assert any(".visual." in v or v.startswith("visual.") for v in victims) and len(victims) == 5  # 4 text, 1 vision
+    for victim in (victims[0], victims[-1]):
+        sabotaged = tmp_path / f"sabotaged-{victim}"
+        shutil.copytree(out, sabotaged)
+        put_back(sabotaged, base, victim)
+        code, stdout, stderr = cli("verify", sabotaged, "--proof", "tensors")
+        assert code == 3, stdout + stderr
+        assert victim in stderr
+
+
+def test_an_unknown_old_name_is_still_refused(tmp_path):
+    """A module path transformers renames to no module of the model is left as it is: PEFT ignores it and the
+    referee says so (the mapping never invents a place)."""
+    from safetensors.torch import load_file, save_file
+
+    from converter.verification.peft_referee import hollow_peft_model
+    from converter.verification.referee import RefereeUnavailable
+
+    base, adapter = qwen2_vl_adapter(tmp_path)
+    file = adapter / "adapter_model.safetensors"
+    tensors = load_file(file)
+    save_file({k.replace(".layers.1.", ".layers.7."): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
+    with pytest.raises(RefereeUnavailable, match="ignores"):
+        hollow_peft_model(base, [adapter], ["adapter0"], None)
