@@ -446,7 +446,7 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
     if gguf_types and recipe.out:
         from converter.cli.gguf import merge_tee
 
-        tee = merge_tee(recipe.out, gguf_types, log=_log)
+        tee = merge_tee(recipe.out, gguf_types, log=_log, base=recipe.base)
     report = exported = None
     try:
         result = merge(recipe, force=args.force, token=args.token, log=_log, tee=tee, on_planned=warmup)
