@@ -46,9 +46,13 @@ def merge_option(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def merge_tee(out: str, types: list[str], log: Callable[[str], None]):
-    """`merge --gguf`: the types we write ourselves are written while the merge streams (converter.gguf.stream)."""
+def merge_tee(out: str, types: list[str], log: Callable[[str], None], base: str | None = None):
+    """`merge --gguf`: the types we write ourselves are written while the merge streams (converter.gguf.stream);
+    None for a diffusion model's single file (its GGUF files are written from the merged file afterwards)."""
     from converter.gguf.export import file_stem
+
+    if base and _single_file_base(base):
+        return None
     from converter.gguf.stream import GGUFTee
 
     folder = Path(out)
@@ -74,11 +78,19 @@ def export_merged(folder, types: list[str], log: Callable[[str], None], written:
 def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
     """`push --gguf TYPES`: types, extra and (for a local folder or base) architecture checked before anything
     runs; from `--from FOLDER`, the files written and proven too (while merging: in the push, before its commit)."""
-    from converter.gguf.export import check_merge_gguf
+    from converter.gguf.export import check_merge_gguf, is_diffusion_source
     from converter.gguf.publish import PendingGGUF
 
-    gguf = PendingGGUF(check_merge_gguf(args.gguf, args.from_folder or base, args.token), args.repo.split("/")[-1],
-                       log)  # fmt: skip
+    types = check_merge_gguf(args.gguf, args.from_folder or base, args.token)
+    source = args.from_folder or base
+    pending = PendingGGUF
+    if source and (_single_file_base(source) or is_diffusion_source(source)):
+        from converter.gguf.diffusion import check_types
+        from converter.gguf.diffusion_publish import PendingDiffusionGGUF
+
+        check_types(types, source)
+        pending = PendingDiffusionGGUF
+    gguf = pending(types, args.repo.split("/")[-1], log)
     if args.from_folder:
         try:
             gguf.export(args.from_folder)
@@ -98,3 +110,8 @@ def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None])
 def discard_push_gguf(gguf) -> None:
     if gguf is not None:
         gguf.discard()
+
+
+def _single_file_base(base: str) -> bool:
+    """A diffusion model's single file as the base (local or a Hub path to a .safetensors file)."""
+    return str(base).endswith(".safetensors")

@@ -67,6 +67,10 @@ def export(
     """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests);
     `written`: files of these types already written from this source (converter.gguf.stream), proven and kept
     instead of written again."""
+    if is_diffusion_source(source):
+        from converter.gguf.diffusion_export import export as export_diffusion
+
+        return export_diffusion(source, types, out, name=name, force=force, log=log)
     folder = resolve_source(source, token)
     src = open_source(folder)
     family = family_of(src.config, folder)
@@ -143,17 +147,29 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
     return fp
 
 
+def is_diffusion_source(source: str | Path) -> bool:
+    """A diffusion model's single file (or a merge's folder holding one), or a diffusers pipeline folder: exported
+    by converter.gguf.diffusion_export."""
+    from converter.gguf.diffusion import is_diffusion_folder, single_file
+
+    return single_file(source) is not None or is_diffusion_folder(source)
+
+
 def check_merge_gguf(text: str | None, base: str | None, token: str | None = None) -> list[str] | None:
-    """`merge --gguf`: the types, the extra they need and the base (a language model llama.cpp runs; for a local
-    base, its architecture), checked before the merge starts, so a refusal costs nothing."""
+    """`merge --gguf`: the types, the extra they need and the base (a language model llama.cpp runs, or a diffusion
+    model's single file; for a local base, its architecture), checked before the merge starts, so a refusal costs
+    nothing."""
     if not text:
         return None
-    if base and is_diffusion_base(base, token):
-        raise UsageError(
-            f"--gguf {text}: {base} is a diffusion model; GGUF export is for the language models llama.cpp runs "
-            "(merge without --gguf)"
-        )
     types = parse_types(text)
+    if base and is_diffusion_base(base, token):
+        from converter.gguf.diffusion import check_types
+
+        if not str(base).endswith(".safetensors"):
+            raise UsageError(f"--gguf {text}: {base} is a diffusers pipeline; ComfyUI-GGUF and diffusers' GGUF loader "
+                             "read the original single-file layout (give the model's single file as base)")  # fmt: skip
+        check_types(types, base)
+        return types
     if needs_llama(types):
         llama.require_llama(f"GGUF type {next(t for t in types if t in LLAMA_TYPES)}")
     config = Path(base or "") / "config.json"

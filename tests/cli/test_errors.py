@@ -413,15 +413,17 @@ def test_a_failed_verification_carries_its_report(llama, lora, tmp_path):
     assert name in str(caught.value)
 
 
-def test_gguf_of_a_diffusion_base_is_refused_before_the_merge(lora, tmp_path, cli):
-    """GGUF export is for the language models llama.cpp runs: a diffusers pipeline or a single-file checkpoint as the
-    base of `merge --gguf` is one line, exit 2, before anything is merged (it crashed in the GGUF stream before)."""
+def test_gguf_of_a_diffusion_base_is_refused_before_the_merge_where_it_cannot_be_made(lora, tmp_path, cli):
+    """A diffusers pipeline as the base of `merge --gguf` (ComfyUI-GGUF and diffusers' GGUF loader read the
+    original single file) and a K-quant for a single file (not made exactly here) are one line, exit 2, before
+    anything is merged; the GGUF of a single file itself is tests/gguf/test_gguf_diffusion.py's."""
     pipeline = tmp_path / "pipeline"
     pipeline.mkdir()
     (pipeline / "model_index.json").write_text("{}")
     single = tmp_path / "flux1-dev.safetensors"
     single.write_bytes(b"")
-    why = "is a diffusion model; GGUF export is for the language models llama.cpp runs"
-    for base in (pipeline, single):
-        err = assert_fails(cli, tmp_path, "--base", base, "--adapter", lora, "--gguf", "Q8_0", message=why)
-        assert str(base) in err
+    err = assert_fails(cli, tmp_path, "--base", pipeline, "--adapter", lora, "--gguf", "Q8_0",
+                       message="read the original single-file layout")  # fmt: skip
+    assert str(pipeline) in err
+    err = assert_fails(cli, tmp_path, "--base", single, "--adapter", lora, "--gguf", "Q4_K_M", message="K-quants")
+    assert str(single) in err

@@ -1,0 +1,142 @@
+"""The proof of a diffusion GGUF file, in three parts (converter.gguf.proof's FileProof and Part), each naming what
+is wrong when it fails.
+
+1. Metadata: the architecture name ComfyUI-GGUF accepts, the file type, and each reshaped tensor's
+   `comfy.gguf.orig_shape` (an array of INT32, as ComfyUI-GGUF's loader requires) equal to the source's shape;
+   none for a tensor kept as it was.
+2. Tensors: every tensor of the source's denoiser is in the file and nothing else; each is stored as the rules
+   say (converter.gguf.diffusion_arch), with its stored shape, and its bytes equal gguf's reference cast /
+   quantization of the source tensor (bytes compared: no dequantization, no float comparison).
+3. Behaviour: diffusers loads the file with its GGUF quantizer (`from_single_file(..., quantization_config=
+   GGUFQuantizationConfig(...))`) and its output on seeded inputs is compared with the source single file's, loaded
+   by diffusers in float32 under the same config; the relative RMS difference stays under a limit per type.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from converter.gguf import diffusion_run
+from converter.gguf.diffusion import DiffusionSource, Planned, encode
+from converter.gguf.diffusion_arch import ORIG_SHAPE
+from converter.gguf.proof import FileProof, Part
+from converter.gguf.write import FILE_TYPE
+from converter.io.same_bytes import same_bytes
+
+# Relative RMS difference of diffusers' output from the GGUF file against the merged file's (float32), per type.
+# Measured on tiny Wan models (docs/gguf-diffusion.md has the numbers); each limit is several times the measured
+# difference, and far below what one tensor negated gives (about 0.1 and more).
+BEHAVIOUR_LIMIT = {"F32": 1e-5, "F16": 2e-3, "BF16": 1e-2, "Q8_0": 1e-2}
+
+
+def prove_metadata(reader: gguf.GGUFReader, src: DiffusionSource, plan: list[Planned], type_name: str) -> Part:
+    def value(key: str):
+        f = reader.get_field(key)
+        return None if f is None else f.contents()
+
+    want = {"general.architecture": src.arch.name, "general.file_type": int(FILE_TYPE[type_name])}
+    for key, expected in want.items():
+        if value(key) != expected:
+            return Part("metadata", False, f"{key} is {value(key)!r}, expected {expected!r}")
+    reshaped = 0
+    for p in plan:
+        f = reader.get_field(f"{ORIG_SHAPE}{p.name}")
+        if p.stored == p.shape:
+            if f is not None:
+                return Part("metadata", False, f"{ORIG_SHAPE}{p.name} is set, but {p.name} is stored as it was")
+            continue
+        reshaped += 1
+        int32 = [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
+        if f is None or f.types != int32 or tuple(f.contents()) != p.shape:
+            got = None if f is None else f.contents()
+            return Part("metadata", False, f"{ORIG_SHAPE}{p.name} is {got!r}, {p.name}'s shape is {p.shape} "
+                        "(an INT32 array)")  # fmt: skip
+    extra = [f for f in reader.fields if f.startswith(ORIG_SHAPE) and f[len(ORIG_SHAPE) :] not in src.names.values()]
+    if extra:
+        return Part("metadata", False, f"{extra[0]} names no tensor of the file")
+    how = f"; {reshaped} UNet tensors' original shapes recorded" if reshaped else ""
+    return Part("metadata", True, f"architecture {src.arch.name}, file type {type_name}{how}")
+
+
+def prove_tensors(reader: gguf.GGUFReader, src: DiffusionSource, plan: list[Planned]) -> Part:
+    """Every tensor's type, shape and bytes against the source's, read again from the source file."""
+    from safetensors import safe_open
+
+    found = {t.name: t for t in reader.tensors}
+    expected = {p.name for p in plan}
+    with safe_open(src.file, framework="pt") as f:
+        for p in plan:
+            t = found.get(p.name)
+            if t is None:
+                return Part("tensors", False, f"{p.name} ({p.key}) is missing from the file")
+            if t.tensor_type != p.qtype:
+                return Part("tensors", False, f"{p.name} is stored as {t.tensor_type.name}, expected {p.qtype.name}")
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if shape != p.stored:
+                return Part("tensors", False, f"{p.name} has shape {shape}, expected {p.stored}")
+            want = encode(f.get_tensor(p.key).float().numpy(), p)
+            got = np.ascontiguousarray(t.data).view(np.uint8).ravel()
+            if got.size != want.nbytes or not same_bytes(got, np.ascontiguousarray(want).view(np.uint8).ravel()):
+                return Part("tensors", False, f"{p.name} ({p.key}): its bytes differ from the source as "
+                            f"{p.qtype.name}")  # fmt: skip
+    extra = sorted(set(found) - expected)
+    if extra:
+        return Part("tensors", False, f"{extra[0]} is in the file but comes from no source tensor")
+    kinds = sorted({p.qtype.name for p in plan})
+    return Part("tensors", True, f"{len(plan)} tensors ({', '.join(kinds)}) equal to the source as cast / "
+                "reference-quantized")  # fmt: skip
+
+
+class Reference:
+    """The merged single file's output in diffusers (float32) on the seeded inputs, computed once for every file;
+    `why` says why there is none (the architecture has no run here, or diffusers could not read the source)."""
+
+    def __init__(self, src: DiffusionSource):
+        self.src, self.output, self.why = src, None, ""
+        self._dir = tempfile.TemporaryDirectory(prefix="converter-gguf-config-")
+        self.folder = Path(self._dir.name)
+        shapes = {n: src.shapes[k] for k, n in src.names.items()}
+        self.config = diffusion_run.config(src.arch.name, shapes, self.folder)
+        if self.config is None:
+            self.why = f"no diffusers run of {src.arch.name} here (only of {', '.join(diffusion_run.RUNS)})"
+            return
+        try:
+            self.output = diffusion_run.outputs(src.arch.name, src.file, self.config, self.folder, gguf=False)
+        except Exception as e:  # noqa: BLE001 (the source, not the file, is what diffusers cannot read)
+            self.why = f"diffusers cannot run the source single file: {str(e).splitlines()[0][:200]}"
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
+    if ref.output is None:
+        return Part("behaviour", True, ref.why, judged=False)
+    try:
+        got = diffusion_run.outputs(ref.src.arch.name, path, ref.config, ref.folder, gguf=True)
+    except Exception as e:  # noqa: BLE001 (diffusers refusing the file is the finding)
+        return Part("behaviour", False, f"diffusers cannot load the file: {str(e).splitlines()[0][:200]}")
+    if got.shape != ref.output.shape or not np.isfinite(got).all():
+        return Part("behaviour", False, f"diffusers' output from the file has shape {got.shape} or is not finite")
+    rel = float(np.linalg.norm(got - ref.output) / max(np.linalg.norm(ref.output), 1e-30))
+    limit = BEHAVIOUR_LIMIT[type_name]
+    return Part("behaviour", rel <= limit, f"diffusers' output from the file differs from the merged file's by "
+                f"{rel:.2g} (relative RMS; limit {limit} for {type_name})")  # fmt: skip
+
+
+def prove(path: Path, src: DiffusionSource, type_name: str, ref: Reference) -> FileProof:
+    """All three parts, each run only if the ones before it passed."""
+    fp = FileProof(path.name, type_name)
+    plan = src.plan(type_name)
+    reader = gguf.GGUFReader(path)
+    fp.parts.append(prove_metadata(reader, src, plan, type_name))
+    if fp.passed:
+        fp.parts.append(prove_tensors(reader, src, plan))
+    del reader
+    if fp.passed:
+        fp.parts.append(prove_behaviour(path, ref, type_name))
+    return fp

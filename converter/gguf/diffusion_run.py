@@ -1,0 +1,129 @@
+"""Running a diffusion GGUF file in diffusers, for its behaviour proof: the diffusers class of each architecture, its
+config read from the single file's shapes, and seeded inputs.
+
+Why the config is read from the shapes: a single file carries no config.json, and diffusers' own fallback fetches a
+reference repository's (gated for FLUX.1-dev). The proof runs the GGUF file and the merged single file under the
+same config, so what it compares is the two files' weights as diffusers reads them; where a shape does not say a
+value (a head count where the norms span all heads), the architecture's own value is assumed (128 per head).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+HEAD_DIM = 128  # Flux's and Wan's attention head width
+
+
+def _count(keys: set[str], pattern: str) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(pattern, k))}
+    return max(found) + 1 if found else 0
+
+
+def _axes(head_dim: int) -> list[int]:
+    """Rotary axes that sum to the head width (FLUX.1's own where the width is its 128)."""
+    if head_dim == HEAD_DIM:
+        return [16, 56, 56]
+    side = 2 * (head_dim // 6)
+    return [head_dim - 2 * side, side, side]
+
+
+def _flux(s: dict[str, tuple[int, ...]]) -> dict:
+    hidden, in_channels = s["img_in.weight"]
+    head = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    keys = set(s)
+    return {
+        "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": in_channels,
+        "out_channels": s["final_layer.linear.weight"][0], "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
+        "num_single_layers": _count(keys, r"single_blocks\.(\d+)\."), "attention_head_dim": head,
+        "num_attention_heads": hidden // head, "joint_attention_dim": s["txt_in.weight"][1],
+        "pooled_projection_dim": s["vector_in.in_layer.weight"][1],
+        "guidance_embeds": "guidance_in.in_layer.weight" in keys, "axes_dims_rope": _axes(head),
+    }  # fmt: skip
+
+
+def _wan(s: dict[str, tuple[int, ...]]) -> dict:
+    dim, in_channels, *patch = s["patch_embedding.weight"]
+    heads = dim // HEAD_DIM if dim % HEAD_DIM == 0 else 1
+    patches = 1
+    for p in patch:
+        patches *= p
+    return {
+        "_class_name": "WanTransformer3DModel", "patch_size": patch, "num_attention_heads": heads,
+        "attention_head_dim": dim // heads, "in_channels": in_channels,
+        "out_channels": s["head.head.weight"][0] // patches, "text_dim": s["text_embedding.0.weight"][1],
+        "freq_dim": s["time_embedding.0.weight"][1], "ffn_dim": s["blocks.0.ffn.0.weight"][0],
+        "num_layers": _count(set(s), r"blocks\.(\d+)\."),
+    }  # fmt: skip
+
+
+def _flux_inputs(c: dict, g) -> dict:
+    import torch
+
+    img, txt = 16, 8
+    inputs = {
+        "hidden_states": torch.randn(1, img, c["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
+        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": torch.stack(
+            torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1
+        ).reshape(img, 3),  # fmt: skip
+        "txt_ids": torch.zeros(txt, 3),
+    }
+    if c["guidance_embeds"]:
+        inputs["guidance"] = torch.tensor([3.5])
+    return inputs
+
+
+def _wan_inputs(c: dict, g) -> dict:
+    import torch
+
+    t, h, w = (2 * p for p in c["patch_size"])
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], t, h, w, generator=g),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": torch.randn(1, 8, c["text_dim"], generator=g),
+    }
+
+
+#: architecture -> (its config from the shapes, seeded inputs from the config)
+RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] = {
+    "flux": (_flux, _flux_inputs),
+    "wan": (_wan, _wan_inputs),
+}
+
+
+def config(arch: str, shapes: dict[str, tuple[int, ...]], folder: Path) -> dict | None:
+    """The diffusers config of a denoiser with `shapes` (GGUF names), written as folder/config.json; None where
+    the architecture has no run here (or its shapes are not those the reading expects)."""
+    if arch not in RUNS:
+        return None
+    try:
+        made = RUNS[arch][0](shapes)
+    except (KeyError, ValueError):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(made))
+    return made
+
+
+def outputs(arch: str, path: Path, made: dict, folder: Path, gguf: bool):
+    """The denoiser's output on the seeded inputs (float32), the file loaded by diffusers' single-file loader;
+    `gguf`: through its GGUF quantizer (dequantized on the fly, computing in float32)."""
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, made["_class_name"])
+    if gguf:
+        q = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
+        model = cls.from_single_file(str(path), config=str(folder), quantization_config=q)
+    else:
+        model = cls.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32)
+    model.eval()
+    inputs = RUNS[arch][1](made, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(**inputs, return_dict=False)[0]
+    return out.float().numpy()
