@@ -19,13 +19,14 @@ from converter.engine.recipe import Recipe
 from converter.formats import load_adapter
 from converter.formats.components import component_folders
 from converter.io.safetensors_file import SafetensorsFile
+from converter.verification.diffusers_names import for_the_unet, is_attn_procs_file
 from converter.verification.peft_referee import hollow
 from converter.verification.referee import in_one_line
 
 MESSAGE_WIDTH = 120  # characters of a library's error message kept in the report
 OPTIONAL = ("tokenizer", "tokenizer_2", "tokenizer_3", "safety_checker", "feature_extractor", "image_encoder")
 MODEL_PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
-UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight")
+UP_FACTORS = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight", ".lora_linear_layer.up.weight", "_lora.up.weight")
 
 
 class LoaderRefused(Exception):
@@ -216,7 +217,12 @@ def ignored_alphas(count: int) -> str:
 
 def load_one(pipe, local: Path, name: str) -> tuple[int, list[str]]:
     """load_lora_weights of one adapter as `name`: (how many per-module alphas diffusers says it ignores, the
-    LoRA keys it says it left out); LoaderRefused when diffusers raises."""
+    LoRA keys it says it left out); LoaderRefused when diffusers raises. A UNet LoRA of attention processors
+    named without a component (save_attn_procs before PEFT) is given under `unet.` (diffusers_names)."""
+    file = local / "pytorch_lora_weights.safetensors" if local.is_dir() else local
+    unet = getattr(pipe, "unet_name", "unet")
+    if getattr(pipe, unet, None) is not None and is_attn_procs_file(file):
+        return heard(local.name, lambda: pipe.load_lora_weights(for_the_unet(file, unet), adapter_name=name))
     if local.is_dir():
         return heard(local.name, lambda: pipe.load_lora_weights(str(local), adapter_name=name))
     return heard(local.name, lambda: pipe.load_lora_weights(str(local.parent), weight_name=local.name,

@@ -33,6 +33,13 @@ SUFFIXES = {
     ".lora_B.weight": "up",
     ".lora_A.default.weight": "down",
     ".lora_B.default.weight": "up",
+    # diffusers before PEFT: attention processors (`to_q_lora.down`), `.lora.down`, `lora_linear_layer.down`
+    "_lora.down.weight": "down",
+    "_lora.up.weight": "up",
+    ".lora.down.weight": "down",
+    ".lora.up.weight": "up",
+    ".lora_linear_layer.down.weight": "down",
+    ".lora_linear_layer.up.weight": "up",
     ".alpha": "alpha",
     ".dora_scale": "dora",
     ".lora_magnitude_vector": "magnitude",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusion_helpers import make_pipeline, save
 
 from converter import AdapterSpec, Recipe
 from converter.engine.merging import merge
@@ -124,3 +125,58 @@ def test_an_unknown_old_name_is_still_refused(tmp_path):
     save_file({k.replace(".layers.1.", ".layers.7."): v for k, v in tensors.items()}, file, metadata={"format": "pt"})
     with pytest.raises(RefereeUnavailable, match="ignores"):
         hollow_peft_model(base, [adapter], ["adapter0"], None)
+
+
+ATTN_PROCS_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def attn_procs_lora(root: Path) -> tuple[Path, Path]:
+    """A tiny SD 1.5 pipeline and a UNet LoRA made by diffusers (`add_adapter`, every factor random, alpha = rank
+    as the processors had no alpha), written in the layout `save_attn_procs` used before PEFT: `<attention>.
+    processor.to_q_lora.down.weight` / `.up.weight` and `to_out_lora` for `to_out.0`, no component prefix."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet = make_pipeline(root / "base")["unet"]
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=ATTN_PROCS_TARGETS, init_lora_weights=False))
+    legacy = {}
+    for key, value in get_peft_model_state_dict(unet).items():
+        module, factor = key.rsplit(".lora_", 1)
+        attention, layer = module.removesuffix(".0").rsplit(".", 1)
+        legacy[f"{attention}.processor.{layer}_lora.{'down' if factor.startswith('A') else 'up'}.weight"] = value
+    assert any(".to_k_lora.down." in k for k in legacy) and any(".to_out_lora.up." in k for k in legacy)
+    return root / "base", save(legacy, root / "lora" / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.usefixtures("few_images")
+def test_attention_processor_lora_is_refereed_by_diffusers(tmp_path, cli):
+    base, lora = attn_procs_lora(tmp_path)
+    out = tmp_path / "out"
+    code, stdout, stderr = cli("merge", "--base", base, "--adapter", lora, "--out", out, verify=True)
+    assert code == 0, stdout + stderr
+    assert "referee: diffusers" in stdout and "Passed" in stdout  # both proofs, diffusers' loader the reference
+
+    unet = "unet/*.safetensors"
+    victims = changed(base, out, unet)
+    assert len(victims) == 48, victims  # q, k, v, out of 12 attentions
+    victim = next(v for v in victims if "attn2.to_k" in v)
+    put_back(out, base, victim, unet)
+    code, stdout, stderr = cli("verify", out, "--proof", "tensors")
+    assert code == 3, stdout + stderr
+    assert victim in stderr
+
+
+def test_attention_processor_lora_by_the_formula_as_last_resort(tmp_path):
+    """With include/exclude diffusers' loader declines, and the published formula reads the processors' factors
+    (no alpha: scale 1), labelled as the formula; one module left unmerged fails."""
+    base, lora = attn_procs_lora(tmp_path)
+    out = tmp_path / "out"
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(lora), include=[r"\.attn[12]\."])], out=str(out))
+    merge(recipe, force=True, log=lambda _: None)
+    report = verify(out, recipe, log=lambda _: None, proofs=("tensors",))
+    assert report.verdict == "pass", (report.problems, report.tensors_skipped)
+    assert report.tensors.referee.name == "published formula"
+    victim = next(v for v in changed(base, out, "unet/*.safetensors") if "to_out" in v)
+    put_back(out, base, victim, "unet/*.safetensors")
+    bad = verify(out, recipe, log=lambda _: None, proofs=("tensors",))
+    assert bad.verdict == "fail" and any(victim in p for p in bad.problems), bad.problems
