@@ -116,13 +116,14 @@ class ConversionProof:
 
 @dataclass(frozen=True)
 class Proofs:
-    """Every proof a verb ran: a merge's two (tensors, behaviour), GGUF files', a conversion's; `problems` and
-    `notes` as the report states them (for people: nothing reads them back)."""
+    """Every proof a verb ran: a merge's two (tensors, behaviour), GGUF files', MLX folders', a conversion's;
+    `problems` and `notes` as the report states them (for people: nothing reads them back)."""
 
     tensors: TensorProof | None = None
     behaviour: BehaviourProof | None = None
     gguf: tuple[FileProof, ...] = ()
     conversion: ConversionProof | None = None
+    mlx: tuple[FileProof, ...] = ()  # MLX folders' proofs (`file` names the folder)
     problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -133,6 +134,7 @@ class Proofs:
             behaviour=other.behaviour or self.behaviour,
             gguf=self.gguf + other.gguf,
             conversion=other.conversion or self.conversion,
+            mlx=self.mlx + other.mlx,
             problems=self.problems + other.problems,
             notes=self.notes + other.notes,
         )
@@ -250,6 +252,7 @@ class Outcome:
                 behaviour=_record(BehaviourProof, proofs["behaviour"]) if proofs.get("behaviour") else None,
                 gguf=tuple(_record(FileProof, f) for f in proofs.get("gguf") or ()),
                 conversion=_record(ConversionProof, proofs["conversion"]) if proofs.get("conversion") else None,
+                mlx=tuple(_record(FileProof, f) for f in proofs.get("mlx") or ()),
                 problems=tuple(proofs.get("problems") or ()),
                 notes=tuple(proofs.get("notes") or ()),
             ),
