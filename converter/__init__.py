@@ -26,6 +26,7 @@ BASE_READER_PACKAGES = ("converter.training",)
 _LAZY = {
     "AdapterSpec": ("converter.engine.recipe", "AdapterSpec"),
     "CombineOptions": ("converter.methods.options", "CombineOptions"),
+    "ConvertOptions": ("converter.conversion.options", "ConvertOptions"),
     "ExtractOptions": ("converter.methods.options", "ExtractOptions"),
     "HubServer": ("converter.testing.hub", "HubServer"),
     "PushOptions": ("converter.jobs.remote", "PushOptions"),
@@ -51,10 +52,11 @@ _LAZY = {
 }
 
 __all__ = [
-    "AdapterSpec", "CombineOptions", "ConverterError", "ExtractOptions", "HubServer", "NotVerified", "Outcome",
-    "PushOptions", "Recipe", "ResizeOptions", "Verdict", "VerificationFailed", "__version__", "build_demo_inputs",
-    "combine", "convert", "deploy", "errors", "extract", "inspect", "last_outcome", "merge", "plan_on_jobs", "push",
-    "push_folder", "push_pr", "render_inspect", "report_markdown", "resize", "run_on_jobs", "verify"
+    "AdapterSpec", "CombineOptions", "ConvertOptions", "ConverterError", "ExtractOptions", "HubServer",
+    "NotVerified", "Outcome", "PushOptions", "Recipe", "ResizeOptions", "Verdict", "VerificationFailed",
+    "__version__", "build_demo_inputs", "combine", "convert", "deploy", "errors", "extract", "inspect",
+    "last_outcome", "merge", "plan_on_jobs", "push", "push_folder", "push_pr", "render_inspect", "report_markdown",
+    "resize", "run_on_jobs", "verify"
 ]  # fmt: skip
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter.app.merge_job import check_namespace, public_paths, redactor
-from converter.conversion.core import FILE_TARGETS, TARGETS, ConvertResult, convert
+from converter.conversion.core import ConvertResult, convert
+from converter.conversion.options import FILE_TARGETS, TARGETS, ConvertOptions
 from converter.conversion.pr import push_pr
 from converter.errors import ConverterError, UsageError
 from converter.hub import client as hub
@@ -111,7 +112,7 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
     adapter, base = request.adapter.strip(), request.base.strip() or None
     with job_sources(tmp / "hf-cache"):
         if request.mode == "pr":
-            pr = push_pr(adapter, request.to, base=base, token=token, log=say)
+            pr = push_pr(adapter, ConvertOptions(to=request.to, base=base), token=token, log=say)
             if pr.url:
                 say(f"pull request: {pr.url}")
             modules = pr.conversion.modules if pr.conversion is not None else 0
@@ -122,7 +123,7 @@ def _convert(request: ConvertRequest, token: str, tmp: Path, say, lines: list[st
         folder.mkdir()
         stem = Path(adapter.split("@")[0]).stem
         out = folder / f"{stem}_{request.to}.safetensors" if request.to in FILE_TARGETS else folder / "adapter"
-        result = convert(adapter, request.to, out, base=base, token=token, log=say)
+        result = convert(adapter, out, ConvertOptions(to=request.to, base=base), token=token, log=say)
         if out.is_dir():  # the folder's files at the top of the new repo
             for p in out.iterdir():
                 p.rename(folder / p.name)

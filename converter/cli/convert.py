@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from converter.cli.options import options_from
 from converter.cli.outcomes import not_asked, paths, proven
 from converter.conversion.core import ConvertResult, convert
+from converter.conversion.options import ConvertOptions
 from converter.conversion.pr import push_pr
 from converter.errors import UsageError
 from converter.outcome import Outcome, Published
@@ -14,22 +16,16 @@ from converter.outcome import Outcome, Published
 
 def run_cli(args: argparse.Namespace, log: Callable[[str], None] = print) -> Outcome:
     """`converter convert`: to --out, or (--push-pr) into a temp folder and a PR on the adapter's repo."""
-    options = dict(base=args.base, rank=args.rank, component=args.component, token=args.token,
-                   allow_pickle=args.allow_pickle, log=log, lora_alpha=args.lora_alpha,
-                   verify=not args.no_verify)  # fmt: skip
-    if args.rank is not None and args.rank < 1:
-        raise UsageError(f"--rank {args.rank}: give a positive rank")
+    options = options_from(ConvertOptions, args, verify=not args.no_verify)
     if args.to == "gguf":
-        return _to_gguf(args, log)
-    if args.type:
-        raise UsageError("--type is for --to gguf (the GGUF type of the adapter file)")
+        return _to_gguf(args, options, log)
     if args.push_pr and args.out:
         raise UsageError("give --out or --push-pr, not both (--push-pr writes into a temporary folder)")
     if not args.push_pr:
         if not args.out:
             raise UsageError("give --out (a folder, or a .safetensors file for --to kohya/comfyui), or --push-pr")
-        return _converted(convert(args.adapter, args.to, args.out, force=args.force, **options))
-    pr = push_pr(args.adapter, args.to, **options)
+        return _converted(convert(args.adapter, args.out, options, token=args.token, log=log))
+    pr = push_pr(args.adapter, options, token=args.token, log=log)
     if pr.url is None:
         return not_asked("convert", f"{pr.repo_id} already has a {args.to} version ({pr.existing})",
                          details={"existing": pr.existing})  # fmt: skip
@@ -50,15 +46,13 @@ def _converted(result: ConvertResult, **fields) -> Outcome:
     return proven("convert", proof.as_proofs(), **done)
 
 
-def _to_gguf(args: argparse.Namespace, log: Callable[[str], None]) -> Outcome:
+def _to_gguf(args: argparse.Namespace, options: ConvertOptions, log: Callable[[str], None]) -> Outcome:
     """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.jobs.convert, as the Python API runs it)."""
     from converter.jobs.convert import to_gguf
 
     if args.push_pr or not args.out:
         raise UsageError("--to gguf writes to --out (a .gguf file or a folder); --push-pr is not offered for it")
-    result = to_gguf(args.adapter, args.out, base=args.base, type_name=args.type, rank=args.rank,
-                     component=args.component, force=args.force, token=args.token, allow_pickle=args.allow_pickle,
-                     lora_alpha=args.lora_alpha, verify=not args.no_verify, log=log)  # fmt: skip
+    result = to_gguf(args.adapter, args.out, options, token=args.token, log=log)
     log(f"wrote {result.out}")
     done = {"out": str(result.out), "files": (str(result.out),), "modules": result.modules}
     if not result.proof:

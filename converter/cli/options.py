@@ -10,8 +10,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def options_from(cls: type[T], args: argparse.Namespace) -> T:
-    """`cls` (a frozen options dataclass) from the parsed arguments named as its fields; its own defaults for the
-    fields this command does not offer."""
-    given = vars(args)
+def options_from(cls: type[T], args: argparse.Namespace, **others) -> T:
+    """`cls` (a frozen options dataclass) from the parsed arguments named as its fields, and `others` (fields
+    whose option says the opposite, such as --no-verify); its own defaults for the fields this command lacks."""
+    given = {**vars(args), **others}
     return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})  # type: ignore[call-arg]

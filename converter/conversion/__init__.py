@@ -19,17 +19,7 @@ docs/FORMATS.md (§1 kohya, §4 diffusers, §7 PEFT, §8 known bugs).
   input-axis `dora_scale` has no PEFT form and is refused.
 - A Hub `--base` is read from its configs and safetensors headers only: names need no weights.
 
-The package: `core` (`convert()`), `names` (looking modules up on the base), `modules` (the math: factors, fused
+The package: `options` (what convert is asked, as data: no torch, the parser and the Space build it), `core`
+(`convert()`), `names` (looking modules up on the base), `modules` (the math: factors, fused
 <-> split, SVD), `writers` (kohya, PEFT, diffusers), `pr` (`--push-pr`); `converter convert` is converter.cli.convert.
 """
-
-from __future__ import annotations
-
-from converter.conversion.core import TARGETS, ConvertResult, convert
-from converter.conversion.modules import LoraModule, svd_lowrank
-from converter.conversion.names import base_names, collect
-from converter.conversion.pr import PullRequest, push_pr
-from converter.conversion.writers import write
-
-__all__ = ["TARGETS", "ConvertResult", "LoraModule", "PullRequest", "base_names", "collect", "convert", "push_pr",
-           "svd_lowrank", "write"]  # fmt: skip

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from converter.conversion.modules import LoraModule
 from converter.conversion.names import BaseNames, base_names, collect
+from converter.conversion.options import FILE_TARGETS, TARGETS, ConvertOptions
 from converter.conversion.proof import Proof, prove, prove_on_base
 from converter.conversion.writers import DOTTED_PREFIX, write
 from converter.engine.family import identify
@@ -16,10 +17,6 @@ from converter.errors import BadInputError, OutputError, UsageError, Verificatio
 from converter.formats import Adapter, load_adapter
 from converter.hub.sources import HUB_SPEC, fetch
 from converter.io.scratch import temp_folder
-
-TARGETS = ("peft", "diffusers", "kohya", "comfyui")
-# targets written as one .safetensors file (the others are folders)
-FILE_TARGETS = ("kohya", "comfyui")
 
 
 @dataclass
@@ -34,52 +31,47 @@ class ConvertResult:
 
 def convert(
     adapter_spec: str,
-    to: str,
     out: str | Path,
+    options: ConvertOptions,
     *,
-    base: str | None = None,
-    rank: int | None = None,
-    component: str | None = None,
-    force: bool = False,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
-    lora_alpha: float | None = None,
-    verify: bool = True,
 ) -> ConvertResult:
-    """Read the adapter at `adapter_spec` (local or Hub), convert it to format `to`, write `out` atomically;
-    then (`verify`) read it back and prove each module's ΔW equals the source's (VerificationFailed if not: the
-    wrong output is removed)."""
+    """Read the adapter at `adapter_spec` (local or Hub), convert it to format `options.to`, write `out`
+    atomically; then (`options.verify`) read it back and prove each module's ΔW equals the source's
+    (VerificationFailed if not: the wrong output is removed)."""
+    o = options
+    to, base = o.to, o.base
     if to not in TARGETS:
-        raise UsageError(f"--to {to}: choose one of {', '.join(TARGETS)}")
+        raise UsageError(f"--to {to}: an adapter format is one of {', '.join(TARGETS)}")
     out = Path(out)
-    check_output_path(out, to, force)
+    check_output_path(out, to, o.force)
     fetched = fetch(adapter_spec, "adapter", token)
-    adapter = load_adapter(fetched.local, allow_pickle=allow_pickle, lora_alpha=lora_alpha)
+    adapter = load_adapter(fetched.local, allow_pickle=o.allow_pickle, lora_alpha=o.lora_alpha)
     if not base:
         _check_naming(adapter, to)
     with temp_folder("base-headers", log=log) as scratch:
         names = BaseNames(base_names(base, token, Path(scratch))) if base else None  # headers read here, kept
         base_view = names.naming_for(to) if names else None
-        modules, svd = collect(adapter, base_view, to, rank=rank, component=component)
+        modules, svd = collect(adapter, base_view, to, rank=o.rank, component=o.component)
     if to == "peft" and names is not None:
         _check_peft_names(modules, names)
     notes = list(adapter.warnings)
     if svd:
         worst = max(svd, key=svd.get)
         notes.append(
-            f"{len(svd)} modules (LoHa/LoKr/full/Tucker) approximated by SVD at rank {rank}: relative "
+            f"{len(svd)} modules (LoHa/LoKr/full/Tucker) approximated by SVD at rank {o.rank}: relative "
             f"reconstruction error ‖ΔW − ΔW_r‖/‖ΔW‖ max {svd[worst]:.3e} ({worst}), mean "
             f"{sum(svd.values()) / len(svd):.3e}"
         )
     source = {"converted_from": adapter.format, "source": fetched.pinned if fetched.sha else Path(adapter_spec).name}
-    files = write(modules, to, out, force=force, source=source, base_model=_public_base(base, adapter), svd=svd,
+    files = write(modules, to, out, force=o.force, source=source, base_model=_public_base(base, adapter), svd=svd,
                   components=base_view.components() if base_view else set(),
                   denoiser_prefix=_denoiser_prefix(adapter, names, to))  # fmt: skip
     for note in notes:
         log(f"note: {note}")
     log(f"wrote {out}: {len(modules)} LoRA modules as {to} ({', '.join(files)})")
-    proof = _prove(adapter, out, svd, log, names) if verify else None
+    proof = _prove(adapter, out, svd, log, names) if o.verify else None
     return ConvertResult(out, files, len(modules), notes, svd, proof)
 
 

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from converter.conversion.core import FILE_TARGETS, ConvertResult, convert
+from converter.conversion.core import ConvertResult, convert
+from converter.conversion.options import FILE_TARGETS, ConvertOptions
 from converter.errors import UsageError
 from converter.hub import client as hub
 from converter.hub.publish import our_open_pr
@@ -35,20 +36,15 @@ class PullRequest:
 
 def push_pr(
     adapter_spec: str,
-    to: str,
+    options: ConvertOptions,
     *,
-    base: str | None = None,
-    rank: int | None = None,
-    component: str | None = None,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
-    lora_alpha: float | None = None,
-    verify: bool = True,
 ) -> PullRequest:
     """Open a pull request on the adapter's own Hub repo adding the converted files, like the safetensors
     conversion bot (docs/PEERS.md): our open PR with the same title is updated instead of
     opening another, and a repo that already has the target format gets none (`existing` says why)."""
+    to = options.to
     source = parse_source(adapter_spec)
     if source.repo_id is None:
         raise UsageError(f"--push-pr: {adapter_spec} is local; give the adapter as a Hub id org/name[/file]")
@@ -68,8 +64,7 @@ def push_pr(
     with temp_folder("convert", log=log) as scratch:
         stem = Path(source.path).stem if source.path else "adapter"
         out = Path(scratch) / (f"{stem}_{to}.safetensors" if to in FILE_TARGETS else "out")
-        result = convert(adapter_spec, to, out, base=base, rank=rank, component=component, token=token,
-                         allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha, verify=verify)  # fmt: skip
+        result = convert(adapter_spec, out, options, token=token, log=log)
         paths = [out] if out.is_file() else sorted(p for p in out.rglob("*") if p.is_file())
         ops = [
             CommitOperationAdd(
@@ -77,7 +72,7 @@ def push_pr(
             )
             for p in paths
         ]
-        description = _pr_description(adapter_spec, to, info.sha, result, base)
+        description = _pr_description(adapter_spec, to, info.sha, result, options.base)
         open_pr = our_open_pr(api, repo, me, title)
         if open_pr is not None:
             log(f"updating our open pull request #{open_pr.num}")

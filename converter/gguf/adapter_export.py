@@ -127,7 +127,10 @@ def _peft_form(adapter: Adapter, adapter_spec: str, base: Path, staging: Path, o
     if adapter.format == "peft" and not relaid and path.is_dir() and (path / "adapter_config.json").is_file():
         return path
     from converter.conversion.core import convert
+    from converter.conversion.options import ConvertOptions
 
     out = staging / "peft"
-    convert(adapter_spec, "peft", out, base=str(base), log=lambda _: None, **options)
+    peft = ConvertOptions(to="peft", base=str(base), allow_pickle=options["allow_pickle"],
+                          lora_alpha=options["lora_alpha"])  # fmt: skip
+    convert(adapter_spec, out, peft, token=options["token"], log=lambda _: None)
     return out

@@ -12,13 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter import outcome
-from converter.conversion.core import TARGETS, ConvertResult
+from converter.conversion.core import ConvertResult
 from converter.conversion.core import convert as convert_format
-from converter.errors import UsageError
+from converter.conversion.options import ConvertOptions
 from converter.gguf.proof import FileProof, Part
-
-#: every `to` convert() takes: the adapter formats, and llama.cpp's GGUF adapter
-ALL_TARGETS = (*TARGETS, "gguf")
 
 
 @dataclass
@@ -44,63 +41,35 @@ class GGUFConvertResult(ConvertResult):
 
 def convert(
     adapter_spec: str,
-    to: str,
     out: str | Path,
+    options: ConvertOptions,
     *,
-    base: str | None = None,
-    rank: int | None = None,
-    component: str | None = None,
-    force: bool = False,
     token: str | None = None,
-    allow_pickle: bool = False,
     log: Callable[[str], None] = print,
-    lora_alpha: float | None = None,
-    verify: bool = True,
-    type: str | None = None,  # the option's name on the command line (--type)
 ) -> ConvertResult:
-    """Convert the adapter at `adapter_spec` to `to` and write `out`, proven unless `verify` is False: an adapter
-    format (converter.conversion.core.convert), or `to="gguf"`: a GGUF LoRA adapter for llama.cpp on `base`, of
-    GGUF type `type` (F32, F16, BF16 or Q8_0; default F32), read back and run by llama.cpp against PEFT."""
-    if to not in ALL_TARGETS:
-        raise UsageError(f"--to {to}: choose one of {', '.join(ALL_TARGETS)}")
-    if to != "gguf":
-        if type:
-            raise UsageError("--type is for --to gguf (the GGUF type of the adapter file)")
-        return convert_format(adapter_spec, to, out, base=base, rank=rank, component=component, force=force,
-                              token=token, allow_pickle=allow_pickle, log=log, lora_alpha=lora_alpha,
-                              verify=verify)  # fmt: skip
-    return to_gguf(
-        adapter_spec,
-        out,
-        base=base,
-        type_name=type,
-        rank=rank,
-        component=component,
-        force=force,
-        token=token,
-        allow_pickle=allow_pickle,
-        log=log,
-        lora_alpha=lora_alpha,
-        verify=verify,
-    )
+    """Convert the adapter at `adapter_spec` as `options` say and write `out`, proven unless `options.verify` is
+    False: an adapter format (converter.conversion.core.convert), or `to="gguf"`: a GGUF LoRA adapter for
+    llama.cpp on `options.base`, of GGUF type `options.type` (default F32), read back and run by llama.cpp against
+    PEFT."""
+    if options.to != "gguf":
+        return convert_format(adapter_spec, out, options, token=token, log=log)
+    return to_gguf(adapter_spec, out, options, token=token, log=log)
 
 
 def to_gguf(
-    adapter_spec: str, out: str | Path, *, base: str | None, type_name: str | None = None, rank: int | None = None,
-    component: str | None = None, force: bool = False, token: str | None = None, allow_pickle: bool = False,
-    log: Callable[[str], None] = print, lora_alpha: float | None = None, verify: bool = True,
+    adapter_spec: str, out: str | Path, options: ConvertOptions, *, token: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> GGUFConvertResult:  # fmt: skip
     """`--to gguf`: a proven GGUF LoRA adapter for llama.cpp (converter.gguf.adapter_export)."""
     from converter.gguf.adapter_export import export_adapter
 
-    if component:
-        raise UsageError("--component is for diffusion adapters; --to gguf takes language-model adapters")
-    result = export_adapter(adapter_spec, base, out, type_name=type_name, force=force, token=token,
-                            allow_pickle=allow_pickle, lora_alpha=lora_alpha, rank=rank, verify=verify,
+    o = options
+    result = export_adapter(adapter_spec, o.base, out, type_name=o.type, force=o.force, token=token,
+                            allow_pickle=o.allow_pickle, lora_alpha=o.lora_alpha, rank=o.rank, verify=o.verify,
                             log=log)  # fmt: skip
     notes = (
         []
-        if not verify or any(p.name == "behaviour" for p in result.parts)
+        if not o.verify or any(p.name == "behaviour" for p in result.parts)
         else ["llama.cpp's behaviour proof did not run: it needs llama-cpp-python (converter[gguf])"]
     )
     return GGUFConvertResult(result.path, [result.path.name], result.pairs, notes, alpha=result.alpha,

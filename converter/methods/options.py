@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from converter.conversion.options import TARGETS
 from converter.errors import UsageError
 
 FACTOR_METHODS = ("linear", "ties", "dare_linear", "dare_ties", "magnitude_prune")
@@ -14,13 +15,11 @@ SVD_METHODS = ("svd", "ties_svd", "dare_linear_svd", "dare_ties_svd", "magnitude
 METHODS = ("cat", *FACTOR_METHODS, *SVD_METHODS)
 NEEDS_DENSITY = {"ties", "dare_linear", "dare_ties", "magnitude_prune"}
 RANK_RULES = ("fixed", "sv_ratio", "sv_fro", "sv_cumulative", "sv_epsilon")
-#: The formats an adapter is written in (as converter.conversion.core.TARGETS; this module imports no torch).
-OUTPUT_FORMATS = ("peft", "diffusers", "kohya", "comfyui")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Output:
-    """How the adapter is written: `to` one of OUTPUT_FORMATS, `force` replaces an existing output,
+    """How the adapter is written: `to` one of converter.conversion's TARGETS, `force` replaces an existing output,
     `allow_pickle` lets .bin inputs be read (weights only)."""
 
     to: str = "peft"
@@ -28,8 +27,8 @@ class Output:
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:
-        if self.to not in OUTPUT_FORMATS:
-            raise UsageError(f"--to {self.to}: choose one of {', '.join(OUTPUT_FORMATS)}")
+        if self.to not in TARGETS:
+            raise UsageError(f"--to {self.to}: choose one of {', '.join(TARGETS)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -313,7 +313,8 @@ def test_the_command_lines_help_offers_gguf(capsys):
 
 def test_the_python_api_writes_a_proven_gguf_and_returns_its_proof(tiny_llama, llama_lora, tmp_path):
     lines: list[str] = []
-    result = converter.convert(str(llama_lora), "gguf", tmp_path / "api", base=str(tiny_llama), type="f16",
+    result = converter.convert(str(llama_lora), tmp_path / "api",
+                               converter.ConvertOptions(to="gguf", base=str(tiny_llama), type="f16"),
                                log=lines.append)  # fmt: skip
     path = tmp_path / "api" / "lora-F16.gguf"
     assert (result.out, result.files, result.modules) == (path, ["lora-F16.gguf"], 14)
@@ -322,8 +323,8 @@ def test_the_python_api_writes_a_proven_gguf_and_returns_its_proof(tiny_llama, l
     assert all(p.passed for p in result.proof) and lines[0] == "lora-F16.gguf: 14 LoRA pairs, alpha 8, F16"
     keys, tensors = read_adapter_gguf(path)
     assert keys["adapter.lora.alpha"] == 8.0 and len(tensors) == 28
-    again = converter.convert(str(llama_lora), "gguf", path, base=str(tiny_llama), type="F16", force=True,
-                              verify=False, log=lambda _: None)  # fmt: skip
+    again = converter.convert(str(llama_lora), path, converter.ConvertOptions(to="gguf", base=str(tiny_llama),
+                              type="F16", force=True, verify=False), log=lambda _: None)  # fmt: skip
     assert again.verdict == "skipped" and again.proof == [] and again.out == path
 
 
@@ -338,14 +339,16 @@ def test_the_python_api_refuses_with_the_clis_usage_errors(tiny_llama, llama_lor
                                                            tmp_path):  # fmt: skip
     base = str(tiny_llama) if with_base else None
     with pytest.raises(UsageError) as caught:
-        converter.convert(str(llama_lora), to, tmp_path / "a.gguf", base=base, log=lambda _: None, **options)
+        converter.convert(str(llama_lora), tmp_path / "a.gguf", converter.ConvertOptions(to=to, base=base, **options),
+                          log=lambda _: None)  # fmt: skip
     assert str(caught.value).startswith(words) and list(tmp_path.iterdir()) == []
 
 
 def test_the_python_api_names_what_llama_cpp_cannot_apply_as_the_cli_does(tiny_llama, tmp_path, cli):
     adapter = make_adapter(tiny_llama, tmp_path / "dora", r=4, use_dora=True)
     with pytest.raises(BadInputError) as caught:
-        converter.convert(str(adapter), "gguf", tmp_path / "out", base=str(tiny_llama), log=lambda _: None)
+        converter.convert(str(adapter), tmp_path / "out", converter.ConvertOptions(to="gguf", base=str(tiny_llama)),
+                          log=lambda _: None)  # fmt: skip
     assert caught.value.file == str(adapter) and "is DoRA: llama.cpp applies plain LoRA only" in str(caught.value)
     code, _, err = cli("convert", "--adapter", adapter, "--to", "gguf", "--base", tiny_llama, "--out", tmp_path / "o")
     assert code == 2 and err == f"error: {caught.value}\n" and not (tmp_path / "out").exists()
