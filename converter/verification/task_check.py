@@ -119,6 +119,7 @@ class TaskCheck(LLMCheck):
         # PEFT's tuner (its LoRA layers sit in the model) called with the model's own arguments: PEFT's task
         # wrappers assume text inputs (its Seq2Seq one passes input_ids to Whisper beside input_features)
         lora = model.base_model
+        _conv_settings(lora)
         try:
             ref = _run(lora, self.inputs, self.scores)
         except Exception as e:  # PEFT's layers in this model's forward: its problem, said in one line
@@ -144,6 +145,24 @@ class TaskCheck(LLMCheck):
 
     def _qlora_study(self, ref, out):
         return None
+
+
+CONV_SETTINGS = ("stride", "padding", "dilation", "groups", "kernel_size", "in_channels", "out_channels")
+
+
+def _conv_settings(model) -> None:
+    """PEFT's wrapper of a convolution has none of its settings, which some forwards read from the module (Whisper's
+    encoder checks its input length against `conv1.stride`): each wrapper gets its base layer's settings (plain
+    numbers; PEFT's forward and weights stay as they are), so PEFT's unmerged model runs."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else None
+        if isinstance(base, torch.nn.modules.conv._ConvNd):
+            for name in CONV_SETTINGS:
+                if not hasattr(module, name):
+                    setattr(module, name, getattr(base, name))
 
 
 def _model_inputs(config: dict, tok, prompts: list[str], takes: set[str], classifier: bool) -> list[dict]:

@@ -295,10 +295,10 @@ def test_the_matrix_covers_every_feature_on_several_architectures():
     assert len({c.config for c in CASES}) >= 25
 
 
-def test_a_model_peft_cannot_run_unmerged_keeps_its_tensor_proof(tmp_path):
-    """Whisper with a LoRA on its conv1: PEFT's wrapped conv has no `stride`, which Whisper's encoder reads, so
-    PEFT's unmerged model does not run. The tensor proof still passes with PEFT as referee; the behaviour is
-    not compared, said in one line naming PEFT, and the verdict stays a pass."""
+def test_a_conv_lora_whose_settings_the_forward_reads_is_compared(tmp_path):
+    """Whisper with a LoRA on its conv1: Whisper's encoder reads `conv1.stride`, which PEFT's wrapped conv lacks;
+    the behaviour check gives the wrapper its base layer's settings, so PEFT's unmerged model runs and both proofs
+    pass with PEFT as referee. conv1 put back unmerged fails the behaviour check on its own."""
     whisper = next(c for c in CASES if c.model == "WhisperForConditionalGeneration")
     c = Case(whisper.model, whisper.config, whisper.settings, whisper.task, ["q_proj", "conv1"])
     base, adapter = build(tmp_path, c)
@@ -308,8 +308,10 @@ def test_a_model_peft_cannot_run_unmerged_keeps_its_tensor_proof(tmp_path):
     report = verify(out, recipe, log=lambda _: None)
     assert report.verdict == "pass", report.problems
     assert report.tensors.referee.name == "PEFT"
-    assert report.behaviour is None
-    assert report.behaviour_skipped.startswith("PEFT's unmerged WhisperForConditionalGeneration does not run")
+    assert report.behaviour is not None, report.behaviour_skipped
+    put_back(out, base, "model.encoder.conv1.weight")
+    bad = verify(out, recipe, log=lambda _: None, proofs=("behaviour",))
+    assert bad.verdict == "fail", bad.problems
 
 
 # The issue's table, through the command line: exit 0 with PEFT named; one tensor put back: exit 3 naming it.
