@@ -314,7 +314,11 @@ def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpe
         candidate = replace(ap, param=param, patch=patch, either=())
         places = _places(resolver, candidate, spec, check=False)
         found = found or bool(places)
-        if places and all(_fits(checkpoint, candidate.patch, place) for place in places):
+        if (
+            places
+            and all(_fits(checkpoint, candidate.patch, place) for place in places)
+            and _every_expert(candidate, places)
+        ):
             fits.append(candidate)
     if len(fits) == 1:
         return fits[0]
@@ -334,6 +338,13 @@ def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpe
             tensor=ap.patch.sources[0],
         )
     return replace(ap, either=())  # nowhere to land: reported as unmatched, like any adapter tensor
+
+
+def _every_expert(ap: AdapterPatch, places: list) -> bool:
+    """Fused experts placed on every expert's own tensors: the patch holds as many experts as the base (a nested
+    wrapper read with the other parameter's rank holds another count, and its rows may fit each expert's)."""
+    experts = {p.src_expert for p in places if p.src_expert is not None}
+    return not experts or experts == set(range(ap.patch.natural_shape()[0]))
 
 
 def _fits(checkpoint: Checkpoint, patch, place) -> bool:

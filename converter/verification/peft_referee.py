@@ -24,6 +24,7 @@ from converter.engine.model_class import NoModelClass, adapter_modules, folder_c
 from converter.engine.recipe import Recipe
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.loading import load_results, peft_refusals, require_all_loaded, require_trained_scales
+from converter.verification.peft_experts import WholeParameters, piece_expectations, saved_one_by_one, saved_pieces
 from converter.verification.peft_names import older_name_mapping
 from converter.verification.referee import Expectation, Expected, RefereeInfo, RefereeUnavailable, gamma
 
@@ -47,6 +48,7 @@ class PeftLayers:
         # transformers' base-model prefix (`transformer`, `bert` ...), which a checkpoint may have without or with
         # where the loaded model has it the other way (it adds or strips it on load, as here)
         self.prefix = getattr(root, "base_model_prefix", "") if strip else ""
+        self.whole = WholeParameters()  # fused expert parameters PEFT merged whole, read by their file tensors
 
     def expectations(self) -> dict[str, Expectation]:
         from peft.tuners.lora import LoraLayer
@@ -140,11 +142,31 @@ class PeftLayers:
         """A `target_parameters` LoRA (one ParamWrapper per parameter, nested, on fused MoE experts): PEFT's merge
         of the whole parameter (its own expert layout: (E, out, in) or (E, in, out) by the model)."""
         owner = plain.replace(".base_layer", "")  # the nested wrappers sit at <module>(.base_layer)*
+        if self.saved.get(f"{owner}.{layer.parameter_name}", "") is None and not self._located_plain(owner, layer):
+            return self._expert_pieces(owner, layer)  # fused when loaded, one tensor per expert in the files
         name, _ = self._tensor(owner, layer.parameter_name)
         adapters = self._admitted(layer, name)
         if not adapters:
             return {}
         return {name: Expectation(self.strip + owner, "LoRA (target_parameters)", _merged_parameter(layer, adapters))}
+
+    def _located_plain(self, owner: str, layer) -> bool:
+        return f"{self.namespace}{owner}.{layer.parameter_name}" in self.base_names
+
+    def _expert_pieces(self, owner: str, layer) -> dict[str, Expectation]:
+        """A fused parameter the base's files hold per expert: each file tensor (found by transformers' save
+        direction) gets its rows of PEFT's merge of the whole parameter (peft_experts)."""
+        model = getattr(getattr(self.root, "base_model", None), "model", self.root)
+        shape = tuple(layer.get_param().shape)
+        pieces = {self.namespace + k: v for k, v in saved_pieces(model, f"{owner}.{layer.parameter_name}",
+                                                                    shape).items()}  # fmt: skip
+        missing = sorted(set(pieces) - self.base_names)
+        if missing:
+            raise RefereeUnavailable(f"PEFT's parameter {owner}.{layer.parameter_name} is saved as {missing[0]}, "
+                                     "which the base's files do not hold")  # fmt: skip
+        return piece_expectations(pieces, self.strip + owner, lambda n: self._admitted(layer, n),
+                                  lambda adapters: _merged_parameter(layer, adapters), shape, self.whole,
+                                  id(layer))  # fmt: skip
 
     def _replacement(self, plain: str, wrapper) -> dict[str, Expectation]:
         """A modules_to_save copy: PEFT's own tensor, whatever the base holds; where the base's files hold none (a
@@ -306,8 +328,8 @@ def saved_names(model) -> dict[str, str | None]:
     names = [n for n, _ in model.named_parameters()]
     try:
         saved = revert_weight_conversion(model, {n: torch.tensor([float(i)]) for i, n in enumerate(names)})
-    except Exception:  # a conversion that cannot run on one-element stand-ins: the names stay as they are
-        return {}
+    except Exception:  # a conversion that cannot run on one-element stand-ins (fused experts): one at a time
+        return saved_one_by_one(model, names)
     out: dict[str, str | None] = {}
     for key, value in saved.items():
         if value.numel() != 1:
