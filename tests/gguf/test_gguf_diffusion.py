@@ -217,3 +217,26 @@ def test_rules_of_stored_types():
     assert diffusion_arch.stored_type("blocks.0.modulation", (1, 6, 5120), a["wan"], q8).name == "F32"
     assert diffusion_arch.stored_type("transformer_blocks.0.scale_shift_table", (6, 2048), a["ltxv"], q8).name == "F32"
     assert diffusion_arch.stored_shape((640, 320, 3, 3), a["flux"]) == (640, 320, 3, 3)  # never for transformers
+
+
+def test_push_from_a_merged_single_file_publishes_repo_gguf_with_the_comfyui_node(merged, tmp_path):
+    import subprocess
+
+    from converter.testing.hub import HubServer, client_env
+
+    out, _ = merged
+    token = "hf_fake_alice_gguf_0123456789"
+    server = HubServer(tmp_path / "hub").start()
+    try:
+        server.add_user("alice", token)
+        proc = subprocess.run([sys.executable, "-m", "converter", "push", "--repo", "alice/wan", "--from", str(out),
+                               "--no-verify", "--gguf", "Q8_0"], capture_output=True, text=True,
+                              env=client_env(server, token), timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        files = set(server.files("alice/wan-GGUF")) - {".gitattributes"}
+        assert files == {"README.md", "gguf-proof.json", "wan-Q8_0.gguf"}
+        readme = server.read_file("alice/wan-GGUF", "README.md").decode()
+        assert "base_model: alice/wan\n" in readme and "UnetLoaderGGUF" in readme
+        assert "| `wan-Q8_0.gguf` | Q8_0 |" in readme and "WanTransformer3DModel.from_single_file" in readme
+    finally:
+        server.stop()
