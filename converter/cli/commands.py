@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import replace
 
+from converter.cli import mlx
 from converter.cli.outcomes import NOTHING_TO_PROVE, not_asked, paths, verified
 from converter.errors import BadInputError, ConverterError, UsageError
 from converter.io import quiet
@@ -71,6 +72,7 @@ def _merge_parser(sub) -> None:
     from converter.cli.gguf import merge_option
 
     merge_option(m)
+    mlx.add_option(m)
     m.add_argument("--force", action="store_true", help="replace an existing non-empty --out")
     m.add_argument("--no-verify", action="store_true", help="skip comparing the merged model with base + adapters")
     m.add_argument(
@@ -92,6 +94,7 @@ def _push_parser(sub) -> None:
     p_push.add_argument("--gguf", metavar="TYPE[,TYPE...]",
                         help="also GGUF files of these types, proven before anything is committed, into the repo "
                         "REPO-GGUF")  # fmt: skip
+    mlx.add_option(p_push, push=True)
     p_push.add_argument("--dry-run", action="store_true",
                         help="print the plan and the disk, memory and time it needs here and on Hugging Face Jobs "
                         "(with --on-jobs: the Job's spec); download, write and submit nothing")  # fmt: skip
@@ -436,6 +439,7 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
     from converter.gguf.export import check_merge_gguf
 
     gguf_types = check_merge_gguf(args.gguf, recipe.base, args.token)
+    mlx_types = mlx.check(args, recipe.base)
     warmup = None
     if settings is not None:  # import transformers + PEFT beside the merge (verification/warmup.py)
         from converter.jobs.pipeline import check_extras
@@ -467,7 +471,7 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
     if exported is not None:
         outcome = outcome.with_proofs(exported.as_proofs())
         outcome = replace(outcome, files=outcome.files + tuple(str(f) for f in exported.files))
-    return outcome
+    return mlx.export_merged(result.out, mlx_types, outcome, log=_log) if mlx_types else outcome
 
 
 def _report_file(report) -> list[str]:
@@ -527,6 +531,7 @@ def _run_push(args: argparse.Namespace) -> Outcome:
         from converter.cli.gguf import prepare_push_gguf
 
         gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
+    pending_mlx = mlx.prepare_push(args, recipe.base if recipe else None, log=_log)  # (likewise)
     stages: list[str] = []
     reports: list = []
 
@@ -537,6 +542,7 @@ def _run_push(args: argparse.Namespace) -> Outcome:
             reports.append(VerificationReport.load(folder))
         if gguf and recipe:
             gguf.export(folder)  # a merge's GGUF, proven before the commit
+        mlx.export_pending(pending_mlx, folder, args, merged=recipe is not None)  # likewise its MLX folders
 
     published = []
     try:
@@ -552,7 +558,7 @@ def _run_push(args: argparse.Namespace) -> Outcome:
             log=_log,
             stage=stages.append,
             finished=finished,
-            keep_output=gguf is not None,
+            keep_output=gguf is not None or pending_mlx is not None,
             tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
             max_disk=on_jobs.max_disk(args),
         )
@@ -562,7 +568,9 @@ def _run_push(args: argparse.Namespace) -> Outcome:
             from converter.cli.gguf import finish_push_gguf
 
             published.append(finish_push_gguf(gguf, args, log=_log).published())
+        published += mlx.finish_push(pending_mlx, args, log=_log)
     finally:
+        mlx.discard(pending_mlx)
         if gguf is not None:
             from converter.cli.gguf import discard_push_gguf
 
@@ -574,7 +582,8 @@ def _run_push(args: argparse.Namespace) -> Outcome:
         outcome = not_asked("push", **done)
     else:  # a --from folder without the recipe it was merged from: nothing to verify it against
         outcome = not_asked("push", "the folder has no recipe to verify it against", **done)
-    return outcome.with_proofs(gguf.result.as_proofs()) if gguf is not None and gguf.result else outcome
+    outcome = outcome.with_proofs(gguf.result.as_proofs()) if gguf is not None and gguf.result else outcome
+    return mlx.with_proofs(outcome, pending_mlx)
 
 
 def _run_convert(args: argparse.Namespace) -> Outcome:
