@@ -172,3 +172,34 @@ def test_a_referee_that_reads_another_experts_rows_fails(made, cli, tmp_path, mo
     monkeypatch.setattr("converter.verification.peft_referee.saved_pieces", shifted)
     code, report, err = cli("verify", out)
     assert code == 3, (report, err)
+
+
+def test_gguf_of_a_peft_all_linear_qwen3_moe_merge_is_proven_by_llama_cpp(cli, tmp_path):
+    """`merge --gguf Q8_0` of PEFT's own all-linear Qwen3-MoE adapter (target_parameters, nested, rank/alpha
+    patterns): the merge proven by PEFT, the GGUF by llama.cpp (tensors, tokenizer, behaviour)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from model_helpers import make_adapter, make_base
+
+    from converter.gguf import llama
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from build_fixtures import cache_dir, is_complete
+
+    smollm2 = cache_dir() / "smollm2-135m-instruct"
+    if not llama.available() or not is_complete(smollm2):
+        pytest.skip("llama-cpp-python or the SmolLM2 tokenizer fixture (make fixtures) is missing")
+    base = make_base(tmp_path / "base", "qwen3_moe", vocab_size=49152, norm_topk_prob=True)  # as llama.cpp assumes
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2 / name, base / name)
+    adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
+    assert json.loads((adapter / "adapter_config.json").read_text())["rank_pattern"]  # PEFT wrote the pattern
+    code, stdout, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--gguf", "Q8_0",
+                            verify=True)  # fmt: skip
+    assert code == 0, (stdout, err)
+    assert "referee: PEFT" in stdout and "**Passed** (two proofs)" in stdout
+    proof = json.loads((tmp_path / "m-GGUF/gguf-proof.json").read_text())
+    (file,) = proof["files"]
+    assert proof["llama_cpp"] and file["passed"] and all(part["judged"] and part["passed"] for part in file["parts"])
