@@ -22,6 +22,7 @@ LLAMA_SDIST ?= $(HOME)/.cache/converter-llama-sdist/llama_cpp_python-$(LLAMA_VER
 
 # pyproject.toml says which packages (compatible ranges); constraints.txt, which versions: the tested set.
 $(STAMP): pyproject.toml constraints.txt
+	@echo "setting up $(VENV) once: torch (CPU), llama.cpp's wheel, converter and the tested set of constraints.txt"
 	$(PY) -m venv $(VENV)
 	# torch first and pinned: this is the CPU wheel on local disk; unpinned it would pull CUDA builds.
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
@@ -30,6 +31,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 llama-wheel:
+	@ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
+		echo "building llama-cpp-python $(LLAMA_VERSION) from source, once (about 8 minutes on 2 cores)"
 	@ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
 		CMAKE_ARGS=-DGGML_NATIVE=OFF $(PIP) wheel --quiet --no-deps -w $(LLAMA_WHEELS) llama-cpp-python==$(LLAMA_VERSION)
 
@@ -50,6 +53,7 @@ wheelhouse: $(WHEELHOUSE_STAMP)
 
 # (llama-cpp-python aside: source only, its wheel is in LLAMA_WHEELS)
 $(WHEELHOUSE_STAMP): constraints.txt | $(STAMP)
+	@echo "downloading the tested wheels once into $(WHEELHOUSE) (the install tests read them offline)"
 	grep -v '^llama-cpp-python==' constraints.txt | $(PIP) download --quiet --no-deps -d $(WHEELHOUSE) -r /dev/stdin
 	touch $@
 
