@@ -181,7 +181,7 @@ def _place_adapter(placing: _Placing, i: int, adapter: Adapter, spec: AdapterSpe
     loaded = LoadedNames(checkpoint.config, placing.keys, adapter.config.get("task_type"),
                          {ap.module for ap in adapter.patches if not ap.flat})  # fmt: skip
     for ap in adapter.patches:
-        ap = _chosen(placing.resolver, checkpoint, ap, spec) if ap.either else ap
+        ap = _chosen(placing, checkpoint, ap, spec) if ap.either else ap
         places = _places(placing.resolver, ap, spec) or _loaded_places(loaded, placing.resolver, ap, spec)
         places = places or _head_places(placing, adapter, ap)
         if not places:
@@ -307,18 +307,17 @@ def _resized_vocab(
     return tokenizer_from
 
 
-def _chosen(resolver, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpec) -> AdapterPatch:
-    """The one (param, patch) candidate of a PEFT target_parameters wrapper that the base's shapes fit."""
+def _chosen(placing: _Placing, checkpoint: Checkpoint, ap: AdapterPatch, spec: AdapterSpec) -> AdapterPatch:
+    """The one (param, patch) candidate of a PEFT target_parameters wrapper that the base's shapes fit (as the
+    keymap says the base stores it: GPT-OSS keeps its experts (E, in, out))."""
     fits, found = [], False
     for param, patch in ap.either:
         candidate = replace(ap, param=param, patch=patch, either=())
-        places = _places(resolver, candidate, spec, check=False)
+        places = _places(placing.resolver, candidate, spec, check=False)
         found = found or bool(places)
-        if (
-            places
-            and all(_fits(checkpoint, candidate.patch, place) for place in places)
-            and _every_expert(candidate, places)
-        ):
+        stored = [bool(placing.keymap.is_stored_transposed(place.key)) for place in places]
+        fit = all(_fits(checkpoint, candidate.patch, p, t) for p, t in zip(places, stored, strict=True))
+        if places and fit and _every_expert(candidate, places):
             fits.append(candidate)
     if len(fits) == 1:
         return fits[0]
@@ -347,7 +346,7 @@ def _every_expert(ap: AdapterPatch, places: list) -> bool:
     return not experts or experts == set(range(ap.patch.natural_shape()[0]))
 
 
-def _fits(checkpoint: Checkpoint, patch, place) -> bool:
+def _fits(checkpoint: Checkpoint, patch, place, transposed: bool = False) -> bool:
     shape = checkpoint.info(place.key).shape
     if place.src is not None:
         patch = rows_of(patch, *place.src, place.src_expert)
@@ -357,7 +356,7 @@ def _fits(checkpoint: Checkpoint, patch, place) -> bool:
         shape = shape[1:] if place.expert < shape[0] else ()
     if place.rows is not None:
         shape = (place.rows[1] - place.rows[0], *shape[1:])
-    return bool(shape) and patch.fits(shape, False)
+    return bool(shape) and patch.fits(shape, transposed)
 
 
 def _places(resolver, ap, spec: AdapterSpec, check: bool = True) -> list:

@@ -288,8 +288,19 @@ class ExpertLowRank(DeltaPatch):
     def natural_shape(self) -> tuple[int, ...]:
         return (self.experts, self.up.shape[0], self.down.shape[1])
 
+    def target_shape(self, transposed: bool) -> tuple[int, ...]:
+        """(E, out, in), or (E, in, out) where the base stores experts transposed (GPT-OSS; its keymap says)."""
+        experts, out, inp = self.natural_shape()
+        return (experts, inp, out) if transposed else (experts, out, inp)
+
     def fits(self, target: tuple[int, ...], transposed: bool) -> bool:
-        return tuple(target) == self.natural_shape()
+        return tuple(target) == self.target_shape(transposed)
+
+    def delta(self, transposed: bool) -> torch.Tensor:
+        d = self.raw_delta()
+        if self.weight != 1.0:
+            d.mul_(self.weight)
+        return d.transpose(1, 2) if transposed else d
 
     def raw_delta(self) -> torch.Tensor:
         return expert_delta(self.down.load(), self.up.load(), self.experts).mul_(self.scale)

@@ -1,9 +1,9 @@
 """Adapters PEFT itself makes on today's fused MoE experts (transformers 5: `mlp.experts.gate_up_proj` /
 `down_proj`, 3-D): `target_modules="all-linear"` (PEFT writes target_parameters and a rank_pattern / alpha_pattern
 for gate_up_proj itself) and explicit target_parameters on one and on two parameters of the experts module (nested
-wrappers), on Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and DeepSeek-V3. The merge equals PEFT's
-merge_and_unload, PEFT referees every tensor (per-expert file tensors included), the behaviour check passes, and
-one module left unmerged exits 3.
+wrappers), on Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DeepSeek-V3 and gpt-oss (experts stored (E, in, out)). The
+merge equals PEFT's merge_and_unload, PEFT referees every tensor (per-expert file tensors included), the behaviour
+check passes, and one module left unmerged exits 3.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ CASES = {  # family, adapter: what PEFT is asked for
     "olmoe-all-linear": ("olmoe", dict(target_modules="all-linear")),
     "deepseek_v3-all-linear": ("deepseek_v3", dict(target_modules="all-linear")),
     "qwen2_moe-two": ("qwen2_moe", TWO),
+    "gpt_oss-two": ("gpt_oss", TWO),  # experts stored (E, in, out)
     "mixtral-two": ("mixtral", TWO),
     "qwen3_moe-one": ("qwen3_moe", ONE),
 }
@@ -53,7 +54,8 @@ def _config(family: str):
             first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8, **{**COMMON, "num_key_value_heads": 4},
         )  # fmt: skip
-    raise ValueError(family)
+    return tf.GptOssConfig(intermediate_size=24, num_local_experts=4, head_dim=8, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], **COMMON)  # fmt: skip
 
 
 def _base(folder, family: str):
@@ -141,10 +143,11 @@ def _copy_with(out, tmp_path, change) -> object:
 @pytest.mark.parametrize(("case", "key"), [
     ("qwen3_moe-all-linear", "model.layers.1.mlp.experts.2.up_proj.weight"),
     ("qwen2_moe-two", "model.layers.0.mlp.experts.3.down_proj.weight"),
+    ("gpt_oss-two", "model.layers.1.mlp.experts.down_proj"),
 ])  # fmt: skip
 def test_one_expert_module_left_unmerged_exits_3(made, cli, tmp_path, case, key):
     """Sabotage: one expert's projection (a per-expert file tensor, rows of a fused parameter in the model PEFT
-    wraps) left as the base had it."""
+    wraps) or a fused parameter stored whole (gpt-oss) left as the base had it."""
     base, adapter = made(case)
     code, _, err, out = _merge(cli, tmp_path, base, adapter)
     assert code == 0, err
