@@ -34,12 +34,12 @@ SMOLLM2 = cache_dir() / "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def merged(root: Path, arch: str, dtype=torch.bfloat16) -> Path:
+def merged(root: Path, arch: str, dtype=torch.bfloat16, **overrides) -> Path:
     """A tiny `arch` base with SmolLM2's tokenizer (mlx-lm loads one), merged with a random LoRA on every linear."""
     if not is_complete(SMOLLM2):
         pytest.fail(f"SmolLM2 fixture missing at {SMOLLM2}: run `make fixtures` (make test does it first)")
     extra = {"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {}
-    base = make_base(root / "base", arch, dtype=dtype, vocab_size=49152, **extra)
+    base = make_base(root / "base", arch, dtype=dtype, vocab_size=49152, **extra, **overrides)
     for name in TOKENIZER_FILES:
         shutil.copy(SMOLLM2 / name, base / name)
     adapter = make_adapter(base, root / "adapter")
