@@ -193,29 +193,32 @@ def test_kohya_sd3_lora_into_original_file_and_diffusers_folder(sd3, tmp_path, c
     assert_matches(read_component(tmp_path / "f2", "transformer"), via_file, model.state_dict(), atol=1e-6)
 
 
-def test_kohya_sd3_to_peft_takes_diffusers_names_from_a_folder_and_is_refused_against_the_original_file(
-    sd3, tmp_path, cli
-):
+def test_kohya_sd3_to_peft_takes_diffusers_names_from_a_folder_or_the_original_file(sd3, tmp_path, cli):
     """A PEFT folder loads onto diffusers' SD3 transformer: against the diffusers folder the kohya file becomes
-    diffusers' modules and PEFT's merge of it is ours; against the original single file its modules would keep
-    MMDiT names no diffusers model has, so the conversion is refused in one line, nothing written."""
+    diffusers' modules, and against the original single file too (its fused qkv split over to_q / to_k / to_v as
+    the keymap's aliases relay the MMDiT's names): the same files, and PEFT's merge of them is ours. The last
+    block's swapped context adaLN has no diffusers module: refused in one line, nothing written."""
     import copy
 
     from peft import PeftModel
     from safetensors.torch import load_file
 
     model, folder, single = sd3
-    lora = kohya_sd3_lora(load_file(single))
+    full = kohya_sd3_lora(load_file(single))
     swapped = "lora_unet_joint_blocks_1_context_block_adaLN_modulation_1"  # no diffusers module: see above
-    lora = {k: v for k, v in lora.items() if not k.startswith(swapped)}
+    lora = {k: v for k, v in full.items() if not k.startswith(swapped)}
     src = save(lora, tmp_path / "lora.safetensors", {"ss_network_module": "networks.lora_sd3"})
-    code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "p", "--base", single)
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the original Stable Diffusion 3 / 3.5 checkpoint's name" in err and "diffusers pipeline folder" in err
-    assert not (tmp_path / "p").exists()
-    code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / "p", "--base", folder)
-    assert code == 0, err
-    with_peft = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "p").merge_and_unload().state_dict()
+    bad = save(full, tmp_path / "full.safetensors", {"ss_network_module": "networks.lora_sd3"})
+    code, _, err = cli("convert", "--adapter", bad, "--to", "peft", "--out", tmp_path / "x", "--base", single)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and swapped in err, err
+    assert not (tmp_path / "x").exists()
+    for base, out in ((single, "s"), (folder, "p")):
+        code, _, err = cli("convert", "--adapter", src, "--to", "peft", "--out", tmp_path / out, "--base", base)
+        assert code == 0, err
+    via_file, via_folder = (load_file(tmp_path / o / "adapter_model.safetensors") for o in ("s", "p"))
+    assert via_file.keys() == via_folder.keys() and all(torch.equal(via_file[k], via_folder[k]) for k in via_file)
+    assert any(".attn.to_k.lora_A." in k for k in via_file)
+    with_peft = PeftModel.from_pretrained(copy.deepcopy(model), tmp_path / "s").merge_and_unload().state_dict()
     assert cli("merge", "--base", folder, "--adapter", src, "--out", tmp_path / "m")[0] == 0
     ours = read_component(tmp_path / "m", "transformer")
     assert_matches(ours, {k: with_peft[k] for k in ours}, model.state_dict(), atol=1e-6)
