@@ -19,7 +19,9 @@ def add_option(p: argparse.ArgumentParser, push: bool = False) -> None:
 
 
 def check(args: argparse.Namespace, base: str | None):
-    """The types, the extra and the base, before the merge (None without --mlx)."""
+    """The types, the extra and the base, before the merge (None without --mlx: nothing of converter.mlx imported)."""
+    if not getattr(args, "mlx", None):
+        return None
     from converter.mlx.export import check as check_mlx
 
     return check_mlx(getattr(args, "mlx", None), base, getattr(args, "token", None))
