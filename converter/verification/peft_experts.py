@@ -18,7 +18,9 @@ from collections.abc import Callable
 
 from converter.verification.referee import Expectation, Expected, RefereeUnavailable
 
-KEEP = 4  # whole parameters kept at once: two workers, each on a module's gate_up and down
+# whole parameters kept at once: one module's gate_up and down, whose file tensors interleave in file order (each
+# is PEFT's merge in the proof's precision and its allowance: 2 x 8 bytes an element; another module's recomputes)
+KEEP = 2
 
 
 def saved_pieces(model, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, int, int]]:
