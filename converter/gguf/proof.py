@@ -112,6 +112,10 @@ class Reference:
     logits: list[np.ndarray] | None = None
     # MoE models: per text with ids, each position's smallest router gap over the layers, relative (see ROUTER_TIE)
     router_gaps: list[np.ndarray] | None = None
+    # A SentencePiece tokenizer that transformers reads with Metaspace: per text, the ids with llama.cpp's (and
+    # SentencePiece's) "▁" before every piece of text (vocab.sentencepiece_convention); the one difference the
+    # tokenizer proof accepts, and states
+    spm_ids: list[list[int]] | None = None
 
     def compared(self, type_name: str) -> list[int]:
         """How many leading positions of each text with ids the behaviour proof compares for this type."""
@@ -123,7 +127,7 @@ class Reference:
 
 
 def reference(source: Source, with_logits: bool) -> Reference:
-    from converter.gguf.vocab import load_tokenizer
+    from converter.gguf.vocab import load_tokenizer, prepends_per_piece, sentencepiece_convention
 
     tok = load_tokenizer(source.folder)
     specials = " ".join(t for t in tok.all_special_tokens)
@@ -140,6 +144,8 @@ def reference(source: Source, with_logits: bool) -> Reference:
         raise BadInputError(f"{source.folder}: the tokenizer gives ids beyond the model's vocab_size {vocab_size}",
                             file=source.folder)  # fmt: skip
     ref = Reference(texts, ids)
+    if prepends_per_piece(tok):
+        ref.spm_ids = [sentencepiece_convention(tok, text, special) for _, text, special in texts]
     if with_logits:
         ref.logits, ref.router_gaps = _float32_logits(source, [i for i in ids if i])
     return ref
@@ -318,20 +324,35 @@ def _piece(vocab, ids: list[int], i: int) -> str:
     return repr(vocab.detokenize(ids[i : i + 1], special=True).decode(errors="replace"))
 
 
+SPM_SPACE = (
+    "llama.cpp puts a space before the text after each special token and before a text that starts with one, as "
+    "SentencePiece does and transformers' Metaspace reading of this tokenizer does not"
+)
+
+
 def prove_tokenizer(path: Path, ref: Reference) -> Part:
-    """Part 2: llama.cpp's token ids against transformers', text by text; names the first token that differs."""
+    """Part 2: llama.cpp's token ids against transformers', text by text; names the first token that differs. A
+    text that differs only by SentencePiece's space (`Reference.spm_ids`, on a `llama` vocabulary) passes, named."""
     vocab = llama.tokenizer(path)
+    spaced: list[str] = []
     try:
-        for (what, text, special), want in zip(ref.texts, ref.ids, strict=True):
+        for k, ((what, text, special), want) in enumerate(zip(ref.texts, ref.ids, strict=True)):
             got = vocab.tokenize(text.encode(), add_bos=special, special=True)
-            if got != want:
+            if got != want and ref.spm_ids is not None and got == ref.spm_ids[k]:
+                spaced.append(what)
+            elif got != want:
                 pairs = enumerate(zip(got, want, strict=False))
                 i = next((k for k, (x, y) in pairs if x != y), min(len(got), len(want)))
                 return Part("tokenizer", False, f"{what}: token {i} is {_piece(vocab, got, i)} in llama.cpp, "
                             f"{_piece(vocab, want, i)} in transformers ({len(got)} vs {len(want)} tokens)")  # fmt: skip
     finally:
         vocab.close()
-    return Part("tokenizer", True, f"{len(ref.texts)} texts tokenized alike (special tokens, chat template included)")
+    detail = f"{len(ref.texts)} texts tokenized alike (special tokens, chat template included)"
+    if spaced:
+        alike = len(ref.texts) - len(spaced)
+        detail = (f"{alike} texts tokenized alike; on {len(spaced)} ({', '.join(spaced)}) {SPM_SPACE}, and the "
+                  "tokens are otherwise the same")  # fmt: skip
+    return Part("tokenizer", True, detail)
 
 
 def prove_behaviour(path: Path, ref: Reference, type_name: str, lora: Path | None = None) -> Part:

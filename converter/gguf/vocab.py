@@ -154,13 +154,34 @@ def _add_sentencepiece(w: gguf.GGUFWriter, folder: Path, vocab_size: int, *, phi
     _special_vocab(folder, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
 
 
+def _merge_scores(folder: Path, tokens: list[bytes], scores: list[float]) -> list[float]:
+    """Scores that make llama.cpp's SentencePiece tokenizer merge in tokenizer.json's merge order: each token made
+    by a merge scores minus that merge's rank (as a SentencePiece BPE model's pieces do). gguf's LlamaHfVocab gives
+    every token -1000, and llama.cpp, merging the highest score first, then merges left to right instead: a Llama 2
+    tokenizer saved by transformers 5 (tokenizer.json only) tokenized `"  hello"` as `"▁▁" "hello"`, not
+    `"▁" "▁hello"`."""
+    merges = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"].get("merges") or []
+    rank: dict[str, int] = {}
+    for i, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        rank.setdefault(left + right, i)
+    out = list(scores)
+    for i, token in enumerate(tokens):
+        text = token.decode("utf-8", errors="replace").replace(" ", "\u2581")
+        if text in rank and scores[i] == -1000.0:
+            out[i] = -float(rank[text])
+    return out
+
+
 def _add_llama_hf(w: gguf.GGUFWriter, folder: Path) -> bool:
-    """A SentencePiece-style BPE in tokenizer.json (byte fallback), as gguf's LlamaHfVocab reads it."""
+    """A SentencePiece-style BPE in tokenizer.json (byte fallback), as gguf's LlamaHfVocab reads it, scored by its
+    merges (`_merge_scores`)."""
     try:
         vocab = gguf.LlamaHfVocab(folder)
     except (FileNotFoundError, TypeError):
         return False
     tokens, scores, types = zip(*vocab.all_tokens(), strict=True)
+    scores = _merge_scores(folder, list(tokens), list(scores))
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(list(tokens))
@@ -207,3 +228,33 @@ def vocab_metadata(folder: Path, config: dict, family: Family, *, pre: str | Non
     w = gguf.GGUFWriter(None, "scratch")
     add_vocab(w, folder, config, family, pre=pre)
     return {k: v for k, v in w.kv_data[0].items() if k != gguf.Keys.General.ARCHITECTURE}
+
+
+def prepends_per_piece(tokenizer) -> bool:
+    """Whether transformers' tokenizer is a SentencePiece reading that leaves text after a special token (or text
+    that starts with a space) without SentencePiece's own "▁": a Metaspace pre-tokenizer, as transformers 5 builds
+    for every Llama-style tokenizer class. llama.cpp, like SentencePiece, puts the "▁" before every piece of text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and type(backend.pre_tokenizer).__name__ == "Metaspace"
+
+
+def sentencepiece_convention(tokenizer, text: str, add_special: bool) -> list[int]:
+    """The ids of `text` with each piece of text between special tokens tokenized as llama.cpp's SentencePiece
+    tokenizer does: a space before it (which Metaspace turns into the "▁" it would not add), special tokens as they
+    are, and transformers' own BOS / EOS around. Only the whitespace convention differs from transformers' ids:
+    every piece is still tokenized by transformers' vocabulary and merges."""
+    import re
+
+    added = sorted((t for t in tokenizer.get_added_vocab() if t), key=len, reverse=True)
+    pieces = re.split("(" + "|".join(re.escape(t) for t in added) + ")", text) if added else [text]
+    body: list[int] = []
+    for piece in pieces:
+        if piece in tokenizer.get_added_vocab():
+            body.append(tokenizer.get_added_vocab()[piece])
+        elif piece:
+            body += tokenizer(" " + piece, add_special_tokens=False)["input_ids"]
+    if not add_special:
+        return body
+    bare, full = tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer(text)["input_ids"]
+    head = next((k for k in range(len(full) - len(bare) + 1) if full[k : k + len(bare)] == bare), 0)
+    return full[:head] + body + full[head + len(bare) :]
