@@ -332,7 +332,7 @@ SPM_SPACE = (
 
 def prove_tokenizer(path: Path, ref: Reference) -> Part:
     """Part 2: llama.cpp's token ids against transformers', text by text; names the first token that differs. A
-    text that differs only by SentencePiece's space (`Reference.spm_ids`, on a `llama` vocabulary) passes, named."""
+    text that differs only by SentencePiece's space (`Reference.spm_ids`, a Metaspace reading) passes, named."""
     vocab = llama.tokenizer(path)
     spaced: list[str] = []
     try:
