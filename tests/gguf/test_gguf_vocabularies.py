@@ -18,8 +18,9 @@ test_gguf.py's SentencePiece tokenizer trained in the test.
 from __future__ import annotations
 
 import json
+import shutil
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -166,20 +167,29 @@ def tokenizer_folder(vocab_files: Path, case: Released, folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def released(vocab_files, tmp_path_factory):
-    """The tiny model of a case (built once per session): its released tokenizer, vocab_size the vocabulary's."""
+    """The tiny model of a case (built once per session): its released tokenizer (one folder per way of writing it,
+    shared by the architectures that take it), vocab_size the vocabulary's."""
+    tokenizers: dict[Released, tuple[Path, int]] = {}
     built: dict[str, Path] = {}
+
+    def tokenizer(case: Released) -> tuple[Path, int]:
+        key = replace(case, model_type="")
+        if key not in tokenizers:
+            folder = tokenizer_folder(vocab_files, case, tmp_path_factory.mktemp("tokenizer") / "tokenizer")
+            data = json.loads((folder / "tokenizer.json").read_text())
+            size = max([len(data["model"]["vocab"]), *(t["id"] + 1 for t in data["added_tokens"])])
+            tokenizers[key] = folder, size
+        return tokenizers[key]
 
     def build(name: str) -> Path:
         if name not in built:
             case = CASES[name]
-            folder = tokenizer_folder(vocab_files, case, tmp_path_factory.mktemp(name) / "model")
+            source, size = tokenizer(case)
+            folder = tmp_path_factory.mktemp(name) / "model"
+            shutil.copytree(source, folder)
             fields = fileio.Reader(vocab_files / f"ggml-vocab-{case.vocab}.gguf").fields
-            keys = {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.ggml.") and k.endswith("_id")}
-            ids = {k: keys.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id")}
-            size = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
-            size = max(
-                [size, *(t["id"] + 1 for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"])]
-            )
+            ids = {k: fields[f"tokenizer.ggml.{k}"].contents() for k in ("bos_token_id", "eos_token_id")
+                   if f"tokenizer.ggml.{k}" in fields}  # fmt: skip
             extra = {"n_ctx": 128} if case.model_type == "gpt2" else {}
             if case.model_type == "qwen3_moe":
                 extra["norm_topk_prob"] = True  # as Qwen3's MoE models (llama.cpp assumes it)
