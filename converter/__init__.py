@@ -29,7 +29,7 @@ _LAZY = {
     "ConvertOptions": ("converter.conversion.options", "ConvertOptions"),
     "ExtractOptions": ("converter.methods.options", "ExtractOptions"),
     "HubServer": ("converter.testing.hub", "HubServer"),
-    "PushOptions": ("converter.jobs.remote", "PushOptions"),
+    "PushOptions": ("converter.jobs.options", "PushOptions"),
     "Recipe": ("converter.engine.recipe", "Recipe"),
     "ResizeOptions": ("converter.methods.options", "ResizeOptions"),
     "build_demo_inputs": ("converter.jobs.demo", "build_demo_inputs"),

@@ -24,6 +24,7 @@ from converter.hub.sources import cache_dir, job_sources
 from converter.io.records import read_report
 from converter.io.scratch import make_temp
 from converter.jobs.fit import duration, money
+from converter.jobs.options import PushOptions
 from converter.jobs.pipeline import STAGES as PUSH_STAGES
 from converter.jobs.pipeline import push
 from converter.verification import VerificationReport
@@ -70,6 +71,14 @@ class JobRequest:
     def verify_settings(self) -> dict | None:
         """The page shows the greedy continuations side by side: the full check (same verdict as quick)."""
         return {"prompts": self.prompt_list(), "mode": "full"} if self.verify else None
+
+    def push_options(self, on_jobs: bool = False) -> PushOptions:
+        """The push the page asks for (a Job's verification uses the built-in prompts: it cannot read the page's)."""
+        verify = self.verify_settings()
+        if on_jobs and verify is not None:
+            verify = {**verify, "prompts": None}
+        gguf = None if self.gguf == "none" else self.gguf
+        return PushOptions(private=self.private, create_pr=self.create_pr, verify=verify, gguf=gguf)
 
 
 @dataclass
@@ -249,12 +258,10 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, machine, st
 
         result = push(
             repo_id,
+            request.push_options(),
             recipe=recipe,
             token=token,
-            private=request.private,
-            create_pr=request.create_pr,
             workdir=tmp,
-            verify=verify,
             stage=stage,
             finished=finished,
             log=say,
@@ -294,8 +301,7 @@ def _on_jobs(request: JobRequest, token: str, recipe: Recipe, tmp: Path, stage, 
 
     if request.gguf != "none":
         raise UsageError("a GGUF is made on this Space only; run the merge on Hugging Face Jobs without it")
-    options = remote.PushOptions(private=request.private, create_pr=request.create_pr,
-                                 verify={"mode": "full"} if request.verify else None)  # fmt: skip
+    options = request.push_options(on_jobs=True)
     if request.prompt_list():
         say("note: a Job verifies with the built-in prompts")
     planned = remote.plan(request.repo_id.strip(), recipe, options, token, workdir=tmp)

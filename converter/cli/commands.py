@@ -513,12 +513,16 @@ def _run_push(args: argparse.Namespace) -> Outcome:
 
     recipe = None if args.from_folder else _recipe_from_args(args)
     settings = None if args.no_verify else _verify_settings(args)
+    from converter.cli.options import options_from
+    from converter.jobs.options import PushOptions
+
+    options = options_from(PushOptions, args, verify=settings)
     from converter.cli import on_jobs
 
     if args.on_jobs:
         if recipe is None:
             raise UsageError("--on-jobs merges Hub sources in the Job; --from is for a folder on this machine")
-        return on_jobs.run_push(args, recipe, settings, _log)
+        return on_jobs.run_push(args, recipe, options, _log)
     if recipe is not None:
         on_jobs.mount(args, recipe)
     if args.dry_run:
@@ -546,22 +550,10 @@ def _run_push(args: argparse.Namespace) -> Outcome:
 
     published = []
     try:
-        result = push(
-            args.repo,
-            recipe=recipe,
-            folder=args.from_folder,
-            token=args.token,
-            private=args.private,
-            create_pr=args.create_pr,
-            overwrite=args.overwrite,
-            verify=settings,
-            log=_log,
-            stage=stages.append,
-            finished=finished,
-            keep_output=gguf is not None or pending_mlx is not None,
-            tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
-            max_disk=on_jobs.max_disk(args),
-        )
+        result = push(args.repo, options, recipe=recipe, folder=args.from_folder, token=args.token, log=_log,
+                      stage=stages.append, finished=finished, keep_output=gguf is not None or pending_mlx is not None,
+                      tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
+                      max_disk=on_jobs.max_disk(args))  # fmt: skip
         _log(result.summary())
         published.append(result.published())
         if gguf is not None:

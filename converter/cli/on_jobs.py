@@ -114,7 +114,7 @@ def dry_run(args: argparse.Namespace, recipe, verify: dict | None, verb: str, lo
             "hardware": hardware.source if hardware else None}  # fmt: skip
 
 
-def run_push(args: argparse.Namespace, recipe, verify: dict | None, log: Callable[[str], None]) -> Outcome:
+def run_push(args: argparse.Namespace, recipe, options, log: Callable[[str], None]) -> Outcome:
     """`push --on-jobs [FLAVOR]`: plan the Job (or print its spec with --dry-run), then submit or follow it."""
     from converter.jobs import remote
 
@@ -122,8 +122,6 @@ def run_push(args: argparse.Namespace, recipe, verify: dict | None, log: Callabl
         given = "--from" if args.from_folder else "--base-mounted"
         raise UsageError(f"--on-jobs merges Hub sources in the Job; {given} is for a machine that has the files")
     token = args.token or _saved_token()
-    options = remote.PushOptions(private=args.private, create_pr=args.create_pr, overwrite=args.overwrite,
-                                 verify=verify, gguf=args.gguf)  # fmt: skip
     runner = remote.Runner.default(args.jobs_image, args.jobs_from)
     flavor = None if args.on_jobs == "auto" else args.on_jobs
     planned = remote.plan(args.repo, recipe, options, token, flavor=flavor, namespace=args.jobs_namespace,

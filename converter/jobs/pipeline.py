@@ -34,6 +34,7 @@ from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
 from converter.jobs.fit import Estimate, check_here
+from converter.jobs.options import PushOptions
 from converter.jobs.shape import BaseHeaders, pipelined_shard_size
 from converter.jobs.streaming import SHARDS_ON_DISK, WINDOW_SHARDS, ScratchMeter, ShardUploader, StreamedBase
 from converter.training import is_training_checkpoint
@@ -47,15 +48,12 @@ __all__ = ["STAGES", "push", "verify_folder"]  # the Python API of the whole job
 
 def push(
     repo_id: str,
+    options: PushOptions | None = None,
     *,
     recipe: Recipe | None = None,
     folder: str | Path | None = None,
     token: str | None = None,
-    private: bool = False,
-    create_pr: bool = False,
-    overwrite: bool = False,
     workdir: str | Path | None = None,
-    verify: dict | None = None,
     log: Callable[[str], None] = print,
     check_shard: Callable[[Shard], None] | None = None,
     stage: Callable[[str], None] = lambda name: None,
@@ -64,10 +62,12 @@ def push(
     tee: TensorTee | None = None,
     max_disk: int | None = None,
 ) -> PushResult:
-    """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring).
+    """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring), as
+    `options` say (default: public, verified with the default settings; its gguf / mlx are the front end's to
+    make: converter push, the Space).
 
-    With `verify` (settings for `verify_folder`, {} for the defaults) the folder is verified first (against the
-    recipe it was merged from) and nothing is committed when it fails. `check_shard` runs on every output shard
+    With `options.verify` the folder is verified first (against the recipe it was merged from) and nothing is
+    committed when it fails. `check_shard` runs on every output shard
     before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
     each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
     report written) just before the commit, while it still exists (a merging push's folder is temporary);
@@ -76,6 +76,8 @@ def push(
     on this machine (converter.jobs.fit: its disk, at most `max_disk`, and memory, from the headers) is refused
     before anything is downloaded (DoesNotFit, naming the Hugging Face Jobs flavor that fits).
     """
+    options = options or PushOptions()
+    verify, private, create_pr, overwrite = options.verify, options.private, options.create_pr, options.overwrite
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise UsageError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
@@ -111,17 +113,8 @@ def push(
         if finished is not None:
             finished(folder)
         stage(COMMIT)
-        return push_folder(
-            folder,
-            repo_id,
-            token=token,
-            private=private,
-            create_pr=create_pr,
-            overwrite=overwrite,
-            replace=replace,
-            log=log,
-            who=who,
-        )
+        return push_folder(folder, repo_id, token=token, private=private, create_pr=create_pr, overwrite=overwrite,
+                           replace=replace, log=log, who=who)  # fmt: skip
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

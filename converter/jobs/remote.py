@@ -16,7 +16,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from converter.engine.recipe import Recipe
@@ -27,6 +27,7 @@ from converter.hub.publish import check_repo_id, check_writable
 from converter.hub.sources import parse_source, resolve
 from converter.io.scratch import temp_folder
 from converter.jobs.fit import Estimate, best_flavor, duration, money, on_jobs
+from converter.jobs.options import PushOptions
 from converter.jobs.shape import shape_of
 from converter.outcome import Outcome
 
@@ -60,18 +61,6 @@ class Runner:
     def command(self, arguments: list[str]) -> list[str]:
         head = ["uvx", "--from", self.install, "converter"] if self.install else ["converter"]
         return head + arguments
-
-
-@dataclass(frozen=True)
-class PushOptions:
-    """What a push does besides its recipe; `verify` None: --no-verify, else verification's settings (mode,
-    max_new_tokens, memory, single_file_config)."""
-
-    private: bool = False
-    create_pr: bool = False
-    overwrite: bool = False
-    verify: dict | None = field(default_factory=dict)
-    gguf: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +104,7 @@ def plan(
     `namespace` (default its user) and to write the repo, every source pinned, the shape from headers, the flavor
     (`flavor`, or the cheapest that fits) and its timeout."""
     check_repo_id(repo_id)
+    _option_flags(options)  # what a Job cannot take is refused before the Hub is asked
     who = hub.whoami_info(token)
     namespace = namespace or os.environ.get("CONVERTER_JOBS_NAMESPACE") or who["name"]
     hf_jobs.check_can_pay(who, namespace)
@@ -246,6 +236,9 @@ def _option_flags(options: PushOptions) -> list[str]:
             if parse_source(config).repo_id is None:
                 raise UsageError(f"--on-jobs: --single-file-config {config} is a local path; give a Hub id")
             args += ["--single-file-config", config]
+    if options.mlx:
+        raise UsageError("--on-jobs: MLX folders are made and proven with mlx on this machine; push on Jobs without "
+                         "--mlx, or merge here")  # fmt: skip
     return args + (["--gguf", options.gguf] if options.gguf else [])
 
 

@@ -179,6 +179,7 @@ def test_failed_shard_check_commits_nothing(hub, tmp_path):
     code = """
 from converter.errors import VerificationFailed
 from converter.jobs.pipeline import push
+from converter.jobs.options import PushOptions
 from converter.engine.recipe import AdapterSpec, Recipe
 
 SABOTAGE = True
@@ -190,7 +191,7 @@ def check(shard):
         raise VerificationFailed(f"{shard.name}: sabotaged")
 recipe = Recipe(base="alice/sharded", adapters=[AdapterSpec(source="alice/lora")], max_shard_size="40KB")
 try:
-    push("alice/checked", recipe=recipe, check_shard=check)
+    push("alice/checked", PushOptions(verify=None), recipe=recipe, check_shard=check)
 except VerificationFailed as e:
     print("failed:", e, seen)
 """

@@ -40,8 +40,10 @@ def test_extras_match_what_each_part_imports():
     assert any(r.startswith("ray") for r in extras["batch"])
     assert any(r.startswith("llama-cpp-python") for r in extras["gguf"]) and "llama" not in base
     assert any(r.startswith("gguf>=") for r in project["dependencies"])  # F16 / Q8_0 GGUF need no extra
-    assert extras["all"] == ["converter[diffusion,app,batch,gguf]"]
-    assert not [r for r in project["dependencies"] + sum(extras.values(), []) if "==" in r]  # ranges, not pins
+    assert any(r.startswith("mlx-lm") for r in extras["mlx"]) and "mlx" not in base
+    assert extras["all"] == ["converter[diffusion,app,batch,gguf,mlx]"]
+    pinned = [r for r in project["dependencies"] + sum(extras.values(), []) if "==" in r.split(";")[0]]
+    assert not pinned  # ranges, not pins (a marker's `sys_platform == ...` is no pin)
 
 
 @pytest.fixture
@@ -137,11 +139,12 @@ def test_the_testing_utility_ships_and_needs_no_test_tools(wheel):
 DOCUMENTED_API = {  # what the Python API page imports, module -> names
     "converter": ["Recipe", "AdapterSpec", "merge", "push", "verify", "push_folder", "convert", "extract", "resize",
                   "combine", "inspect", "deploy", "errors", "ConverterError", "VerificationFailed", "Outcome",
-                  "Verdict", "__version__"],
+                  "Verdict", "__version__", "push_pr", "ConvertOptions", "ExtractOptions", "ResizeOptions",
+                  "CombineOptions", "PushOptions"],
     "converter.jobs.describe": ["render"],
     "converter.jobs.pipeline": ["STAGES"],
     "converter.hub.publish": ["PushResult"],
-    "converter.conversion": ["push_pr", "PullRequest"],
+    "converter.conversion.pr": ["push_pr", "PullRequest"],
     "converter.outcome": ["Outcome", "Verdict", "last_outcome"],
     "converter.jobs.demo": ["build_demo_inputs"],
     "converter.errors": ["ConverterError", "UsageError", "BadInputError", "AdapterFormatError", "RecipeError",

@@ -203,6 +203,7 @@ def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
     """`push` verifies before uploading: a wrong tensor stops it before any Hub call that writes."""
     from converter.errors import VerificationFailed
     from converter.jobs import pipeline
+    from converter.jobs.options import PushOptions
 
     folder = tmp_path / "sabotaged"
     _sabotage("one ΔW negated", ours("bf16"), folder)
@@ -210,7 +211,7 @@ def test_push_uploads_nothing_when_the_proof_fails(ours, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline.hub, "whoami_info", lambda token: {"name": "me"})
     monkeypatch.setattr(pipeline, "push_folder", lambda *a, **k: calls.append(a))
     with pytest.raises(VerificationFailed, match="model.layers.20.mlp.down_proj.weight"):
-        pipeline.push("me/merged", folder=folder, verify={}, log=lambda _line: None)
+        pipeline.push("me/merged", PushOptions(verify={}), folder=folder, log=lambda _line: None)
     assert calls == []
 
 
