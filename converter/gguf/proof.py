@@ -59,11 +59,11 @@ EXACT = {"F32", "F16", "BF16", "Q8_0"}
 # tiny Mixtral in F32: a gap of 5e-4 against router logits of about 1 flipped, and that position read 0.05). A text
 # is compared up to its first position whose gap, in any layer, is below ROUTER_TIE[type] x the layer's RMS router
 # logit: the positions before it are computed from the same experts in both (attention is causal). Each value is
-# about 4x the relative error the type's rounding puts on a router logit (F32 and F16: 4x the gap that flipped).
-ROUTER_TIE = {
-    "F32": 0.002, "F16": 0.002, "BF16": 0.01, "Q8_0": 0.02, "Q6_K": 0.03, "Q5_K_M": 0.05, "Q5_K_S": 0.05,
-    "Q5_0": 0.05, "Q4_K_M": 0.1, "Q4_K_S": 0.1, "Q4_0": 0.1,
-}  # fmt: skip
+# about 4x the relative error the type's rounding puts on a router logit (F32 and F16: 4x the gap that flipped). Only
+# the float types leave near ties out: a flip's error is far inside a quantized type's limit (right files on tiny
+# Mixtral, Qwen2-MoE and Qwen3-MoE with router LoRAs read at most 0.073 in Q8_0 over every position, limit 0.45),
+# while cutting texts short there hid sabotages the whole texts catch (bench/README.md).
+ROUTER_TIE = {"F32": 0.002, "F16": 0.002, "BF16": 0.01}
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Reference:
     def compared(self, type_name: str) -> list[int]:
         """How many leading positions of each text with ids the behaviour proof compares for this type."""
         lengths = [len(i) for i in self.ids if i]
-        if self.router_gaps is None:
+        if self.router_gaps is None or type_name not in ROUTER_TIE:
             return lengths
         ties = [np.flatnonzero(g < ROUTER_TIE[type_name]) for g in self.router_gaps]
         return [int(t[0]) if t.size else n for t, n in zip(ties, lengths, strict=True)]
