@@ -22,7 +22,7 @@ from converter.gguf.arch import family_of
 from converter.gguf.fileio import Reader
 from converter.gguf.source import Source, open_source
 from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_in_python
-from converter.gguf.write import plan, write_ggufs
+from converter.gguf.write import Written, plan, write_ggufs
 from converter.hub.sources import is_diffusion_base
 from converter.io.optional import install_hint
 
@@ -62,7 +62,7 @@ def resolve_source(spec: str | Path, token: str | None = None) -> Path:
 def export(
     source: str | Path, types: list[str], out: str | Path, *, name: str | None = None, force: bool = False,
     token: str | None = None, log: Callable[[str], None] = print, pre: str | None = None,
-    written: dict[str, Path] | None = None,
+    written: dict[str, Written] | None = None,
 ) -> GGUFResult:  # fmt: skip
     """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests);
     `written`: files of these types already written from this source (converter.gguf.stream), proven and kept
@@ -109,29 +109,32 @@ def export(
 
 
 def _write_python_types(src: Source, family, types: list[str], staging: Path, stem: str, ref, result: GGUFResult,
-                        log, pre, have_llama: bool, written: dict[str, Path]) -> Path | None:  # fmt: skip
+                        log, pre, have_llama: bool, written: dict[str, Written]) -> Path | None:  # fmt: skip
     """Write (in one pass over the source) and prove the types we write ourselves; an F32 file for llama.cpp's
-    quantizer when K-quants are asked for (kept only if F32 was asked for too). Returns the F32 file, if any."""
+    quantizer when K-quants are asked for (kept only if F32 was asked for too). Returns the F32 file, if any. The
+    tensor proof reads each file back against the digests its writing kept (Written): the source is read once."""
     paths = {t: staging / f"{stem}-{t}.gguf" for t in written_in_python(types)}
+    digests = {}
     for t, path in paths.items():
         if t in written:
-            shutil.move(written[t], path)
+            shutil.move(written[t].path, path)
+            digests[t] = written[t].digests
         else:
             log(f"{path.name}: writing" + ("" if t in types else " (for llama.cpp's quantizer; not kept)"))
     if to_write := {t: path for t, path in paths.items() if t not in written}:
-        write_ggufs(src, family, to_write, name=stem, pre=pre)
+        write_ggufs(src, family, to_write, name=stem, pre=pre, digests=digests)
     for t, path in paths.items():
-        _prove(path, src, family, t, ref, result, log, have_llama, record=t in types)
+        _prove(path, src, family, t, ref, result, log, have_llama, record=t in types, digests=digests[t])
     return paths.get("F32")
 
 
 def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFResult, log, have_llama: bool,
-           record: bool = True) -> proof.FileProof:  # fmt: skip
+           record: bool = True, digests: dict[str, bytes] | None = None) -> proof.FileProof:  # fmt: skip
     fp = proof.FileProof(path.name, type_name)
     reader = Reader(path)  # it parses the whole vocabulary when it opens: once for both parts
     fp.parts.append(proof.prove_metadata(reader, src, family))
     if fp.passed:
-        fp.parts.append(proof.prove_tensors(reader, src, family, type_name))
+        fp.parts.append(proof.prove_tensors(reader, src, family, type_name, digests))
     if fp.passed and have_llama:
         fp.parts.append(proof.prove_tokenizer(path, ref))
     if fp.passed and have_llama:

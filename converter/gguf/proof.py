@@ -24,7 +24,7 @@ from converter import outcome
 from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
-from converter.gguf.write import QTYPE, _stored_type
+from converter.gguf.write import QTYPE, _stored_type, digest
 from converter.io.same_bytes import same_bytes
 
 PROMPTS = [
@@ -154,18 +154,26 @@ def reference(source: Source, with_logits: bool) -> Reference:
 def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
     """transformers' logits of the source on each of `ids`, computing in float32, its weights left in their files
     and read one layer at a time (converter.engine.precision): the results of a float32 load, with memory that does
-    not grow with the model (a float32 load of an 8 B model would take 32 GB). For a MoE model also each position's
-    router gaps (`Reference.router_gaps`)."""
+    not grow with the model (a float32 load of an 8 B model would take 32 GB). The model is built hollow where its
+    weights are the files' tensors as they are (converter.gguf.hollow), else loaded by transformers. For a MoE model
+    also each position's router gaps (`Reference.router_gaps`)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from converter.engine.precision import file_sources, float32_compute, own_dtype
+    from converter.gguf.hollow import hollow_causal_lm
 
-    # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
-    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=own_dtype(source.folder),
-                                                 attn_implementation="eager")  # fmt: skip
-    model.eval()
-    with torch.no_grad(), float32_compute(model, file_sources(model, source.folder)):
+    hollow = hollow_causal_lm(source)
+    if hollow is not None:
+        model, sources = hollow
+    else:
+        from transformers import AutoModelForCausalLM
+
+        # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=own_dtype(source.folder),
+                                                     attn_implementation="eager")  # fmt: skip
+        model.eval()
+        sources = file_sources(model, source.folder)
+    with torch.no_grad(), float32_compute(model, sources):
         out = batched_logits(model, ids, int(source.config.get("num_experts_per_tok") or 0))
     del model
     return out
@@ -227,8 +235,12 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str) -> Part:
-    """Part 1: every source tensor, read back from the file, against the reference cast / quantization."""
+def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str,
+                  digests: dict[str, bytes] | None = None) -> Part:  # fmt: skip
+    """Part 1: every source tensor, read back from the file, against the reference cast / quantization. With
+    `digests` (converter.gguf.write.Written: the reference's bytes hashed as they were written, in Hugging Face row
+    order), a tensor whose file bytes, put back in that order, hash the same is proven without reading the source
+    again; any other is compared with the source read now, which also names what differs."""
     found = {t.name: t for t in reader.tensors}
     n = arch.block_count(source.config)
     tmap = gguf.get_tensor_name_map(family.arch, n)
@@ -255,32 +267,19 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
         stored_shape = tuple(int(d) for d in reversed(t.shape))
         if _squeezed(stored_shape) != _squeezed(shape):  # llama.cpp's quantizer drops outer 1s: (1, n) -> (n,)
             return Part("tensors", False, f"{name} ({hf_name}) has shape {stored_shape}, expected {shape}")
-        src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
-        order, to_hf = "in Hugging Face row order", transform.to_hf if transform else None
-        if transform and not to_hf:  # a change of values or layout: the source as llama.cpp stores it
-            src, order = transform.to_gguf(src), "as llama.cpp stores it"
         kind = t.tensor_type.name
         if type_name in QTYPE:
             want_type = _stored_type(name, shape, QTYPE[type_name], n)
             if t.tensor_type != want_type:
                 return Part("tensors", False, f"{name} is stored as {kind}, expected {want_type.name}")
-        if kind in EXACT:
-            want = src if kind == "F32" else gguf.quants.quantize(src, t.tensor_type)
-            if not _same_bits(t.data, want, to_hf):
-                got = _read_back(t).reshape(shape)
-                got = to_hf(got) if to_hf else got
-                bad = int(np.sum(got != gguf.quants.dequantize(want, t.tensor_type).reshape(shape)))
-                return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
-                            f"({order})")  # fmt: skip
-        else:
-            got = _read_back(t).reshape(shape)
-            got = to_hf(got) if to_hf else got
-            limit = TENSOR_LIMIT.get(kind)
-            rel = _rel(got, src)
-            if limit is None or not rel <= limit:
-                return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
-                            f"(limit {limit})")  # fmt: skip
-            worst = max(worst, (rel / limit, f"{name} {kind} {rel:.3g}"))
+        to_hf = transform.to_hf if transform else None
+        if digests and kind in EXACT and (transform is None or to_hf) and \
+                _digests_agree(t, members, digests, to_hf, shape[0]):  # fmt: skip
+            continue
+        failed, closeness = _against_source(t, name, hf_name, members, source, transform, shape)
+        if failed is not None:
+            return failed
+        worst = max(worst, closeness)
     for name, made in arch.extra_tensors(source.config, family).items():
         expected.add(name)
         if name not in found or not np.array_equal(_read_back(found[name]).ravel(), made):
@@ -294,6 +293,47 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
         else f"within their types' quantization error (closest to a limit: {worst[1]})"
     )
     return Part("tensors", True, f"{len(expected)} tensors, {how}")
+
+
+def _digests_agree(t, members: tuple[str, ...], digests: dict[str, bytes], to_hf, rows: int) -> bool:
+    """Whether the file's bytes of `t`, its `rows` put back in Hugging Face order by `to_hf` (each expert's slice
+    of a stacked tensor on its own), hash as the reference's did when it was written."""
+    if any(m not in digests for m in members):
+        return False
+    data = np.ascontiguousarray(t.data).view(np.uint8)
+    if to_hf is not None:
+        data = to_hf(data.reshape(rows, -1))
+    parts = data.reshape(len(members), -1)
+    return all(digest(part) == digests[m] for part, m in zip(parts, members, strict=True))
+
+
+def _against_source(t, name: str, hf_name: str, members: tuple[str, ...], source: Source, transform,
+                    shape: tuple[int, ...]) -> tuple[Part | None, tuple[float, str]]:  # fmt: skip
+    """One tensor of the file against the source read now: a failing Part or None, and for a K-quant how close
+    it came to its limit."""
+    stacked = members != (hf_name,)
+    src = np.stack([source.read(m) for m in members]) if stacked else source.read(hf_name)
+    order, to_hf = "in Hugging Face row order", transform.to_hf if transform else None
+    if transform and not to_hf:  # a change of values or layout: the source as llama.cpp stores it
+        src, order = transform.to_gguf(src), "as llama.cpp stores it"
+    kind = t.tensor_type.name
+    if kind in EXACT:
+        want = src if kind == "F32" else gguf.quants.quantize(src, t.tensor_type)
+        if not _same_bits(t.data, want, to_hf):
+            got = _read_back(t).reshape(shape)
+            got = to_hf(got) if to_hf else got
+            bad = int(np.sum(got != gguf.quants.dequantize(want, t.tensor_type).reshape(shape)))
+            return Part("tensors", False, f"{name} ({hf_name}): {bad} values differ from the source as {kind} "
+                        f"({order})"), (0.0, "")  # fmt: skip
+        return None, (0.0, "")
+    got = _read_back(t).reshape(shape)
+    got = to_hf(got) if to_hf else got
+    limit = TENSOR_LIMIT.get(kind)
+    rel = _rel(got, src)
+    if limit is None or not rel <= limit:
+        return Part("tensors", False, f"{name} ({hf_name}) as {kind}: relative error {rel:.3g} "
+                    f"(limit {limit})"), (0.0, "")  # fmt: skip
+    return None, (rel / limit, f"{name} {kind} {rel:.3g}")
 
 
 def prove_metadata(reader: gguf.GGUFReader, source: Source, family: arch.Family) -> Part:

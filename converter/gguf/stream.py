@@ -4,8 +4,9 @@ Why in the same pass: a GGUF's header needs every tensor's name and shape, and t
 first tensor is merged; so each file's header is written first (converter.gguf.write.GGUFFile) and each merged
 tensor, as the merge writes it, is decoded, reordered and quantized into every requested file on a thread of its
 own, holding a couple of tensors at most. The files are the same bytes `converter gguf` writes from the merged
-folder (tests/gguf/test_gguf_stream.py compares them); they are proven afterwards, against that folder, as export's
-files are.
+folder (tests/gguf/test_gguf_stream.py compares them); they are proven afterwards, as export's files are, the tensor
+proof reading each file back against the digests of what the merge streamed (converter.gguf.write.Written) instead
+of reading the merged folder again.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from converter.gguf.arch import family_of
 from converter.gguf.source import Entry, Source, check_dtype, decode
 from converter.gguf.types import written_in_python
 from converter.gguf.vocab import vocab_metadata
-from converter.gguf.write import GGUFFile
+from converter.gguf.write import GGUFFile, Written
 from converter.io.background import Worker
 
 
@@ -65,13 +66,13 @@ class GGUFTee:
             if f.wants(spec.name):
                 f.put(spec.name, data)
 
-    def finish(self) -> dict[str, Path]:
-        """Wait for the last tensor; every file complete and in place. Returns {type: path}."""
+    def finish(self) -> dict[str, Written]:
+        """Wait for the last tensor; every file complete and in place. Returns {type: the file and its digests}."""
         if self._worker is not None:
             self._worker.close()
         for f in self.files.values():
             f.finish()
-        return {t: f.path for t, f in self.files.items()}
+        return {t: Written(f.path, f.digests) for t, f in self.files.items()}
 
     def discard(self) -> None:
         if self._worker is not None:

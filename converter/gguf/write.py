@@ -9,6 +9,7 @@ and memory holds one tensor whatever the model's size.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,21 @@ def stored(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
+def digest(data: np.ndarray) -> bytes:
+    """SHA-256 of an array's bytes (C order): what the tensor proof compares the file's bytes with."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B")).digest()
+
+
+@dataclass(frozen=True)
+class Written:
+    """A file written from a source (during a merge: converter.gguf.stream), and for each source tensor it holds
+    as written (not stacked, rows at most reordered), the SHA-256 of gguf's reference cast / quantization of it in
+    Hugging Face row order (converter.gguf.proof.prove_tensors reads the file back against these)."""
+
+    path: Path
+    digests: dict[str, bytes]
+
+
 def gguf_layout(p: Planned, data: np.ndarray) -> np.ndarray:
     """One source tensor (float32) as llama.cpp stores it: Q/K rows reordered, norms shifted, Conv1D transposed."""
     return p.transform.to_gguf(data) if p.transform else data
@@ -144,6 +160,7 @@ class GGUFFile:
             else:
                 self._places[p.hf_name] = (p, offset)
             offset += gguf.GGUFWriter.ggml_pad(_nbytes(p.shape, p.qtype), w.data_alignment)
+        self.digests: dict[str, bytes] = {}  # see Written
         self.needed = tuple(self._places)  # the source tensors this file is made of (a tied head is not)
         self._missing = set(self._places)
         self._fd = os.open(self._tmp, os.O_WRONLY)
@@ -155,11 +172,19 @@ class GGUFFile:
         return hf_name in self._places
 
     def put(self, hf_name: str, data: np.ndarray) -> None:
-        """Write one source tensor (float32, Hugging Face's layout) to its place."""
+        """Write one source tensor (float32, Hugging Face's layout) to its place. Where llama.cpp only reorders its
+        rows (or keeps it as it is), it is cast / quantized in Hugging Face's row order, its digest kept, and its rows
+        reordered after: every type we write stores a row as whole blocks, so the bytes are those of quantizing the
+        reordered tensor, and the proof can check the reorder on the file alone. A change of values (a norm's shift,
+        a transpose) is made before: the proof makes it again from the source."""
         p, offset = self._places[hf_name]
-        if not p.parts:
-            data = gguf_layout(p, data)
-        self._write(stored(data, p.qtype), offset)
+        if p.parts or p.transform is None or p.transform.to_hf is not None:
+            data = stored(data, p.qtype)
+            self.digests[hf_name] = digest(data)
+            data = data if p.parts else gguf_layout(p, data)
+        else:
+            data = stored(gguf_layout(p, data), p.qtype)
+        self._write(data, offset)
         self._missing.discard(hf_name)
 
     def _write(self, data: np.ndarray, offset: int) -> None:
@@ -186,10 +211,12 @@ class GGUFFile:
 
 
 def write_ggufs(source: Source, family: arch.Family, paths: dict[str, Path], *, name: str,
-                pre: str | None = None) -> dict[str, list[Planned]]:  # fmt: skip
+                pre: str | None = None, digests: dict[str, dict[str, bytes]] | None = None
+                ) -> dict[str, list[Planned]]:  # fmt: skip
     """Write a file per type (`paths`: type -> file) in one pass over `source`: each tensor read once for all of
     them, the tokenizer's metadata made once, one tensor in memory at a time; each file atomically (a temporary name
-    beside it, renamed when complete), and none of them if one fails. Returns the plan written, per type."""
+    beside it, renamed when complete), and none of them if one fails. Returns the plan written, per type; fills
+    `digests` (type -> Written.digests) when given."""
     vocab = vocab_metadata(source.folder, source.config, family, pre=pre)
     files: list[GGUFFile] = []
     finished: list[Path] = []
@@ -204,6 +231,8 @@ def write_ggufs(source: Source, family: arch.Family, paths: dict[str, Path], *, 
         for f in files:
             f.finish()
             finished.append(f.path)
+        if digests is not None:
+            digests.update({t: f.digests for t, f in zip(paths, files, strict=True)})
     except BaseException:
         for f in files:
             f.abort()

@@ -14,7 +14,8 @@ from test_gguf import TINY
 from converter.engine.merging import merge
 from converter.engine.recipe import AdapterSpec, Recipe
 from converter.errors import BadInputError
-from converter.gguf import arch, export, write
+from converter.gguf import arch, export, fileio, proof, write
+from converter.gguf.source import Source
 from converter.gguf.stream import GGUFTee
 
 # Mixtral's LoRA on attention, the router and the fused experts
@@ -63,3 +64,35 @@ def test_a_merge_that_fails_while_streaming_leaves_no_gguf_behind(tmp_path, monk
             tee.discard()
     assert len(calls) == 5
     assert not (tmp_path / "m-GGUF").exists() and not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_the_tensor_proof_reads_the_file_against_the_writers_digests_not_the_source_again(model_type, tmp_path,
+                                                                                         monkeypatch):  # fmt: skip
+    """Written once, proven without reading the source again (Q/K rows reordered, experts stacked: every tensor's
+    digest is found in Hugging Face order); one changed byte still fails, and is then named from the source."""
+    folder = TINY[model_type](tmp_path / model_type)
+    src = export.open_source(folder)
+    family = arch.family_of(src.config, folder)
+    types = ["F32", "BF16", "Q8_0"]
+    digests: dict = {}
+    write.write_ggufs(src, family, {t: tmp_path / f"m-{t}.gguf" for t in types}, name="m", digests=digests)
+    real_read = Source.read
+
+    def no_read(self, name):
+        raise AssertionError(f"{name} read again")
+
+    monkeypatch.setattr(Source, "read", no_read)
+    for t in types:
+        assert proof.prove_tensors(fileio.Reader(tmp_path / f"m-{t}.gguf"), src, family, t, digests[t]).passed, t
+    path = tmp_path / "m-Q8_0.gguf"
+    q = next(t for t in fileio.Reader(path).tensors if t.name == "blk.1.attn_q.weight")
+    data = bytearray(path.read_bytes())
+    data[int(q.data_offset) + 3 * q.data.shape[-1] + 7] ^= 0x40  # row 3: one quant
+    path.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="q_proj.weight read again"):
+        proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", digests["Q8_0"])
+    monkeypatch.setattr(Source, "read", real_read)
+    part = proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", digests["Q8_0"])
+    assert not part.passed
+    assert part.detail.startswith("blk.1.attn_q.weight (model.layers.1.self_attn.q_proj.weight): 1 values differ")
