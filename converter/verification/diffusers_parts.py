@@ -12,7 +12,9 @@ file whole. Each part is then loaded on its own, as its own adapter, into a fres
   OpenCLIP-G); read whole, diffusers referees it;
 - a part no diffusers code reads (T5 or LLM text-encoder modules, SD3's kohya MMDiT) is left to the published
   formula, tensor by tensor, labelled;
-- a part diffusers reads only in part, or that misreads (ignored alphas), makes diffusers decline the whole file.
+- a kohya part whose alphas differ by module (which diffusers misreads whole) is loaded as one copy per alpha, the
+  other modules' up factors zeroed (one_alpha_each);
+- a part diffusers reads only in part, or still misreads, makes diffusers decline the whole file.
 
 Read whole is counted as the loader's own check is (diffusers_loader.dropped_factors): the elements of the part's
 LoRA up factors against those of the up factors diffusers injected under the part's adapter name, no name mapping
@@ -79,24 +81,54 @@ def load_parts(pipe, recipe: Recipe, sources: list[Path], scratch: Path) -> Part
         for key in SafetensorsFile(source).tensors:
             groups.setdefault(part_of(key), set()).add(key)
         for j, (part, keys) in enumerate(sorted(groups.items())):
-            name, path = f"adapter_{i}_{j}", scratch / f"{i}-{j}" / source.name
-            path.parent.mkdir(parents=True)
             with safe_open(source, "pt") as f:
-                save_file({k: f.get_tensor(k) for k in sorted(keys)}, path, metadata=f.metadata())
-            how = _read_part(pipe, path, name, part, keys)
-            if how is None:
-                found.unread.setdefault(i, set()).update(keys)
-                found.unread_parts.append(spelt(part))
-                continue
-            found.names.append(name)
-            found.specs.append(spec)
-            if how == "converted":
-                found.converted.append(spelt(part))
+                tensors, metadata = {k: f.get_tensor(k) for k in sorted(keys)}, f.metadata()
+            for k, one_alpha in enumerate(one_alpha_each(tensors)):
+                name, path = f"adapter_{i}_{j}_{k}", scratch / f"{i}-{j}-{k}" / source.name
+                path.parent.mkdir(parents=True)
+                save_file(one_alpha, path, metadata=metadata)
+                how = _read_part(pipe, path, name, part, keys)
+                if how is None:
+                    found.unread.setdefault(i, set()).update(keys)
+                    found.unread_parts.append(spelt(part))
+                    break
+                found.names.append(name)
+                found.specs.append(spec)
+                if how == "converted" and spelt(part) not in found.converted:
+                    found.converted.append(spelt(part))
     if not found.names:
         raise RefereeUnavailable("diffusers reads no part of the adapters")
     per_component = pipe.get_list_adapters()
     pipe.set_adapters(found.names, adapter_weights=[{c: s.weight_for(c) for c in per_component} for s in found.specs])
     return found
+
+
+def one_alpha_each(tensors: dict) -> list[dict]:
+    """A kohya part whose modules' alphas differ, as one copy per alpha (modules with none: one copy without
+    alphas), each with every module's names and the up factors of the other modules' zeroed: their sum is the part.
+    diffusers' loader keys per-module alphas under names PEFT never matches and gives every module the commonest
+    one, but it reads one alpha right; and its SDXL loader places kohya's SGM blocks by the keys the file has, so
+    each copy keeps them all. A part whose modules share their alpha is itself."""
+    import torch
+
+    modules = {k.split(".", 1)[0] for k in tensors if k.startswith("lora_")}
+    alphas = {m: float(tensors[f"{m}.alpha"]) if f"{m}.alpha" in tensors else None for m in modules}
+    if len(set(alphas.values())) <= 1:
+        return [tensors]
+    copies = []
+    for alpha in sorted(set(alphas.values()), key=lambda a: (a is None, a or 0.0)):
+        copy = {}
+        for key, value in tensors.items():
+            module = key.split(".", 1)[0]
+            if key.endswith(".alpha"):
+                if alpha is not None:
+                    copy[key] = torch.tensor(alpha, dtype=value.dtype)
+            elif key.endswith(".lora_up.weight") and alphas.get(module, alpha) != alpha:
+                copy[key] = torch.zeros_like(value)
+            else:
+                copy[key] = value
+        copies.append(copy)
+    return copies
 
 
 def _read_part(pipe, path: Path, name: str, part: str, keys: set[str]) -> str | None:

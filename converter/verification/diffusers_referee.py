@@ -6,10 +6,11 @@ without weights (peft_referee.hollow): the denoiser and the text encoders it loa
 is then replayed on the base's rows like PEFT's (peft_referee.PeftLayers), the tensor named by the component and
 the file key the model's parameter is loaded from (model_class.loaded_names: transformers' own renames on load,
 such as a CLIPTextModel's dropped `text_model.`). Where diffusers reads a file wrong, in part or not at all
-(include/exclude, LyCORIS DoRA, per-module alphas it ignores, modules its converters drop, a single-file base whose
-tensor names are not diffusers' module names), it declines and the published formula referees. A file it reads only
-some parts of (by kohya prefix or component) is loaded part by part (diffusers_parts): diffusers referees the parts
-it reads whole, the formula the tensors of the parts no diffusers code reads, each such tensor labelled.
+(include/exclude, LyCORIS DoRA, modules its converters drop, a single-file base whose tensor names are not
+diffusers' module names), it declines and the published formula referees. A file it reads only some parts of (by
+kohya prefix or component), or misreads whole (kohya's per-module alphas), is loaded part by part, one alpha at a
+time (diffusers_parts): diffusers referees the parts it reads right, the formula the tensors of the parts no
+diffusers code reads, each such tensor labelled.
 """
 
 from __future__ import annotations

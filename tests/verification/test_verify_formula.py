@@ -24,6 +24,17 @@ from test_community_sd import sd15_lora, to_ldm
 
 pytestmark = pytest.mark.usefixtures("few_images")  # one cheap image per check (conftest)
 
+
+@pytest.fixture(autouse=True)
+def diffusers_reads_the_alphas_whole(monkeypatch):
+    """diffusers' own loader misreads these files' per-module alphas when it reads a file whole; the referee reads
+    such a file one alpha at a time (test_verify_diffusion.py), which here is switched off, so that diffusers
+    declines as its loader alone would and the formula's path is what these tests hold."""
+    from converter.verification import diffusers_parts
+
+    monkeypatch.setattr(diffusers_parts, "one_alpha_each", lambda tensors: [tensors])
+
+
 TENSORS = "diffusion_pytorch_model.safetensors"
 Q = "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q.weight"
 LABEL = "referee: published formula; module placement from converter's keymap"
