@@ -9,7 +9,8 @@ module and one denoiser module left unmerged each exit 3 naming the tensor. Wher
 read a file whole, diffusers still referees every part it reads: kohya SD3's CLIP-L and OpenCLIP-G modules through
 diffusers' own kohya text-encoder conversion; the parts no diffusers code reads (T5 `lora_te3_` / OneTrainer's
 `lora_te2_` of Flux, SD3's T5 and its kohya MMDiT, Qwen-Image's LLM text encoder) are refereed by the published
-formula, each tensor labelled; per-module alphas diffusers' text-encoder loader would ignore send the whole file there.
+formula, each tensor labelled; per-module alphas, which diffusers' text-encoder loader ignores in a whole file,
+are read one alpha at a time.
 Also: a diffusers file saved under transformers 5 on the same base, and PEFT folders per component as PEFT saved
 them under transformers 4 (a modules_to_save layer norm included), refereed by PEFT. Merges are made once per
 module; each check is the tensor proof alone (`converter verify --proof tensors`).
