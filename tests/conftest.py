@@ -37,7 +37,9 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from model_helpers import run_cli  # noqa: E402
+from model_helpers import CliRun  # noqa: E402
+
+from converter.cli.commands import execute  # noqa: E402
 
 # The test modules live in folders that mirror the package (engine/, verification/ ...), the helpers here. A few
 # import from a test module of another folder (`from test_community_sd import sdxl_lora`): every folder goes on
@@ -64,19 +66,20 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture
 def cli(capsys):
-    """Run the CLI in-process; returns (exit code, stdout, stderr).
+    """Run the CLI in-process; returns (exit code, stdout, stderr) with the command's typed outcome as `.outcome`
+    (model_helpers.CliRun).
 
     Merges skip the built-in verification unless `verify=True`: these tests compare with PEFT themselves, and
     verification has its own tests (test_verify.py) plus the architecture sweep.
     """
 
-    def _run(*args: str | Path, verify: bool = False) -> tuple[int, str, str]:
+    def _run(*args: str | Path, verify: bool = False) -> CliRun:
         capsys.readouterr()  # drop what fixtures printed (transformers' progress bars)
         if args and args[0] == "merge" and not verify:
             args = (*args, "--no-verify")
-        code = run_cli(*args)
+        outcome = execute([str(a) for a in args])
         captured = capsys.readouterr()
-        return code, captured.out, captured.err
+        return CliRun(outcome, captured.out, captured.err)
 
     return _run
 

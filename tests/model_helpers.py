@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from converter.cli import main
+from converter.outcome import Outcome
 
 SMALL = dict(
     vocab_size=256,
@@ -172,6 +173,39 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def run_cli(*args: str | Path) -> int:
     return main([str(a) for a in args])
+
+
+class CliRun(tuple):
+    """What the `cli` fixture returns: (exit code, stdout, stderr), which tests unpack, and `.outcome`, the command's
+    typed outcome (converter.outcome.Outcome), which tests of behaviour read instead of the printed words."""
+
+    outcome: Outcome
+
+    def __new__(cls, outcome: Outcome, out: str, err: str) -> CliRun:
+        run = super().__new__(cls, (outcome.exit_code, out, err))
+        run.outcome = outcome
+        return run
+
+
+def assert_proven(run: CliRun, proofs: int = 2) -> None:
+    """The command proved its result: verdict proven, and both proofs (the tensors and the behaviour; `proofs=1`:
+    at least one) ran and passed."""
+    from converter.outcome import Verdict
+
+    outcome, (_, out, err) = run.outcome, run
+    assert outcome.verdict is Verdict.PROVEN, (outcome.verdict, outcome.reason, out + err)
+    ran = [p for p in (outcome.proofs.tensors, outcome.proofs.behaviour) if p is not None and p.ran]
+    assert all(p.passed for p in ran) and len(ran) >= proofs, (outcome.proofs, out + err)
+
+
+def assert_failed(run: CliRun, tensor: str | None = None) -> None:
+    """The command's proof found the result wrong (exit 3), naming `tensor` among its failures when given."""
+    from converter.outcome import Verdict
+
+    outcome, (_, out, err) = run.outcome, run
+    assert outcome.verdict is Verdict.FAILED and run[0] == 3, (outcome.verdict, out + err)
+    if tensor is not None:
+        assert any(tensor in p for p in outcome.proofs.problems) or tensor in (outcome.reason or ""), outcome
 
 
 def shown(report: dict) -> str:

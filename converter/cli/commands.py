@@ -638,6 +638,12 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], Outcome]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code, from its outcome (with --json also printed, the last line of stdout)."""
+    return execute(argv).exit_code
+
+
+def execute(argv: list[str] | None = None) -> Outcome:
+    """Run one command as `converter` does (its lines printed, --json's outcome too); its outcome, which callers
+    in this process read instead of the printed text."""
     global _console
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     try:
@@ -670,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             _console = None
         if args.json:
             print(outcome.to_json(), file=stdout, flush=True)
-        return outcome.exit_code
+        return outcome
 
 
 def _json_asked(argv: list[str]) -> bool:

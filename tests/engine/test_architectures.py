@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import (
+    assert_proven,
     load_merged,
     logits,
     make_adapter,
@@ -23,9 +24,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", 
 def test_merge_matches_unmerged_peft(arch, tmp_path, cli):
     base = make_base(tmp_path / "base", arch)
     adapter = make_adapter(base, tmp_path / "lora", r=4, lora_alpha=8)
-    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "merged", verify=True)
-    assert code == 0, err
-    assert "**Passed**" in out  # the built-in verification agrees
+    assert_proven(cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "merged", verify=True))
     ids = token_ids()
     ref = logits(reference_model(base, [adapter]), ids)
     merged = logits(load_merged(tmp_path / "merged"), ids)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from model_helpers import load_merged, logits, read_tensors, reference_model
+from model_helpers import assert_proven, load_merged, logits, read_tensors, reference_model
 from safetensors.torch import load_file, save_file
 
 E, R, ALPHA = 4, 2, 6
@@ -112,12 +112,12 @@ IDS = torch.randint(3, 67, (3, 12), generator=torch.Generator().manual_seed(0))
 
 def _merge(moe, cli, tmp_path, arch, layout, kind, *extra, verify=False):
     out = tmp_path / f"{arch}-{layout}-{kind}"
-    code, stdout, err = cli(
+    run = cli(
         "merge", "--base", moe / arch / layout, "--adapter", moe / arch / f"lora_{kind}", "--out", out, *extra,
         verify=verify,
     )  # fmt: skip
-    assert code == 0, err
-    return out, stdout
+    assert run[0] == 0, run[2]
+    return out, run
 
 
 @pytest.mark.parametrize("kind", ["per_expert", "parameters"])
@@ -156,8 +156,8 @@ def test_rank_major_misreading_fails_the_oracle(moe, cli, tmp_path, monkeypatch,
 def test_moe_merges_are_verified_and_sabotage_fails(moe, cli, tmp_path, kind):
     """`converter verify` proves these merges (the card says Passed); one expert's delta dropped, or two experts'
     deltas swapped, fails it (exit 3)."""
-    out, stdout = _merge(moe, cli, tmp_path, "mixtral", "fused", kind, verify=True)
-    assert "**Passed**" in stdout
+    out, run = _merge(moe, cli, tmp_path, "mixtral", "fused", kind, verify=True)
+    assert_proven(run)
     base = read_tensors(moe / "mixtral/fused")
     for sabotage in ("dropped", "swapped"):
         tensors = read_tensors(out)
@@ -268,6 +268,5 @@ def test_rslora_per_expert_lora_that_peft_rescales_is_proven_by_its_tensors(moe,
         outs.append(logits(load_merged(tmp_path / f"m-{layout}"), IDS))
     assert "**Passed** (one proof)" in out and "under use_rslora scales them by sqrt(2)" in out
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    code, out, err = cli("merge", "--base", moe / "mixtral/fused", "--adapter", tmp_path / "rs_parameters",
-                         "--out", tmp_path / "m-parameters", verify=True)  # fmt: skip
-    assert code == 0 and "**Passed**" in out, err
+    assert_proven(cli("merge", "--base", moe / "mixtral/fused", "--adapter", tmp_path / "rs_parameters",
+                      "--out", tmp_path / "m-parameters", verify=True))  # fmt: skip

@@ -14,7 +14,15 @@ import sys
 
 import pytest
 import torch
-from model_helpers import load_merged, logits, peft_merged_fp64, read_tensors, reference_model
+from model_helpers import (
+    assert_failed,
+    assert_proven,
+    load_merged,
+    logits,
+    peft_merged_fp64,
+    read_tensors,
+    reference_model,
+)
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -211,9 +219,9 @@ def test_reading_one_tensor_touches_only_its_byte_ranges(ckpts, monkeypatch):
 
 
 def test_merge_is_verified_with_peft_on_the_checkpoint_written_unmerged(ckpts, tmp_path, cli):
-    code, out, err = cli("merge", "--base", ckpts / "lora/actor", "--out", tmp_path / "m", verify=True)
-    assert code == 0, err
-    assert "written unmerged (base + its LoRA)" in out and "**Passed**" in out
+    run = cli("merge", "--base", ckpts / "lora/actor", "--out", tmp_path / "m", verify=True)
+    assert_proven(run)
+    assert "written unmerged (base + its LoRA)" in run[1]
 
 
 def test_verification_catches_a_wrong_fusion(ckpts, tmp_path, cli, monkeypatch):
@@ -232,9 +240,7 @@ def test_verification_catches_a_wrong_fusion(ckpts, tmp_path, cli, monkeypatch):
     monkeypatch.setattr(view.TrainingCheckpoint, "read", half)
     assert cli("merge", "--base", ckpts / "lora/actor", "--out", tmp_path / "m")[0] == 0
     monkeypatch.setattr(view.TrainingCheckpoint, "read", real)
-    code, out, err = cli("verify", tmp_path / "m")
-    assert code == 3, (out, err)
-    assert "verification failed" in err
+    assert_failed(cli("verify", tmp_path / "m"))
 
 
 def _to_megatron(hf: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
@@ -553,9 +559,7 @@ def test_scrambled_experts_are_caught_by_the_oracle(ckpts, tmp_path, cli, monkey
 
 def test_a_training_checkpoint_with_moe_lora_is_verified(ckpts, tmp_path, cli):
     """Written unmerged (fused experts + a target_parameters adapter, as PEFT saves one), checked through PEFT."""
-    code, out, err = cli("merge", "--base", ckpts / "moe_lora", "--out", tmp_path / "m", verify=True)
-    assert code == 0, err
-    assert "**Passed**" in out
+    assert_proven(cli("merge", "--base", ckpts / "moe_lora", "--out", tmp_path / "m", verify=True))
 
 
 @pytest.mark.parametrize("layout", ["lora", "moe_lora"])

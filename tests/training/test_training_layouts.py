@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from model_helpers import load_merged, logits, read_tensors, reference_model
+from model_helpers import assert_proven, load_merged, logits, read_tensors, reference_model
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -284,22 +284,22 @@ def test_torchtitan_rope_rows_are_reordered_the_way_attention_needs(built):
 
 
 def _gptoss_merged(built, tmp_path, cli, verify: bool = False):
-    code, out, err = cli("merge", "--base", built / "gptoss", "--out", tmp_path / "m", verify=verify)
-    assert code == 0, err
-    assert "fused into 6 weights (4 of them fused MoE expert tensors)" in out
+    run = cli("merge", "--base", built / "gptoss", "--out", tmp_path / "m", verify=verify)
+    assert run[0] == 0, run[2]
+    assert "fused into 6 weights (4 of them fused MoE expert tensors)" in run[1]
     ids = torch.randint(3, 67, (2, 10), generator=torch.Generator().manual_seed(0))
     peft = logits(reference_model(built / "ref/gptoss/base", [built / "ref/gptoss/adapter"]), ids)
     bare = logits(load_merged(built / "ref/gptoss/base"), ids)
-    return logits(load_merged(tmp_path / "m"), ids), peft, bare, out
+    return logits(load_merged(tmp_path / "m"), ids), peft, bare, run
 
 
 def test_expert_lora_on_experts_stored_in_out_matches_peft(built, tmp_path, cli):
     """GPT-OSS keeps gate_up_proj (E, H, 2I) and down_proj (E, I, H): PEFT's ΔW[e] is (B_e A_e)ᵀ there; the merge
     agrees with PEFT's forward, and verification (PEFT on the unmerged export) passes."""
-    merged, peft, bare, out = _gptoss_merged(built, tmp_path, cli, verify=True)
+    merged, peft, bare, run = _gptoss_merged(built, tmp_path, cli, verify=True)
     torch.testing.assert_close(merged, peft, atol=1e-5, rtol=1e-5)
     assert (bare - peft).abs().max() > 100 * (merged - peft).abs().max()
-    assert "**Passed**" in out
+    assert_proven(run)
 
 
 def test_square_experts_in_the_wrong_orientation_fail_the_oracle(built, tmp_path, cli, monkeypatch):

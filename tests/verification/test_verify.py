@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import assert_round_trips, make_adapter, make_base, shown
+from model_helpers import assert_failed, assert_round_trips, make_adapter, make_base, shown
 from safetensors.torch import load_file, save_file
 
 
@@ -278,9 +278,7 @@ def test_perturbed_tensor_fails_and_is_located(llama, tmp_path, cli):
     base, lora = llama
     out = merged_copy(tmp_path, cli, base, lora)
     edit(out, lambda t: t["model.layers.1.mlp.up_proj.weight"].add_(0.2))
-    code, stdout, err = cli("verify", out, "--report", tmp_path / "r.json")
-    assert code == 3, stdout + err
-    assert "verification failed" in err and "model.layers.1.mlp.up_proj" in err
+    assert_failed(cli("verify", out, "--report", tmp_path / "r.json"), "model.layers.1.mlp.up_proj")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "fail"
     assert report["tensors"]["failures"][0]["name"] == "model.layers.1.mlp.up_proj.weight"
