@@ -130,21 +130,31 @@ def test_an_unknown_old_name_is_still_refused(tmp_path):
 ATTN_PROCS_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
-def attn_procs_lora(root: Path) -> tuple[Path, Path]:
+def attn_procs_lora(root: Path, pipeline: bool = False) -> tuple[Path, Path]:
     """A tiny SD 1.5 pipeline and a UNet LoRA made by diffusers (`add_adapter`, every factor random, alpha = rank
     as the processors had no alpha), written in the layout `save_attn_procs` used before PEFT: `<attention>.
-    processor.to_q_lora.down.weight` / `.up.weight` and `to_out_lora` for `to_out.0`, no component prefix."""
-    from peft import LoraConfig
+    processor.to_q_lora.down.weight` / `.up.weight` and `to_out_lora` for `to_out.0`, no component prefix.
+    `pipeline`: as the pipeline's `save_lora_weights` wrote it then, `unet.` before those names and a text-encoder
+    LoRA made by PEFT as `text_encoder.text_model.<module>.lora_linear_layer.down.weight`."""
+    from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
 
-    unet = make_pipeline(root / "base")["unet"]
+    models = make_pipeline(root / "base")
+    unet, prefix = models["unet"], "unet." if pipeline else ""
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=ATTN_PROCS_TARGETS, init_lora_weights=False))
     legacy = {}
     for key, value in get_peft_model_state_dict(unet).items():
         module, factor = key.rsplit(".lora_", 1)
         attention, layer = module.removesuffix(".0").rsplit(".", 1)
-        legacy[f"{attention}.processor.{layer}_lora.{'down' if factor.startswith('A') else 'up'}.weight"] = value
+        role = "down" if factor.startswith("A") else "up"
+        legacy[f"{prefix}{attention}.processor.{layer}_lora.{role}.weight"] = value
     assert any(".to_k_lora.down." in k for k in legacy) and any(".to_out_lora.up." in k for k in legacy)
+    if pipeline:
+        lora = LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        for key, value in get_peft_model_state_dict(get_peft_model(models["text_encoder"], lora)).items():
+            module, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+            role = "down" if factor.startswith("A") else "up"
+            legacy[f"text_encoder.text_model.{module}.lora_linear_layer.{role}.weight"] = value
     return root / "base", save(legacy, root / "lora" / "pytorch_lora_weights.safetensors")
 
 
@@ -166,16 +176,33 @@ def test_attention_processor_lora_is_refereed_by_diffusers(tmp_path, cli):
     assert victim in stderr
 
 
-def test_attention_processor_lora_by_the_formula_as_last_resort(tmp_path):
-    """With include/exclude diffusers' loader declines, and the published formula reads the processors' factors
-    (no alpha: scale 1), labelled as the formula; one module left unmerged fails."""
-    base, lora = attn_procs_lora(tmp_path)
+@pytest.mark.usefixtures("few_images")
+def test_the_pipeline_layout_of_then_with_a_text_encoder_is_refereed_by_diffusers(tmp_path):
+    base, lora = attn_procs_lora(tmp_path, pipeline=True)
     out = tmp_path / "out"
-    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(lora), include=[r"\.attn[12]\."])], out=str(out))
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(lora))], out=str(out))
+    merge(recipe, force=True, log=lambda _: None)
+    report = verify(out, recipe, log=lambda _: None)
+    assert report.verdict == "pass" and report.tensors.referee.name == "diffusers", report.problems
+    assert {g for g, c in report.tensors.groups.items() if c.changed} == {"unet", "text_encoder"}
+    assert report.behaviour_skipped is None
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["attn-procs", "pipeline-with-text-encoder"])
+def test_attention_processor_lora_by_the_formula_as_last_resort(tmp_path, pipeline):
+    """With include/exclude diffusers' loader declines, and the published formula reads the processors' factors
+    and the text encoder's `lora_linear_layer` ones (no alpha: scale 1), labelled as the formula; one module
+    left unmerged fails."""
+    base, lora = attn_procs_lora(tmp_path, pipeline)
+    out = tmp_path / "out"
+    recipe = Recipe(base=str(base), adapters=[AdapterSpec(str(lora), include=[r"\.attn[12]\.|self_attn"])],
+                    out=str(out))  # fmt: skip
     merge(recipe, force=True, log=lambda _: None)
     report = verify(out, recipe, log=lambda _: None, proofs=("tensors",))
     assert report.verdict == "pass", (report.problems, report.tensors_skipped)
     assert report.tensors.referee.name == "published formula"
+    changed_groups = {g for g, c in report.tensors.groups.items() if c.changed}
+    assert changed_groups == ({"unet", "text_encoder"} if pipeline else {"unet"}), changed_groups
     victim = next(v for v in changed(base, out, "unet/*.safetensors") if "to_out" in v)
     put_back(out, base, victim, "unet/*.safetensors")
     bad = verify(out, recipe, log=lambda _: None, proofs=("tensors",))
