@@ -50,6 +50,7 @@ ARCHES = (
     DiffusionArch(
         "sd3",
         (("joint_blocks.0.x_block.attn.qkv.weight",),),
+        keep_f32=("pos_embed",),  # diffusers dequantizes only inside Linear layers: a BF16 / Q8_0 one fails there
         diffusers_layout=("transformer_blocks.0.attn.add_q_proj.weight",),
     ),  # fmt: skip
     DiffusionArch("aura", (("double_layers.0.modX.1.weight",),)),
@@ -113,9 +114,10 @@ def denoiser_keys(keys: list[str]) -> dict[str, str]:
 def detect(keys: set[str], file: object) -> DiffusionArch:
     """The architecture of a denoiser with `keys` (prefix removed); a diffusers-layout file or an unknown model is
     refused in one line."""
-    for a in ARCHES:
+    for a in ARCHES:  # markers first: Qwen-Image's own file has keys of Flux's and SD3's diffusers layout
         if any(all(k in keys for k in group) for group in a.markers):
             return a
+    for a in ARCHES:
         if any(k in keys for k in a.diffusers_layout):
             raise BadInputError(
                 f"{file}: a {a.name} model in diffusers' layout; ComfyUI-GGUF reads the original single-file layout "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 HEAD_DIM = 128  # Flux's and Wan's attention head width
+SD3_HEAD_DIM = 64  # SD3's and LTX-Video's, where no per-head norm says it
 
 
 def _count(keys: set[str], pattern: str) -> int:
@@ -59,6 +60,37 @@ def _wan(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+def _sd3(s: dict[str, tuple[int, ...]]) -> dict:
+    hidden, in_channels, patch, _ = s["x_embedder.proj.weight"]
+    keys = set(s)
+    norm = s.get("joint_blocks.0.x_block.attn.ln_q.weight")
+    head = norm[0] if norm else SD3_HEAD_DIM
+    size = round(s["pos_embed"][1] ** 0.5)
+    return {
+        "_class_name": "SD3Transformer2DModel", "sample_size": size, "patch_size": patch, "in_channels": in_channels,
+        "num_layers": _count(keys, r"joint_blocks\.(\d+)\."), "attention_head_dim": head,
+        "num_attention_heads": hidden // head, "joint_attention_dim": s["context_embedder.weight"][1],
+        "caption_projection_dim": hidden, "pooled_projection_dim": s["y_embedder.mlp.0.weight"][1],
+        "out_channels": s["final_layer.linear.weight"][0] // (patch * patch), "pos_embed_max_size": size,
+        "dual_attention_layers": sorted({int(k.split(".")[1]) for k in keys if ".x_block.attn2." in k}),
+        "qk_norm": "rms_norm" if norm else None,
+    }  # fmt: skip
+
+
+def _ltxv(s: dict[str, tuple[int, ...]]) -> dict:
+    if any(k.startswith("audio_") for k in s):
+        raise ValueError("LTX-2 (audio and video): its own class, not LTX-Video's")
+    hidden, in_channels = s["patchify_proj.weight"]
+    heads = hidden // SD3_HEAD_DIM if hidden % SD3_HEAD_DIM == 0 else 1
+    return {
+        "_class_name": "LTXVideoTransformer3DModel", "in_channels": in_channels,
+        "out_channels": s["proj_out.weight"][0], "num_attention_heads": heads, "attention_head_dim": hidden // heads,
+        "cross_attention_dim": s["transformer_blocks.0.attn2.to_k.weight"][1],
+        "num_layers": _count(set(s), r"transformer_blocks\.(\d+)\."),
+        "caption_channels": s["caption_projection.linear_1.weight"][1],
+    }  # fmt: skip
+
+
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
@@ -89,10 +121,36 @@ def _wan_inputs(c: dict, g) -> dict:
     }
 
 
+def _sd3_inputs(c: dict, g) -> dict:
+    import torch
+
+    side = 2 * c["patch_size"]
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, c["joint_attention_dim"], generator=g),
+        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
+        "timestep": torch.tensor([500.0]),
+    }
+
+
+def _ltxv_inputs(c: dict, g) -> dict:
+    import torch
+
+    frames, height, width, txt = 2, 2, 2, 8
+    return {
+        "hidden_states": torch.randn(1, frames * height * width, c["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
+        "timestep": torch.tensor([500]), "encoder_attention_mask": torch.ones(1, txt),
+        "num_frames": frames, "height": height, "width": width,
+    }  # fmt: skip
+
+
 #: architecture -> (its config from the shapes, seeded inputs from the config)
 RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] = {
     "flux": (_flux, _flux_inputs),
     "wan": (_wan, _wan_inputs),
+    "sd3": (_sd3, _sd3_inputs),
+    "ltxv": (_ltxv, _ltxv_inputs),
 }
 
 

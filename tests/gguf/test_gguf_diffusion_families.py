@@ -1,0 +1,193 @@
+"""GGUF out for every diffusion family the writer claims: its architecture name, its tensors' types, and, where
+diffusers' GGUF single-file loader reads a test-sized model, its behaviour.
+
+Each family's tiny original single file is built from a tiny diffusers model (tests/family_cases.py; SD3 from
+tests/formats/test_community_sd3.py), whose original layout diffusers' own single-file converter reads back. Oracles:
+ComfyUI-GGUF's conventions (architecture names, the tensors it keeps F32), written here from its converter's rules,
+not read from ours, and diffusers' GGUF loader for the behaviour part.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from converter.errors import BadInputError
+from converter.gguf import diffusion, diffusion_arch, diffusion_export, diffusion_proof, diffusion_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
+from family_cases import CASES, make_bases, tiny  # noqa: E402
+
+# family (tests/family_cases.py's names, and SD3) -> the general.architecture ComfyUI-GGUF's loaders take for it
+ARCH = {"flux": "flux", "flux2": "flux", "qwen_image": "qwen_image", "z_image": "lumina2", "lumina2": "lumina2",
+        "wan": "wan", "skyreels_v2": "wan", "chronoedit": "wan", "ltx_video": "ltxv", "ltx2": "ltxv",
+        "hidream": "hidream", "anima": "cosmos", "sd3": "sd3"}  # fmt: skip
+NOT_CLAIMED = ["krea2", "flux3", "minimax_h3"]  # no architecture of ComfyUI-GGUF's: refused
+
+# The tensors ComfyUI-GGUF's converter keeps F32 whatever the type (read outside a Linear), at their real shapes,
+# each beside a tensor of the same model that is quantized; SD3's pos_embed is ours (diffusers reads it raw).
+KEPT = {
+    "wan": [("blocks.0.modulation", (1, 6, 5120)), ("head.modulation", (1, 2, 5120))],
+    "ltxv": [("transformer_blocks.0.scale_shift_table", (6, 2048)), ("scale_shift_table", (2, 2048))],
+    "hidream": [("double_stream_blocks.0.block.ff_i.gate.weight", (4, 2560)), ("img_emb.emb_pos", (1, 4096, 2560))],
+    "cosmos": [("pos_embedder.dim_spatial_range", (1, 2048))],
+    "sd3": [("pos_embed", (1, 36864, 1536))],
+}
+QUANTIZED = {"wan": "blocks.0.ffn.0.weight", "ltxv": "transformer_blocks.0.attn1.to_q.weight",
+             "hidream": "double_stream_blocks.0.block.attn1.to_q.weight", "cosmos": "blocks.0.mlp.layer1.weight",
+             "sd3": "joint_blocks.0.x_block.attn.qkv.weight"}  # fmt: skip
+
+
+def _sd3_file(root: Path) -> tuple[Path, object]:
+    from diffusion_helpers import save
+    from test_community_sd3 import tiny_sd3, to_original
+
+    model = tiny_sd3()
+    return save(to_original(model.state_dict()), root / "sd3-tiny.safetensors"), model
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Each family's tiny original single file and its diffusers model, built once on first use."""
+    cache = {}
+
+    def get(name: str) -> tuple[Path, object]:
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            if name == "sd3":
+                cache[name] = _sd3_file(root)
+            else:
+                model = tiny(CASES[name])
+                cache[name] = (make_bases(CASES[name], model, root)[1], model)
+        return cache[name]
+
+    return get
+
+
+def _rule(key: str, shape: tuple[int, ...], arch: str) -> str:
+    """ComfyUI-GGUF's type rule for a Q8_0 file, restated: F32 for 1-D, small, more than 4-D and kept tensors; F16
+    where a row is no whole Q8_0 block; Q8_0 otherwise."""
+    n = 1
+    for d in shape:
+        n *= d
+    if len(shape) <= 1 or len(shape) > 4 or n <= 1024 or any(key == k for k, _ in KEPT.get(arch, [])):
+        return "F32"
+    return "F16" if shape[-1] % 32 else "Q8_0"
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_each_family_is_written_under_its_comfyui_architecture(single, name, tmp_path):
+    """The tiny original file of each family: its GGUF names the architecture ComfyUI-GGUF loads it as, holds the
+    denoiser's keys without the checkpoint's prefix, and stores each tensor by the type rule."""
+    path, _ = single(name)
+    src = diffusion.open_source(path)
+    out = tmp_path / "x-Q8_0.gguf"
+    diffusion.write(src, {"Q8_0": out}, "x")
+    reader = gguf.GGUFReader(out)
+    assert reader.get_field("general.architecture").contents() == ARCH[name]
+    with safe_open(path, framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+    prefix = "net." if name == "anima" else "model.diffusion_model."
+    assert {t.name for t in reader.tensors} == {k.removeprefix(prefix) for k in shapes}
+    for t in reader.tensors:
+        assert t.tensor_type.name == _rule(t.name, shapes[prefix + t.name], ARCH[name]), t.name
+
+
+@pytest.mark.parametrize("arch", sorted(KEPT))
+def test_tensors_read_outside_a_linear_stay_f32_at_real_sizes(arch):
+    a = {x.name: x for x in diffusion_arch.ARCHES}[arch]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for key, shape in KEPT[arch]:
+        assert diffusion_arch.stored_type(key, shape, a, q8).name == "F32", key
+    assert diffusion_arch.stored_type(QUANTIZED[arch], (3072, 3072), a, q8) == q8
+
+
+def _made_up(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    g = torch.Generator().manual_seed(0)
+    save_file({f"model.diffusion_model.{k}": torch.randn(*s, generator=g) for k, s in shapes.items()}, path)
+    return path
+
+
+MADE_UP = {  # families without a tiny original single file here: their marker keys and a few others, real shapes
+    "hyvid": {"double_blocks.0.img_attn_proj.weight": (64, 64), "double_blocks.0.img_attn_qkv.weight": (192, 64),
+              "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight": (192, 64),
+              "img_in.proj.weight": (64, 16, 1, 2, 2)},
+    "aura": {"double_layers.0.modX.1.weight": (384, 64), "init_x_linear.weight": (64, 16),
+             "positional_encoding": (1, 256, 64)},
+    "sdxl": {"input_blocks.0.0.weight": (320, 4, 3, 3), "label_emb.0.0.weight": (1280, 2816),
+             "time_embed.0.weight": (1280, 320), "out.2.weight": (4, 320, 3, 3)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(MADE_UP))
+def test_made_up_files_of_the_other_architectures(arch, tmp_path):
+    src = diffusion.open_source(_made_up(tmp_path / "m.safetensors", MADE_UP[arch]))
+    assert src.arch.name == arch
+    plan = {p.name: p for p in src.plan("Q8_0")}
+    if arch == "hyvid":  # its 5-D patch embedding: F32, shape kept (ComfyUI-GGUF's fix step)
+        assert plan["img_in.proj.weight"].qtype.name == "F32" and plan["img_in.proj.weight"].stored == (64, 16, 1, 2, 2)
+    if arch == "sdxl":  # a UNet: rows of 256 where the last dimension is none
+        assert plan["input_blocks.0.0.weight"].stored == (320 * 4 * 9 // 256, 256)
+    else:
+        assert all(p.stored == p.shape for p in plan.values())
+
+
+@pytest.mark.parametrize("name", NOT_CLAIMED)
+def test_families_comfyui_gguf_does_not_load_are_refused(single, name):
+    with pytest.raises(BadInputError, match="no diffusion architecture ComfyUI-GGUF loads"):
+        diffusion.open_source(single(name)[0])
+
+
+def _negate(path: Path, name: str) -> None:
+    reader = gguf.GGUFReader(path, "r+")
+    t = next(t for t in reader.tensors if t.name == name)
+    t.data[...] = -t.data
+    reader.data.flush()
+
+
+# family -> (the config keys the proof reads from the shapes, a tensor whose sign diffusers' output shows)
+BEHAVIOUR = {
+    "sd3": (("patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
+             "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
+             "pos_embed_max_size", "qk_norm"), "joint_blocks.0.x_block.mlp.fc2.weight"),
+    "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
+                  "transformer_blocks.0.ff.net.2.weight"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BEHAVIOUR))
+def test_behaviour_is_judged_by_diffusers_and_fails_a_negated_tensor(single, name, tmp_path):
+    """diffusers' GGUF loader runs the F16 file like the source; the config the proof reads from the shapes is the
+    model's own; one negated tensor fails the behaviour part on its own."""
+    path, model = single(name)
+    keys, sabotaged = BEHAVIOUR[name]
+    result = diffusion_export.export(path, ["F16"], tmp_path / "out")
+    behaviour = result.proofs[0].parts[-1]
+    assert behaviour.name == "behaviour" and behaviour.judged and behaviour.passed, behaviour.detail
+    src = diffusion.open_source(path)
+    ref = diffusion_proof.Reference(src)
+    try:
+        assert ref.output is not None, ref.why
+        made = ref.config
+        assert {k: made[k] for k in keys} == {k: model.config[k] for k in keys}
+        bad = tmp_path / "bad-F16.gguf"
+        bad.write_bytes(result.files[0].read_bytes())
+        _negate(bad, sabotaged)
+        failed = diffusion_proof.prove_behaviour(bad, ref, "F16")
+        assert not failed.passed and failed.judged, failed.detail
+    finally:
+        ref.close()
+
+
+def test_ltx2_shares_ltxv_but_its_behaviour_is_not_judged(single, tmp_path):
+    """LTX-2 files are `ltxv` to ComfyUI-GGUF, but LTX-Video's diffusers class is not LTX-2's: no run, said so."""
+    path, _ = single("ltx2")
+    src = diffusion.open_source(path)
+    assert diffusion_run.config("ltxv", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
