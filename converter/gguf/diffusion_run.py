@@ -91,6 +91,21 @@ def _ltxv(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+def _z_image(s: dict[str, tuple[int, ...]]) -> dict:
+    if "x_pad_token" not in s:
+        raise ValueError("Lumina 2: diffusers' converter splits its qkv at Lumina-Image 2.0's own widths")
+    dim, patched = s["x_embedder.weight"]
+    head = s["layers.0.attention.q_norm.weight"][0]
+    keys = set(s)
+    return {
+        "_class_name": "ZImageTransformer2DModel", "all_patch_size": [2], "all_f_patch_size": [1],
+        "in_channels": patched // 4, "dim": dim, "n_layers": _count(keys, r"layers\.(\d+)\."),
+        "n_refiner_layers": _count(keys, r"noise_refiner\.(\d+)\."), "n_heads": dim // head,
+        "n_kv_heads": (s["layers.0.attention.qkv.weight"][0] // head - dim // head) // 2,
+        "cap_feat_dim": s["cap_embedder.1.weight"][1], "axes_dims": _axes(head),
+    }  # fmt: skip
+
+
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
@@ -145,12 +160,22 @@ def _ltxv_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _z_image_inputs(c: dict, g) -> dict:
+    import torch
+
+    return {
+        "x": [torch.randn(c["in_channels"], 1, 4, 4, generator=g)], "t": torch.tensor([0.5]),
+        "cap_feats": [torch.randn(8, c["cap_feat_dim"], generator=g)],
+    }  # fmt: skip
+
+
 #: architecture -> (its config from the shapes, seeded inputs from the config)
 RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] = {
     "flux": (_flux, _flux_inputs),
     "wan": (_wan, _wan_inputs),
     "sd3": (_sd3, _sd3_inputs),
     "ltxv": (_ltxv, _ltxv_inputs),
+    "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
 }
 
 
@@ -184,4 +209,6 @@ def outputs(arch: str, path: Path, made: dict, folder: Path, gguf: bool):
     inputs = RUNS[arch][1](made, torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(**inputs, return_dict=False)[0]
+    if isinstance(out, list):  # one output per sample (Z-Image)
+        out = torch.stack(out)
     return out.float().numpy()

@@ -159,6 +159,8 @@ BEHAVIOUR = {
              "pos_embed_max_size", "qk_norm"), "joint_blocks.0.x_block.mlp.fc2.weight"),
     "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
                   "transformer_blocks.0.ff.net.2.weight"),
+    "z_image": (("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim"),
+                "layers.0.feed_forward.w2.weight"),
 }  # fmt: skip
 
 
@@ -191,3 +193,11 @@ def test_ltx2_shares_ltxv_but_its_behaviour_is_not_judged(single, tmp_path):
     path, _ = single("ltx2")
     src = diffusion.open_source(path)
     assert diffusion_run.config("ltxv", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
+
+
+def test_lumina2_shares_z_image_s_architecture_but_its_behaviour_is_not_judged(single, tmp_path):
+    """Lumina 2 and Z-Image are both `lumina2`; diffusers' Lumina 2 converter splits qkv at the real model's widths,
+    so only Z-Image's files (their pad tokens tell them apart) get a run."""
+    path, _ = single("lumina2")
+    src = diffusion.open_source(path)
+    assert diffusion_run.config("lumina2", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
