@@ -134,12 +134,13 @@ def _prove(path: Path, src: Source, family, type_name: str, ref, result: GGUFRes
     reader = Reader(path)  # it parses the whole vocabulary when it opens: once for both parts
     fp.parts.append(proof.prove_metadata(reader, src, family))
     if fp.passed:
-        fp.parts.append(proof.prove_tensors(reader, src, family, type_name, digests))
+        written = Written(path, digests) if digests is not None else None
+        fp.parts.append(proof.prove_tensors(reader, src, family, type_name, written))
+    del reader  # its memory map goes before llama.cpp maps the file again
     if fp.passed and have_llama:
         fp.parts.append(proof.prove_tokenizer(path, ref))
     if fp.passed and have_llama:
         fp.parts.append(proof.prove_behaviour(path, ref, type_name))
-    del reader
     for part in fp.parts:
         log(f"  {part.name}: {part.verdict}: {part.detail}")
     if record:

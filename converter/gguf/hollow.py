@@ -45,3 +45,19 @@ def hollow_causal_lm(source: Source, class_name: str | None = None):
             return None
         sources[id(p)] = FileTensor(e.file, e.begin, e.end, e.dtype)
     return model.eval(), sources
+
+
+def release_heap() -> None:
+    """Free heap memory back to the system (glibc's malloc_trim; elsewhere nothing). After a verified merge, blocks
+    below 64 MiB come from the heap (converter.verification.heap raises glibc's threshold for the merge's proofs),
+    so the reference's float32 layers, once freed, would stay in the process while llama.cpp maps the whole file."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -24,7 +24,7 @@ from converter import outcome
 from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
-from converter.gguf.write import QTYPE, _stored_type, digest
+from converter.gguf.write import QTYPE, Written, _stored_type, digest
 from converter.io.same_bytes import same_bytes
 
 PROMPTS = [
@@ -160,7 +160,7 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarr
     import torch
 
     from converter.engine.precision import file_sources, float32_compute, own_dtype
-    from converter.gguf.hollow import hollow_causal_lm
+    from converter.gguf.hollow import hollow_causal_lm, release_heap
 
     hollow = hollow_causal_lm(source)
     if hollow is not None:
@@ -176,6 +176,7 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarr
     with torch.no_grad(), float32_compute(model, sources):
         out = batched_logits(model, ids, int(source.config.get("num_experts_per_tok") or 0))
     del model
+    release_heap()
     return out
 
 
@@ -236,11 +237,12 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, type_name: str,
-                  digests: dict[str, bytes] | None = None) -> Part:  # fmt: skip
+                  written: Written | None = None) -> Part:  # fmt: skip
     """Part 1: every source tensor, read back from the file, against the reference cast / quantization. With
-    `digests` (converter.gguf.write.Written: the reference's bytes hashed as they were written, in Hugging Face row
-    order), a tensor whose file bytes, put back in that order, hash the same is proven without reading the source
-    again; any other is compared with the source read now, which also names what differs."""
+    `written` (the file `reader` reads, and the digests of the reference's bytes in Hugging Face row order, made as
+    they were written: converter.gguf.write.Written), a tensor whose bytes, read from the file and put back in that
+    order, hash the same is proven without reading the source again; any other is compared with the source read
+    now, which also names what differs."""
     found = {t.name: t for t in reader.tensors}
     n = arch.block_count(source.config)
     tmap = gguf.get_tensor_name_map(family.arch, n)
@@ -273,8 +275,8 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
             if t.tensor_type != want_type:
                 return Part("tensors", False, f"{name} is stored as {kind}, expected {want_type.name}")
         to_hf = transform.to_hf if transform else None
-        if digests and kind in EXACT and (transform is None or to_hf) and \
-                _digests_agree(t, members, digests, to_hf, shape[0]):  # fmt: skip
+        if written and kind in EXACT and (transform is None or to_hf) and \
+                _digests_agree(written, t, members, to_hf, shape[0]):  # fmt: skip
             continue
         failed, closeness = _against_source(t, name, hf_name, members, source, transform, shape)
         if failed is not None:
@@ -295,16 +297,17 @@ def prove_tensors(reader: gguf.GGUFReader, source: Source, family: arch.Family, 
     return Part("tensors", True, f"{len(expected)} tensors, {how}")
 
 
-def _digests_agree(t, members: tuple[str, ...], digests: dict[str, bytes], to_hf, rows: int) -> bool:
+def _digests_agree(written: Written, t, members: tuple[str, ...], to_hf, rows: int) -> bool:
     """Whether the file's bytes of `t`, its `rows` put back in Hugging Face order by `to_hf` (each expert's slice
-    of a stacked tensor on its own), hash as the reference's did when it was written."""
-    if any(m not in digests for m in members):
+    of a stacked tensor on its own), hash as the reference's did when it was written. The bytes are read from the
+    file, not from the reader's memory map: memory holds one tensor, not the file's pages, while the proof goes on."""
+    if any(m not in written.digests for m in members):
         return False
-    data = np.ascontiguousarray(t.data).view(np.uint8)
+    data = np.fromfile(written.path, np.uint8, int(t.n_bytes), offset=int(t.data_offset))
     if to_hf is not None:
         data = to_hf(data.reshape(rows, -1))
     parts = data.reshape(len(members), -1)
-    return all(digest(part) == digests[m] for part, m in zip(parts, members, strict=True))
+    return all(digest(part) == written.digests[m] for part, m in zip(parts, members, strict=True))
 
 
 def _against_source(t, name: str, hf_name: str, members: tuple[str, ...], source: Source, transform,

@@ -84,15 +84,16 @@ def test_the_tensor_proof_reads_the_file_against_the_writers_digests_not_the_sou
 
     monkeypatch.setattr(Source, "read", no_read)
     for t in types:
-        assert proof.prove_tensors(fileio.Reader(tmp_path / f"m-{t}.gguf"), src, family, t, digests[t]).passed, t
+        written = write.Written(tmp_path / f"m-{t}.gguf", digests[t])
+        assert proof.prove_tensors(fileio.Reader(written.path), src, family, t, written).passed, t
     path = tmp_path / "m-Q8_0.gguf"
     q = next(t for t in fileio.Reader(path).tensors if t.name == "blk.1.attn_q.weight")
     data = bytearray(path.read_bytes())
     data[int(q.data_offset) + 3 * q.data.shape[-1] + 7] ^= 0x40  # row 3: one quant
     path.write_bytes(bytes(data))
     with pytest.raises(AssertionError, match="q_proj.weight read again"):
-        proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", digests["Q8_0"])
+        proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", written)
     monkeypatch.setattr(Source, "read", real_read)
-    part = proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", digests["Q8_0"])
+    part = proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", written)
     assert not part.passed
     assert part.detail.startswith("blk.1.attn_q.weight (model.layers.1.self_attn.q_proj.weight): 1 values differ")
