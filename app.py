@@ -410,12 +410,13 @@ def build() -> gr.Blocks:
     return demo
 
 
-def main() -> None:
+def main(blocks: gr.Blocks | None = None) -> None:
+    """Serve the page (`blocks`: built already, as `make run` builds it with the libraries' lines held back)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("httpx", "httpx2"):  # one INFO line per HTTP request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     startup_cleanup(WORKROOT, log.info)  # job folders and HF caches of a previous (killed) process
-    build().queue(max_size=QUEUE_SIZE, default_concurrency_limit=CONCURRENCY).launch()
+    (blocks or build()).queue(max_size=QUEUE_SIZE, default_concurrency_limit=CONCURRENCY).launch()
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from converter.app.demo_pipelines import FLUX_BASE, FLUX_LORA, SDXL_BASE, SDXL_LORA, diffusion_repos
 from converter.errors import MissingExtraError
+from converter.io import quiet
 from converter.io.optional import check
 from converter.io.scratch import temp_folder
 from converter.testing.hub import HubServer, hub_env
@@ -244,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(hub_env(server, token=MOCK_TOKEN, home=root / "client-home"))
     os.environ.update(GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(args.port))
     os.environ.setdefault("CONVERTER_APP_WORKDIR", str(root / "jobs"))
-    with temp_folder("demo") as tmp:
-        print(f"local Hub at {server.url} (repos in {root / 'hub'}); seeding the demo repos ...", flush=True)
+    print(f"local Hub at {server.url} (repos in {root / 'hub'}); seeding the demo repos ...", flush=True)
+    with temp_folder("demo") as tmp, quiet.session():  # the libraries' warnings held back, as the CLI does
         seed_demo(server, Path(tmp), cache=root / "seed-cache", fast=args.tiny)
     print(
         f"demo repos: base {BASE}, adapters {LORA}, {LORA_B} (and {WRONG}, which does not fit the base); "
@@ -255,9 +257,14 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     sys.path.insert(0, str(Path.cwd()))
-    import app
+    # This launcher mocks the sign-in on purpose (the local Hub's user): gradio's warning that OAuth is mocked
+    # outside a Space, given at each launch, says what we already said above.
+    warnings.filterwarnings("ignore", message="Gradio does not support OAuth features outside of a Space")
+    with quiet.session():
+        import app
 
-    app.main()
+        blocks = app.build()
+    app.main(blocks)
 
 
 if __name__ == "__main__":
