@@ -97,3 +97,22 @@ def test_the_tensor_proof_reads_the_file_against_the_writers_digests_not_the_sou
     part = proof.prove_tensors(fileio.Reader(path), src, family, "Q8_0", written)
     assert not part.passed
     assert part.detail.startswith("blk.1.attn_q.weight (model.layers.1.self_attn.q_proj.weight): 1 values differ")
+
+
+def test_the_writers_quantization_is_ggufs_reference_byte_for_byte():
+    """write.stored calls gguf's own row quantizer on groups of rows, a large tensor's halves on two threads: the
+    bytes must be gguf.quants.quantize's (an odd row count, a block of zeros, a row of exact .5 ties, a 3-D stack)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((1025, 1024)).astype(np.float32)  # above write.SPLIT_AT: two threads, uneven halves
+    big[3, :32] = 0
+    big[5] = (rng.integers(-508, 508, size=1024) / 4).astype(np.float32)  # scaled by 1 where the block max is 127
+    big[5, ::32] = 127
+    cases = [big, rng.standard_normal((3, 70, 96)).astype(np.float32), rng.standard_normal((1, 64)).astype(np.float32)]
+    assert big.size >= write.SPLIT_AT
+    for data in cases:
+        for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16):
+            ours, ref = write.stored(data, qtype), gguf.quants.quantize(data, qtype)
+            assert ours.shape == ref.shape and ours.tobytes() == ref.tobytes(), (data.shape, qtype.name)
