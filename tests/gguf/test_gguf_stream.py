@@ -42,6 +42,26 @@ def test_the_files_written_during_the_merge_are_those_written_from_the_merged_fo
         assert streamed == (tmp_path / f"again-{type_name}.gguf").read_bytes(), type_name
 
 
+def test_a_bf16_merge_streams_the_files_written_from_its_folder(tmp_path, cli):
+    """The usual case, a bf16 model: the tee widens the merge's bf16 chunks itself (stream._float32), one chunk at a
+    time; the files must be those written from the merged folder, which source.decode reads."""
+    import torch
+    from test_gguf import tiny
+
+    base = tiny(tmp_path / "llama", "llama", dtype=torch.bfloat16)
+    adapter = make_adapter(base, tmp_path / "lora", r=2)
+    code, _, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--no-verify",
+                       "--gguf", "F32,Q8_0")  # fmt: skip
+    assert code == 0, err
+    src = export.open_source(tmp_path / "m")
+    assert {e.dtype for e in src.tensors.values()} == {"BF16"}
+    family = arch.family_of(src.config, tmp_path / "m")
+    for type_name in ("F32", "Q8_0"):
+        write.write_gguf(src, family, type_name, tmp_path / f"again-{type_name}.gguf", name="m")
+        streamed = (tmp_path / "m-GGUF" / f"m-{type_name}.gguf").read_bytes()
+        assert streamed == (tmp_path / f"again-{type_name}.gguf").read_bytes(), type_name
+
+
 def test_a_merge_that_fails_while_streaming_leaves_no_gguf_behind(tmp_path, monkeypatch):
     base = TINY["llama"](tmp_path / "llama")
     adapter = make_adapter(base, tmp_path / "lora", r=2)
