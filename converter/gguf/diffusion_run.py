@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-HEAD_DIM = 128  # Flux's and Wan's attention head width
+HEAD_DIM = 128  # Flux's, Wan's and HiDream's attention head width
 SD3_HEAD_DIM = 64  # SD3's and LTX-Video's, where no per-head norm says it
 
 
@@ -106,6 +106,25 @@ def _z_image(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+def _hidream(s: dict[str, tuple[int, ...]]) -> dict:
+    hidden, patched = s["x_embedder.proj.weight"]
+    heads = hidden // HEAD_DIM if hidden % HEAD_DIM == 0 else 1  # its norms span all heads: HiDream's 128 assumed
+    keys = set(s)
+    layers = _count(keys, r"double_stream_blocks\.(\d+)\.")
+    single = _count(keys, r"single_stream_blocks\.(\d+)\.")
+    routed = _count(keys, r"double_stream_blocks\.0\.block\.ff_i\.experts\.(\d+)\.")
+    return {
+        "_class_name": "HiDreamImageTransformer2DModel", "patch_size": 2, "in_channels": patched // 4,
+        "out_channels": s["final_layer.linear.weight"][0] // 4, "num_layers": layers, "num_single_layers": single,
+        "attention_head_dim": hidden // heads, "num_attention_heads": heads,
+        "caption_channels": [s[f"caption_projection.{layers + single}.linear.weight"][1],
+                             s["caption_projection.0.linear.weight"][1]],
+        "text_emb_dim": s["p_embedder.pooled_embedder.linear_1.weight"][1], "num_routed_experts": routed,
+        "num_activated_experts": min(2, routed), "axes_dims_rope": _axes(hidden // heads),
+        "llama_layers": list(range(layers + single)),
+    }  # fmt: skip
+
+
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
@@ -160,6 +179,19 @@ def _ltxv_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _hidream_inputs(c: dict, g) -> dict:
+    import torch
+
+    side, txt = 2 * c["patch_size"], 8
+    t5, llama = c["caption_channels"]
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g), "timesteps": torch.tensor([500]),
+        "encoder_hidden_states_t5": torch.randn(1, txt, t5, generator=g),
+        "encoder_hidden_states_llama3": torch.randn(len(c["llama_layers"]), 1, txt, llama, generator=g),
+        "pooled_embeds": torch.randn(1, c["text_emb_dim"], generator=g),
+    }  # fmt: skip
+
+
 def _z_image_inputs(c: dict, g) -> dict:
     import torch
 
@@ -175,6 +207,7 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "wan": (_wan, _wan_inputs),
     "sd3": (_sd3, _sd3_inputs),
     "ltxv": (_ltxv, _ltxv_inputs),
+    "hidream": (_hidream, _hidream_inputs),
     "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
 }
 

@@ -157,6 +157,8 @@ BEHAVIOUR = {
     "sd3": (("patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
              "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
              "pos_embed_max_size", "qk_norm"), "joint_blocks.0.x_block.mlp.fc2.weight"),
+    "hidream": (("in_channels", "out_channels", "num_layers", "num_single_layers", "caption_channels", "text_emb_dim",
+                 "num_routed_experts"), "double_stream_blocks.0.block.ff_i.shared_experts.w2.weight"),
     "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
                   "transformer_blocks.0.ff.net.2.weight"),
     "z_image": (("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim"),
