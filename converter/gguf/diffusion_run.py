@@ -125,6 +125,25 @@ def _hidream(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+def _cosmos(s: dict[str, tuple[int, ...]]) -> dict:
+    """Its padding-mask channel counted in `in_channels` and fed by the inputs: diffusers' own concatenation of
+    the mask resizes it through torchvision, which the proof does not need otherwise."""
+    hidden, patched = s["x_embedder.proj.1.weight"]
+    head = s["blocks.0.self_attn.q_norm.weight"][0]
+    made = {
+        "_class_name": "CosmosTransformer3DModel", "patch_size": [1, 2, 2], "concat_padding_mask": False,
+        "in_channels": patched // 4, "out_channels": s["final_layer.linear.weight"][0] // 4,
+        "num_attention_heads": hidden // head, "attention_head_dim": head,
+        "num_layers": _count(set(s), r"blocks\.(\d+)\."), "mlp_ratio": s["blocks.0.mlp.layer1.weight"][0] / hidden,
+        "text_embed_dim": s["blocks.0.cross_attn.k_proj.weight"][1],
+        "adaln_lora_dim": s["blocks.0.adaln_modulation_self_attn.2.weight"][1], "extra_pos_embed_type": None,
+    }  # fmt: skip
+    if "extra_pos_embedder.pos_emb_t" in s:  # Cosmos 1.0's learnt positions: their lengths are the patched sizes
+        t, h, w = (s[f"extra_pos_embedder.pos_emb_{a}"][0] for a in "thw")
+        made.update(extra_pos_embed_type="learnable", max_size=[t, 2 * h, 2 * w])
+    return made
+
+
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
@@ -192,6 +211,16 @@ def _hidream_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _cosmos_inputs(c: dict, g) -> dict:
+    import torch
+
+    return {
+        "hidden_states": torch.cat([torch.randn(1, c["in_channels"] - 1, 1, 4, 4, generator=g),
+                                    torch.zeros(1, 1, 1, 4, 4)], 1),  # the last channel: no padding
+        "timestep": torch.tensor([0.5]), "encoder_hidden_states": torch.randn(1, 8, c["text_embed_dim"], generator=g),
+    }  # fmt: skip
+
+
 def _z_image_inputs(c: dict, g) -> dict:
     import torch
 
@@ -208,6 +237,7 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "sd3": (_sd3, _sd3_inputs),
     "ltxv": (_ltxv, _ltxv_inputs),
     "hidream": (_hidream, _hidream_inputs),
+    "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
     "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
 }
 

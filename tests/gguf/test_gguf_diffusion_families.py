@@ -157,6 +157,8 @@ BEHAVIOUR = {
     "sd3": (("patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
              "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels",
              "pos_embed_max_size", "qk_norm"), "joint_blocks.0.x_block.mlp.fc2.weight"),
+    "anima": (("out_channels", "num_attention_heads", "attention_head_dim", "num_layers", "mlp_ratio",
+               "text_embed_dim", "adaln_lora_dim", "extra_pos_embed_type"), "blocks.0.mlp.layer2.weight"),
     "hidream": (("in_channels", "out_channels", "num_layers", "num_single_layers", "caption_channels", "text_emb_dim",
                  "num_routed_experts"), "double_stream_blocks.0.block.ff_i.shared_experts.w2.weight"),
     "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
