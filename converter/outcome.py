@@ -85,15 +85,36 @@ class BehaviourProof:
     passed: bool | None = None
 
 
+@dataclass
+class ProofPart:
+    """One part of a runtime's proof of a written file or folder (GGUF, MLX): passed, one line saying what was
+    checked or what is wrong. A part that could not judge (`judged` False) passes, says why, and is not named
+    among the checks that ran."""
+
+    name: str
+    passed: bool
+    detail: str
+    judged: bool = True
+
+    @property
+    def verdict(self) -> str:
+        return ("ok" if self.passed else "FAILED") if self.judged else "not judged"
+
+
 @dataclass(frozen=True)
 class FileProof:
-    """One GGUF file's proof: each part ("metadata", "tensors", "tokenizer", "behaviour") as "ok", "FAILED" or
-    "not judged"."""
+    """One GGUF file's or MLX folder's proof: each part ("metadata", "tensors", "tokenizer", "behaviour"; MLX:
+    "config", "tensors", "behaviour") as "ok", "FAILED" or "not judged"."""
 
     file: str
     type: str
     passed: bool
     parts: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, file: str, type: str, parts: list[ProofPart]) -> FileProof:
+        """The summary of a proof's parts (it passes when every part does)."""
+        return cls(file, type, all(p.passed for p in parts), {p.name: p.verdict for p in parts})
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,15 @@ def make_adapter(base: Path, folder: Path, seed: int = 1, **lora) -> Path:
     lora.setdefault("target_modules", "all-linear")
     lora.setdefault("init_lora_weights", False)
     peft_model = get_peft_model(model, LoraConfig(**lora))
+    return save_perturbed(peft_model, folder)
+
+
+def save_perturbed(peft_model, folder: Path, scale: float = 0.05) -> Path:
+    """Every trainable tensor moved by seeded noise of `scale` (so no adapter is a no-op), then saved at `folder`."""
     with torch.no_grad():
         for p in peft_model.parameters():
             if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
+                p.add_(torch.randn_like(p) * scale)
     peft_model.save_pretrained(folder)
     return folder
 
@@ -109,12 +114,7 @@ def make_classifier_adapter(base: Path, folder: Path, task: str, labels: int, se
     lora.setdefault("target_modules", "all-linear")
     lora.update({"task_type": task} if said else {"modules_to_save": ["score"]})
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-    peft_model.save_pretrained(folder)
-    return folder
+    return save_perturbed(peft_model, folder)
 
 
 def reference_model(

@@ -103,20 +103,20 @@ def kohya_prefix(component: str | None, components: set) -> str:
 def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[str] = frozenset()) -> tuple[dict, dict]:
     """`<prefix><flattened path>.lora_down.weight / .lora_up.weight / .alpha` with the module's real alpha."""
     components = {m.component for m in modules} | set(base_components)
-    out: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for m in modules:
         name = m.name
         if not m.flat and (m.component or "").startswith("text_encoder") and KOHYA_TEXT_MODEL.match(name):
             name = "text_model." + name
         name = name if m.flat else flatten(name)
         stem = (m.prefix or kohya_prefix(m.component, components)) + name
-        if f"{stem}.lora_down.weight" in out:
+        if f"{stem}.lora_down.weight" in tensors:
             raise BadInputError(f"two modules flatten to the same kohya name {stem}", tensor=stem)
-        out[f"{stem}.lora_down.weight"] = m.down
-        out[f"{stem}.lora_up.weight"] = m.up
-        out[f"{stem}.alpha"] = torch.tensor(m.alpha, dtype=torch.float32)
+        tensors[f"{stem}.lora_down.weight"] = m.down
+        tensors[f"{stem}.lora_up.weight"] = m.up
+        tensors[f"{stem}.alpha"] = torch.tensor(m.alpha, dtype=torch.float32)
         if m.magnitude is not None:  # LyCORIS dora_scale, output axis (out, 1, ..) as wd_on_out writes it (§3)
-            out[f"{stem}.dora_scale"] = m.magnitude.reshape(-1, *([1] * (m.down.dim() - 1))).contiguous()
+            tensors[f"{stem}.dora_scale"] = m.magnitude.reshape(-1, *([1] * (m.down.dim() - 1))).contiguous()
     meta = {
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(_most_common([m.rank for m in modules])),
@@ -124,7 +124,7 @@ def kohya_tensors(modules: list[LoraModule], info: dict, base_components: set[st
         "converter_alphas": "per module, in each .alpha tensor (scale = alpha / rank)",
         "converter": json.dumps(info, sort_keys=True),
     }
-    return out, meta
+    return tensors, meta
 
 
 DENOISERS = ("denoiser", "unet", "transformer")
@@ -156,7 +156,7 @@ def comfyui_tensors(
     own model, which every ComfyUI version looks up, docs/FORMATS.md §5; a family's keymap may name another prefix
     ComfyUI reads for it), kohya's names for text encoders; no alpha tensors, the scale folded into lora_B:
     diffusers' converters for the newer families refuse leftover alphas (§12)."""
-    out: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     rest = []
     for m in modules:
         if m.component not in DENOISERS:
@@ -172,16 +172,16 @@ def comfyui_tensors(
                 f"{m.source}: DoRA has no ComfyUI diffusion_model. form here; convert to kohya", tensor=m.source
             )
         stem = f"{prefix}{m.name}"
-        if f"{stem}.lora_A.weight" in out:
+        if f"{stem}.lora_A.weight" in tensors:
             raise BadInputError(f"two modules are written as {stem}", tensor=stem)
-        out[f"{stem}.lora_A.weight"] = m.down
-        out[f"{stem}.lora_B.weight"] = folded_up(m)
+        tensors[f"{stem}.lora_A.weight"] = m.down
+        tensors[f"{stem}.lora_B.weight"] = folded_up(m)
     meta = {"converter_alphas": "folded into lora_B (no .alpha tensors; scale 1 when loaded)",
             "converter": json.dumps(info, sort_keys=True)}  # fmt: skip
     if rest:
         te, _ = kohya_tensors(rest, info, base_components | {m.component for m in modules})
-        out.update(te)
-    return out, meta
+        tensors.update(te)
+    return tensors, meta
 
 
 def lora_config(modules: list[LoraModule]) -> dict:

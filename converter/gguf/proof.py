@@ -66,19 +66,7 @@ EXACT = {"F32", "F16", "BF16", "Q8_0"}
 ROUTER_TIE = {"F32": 0.002, "F16": 0.002, "BF16": 0.01}
 
 
-@dataclass
-class Part:
-    """One part of the proof: passed, one line saying what was checked or what is wrong. A part that could not
-    judge (`judged` False) passes, says why, and is not named among the checks that ran."""
-
-    name: str
-    passed: bool
-    detail: str
-    judged: bool = True
-
-    @property
-    def verdict(self) -> str:
-        return ("ok" if self.passed else "FAILED") if self.judged else "not judged"
+Part = outcome.ProofPart  # one part of a file's proof
 
 
 @dataclass
@@ -96,7 +84,7 @@ class FileProof:
                 "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
 
     def summary(self) -> outcome.FileProof:
-        return outcome.FileProof(self.file, self.type, self.passed, {p.name: p.verdict for p in self.parts})
+        return outcome.FileProof.of(self.file, self.type, self.parts)
 
     def as_proofs(self) -> outcome.Proofs:
         """For a verb's outcome (converter.outcome); what a failed file's VerificationFailed reports."""

@@ -33,17 +33,7 @@ SEED = 0
 ROWS, LENGTH = 2, 24
 
 
-@dataclass
-class Part:
-    """One part of the proof: passed, one line saying what was checked or what is wrong."""
-
-    name: str
-    passed: bool
-    detail: str
-
-    @property
-    def verdict(self) -> str:
-        return "ok" if self.passed else "FAILED"
+Part = outcome.ProofPart  # one part of a folder's proof
 
 
 @dataclass
@@ -61,7 +51,7 @@ class FolderProof:
                 "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
 
     def summary(self) -> outcome.FileProof:
-        return outcome.FileProof(self.folder, self.type, self.passed, {p.name: p.verdict for p in self.parts})
+        return outcome.FileProof.of(self.folder, self.type, self.parts)
 
     def as_proofs(self) -> outcome.Proofs:
         """For a verb's outcome; what a failed folder's VerificationFailed reports."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import assert_round_trips
+from model_helpers import assert_round_trips, save_perturbed
 
 from converter import AdapterSpec, Recipe
 from converter.engine.merging import merge
@@ -205,11 +205,7 @@ def build(root: Path, c: Case) -> tuple[Path, Path]:
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=c.targets, task_type=c.task, init_lora_weights=False,
                       **c.features)  # fmt: skip
     peft_model = get_peft_model(model, lora)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-    peft_model.save_pretrained(adapter)
+    save_perturbed(peft_model, adapter)
     return base, adapter
 
 

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from model_helpers import load_merged, peft_merged_fp64, read_tensors
+from model_helpers import load_merged, peft_merged_fp64, read_tensors, save_perturbed
 from safetensors.torch import save_file
 
 COMMON = dict(
@@ -82,12 +82,7 @@ def _adapter(folder, base, lora: dict):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
                            LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora))  # fmt: skip
     torch.manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    return folder
+    return save_perturbed(model, folder, 0.1)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusion_helpers import make_pipeline, save
+from model_helpers import save_perturbed
 
 from converter import AdapterSpec, Recipe
 from converter.engine.merging import merge
@@ -51,11 +52,7 @@ def qwen2_vl_adapter(root: Path) -> tuple[Path, Path]:
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"], task_type="CAUSAL_LM",
                       init_lora_weights=False)  # fmt: skip
     peft_model = get_peft_model(model, lora)
-    with torch.no_grad():
-        for p in peft_model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)
-    peft_model.save_pretrained(adapter)
+    save_perturbed(peft_model, adapter)
     file = adapter / "adapter_model.safetensors"
     tensors = load_file(file)
     assert any(".language_model." in k for k in tensors) and any(".visual." in k for k in tensors)
