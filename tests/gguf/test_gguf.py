@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -204,12 +205,13 @@ def assert_same_file(ours: Path, theirs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def merged(tmp_path_factory) -> Path:
+def merged(tmp_path_factory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("smol-gguf")
     adapter = make_adapter(smollm2(), root / "lora", r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                           "down_proj"])  # fmt: skip
     assert run_cli("merge", "--base", smollm2(), "--adapter", adapter, "--out", root / "merged", "--no-verify") == 0
-    return root / "merged"
+    yield root / "merged"
+    shutil.rmtree(root, ignore_errors=True)  # the module's models are gigabytes: the disk holds one module's
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +220,8 @@ def exported(merged, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol-out") / "gguf"
     types = ["F32", "F16", "BF16", "Q8_0", "Q4_K_M"] if llama.available() else ["F32", "F16", "BF16", "Q8_0"]
     result = export.export(merged, types, out, name="smol-merged", log=lines.append)
-    return result, lines
+    yield result, lines
+    shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def test_merged_smollm2_to_each_type_is_proven(exported):
@@ -253,7 +256,7 @@ TINY_FILES += [("gpt2", "Q8_0"), ("gemma2", "Q8_0"), ("phi3", "Q8_0"), ("mixtral
 
 
 @pytest.fixture(scope="module")
-def theirs(merged, llama_converter, tmp_path_factory) -> dict[str, Path]:
+def theirs(merged, llama_converter, tmp_path_factory) -> Iterator[dict[str, Path]]:
     """llama.cpp's files: the merged SmolLM2 as Q8_0, and the tiny models (their folders under `{type}-model`)."""
     root = tmp_path_factory.mktemp("theirs")
     folders = {t: make(root / t) for t, make in TINY.items()}
@@ -261,7 +264,8 @@ def theirs(merged, llama_converter, tmp_path_factory) -> dict[str, Path]:
     jobs += [(kind.lower(), root / f"{t}-{kind}.gguf", folders[t]) for t, kind in [*TINY_FILES, ("phi3_spm", "F32")]]
     their_ggufs(llama_converter, jobs)
     files = {path.name.removesuffix(".gguf"): path for _, path, _ in jobs}
-    return files | {f"{t}-model": folder for t, folder in folders.items()}
+    yield files | {f"{t}-model": folder for t, folder in folders.items()}
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @needs_llama

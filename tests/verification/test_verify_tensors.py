@@ -76,7 +76,9 @@ def ours(smol, tmp_path_factory):
             made[dtype] = out
         return made[dtype]
 
-    return get
+    yield get
+    for out in made.values():
+        shutil.rmtree(out.parent, ignore_errors=True)  # three merged models: gone with the module
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
