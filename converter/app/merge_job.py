@@ -249,12 +249,12 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, machine, st
         published: dict = {}
         gguf = _pending_gguf(request, repo_id, tmp, say, token)
 
-        def finished(folder: Path) -> None:  # the job folder goes with the push: read what the page shows now
+        def finished(folder: Path, report) -> None:  # the job folder goes with the push: read what the page shows now
             published["report"] = read_report(folder) if request.verify else None
             published["card"] = (folder / "README.md").read_text()
             published["images"] = report_images(folder, published["report"])
             if gguf is not None:  # written and proven before the commit: a failed proof commits nothing
-                gguf.export(folder)
+                gguf.export(folder, report)
 
         result = push(
             repo_id,

@@ -462,7 +462,8 @@ def _run_merge(args: argparse.Namespace) -> Outcome:
         if gguf_types:
             from converter.cli.gguf import export_merged
 
-            exported = export_merged(result.out, gguf_types, log=_log, written=written)
+            exported = export_merged(result.out, gguf_types, log=_log, written=written,
+                                     merged_logits=report.merged_logits if report is not None else None)  # fmt: skip
     finally:
         if tee is not None:
             tee.discard()  # what export did not take (all of it, if anything failed)
@@ -539,13 +540,11 @@ def _run_push(args: argparse.Namespace) -> Outcome:
     stages: list[str] = []
     reports: list = []
 
-    def finished(folder) -> None:
+    def finished(folder, report) -> None:
         if VERIFY in stages:
-            from converter.verification.report import VerificationReport
-
-            reports.append(VerificationReport.load(folder))
+            reports.append(report)
         if gguf and recipe:
-            gguf.export(folder)  # a merge's GGUF, proven before the commit
+            gguf.export(folder, report)  # a merge's GGUF, proven before the commit
         mlx.export_pending(pending_mlx, folder, args, merged=recipe is not None)  # likewise its MLX folders
 
     published = []

@@ -63,14 +63,17 @@ def gguf_folder(merged) -> Path:
     return merged.with_name(f"{merged.name}-GGUF")
 
 
-def export_merged(folder, types: list[str], log: Callable[[str], None], written: dict | None = None):
+def export_merged(folder, types: list[str], log: Callable[[str], None], written: dict | None = None,
+                  merged_logits=None):  # fmt: skip
     """After a merge: its output folder as GGUF files in a sibling folder OUT-GGUF, proven (`written`: the files
-    the merge streamed, see merge_tee; the rest are made now). Returns the GGUFResult."""
+    the merge streamed, see merge_tee; the rest are made now; `merged_logits`: the merged model's logits from its
+    verification, reused by the behaviour proof). Returns the GGUFResult."""
     from converter.gguf.export import PROOF_FILE, export
 
     folder = Path(folder)
     out = gguf_folder(folder)
-    result = export(folder, types, out, name=folder.name, force=True, log=log, written=written)
+    result = export(folder, types, out, name=folder.name, force=True, log=log, written=written,
+                    merged_logits=merged_logits)  # fmt: skip
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
     return result
 

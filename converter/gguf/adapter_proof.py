@@ -102,6 +102,6 @@ def peft_reference(base: Path, adapter_folder: Path, ref: Reference) -> int:
     applied = sum(1 for m in model.modules() if any(len(getattr(m, factors, None) or ()) for factors in
                                                     ("lora_A", "lora_embedding_A")))  # fmt: skip
     with torch.no_grad():
-        ref.logits, ref.router_gaps = batched_logits(model, [i for i in ref.ids if i], experts)
+        ref.logits, ref.router_gaps = batched_logits(model, ref.inputs, experts)
     del model
     return applied

@@ -64,7 +64,8 @@ class PendingDiffusionGGUF:
     def tee(self) -> None:
         return None
 
-    def export(self, folder: str | Path) -> None:
+    def export(self, folder: str | Path, report=None) -> None:
+        """`report` (the merge's verification) is not read: the diffusion proof runs diffusers on the file itself."""
         self.result = export(folder, self.types, self.out, name=self.name, log=self.log)
 
     def push(self, base_repo: str, *, token: str | None, private: bool):

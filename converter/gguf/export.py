@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from converter import outcome
 from converter.errors import UsageError, VerificationFailed
@@ -25,6 +26,9 @@ from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_
 from converter.gguf.write import Written, plan, write_ggufs
 from converter.hub.sources import is_diffusion_base
 from converter.io.optional import install_hint
+
+if TYPE_CHECKING:
+    from converter.verification.metrics import ModelLogits
 
 PROOF_FILE = "gguf-proof.json"
 
@@ -62,11 +66,12 @@ def resolve_source(spec: str | Path, token: str | None = None) -> Path:
 def export(
     source: str | Path, types: list[str], out: str | Path, *, name: str | None = None, force: bool = False,
     token: str | None = None, log: Callable[[str], None] = print, pre: str | None = None,
-    written: dict[str, Written] | None = None,
+    written: dict[str, Written] | None = None, merged_logits: ModelLogits | None = None,
 ) -> GGUFResult:  # fmt: skip
     """Write and prove `types` of `source` into the folder `out`. `pre` forces a pre-tokenizer name (tests);
     `written`: files of these types already written from this source (converter.gguf.stream), proven and kept
-    instead of written again."""
+    instead of written again; `merged_logits`: the source's float32 logits from its verification, the behaviour
+    proof's reference where they are of its inputs (proof.reference)."""
     if is_diffusion_source(source):
         from converter.gguf.diffusion_export import export as export_diffusion
 
@@ -91,7 +96,7 @@ def export(
     staging = Path(tempfile.mkdtemp(prefix=".gguf-staging-", dir=out))
     result = GGUFResult(out, llama_proof=have_llama)
     try:
-        ref = proof.reference(src, with_logits=have_llama)
+        ref = proof.reference(src, with_logits=have_llama, merged=merged_logits)
         staged = _write_python_types(src, family, types, staging, stem, ref, result, log, pre, have_llama,
                                      written or {})  # fmt: skip
         for t in (t for t in types if t in LLAMA_TYPES):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
@@ -26,13 +27,11 @@ from converter.gguf import arch, llama
 from converter.gguf.source import Source
 from converter.gguf.write import QTYPE, Written, _stored_type, digest
 from converter.io.same_bytes import same_bytes
+from converter.verification.loading import PROMPTS, build_inputs
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-    "List three prime numbers.",
-]
+if TYPE_CHECKING:
+    from converter.verification.metrics import ModelLogits
+
 # where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
 MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
 # Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all texts, per
@@ -95,10 +94,14 @@ class FileProof:
 class Reference:
     """What transformers says about the source, computed once for every file: token ids and float32 logits."""
 
-    texts: list[tuple[str, str, bool]]  # (what, text, add special tokens)
+    texts: list[tuple[str, str, bool]]  # (what, text, add special tokens): the tokenizer proof's
     ids: list[list[int]]
-    logits: list[np.ndarray] | None = None
-    # MoE models: per text with ids, each position's smallest router gap over the layers, relative (see ROUTER_TIE)
+    # the behaviour proof's token ids: the verification's inputs (each prompt as the model is prompted: through its
+    # chat template where it has one), so a verified merge's own float32 logits of the merged model serve as these;
+    # a MoE model's are the texts with ids (their near ties of a router are found by a forward of their own)
+    inputs: list[list[int]] = field(default_factory=list)
+    logits: list[np.ndarray] | None = None  # per input
+    # MoE models: per input, each position's smallest router gap over the layers, relative (see ROUTER_TIE)
     router_gaps: list[np.ndarray] | None = None
     # A SentencePiece tokenizer that transformers reads with Metaspace: per text, the ids with llama.cpp's (and
     # SentencePiece's) "▁" before every piece of text (vocab.sentencepiece_convention); the one difference the
@@ -107,14 +110,17 @@ class Reference:
 
     def compared(self, type_name: str) -> list[int]:
         """How many leading positions of each text with ids the behaviour proof compares for this type."""
-        lengths = [len(i) for i in self.ids if i]
+        lengths = [len(i) for i in self.inputs]
         if self.router_gaps is None or type_name not in ROUTER_TIE:
             return lengths
         ties = [np.flatnonzero(g < ROUTER_TIE[type_name]) for g in self.router_gaps]
         return [int(t[0]) if t.size else n for t, n in zip(ties, lengths, strict=True)]
 
 
-def reference(source: Source, with_logits: bool) -> Reference:
+def reference(source: Source, with_logits: bool, merged: ModelLogits | None = None) -> Reference:
+    """The tokenizer proof's texts and ids, and the behaviour proof's inputs and their float32 logits: `merged`'s
+    (the merged model's logits from its verification, converter.verification.metrics.ModelLogits) where they are of
+    these inputs and no router gaps are needed, else computed here."""
     from converter.gguf.vocab import load_tokenizer, prepends_per_piece, sentencepiece_convention
 
     tok = load_tokenizer(source.folder)
@@ -128,18 +134,26 @@ def reference(source: Source, with_logits: bool) -> Reference:
                       False))  # fmt: skip
     ids = [tok(text, add_special_tokens=special)["input_ids"] for _, text, special in texts]
     vocab_size = int(source.config.get("vocab_size") or 0)
-    if vocab_size and max(max(i, default=0) for i in ids) >= vocab_size:
+    experts = int(source.config.get("num_experts_per_tok") or 0)
+    if experts:  # the texts: they begin differently (a router's near tie in a shared chat prefix would end them all)
+        inputs = [i for i in ids if i]
+    else:
+        inputs = [row[0].tolist() for row in build_inputs(tok, PROMPTS, vocab_size)[0]]
+    if vocab_size and max(max(i, default=0) for i in [*ids, *inputs]) >= vocab_size:
         raise BadInputError(f"{source.folder}: the tokenizer gives ids beyond the model's vocab_size {vocab_size}",
                             file=source.folder)  # fmt: skip
-    ref = Reference(texts, ids)
+    ref = Reference(texts, ids, inputs)
     if prepends_per_piece(tok):
         ref.spm_ids = [sentencepiece_convention(tok, text, special) for _, text, special in texts]
-    if with_logits:
-        ref.logits, ref.router_gaps = _float32_logits(source, [i for i in ids if i])
+    if with_logits and merged is not None and merged.ids == inputs and not experts:
+        ref.logits = merged.logits
+    elif with_logits:
+        ref.logits, ref.router_gaps = _float32_logits(source, inputs, experts)
     return ref
 
 
-def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+def _float32_logits(source: Source, ids: list[list[int]],
+                    experts: int) -> tuple[list[np.ndarray], list[np.ndarray] | None]:  # fmt: skip
     """transformers' logits of the source on each of `ids`, computing in float32, its weights left in their files
     and read one layer at a time (converter.engine.precision): the results of a float32 load, with memory that does
     not grow with the model (a float32 load of an 8 B model would take 32 GB). The model is built hollow where its
@@ -162,7 +176,7 @@ def _float32_logits(source: Source, ids: list[list[int]]) -> tuple[list[np.ndarr
         model.eval()
         sources = file_sources(model, source.folder)
     with torch.no_grad(), float32_compute(model, sources):
-        out = batched_logits(model, ids, int(source.config.get("num_experts_per_tok") or 0))
+        out = batched_logits(model, ids, experts)
     del model
     release_heap()
     return out
@@ -387,18 +401,19 @@ def prove_tokenizer(path: Path, ref: Reference) -> Part:
 
 
 def prove_behaviour(path: Path, ref: Reference, type_name: str, lora: Path | None = None) -> Part:
-    """Part 3: llama.cpp's logits against the reference logits on the same ids: the relative RMS difference over all
-    positions of all texts (per text it is noisy for the low-bit types), limit per type. With `lora` (an adapter
-    GGUF applied at run time on the base GGUF `path`), the reference is PEFT's base + adapter, unmerged."""
-    texts = [(what, ids) for (what, _, _), ids in zip(ref.texts, ref.ids, strict=True) if ids]
-    got = llama.logits(path, [ids for _, ids in texts], lora=lora)
-    for (what, _), a, b in zip(texts, got, ref.logits, strict=True):
+    """Part 3: llama.cpp's logits against the reference logits on the same ids (`Reference.inputs`): the relative
+    RMS difference over all positions of all inputs (per input it is noisy for the low-bit types), limit per type.
+    With `lora` (an adapter GGUF applied at run time on the base GGUF `path`), the reference is PEFT's base +
+    adapter, unmerged."""
+    got = llama.logits(path, ref.inputs, lora=lora)
+    for k, (a, b) in enumerate(zip(got, ref.logits, strict=True)):
         if a.shape != b.shape:
-            return Part("behaviour", False, f"{what}: llama.cpp gives {a.shape[-1]} logits, transformers {b.shape[-1]}")
+            return Part("behaviour", False, f"prompt {k + 1}: llama.cpp gives {a.shape[-1]} logits, transformers "
+                        f"{b.shape[-1]}")  # fmt: skip
     compared = ref.compared(type_name)
     got = [a[:n] for a, n in zip(got, compared, strict=True)]
     want = [b[:n] for b, n in zip(ref.logits, compared, strict=True)]
-    total, kept = sum(len(ids) for _, ids in texts), sum(compared)
+    total, kept = sum(len(ids) for ids in ref.inputs), sum(compared)
     if not kept:
         reason = "every text begins with a near tie of a MoE router, where llama.cpp may choose other experts"
         proven = "the file proof" if lora else "the tensors proof"

@@ -104,9 +104,12 @@ class PendingGGUF:
         self._tee = GGUFTee(self.types, self.out, file_stem(self.name), self.log)
         return self._tee
 
-    def export(self, folder: str | Path) -> None:
+    def export(self, folder: str | Path, report=None) -> None:
+        """`report`: the merge's verification, whose logits of the merged model the behaviour proof reuses."""
         written = self._tee.finish() if self._tee is not None else None
-        self.result = export(folder, self.types, self.out, name=self.name, log=self.log, written=written)
+        logits = getattr(report, "merged_logits", None)
+        self.result = export(folder, self.types, self.out, name=self.name, log=self.log, written=written,
+                             merged_logits=logits)  # fmt: skip
 
     def push(self, base_repo: str, *, token: str | None, private: bool):
         if self.result is None:

@@ -57,7 +57,7 @@ def push(
     log: Callable[[str], None] = print,
     check_shard: Callable[[Shard], None] | None = None,
     stage: Callable[[str], None] = lambda name: None,
-    finished: Callable[[Path], None] | None = None,
+    finished: Callable[[Path, VerificationReport | None], None] | None = None,
     keep_output: bool = False,
     tee: TensorTee | None = None,
     max_disk: int | None = None,
@@ -69,8 +69,9 @@ def push(
     With `options.verify` the folder is verified first (against the recipe it was merged from) and nothing is
     committed when it fails. `check_shard` runs on every output shard
     before its upload starts (a per-shard proof); raising stops the job, and nothing is committed. `stage` is told
-    each of STAGES as the job enters it; `finished(folder)` sees the folder as it will be published (card and
-    report written) just before the commit, while it still exists (a merging push's folder is temporary);
+    each of STAGES as the job enters it; `finished(folder, report)` sees the folder as it will be published (card
+    and report written; `report` the verification's, None unverified) just before the commit, while it still
+    exists (a merging push's folder is temporary);
     `keep_output` keeps every shard in it until then even without verification (`finished` reads them all);
     `tee` sees a merge's tensors as they are written (converter.engine.merging.TensorTee). A merge that cannot fit
     on this machine (converter.jobs.fit: its disk, at most `max_disk`, and memory, from the headers) is refused
@@ -103,15 +104,17 @@ def push(
             stage(TRANSFER)
             folder = merge(recipe, token=token, log=log, tee=tee).out
         folder = Path(folder)
+        report = None
         if verify is not None and (recipe is not None or (folder / RECIPE_FILE).is_file()):
             stage(VERIFY)
-            verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, publishing=True, **verify)
+            report = verify_folder(folder, recipe or recorded_recipe(folder), token=token, log=log, publishing=True,
+                                   **verify)  # fmt: skip
         replace = {}
         if (folder / PROVENANCE_FILE).is_file():
             _write_card(folder, repo_id)
             replace = public_records(folder)
         if finished is not None:
-            finished(folder)
+            finished(folder, report)
         stage(COMMIT)
         return push_folder(folder, repo_id, token=token, private=private, create_pr=create_pr, overwrite=overwrite,
                            replace=replace, log=log, who=who)  # fmt: skip
@@ -170,7 +173,7 @@ def _push_streamed(
     verify: dict | None,
     check_shard: Callable[[Shard], None] | None,
     stage: Callable[[str], None],
-    finished: Callable[[Path], None] | None,
+    finished: Callable[[Path, VerificationReport | None], None] | None,
     log: Callable[[str], None],
     keep_output: bool = False,
     tee: TensorTee | None = None,
@@ -208,11 +211,12 @@ def _push_streamed(
         stage(TRANSFER)
         folder = _merge_overlapped(recipe, token, base, base_stream, shard_proof, uploader, log,
                                    _tees(tee, behaviour))  # fmt: skip
+        report = None
         if verify is not None:
             stage(VERIFY)
             local = {"base": Path(base.local)} if base_stream is not None else {}  # (not fetched again)
-            verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, streamed=behaviour,
-                          publishing=True, **verify, **local)  # fmt: skip
+            report = verify_folder(folder, recipe, token=token, log=log, shard_proof=shard_proof, streamed=behaviour,
+                                   publishing=True, **verify, **local)  # fmt: skip
         operations, paths = _commit_contents(folder, repo_id, uploader)
         meter.sample()
         log(
@@ -220,7 +224,7 @@ def _push_streamed(
             f"{parse_size(recipe.max_shard_size) / 2**20:.1f} MiB)"
         )
         if finished is not None:
-            finished(folder)
+            finished(folder, report)
         stage(COMMIT)
         return publication.commit(operations, paths)
     except BaseException:

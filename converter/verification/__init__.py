@@ -203,6 +203,7 @@ def _streamed_behaviour(job: Job, report: VerificationReport, streamed):
         return None
     try:
         report.behaviour, findings = streamed.finish()
+        report.merged_logits = streamed.merged_logits
     except Skip as e:
         report.behaviour_skipped = str(e)
         job.log(f"behavioural comparison not run: {e}")
@@ -249,13 +250,13 @@ def _hollow_behaviour(report: VerificationReport, job: Job, adapters: list[Path]
     from converter.verification.streamed import Unstreamable, compare_finished
 
     try:
-        behaviour, findings = compare_finished(job.merged, job.recipe, job.base, adapters, settings, job.log,
-                                               job.clock)  # fmt: skip
+        behaviour, findings, merged_logits = compare_finished(job.merged, job.recipe, job.base, adapters, settings,
+                                                              job.log, job.clock)  # fmt: skip
     except (Unstreamable, Skip, PeftRefused):
         return False, None
     if findings[0]:
         return False, None
-    report.behaviour = behaviour
+    report.behaviour, report.merged_logits = behaviour, merged_logits
     return True, findings
 
 

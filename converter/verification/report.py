@@ -12,6 +12,7 @@ from pathlib import Path
 
 from converter import outcome
 from converter.io.records import REPORT_FILE, read_report
+from converter.verification.metrics import ModelLogits
 from converter.verification.plain import OMIT_NONE, from_plain, to_plain
 from converter.verification.tensors import TensorProofResult
 
@@ -196,6 +197,9 @@ class ImageRow:
     max_abs: int
 
 
+NOT_SAVED = {"behaviour", "merged_logits"}  # the behaviour is saved at the top level; the logits are not saved
+
+
 @dataclass(eq=False)
 class VerificationReport:
     """Both proofs of one merge and the verdict. `tensors_skipped` / `behaviour_skipped` say why a proof did
@@ -215,6 +219,9 @@ class VerificationReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
+    # the merged model's float32 logits on the inputs, kept in memory for a proof that follows (a GGUF file's
+    # behaviour) instead of running the model again; never written to verification.json
+    merged_logits: ModelLogits | None = field(default=None, repr=False)
 
     @property
     def reference(self) -> str:
@@ -226,7 +233,7 @@ class VerificationReport:
     def to_dict(self) -> dict:
         """JSON-ready: the behaviour's measurements at the top level (as consumers of verification.json read
         them), the tensor proof under "tensors"."""
-        out = {f.name: to_plain(getattr(self, f.name)) for f in fields(self) if f.name != "behaviour"}
+        out = {f.name: to_plain(getattr(self, f.name)) for f in fields(self) if f.name not in NOT_SAVED}
         if self.behaviour is not None:
             out.update(to_plain(self.behaviour))
         out["reference"] = self.reference
@@ -236,7 +243,7 @@ class VerificationReport:
     def from_dict(cls, data: dict) -> VerificationReport:
         """A report from verification.json's contents, this version's or an older one's (unknown keys, such as
         the Markdown older reports stored, are ignored; missing ones take their defaults)."""
-        own = {f.name for f in fields(cls)} - {"behaviour"}
+        own = {f.name for f in fields(cls)} - NOT_SAVED
         report = from_plain(cls, {k: v for k, v in data.items() if k in own})
         if data.get("merged_vs_reference") is not None:
             report.behaviour = from_plain(LLMBehaviour, data)

@@ -35,7 +35,7 @@ from converter.engine.writer import OutSpec, Shard
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.fourbit import is_qlora
 from converter.verification.llm import LLMCheck, Settings
-from converter.verification.metrics import Run, mixed_batch_adapter, run_model, run_variants
+from converter.verification.metrics import ModelLogits, Run, mixed_batch_adapter, run_model, run_variants
 from converter.verification.report import Clock, LLMBehaviour, Skip
 from converter.verification.task_check import is_causal_lm
 
@@ -200,9 +200,9 @@ def prepare_streamed(recipe: Recipe, verify: dict, base: Path, stream, token: st
 def compare_finished(
     merged: Path, recipe: Recipe, base: Path, adapters: list[Path], settings: Settings,
     log: Callable[[str], None], clock: Clock,
-) -> tuple[LLMBehaviour, tuple[list[str], list[str]]]:  # fmt: skip
-    """The same comparison of a merged folder on disk (every shard already there); Unstreamable where it
-    cannot run this way, Skip where a forward failed."""
+) -> tuple[LLMBehaviour, tuple[list[str], list[str]], ModelLogits | None]:  # fmt: skip
+    """The same comparison of a merged folder on disk (every shard already there), and the merged model's logits;
+    Unstreamable where it cannot run this way, Skip where a forward failed."""
     from converter.engine.writer import OutSpec
 
     if why := _recipe_refuses(recipe, settings):
@@ -216,7 +216,7 @@ def compare_finished(
                          for n in merged_files.names()])  # fmt: skip
     for f in merged_files.files:
         check.out_gate.arrived(Shard(f.path, f.path.name, "", 0, b"", tuple(f.tensors)), _keep)
-    return check.finish()
+    return *check.finish(), check.merged_logits
 
 
 def _keep(*_) -> None:
@@ -277,6 +277,7 @@ class StreamedLLMCheck(LLMCheck):
         self.own, self.offload, self.stored_4bit, self.four_bit = True, None, None, None
         self.compute, self.reference = "float32", "the base + adapters applied unmerged through PEFT"
         self.runs: dict[str, Run | BaseException] = {}
+        self.merged_logits: ModelLogits | None = None  # the merged model's, once finished (a GGUF proof reuses them)
         self._threads: list[threading.Thread] = []
 
     def prepare(self) -> None:
@@ -372,6 +373,7 @@ class StreamedLLMCheck(LLMCheck):
         findings = judge_llm(merged_vs_ref, base_vs_ref, tol)
         behaviour = self._behaviour(tol, merged_vs_ref, base_vs_ref, None, (bare, ref, out), None)
         behaviour.execution = WITH_BARE_BASE if bare else EXECUTION
+        self.merged_logits = ModelLogits.of(self.inputs, out)
         return behaviour, findings
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from model_helpers import make_adapter
-from test_gguf import TINY
+from test_gguf import TINY, needs_llama
 
 from converter.engine.merging import merge
 from converter.engine.recipe import AdapterSpec, Recipe
@@ -136,3 +136,29 @@ def test_the_writers_quantization_is_ggufs_reference_byte_for_byte():
         for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16):
             ours, ref = write.stored(data, qtype), gguf.quants.quantize(data, qtype)
             assert ours.shape == ref.shape and ours.tobytes() == ref.tobytes(), (data.shape, qtype.name)
+
+
+@needs_llama
+def test_a_verified_merge_hands_its_logits_of_the_merged_model_to_the_behaviour_proof(tmp_path, cli, monkeypatch):
+    """The verification has run the merged model in float32 on the behaviour proof's inputs: the GGUF proof takes
+    those logits instead of running it again; they are the logits its own forward gives (to float32 summation
+    order: the verification packs the inputs into one sequence, the proof pads them), and the file passes on them."""
+    import numpy as np
+    import torch
+    from test_gguf import tiny
+
+    base = tiny(tmp_path / "llama", "llama", dtype=torch.bfloat16)
+    adapter = make_adapter(base, tmp_path / "lora", r=2)
+    references, forwards = [], []
+    real_reference, real_forward = proof.reference, proof._float32_logits
+    monkeypatch.setattr(proof, "reference", lambda *a, **k: references.append(real_reference(*a, **k)) or
+                        references[-1])  # fmt: skip
+    monkeypatch.setattr(proof, "_float32_logits", lambda *a, **k: forwards.append(a) or real_forward(*a, **k))
+    code, out, err = cli("merge", "--base", base, "--adapter", adapter, "--out", tmp_path / "m", "--gguf", "F32",
+                         verify=True)  # fmt: skip
+    assert code == 0, err
+    assert forwards == [] and "behaviour: ok" in out
+    (ref,) = references
+    own, _ = real_forward(export.open_source(tmp_path / "m"), ref.inputs, 0)
+    for shared, mine in zip(ref.logits, own, strict=True):
+        assert np.linalg.norm(shared - mine) <= 1e-5 * np.linalg.norm(mine)
