@@ -42,7 +42,7 @@ def measure(folder: Path, work: Path, types: list[str]) -> dict[str, float]:
     for t in ["F32", *(t for t in types if t != "F32")]:  # the K-quants are made from the F32 file
         path = work / f"{folder.name}-{t}.gguf"
         if t in PYTHON_TYPES:
-            write.write_gguf(src, family, t, path, name=folder.name)
+            write.write_gguf(src, family, t, path, name="model")  # (llama.cpp reads "phi3" in a name as Phi-3)
         else:
             llama.quantize(work / f"{folder.name}-F32.gguf", path, t)
         got = llama.logits(path, ref.inputs)
