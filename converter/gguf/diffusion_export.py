@@ -30,9 +30,11 @@ class DiffusionResult:
     arch: str
     files: list[Path] = field(default_factory=list)
     proofs: list[FileProof] = field(default_factory=list)
+    diffusers_class: str | None = None  # the class diffusers ran the files as in the behaviour proof, if it ran
 
     def to_json(self) -> dict:
-        return {"architecture": self.arch, "files": [p.to_json() for p in self.proofs]}
+        ran = {"diffusers_class": self.diffusers_class} if self.diffusers_class else {}
+        return {"architecture": self.arch, **ran, "files": [p.to_json() for p in self.proofs]}
 
     def as_proofs(self) -> outcome.Proofs:
         return outcome.Proofs(gguf=tuple(p.summary() for p in self.proofs))
@@ -71,6 +73,8 @@ def export(source: str | Path, types: list[str], out: str | Path, *, name: str |
         log(f"writing {', '.join(p.name for p in staged.values())}")
         diffusion.write(src, staged, stem)
         ref = diffusion_proof.Reference(src)
+        if ref.output is not None:
+            result.diffusers_class = ref.config["_class_name"]
         for t, path in staged.items():
             _prove(path, src, t, ref, result, log)
         for t in types:

@@ -15,11 +15,13 @@ from pathlib import Path
 from converter.gguf.diffusion_export import PROOF_FILE, DiffusionResult, export
 from converter.gguf.publish import gguf_repo
 
+# diffusers' class for an architecture that only one family is written as; where several are (flux: Flux.1 and
+# Flux.2; wan: Wan, SkyReels V2, ChronoEdit; ltxv: LTX-Video and LTX-2; lumina2: Lumina 2 and Z-Image) the card
+# names the class the behaviour proof ran, or none
 DIFFUSERS_CLASS = {
-    "flux": "FluxTransformer2DModel", "sd3": "SD3Transformer2DModel", "wan": "WanTransformer3DModel",
-    "ltxv": "LTXVideoTransformer3DModel", "hidream": "HiDreamImageTransformer2DModel",
-    "hyvid": "HunyuanVideoTransformer3DModel", "lumina2": "Lumina2Transformer2DModel",
-    "qwen_image": "QwenImageTransformer2DModel", "sdxl": "UNet2DConditionModel", "sd1": "UNet2DConditionModel",
+    "sd3": "SD3Transformer2DModel", "hidream": "HiDreamImageTransformer2DModel",
+    "hyvid": "HunyuanVideoTransformer3DModel", "qwen_image": "QwenImageTransformer2DModel",
+    "sdxl": "UNet2DConditionModel", "sd1": "UNet2DConditionModel",
 }  # fmt: skip
 
 
@@ -38,17 +40,25 @@ def card(result: DiffusionResult, base_repo: str, repo_id: str) -> str:
     for fp in result.proofs:
         lines.append(f"- `{fp.file}`: " + "; ".join(
             f"{p.name}{'' if p.judged else ' (not judged)'}: {p.detail}" for p in fp.parts))  # fmt: skip
-    first = result.files[0].name
-    cls = DIFFUSERS_CLASS.get(result.arch, "<the model's transformer class>")
     lines += [
         "", f"The full proof is in `{PROOF_FILE}`.", "", "## ComfyUI", "",
         "Install ComfyUI-GGUF, put a file in `ComfyUI/models/unet`, and load it with the **Unet Loader (GGUF)** node "
         "(`UnetLoaderGGUF`); the text encoders and the VAE load with their usual nodes.", "", "## diffusers", "",
-        "```python", "import torch", f"from diffusers import GGUFQuantizationConfig, {cls}", "",
-        f'model = {cls}.from_single_file("https://huggingface.co/{repo_id}/blob/main/{first}",',
-        "    quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))", "```", "",
+        *_diffusers_lines(result, repo_id), "",
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _diffusers_lines(result: DiffusionResult, repo_id: str) -> list[str]:
+    """How diffusers loads a file: through the class the proof ran it as, or the architecture's only one; else in
+    words (a wrong class name would load the wrong model)."""
+    cls = result.diffusers_class or DIFFUSERS_CLASS.get(result.arch)
+    if cls is None:
+        return ["diffusers reads these files with its GGUF loader: the model family's transformer class, "
+                "`from_single_file(..., quantization_config=GGUFQuantizationConfig(...))`."]  # fmt: skip
+    return ["```python", "import torch", f"from diffusers import GGUFQuantizationConfig, {cls}", "",
+            f'model = {cls}.from_single_file("https://huggingface.co/{repo_id}/blob/main/{result.files[0].name}",',
+            "    quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16))", "```"]  # fmt: skip
 
 
 class PendingDiffusionGGUF:
