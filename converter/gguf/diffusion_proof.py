@@ -102,10 +102,11 @@ class Reference:
         shapes = {n: src.shapes[k] for k, n in src.names.items()}
         self.config = diffusion_run.config(src.arch.name, shapes, self.folder)
         if self.config is None:
-            self.why = f"no diffusers run of {src.arch.name} here (only of {', '.join(diffusion_run.RUNS)})"
+            self.why = diffusion_run.reason(src.arch.name, shapes)
             return
         try:
-            self.output = diffusion_run.outputs(src.arch.name, src.file, self.config, self.folder, gguf=False)
+            tensors = diffusion_run.denoiser(src.file, src.names)
+            self.output = diffusion_run.outputs(src.arch.name, tensors, self.config, self.folder, gguf=False)
         except Exception as e:  # noqa: BLE001 (the source, not the file, is what diffusers cannot read)
             self.why = f"diffusers cannot run the source single file: {str(e).splitlines()[0][:200]}"
 

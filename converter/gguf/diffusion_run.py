@@ -31,7 +31,20 @@ def _axes(head_dim: int) -> list[int]:
     return [head_dim - 2 * side, side, side]
 
 
+FLUX1_WIDTH = 3072  # the width diffusers' FLUX.1 single-file converter splits single blocks' linear1 at
+
+
 def _flux(s: dict[str, tuple[int, ...]]) -> dict:
+    """FLUX.1's or FLUX.2's (both `flux` to ComfyUI-GGUF; FLUX.2's modulation is shared across blocks)."""
+    if "double_stream_modulation_img.lin.weight" in s:
+        return _flux2(s)
+    made = _flux1(s)
+    if s["img_in.weight"][0] != FLUX1_WIDTH or s["single_blocks.0.linear1.weight"][0] != 7 * FLUX1_WIDTH:
+        raise ValueError("diffusers' FLUX.1 converter splits linear1 at width 3072 (mlp ratio 4)")
+    return made
+
+
+def _flux1(s: dict[str, tuple[int, ...]]) -> dict:
     hidden, in_channels = s["img_in.weight"]
     head = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
     keys = set(s)
@@ -42,6 +55,33 @@ def _flux(s: dict[str, tuple[int, ...]]) -> dict:
         "num_attention_heads": hidden // head, "joint_attention_dim": s["txt_in.weight"][1],
         "pooled_projection_dim": s["vector_in.in_layer.weight"][1],
         "guidance_embeds": "guidance_in.in_layer.weight" in keys, "axes_dims_rope": _axes(head),
+    }  # fmt: skip
+
+
+def _flux2(s: dict[str, tuple[int, ...]]) -> dict:
+    hidden, in_channels = s["img_in.weight"]
+    head = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    keys = set(s)
+    return {
+        "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": in_channels,
+        "out_channels": s["final_layer.linear.weight"][0], "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
+        "num_single_layers": _count(keys, r"single_blocks\.(\d+)\."), "attention_head_dim": head,
+        "num_attention_heads": hidden // head, "joint_attention_dim": s["txt_in.weight"][1],
+        "timestep_guidance_channels": s["time_in.in_layer.weight"][1],
+        "mlp_ratio": s["double_blocks.0.img_mlp.0.weight"][0] / (2 * hidden),  # SwiGLU: its input doubled
+        "guidance_embeds": "guidance_in.in_layer.weight" in keys, "axes_dims_rope": [head // 4] * 4,
+    }  # fmt: skip
+
+
+def _qwen_image(s: dict[str, tuple[int, ...]]) -> dict:
+    """Its patch size assumed 2 (Qwen-Image's): the packed channels are in_channels, the output's are 4 times."""
+    hidden, in_channels = s["img_in.weight"]
+    head = s["transformer_blocks.0.attn.norm_q.weight"][0]
+    return {
+        "_class_name": "QwenImageTransformer2DModel", "patch_size": 2, "in_channels": in_channels,
+        "out_channels": s["proj_out.weight"][0] // 4, "num_layers": _count(set(s), r"transformer_blocks\.(\d+)\."),
+        "attention_head_dim": head, "num_attention_heads": hidden // head,
+        "joint_attention_dim": s["txt_in.weight"][1], "axes_dims_rope": _axes(head),
     }  # fmt: skip
 
 
@@ -147,6 +187,8 @@ def _cosmos(s: dict[str, tuple[int, ...]]) -> dict:
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
+    if c["_class_name"] == "Flux2Transformer2DModel":
+        return _flux2_inputs(c, g)
     img, txt = 16, 8
     inputs = {
         "hidden_states": torch.randn(1, img, c["in_channels"], generator=g),
@@ -161,6 +203,35 @@ def _flux_inputs(c: dict, g) -> dict:
     if c["guidance_embeds"]:
         inputs["guidance"] = torch.tensor([3.5])
     return inputs
+
+
+def _flux2_inputs(c: dict, g) -> dict:
+    """FLUX.2's positions have four axes (time, height, width, index); the text's count along the last."""
+    import torch
+
+    img, txt = 16, 8
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), torch.zeros(1), indexing="ij")
+    inputs = {
+        "hidden_states": torch.randn(1, img, c["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
+        "timestep": torch.tensor([0.5]), "img_ids": torch.stack(grid, -1).reshape(img, 4),
+        "txt_ids": torch.cat([torch.zeros(txt, 3), torch.arange(float(txt))[:, None]], 1),
+    }  # fmt: skip
+    if c["guidance_embeds"]:
+        inputs["guidance"] = torch.tensor([4.0])
+    return inputs
+
+
+def _qwen_image_inputs(c: dict, g) -> dict:
+    import torch
+
+    side, txt = 4, 8  # a 4 x 4 grid of packed patches
+    return {
+        "hidden_states": torch.randn(1, side * side, c["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
+        "encoder_hidden_states_mask": torch.ones(1, txt), "timestep": torch.tensor([0.5]),
+        "img_shapes": [[(1, side, side)]],
+    }  # fmt: skip
 
 
 def _wan_inputs(c: dict, g) -> dict:
@@ -232,7 +303,8 @@ def _z_image_inputs(c: dict, g) -> dict:
 
 #: architecture -> (its config from the shapes, seeded inputs from the config)
 RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] = {
-    "flux": (_flux, _flux_inputs),
+    "flux": (_flux, _flux_inputs),  # FLUX.1's and FLUX.2's
+    "qwen_image": (_qwen_image, _qwen_image_inputs),
     "wan": (_wan, _wan_inputs),
     "sd3": (_sd3, _sd3_inputs),
     "ltxv": (_ltxv, _ltxv_inputs),
@@ -242,32 +314,53 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
 }
 
 
+def reason(arch: str, shapes: dict[str, tuple[int, ...]]) -> str:
+    """Why a denoiser with `shapes` gets no run here; "" where it gets one."""
+    if arch not in RUNS:
+        return f"no diffusers run of {arch} here (only of {', '.join(RUNS)})"
+    try:
+        RUNS[arch][0](shapes)
+    except KeyError as e:
+        return f"no diffusers run of this {arch} file here: it has no {e} to read the config from"
+    except ValueError as e:
+        return f"no diffusers run of this {arch} file: {e}"
+    return ""
+
+
 def config(arch: str, shapes: dict[str, tuple[int, ...]], folder: Path) -> dict | None:
     """The diffusers config of a denoiser with `shapes` (GGUF names), written as folder/config.json; None where
-    the architecture has no run here (or its shapes are not those the reading expects)."""
-    if arch not in RUNS:
+    it gets no run (`reason` says why)."""
+    if reason(arch, shapes):
         return None
-    try:
-        made = RUNS[arch][0](shapes)
-    except (KeyError, ValueError):
-        return None
+    made = RUNS[arch][0](shapes)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(made))
     return made
 
 
-def outputs(arch: str, path: Path, made: dict, folder: Path, gguf: bool):
-    """The denoiser's output on the seeded inputs (float32), the file loaded by diffusers' single-file loader;
-    `gguf`: through its GGUF quantizer (dequantized on the fly, computing in float32)."""
+def denoiser(file: Path, names: dict[str, str]) -> dict:
+    """The single file's denoiser tensors under the names the GGUF file gives them (`names`: key -> name): some of
+    diffusers' converters (FLUX.2's; Qwen-Image's, which is none) do not remove ComfyUI's `model.diffusion_model.`."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return {name: f.get_tensor(key) for key, name in names.items()}
+
+
+def outputs(arch: str, source: Path | dict, made: dict, folder: Path, gguf: bool):
+    """The denoiser's output on the seeded inputs (float32), `source` (a file, or `denoiser`'s tensors) loaded by
+    diffusers' single-file loader; `gguf`: a GGUF file, through its GGUF quantizer (dequantized on the fly,
+    computing in float32)."""
     import diffusers
     import torch
 
     cls = getattr(diffusers, made["_class_name"])
+    where = source if isinstance(source, dict) else str(source)
     if gguf:
         q = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
-        model = cls.from_single_file(str(path), config=str(folder), quantization_config=q)
+        model = cls.from_single_file(where, config=str(folder), quantization_config=q)
     else:
-        model = cls.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32)
+        model = cls.from_single_file(where, config=str(folder), torch_dtype=torch.float32)
     model.eval()
     inputs = RUNS[arch][1](made, torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -184,7 +184,7 @@ def test_flux_config_read_from_bfl_shapes_is_the_model_s():
     shapes = {k: tuple(v.shape) for k, v in original_layout(model.state_dict(), keymap("flux")).items()}
     # (the helper's layout keeps the q/k norms under diffusers' names; BFL's own name for the first)
     shapes["double_blocks.0.img_attn.norm.query_norm.scale"] = shapes["transformer_blocks.0.attn.norm_q.weight"]
-    made = diffusion_run.RUNS["flux"][0](shapes)
+    made = diffusion_run._flux1(shapes)
     for key in ("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
                 "joint_attention_dim", "pooled_projection_dim", "guidance_embeds"):  # fmt: skip
         assert made[key] == model.config[key], key

@@ -23,7 +23,8 @@ from converter.gguf import diffusion, diffusion_arch, diffusion_export, diffusio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
-from family_cases import CASES, make_bases, tiny  # noqa: E402
+from diffusion_helpers import save  # noqa: E402
+from family_cases import CASES, keymap, make_bases, original_layout, tiny  # noqa: E402
 
 # family (tests/family_cases.py's names, and SD3) -> the general.architecture ComfyUI-GGUF's loaders take for it
 ARCH = {"flux": "flux", "flux2": "flux", "qwen_image": "qwen_image", "z_image": "lumina2", "lumina2": "lumina2",
@@ -165,6 +166,11 @@ BEHAVIOUR = {
                   "transformer_blocks.0.ff.net.2.weight"),
     "z_image": (("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim"),
                 "layers.0.feed_forward.w2.weight"),
+    "flux2": (("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+               "joint_attention_dim", "timestep_guidance_channels", "mlp_ratio", "guidance_embeds"),
+              "double_blocks.0.img_mlp.2.weight"),
+    "qwen_image": (("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
+                    "num_attention_heads", "joint_attention_dim"), "transformer_blocks.0.img_mlp.net.2.weight"),
 }  # fmt: skip
 
 
@@ -205,3 +211,55 @@ def test_lumina2_shares_z_image_s_architecture_but_its_behaviour_is_not_judged(s
     path, _ = single("lumina2")
     src = diffusion.open_source(path)
     assert diffusion_run.config("lumina2", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
+
+
+FLUX1_KEYS = ("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
+              "joint_attention_dim", "pooled_projection_dim", "guidance_embeds")  # fmt: skip
+BFL_NORMS = {  # diffusers' q/k norm names -> BFL's, for the keymap's layout of FLUX.1
+    r"transformer_blocks\.(\d+)\.attn\.norm_(added_)?([qk])\.weight": "double_blocks.{0}.{1}_attn.norm.{2}_norm.scale",
+    r"single_transformer_blocks\.(\d+)\.attn\.norm_()([qk])\.weight": "single_blocks.{0}.norm.{2}_norm.scale",
+}
+
+
+def _bfl_flux(root: Path) -> Path:
+    """The tiny FLUX.1's whole BFL file: the keymap's layout covers the modules LoRAs name, so the q/k norms are
+    renamed here and the single blocks' linear1 bias gets its MLP part (its q/k/v-only alias dropped)."""
+    import re
+
+    sd = {}
+    for key, t in original_layout(tiny(CASES["flux"]).state_dict(), keymap("flux")).items():
+        for pattern, name in BFL_NORMS.items():
+            if m := re.fullmatch(pattern, key):
+                i, added, qk = m.groups()
+                key = name.format(i, "txt" if added else "img", "query" if qk == "q" else "key")
+        sd[key] = t
+    for i in range(CASES["flux"].config["num_single_layers"]):
+        mlp = sd.pop(f"single_transformer_blocks.{i}.proj_mlp.bias")
+        sd[f"single_blocks.{i}.linear1.bias"] = torch.cat([sd[f"single_blocks.{i}.linear1.bias"], mlp])
+        del sd[f"single_blocks.{i}.linear1_qkv.weight"], sd[f"single_blocks.{i}.linear1_qkv.bias"]
+    assert not [k for k in sd if "transformer_blocks" in k or "norm_out" in k]
+    return save({f"model.diffusion_model.{k}": v for k, v in sd.items()}, root / "flux1-bfl.safetensors")
+
+
+def test_flux1_behaviour_is_not_judged_below_flux1_s_own_width(tmp_path):
+    """diffusers' FLUX.1 converter (convert_flux_transformer_checkpoint_to_diffusers) splits single blocks' linear1
+    at FLUX.1's width 3072 and mlp ratio 4 whatever the file's shapes, so a test-sized file gets no run (said so);
+    the config read from its shapes is still the model's. FLUX.2's files, also `flux`, are told apart and judged."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    path = _bfl_flux(tmp_path)
+    src = diffusion.open_source(path)
+    shapes = {n: src.shapes[k] for k, n in src.names.items()}
+    assert diffusion_run.config("flux", shapes, tmp_path / "c") is None
+    assert "3072" in diffusion_run.reason("flux", shapes)
+    wide = shapes | {"img_in.weight": (3072, 64), "single_blocks.0.linear1.weight": (7 * 3072, 3072)}
+    assert diffusion_run.reason("flux", wide) == ""  # FLUX.1's own width: judged
+    made = diffusion_run._flux1(shapes)
+    model = tiny(CASES["flux"])
+    assert {k: made[k] for k in FLUX1_KEYS} == {k: model.config[k] for k in FLUX1_KEYS}
+    behaviour = diffusion_export.export(path, ["F16"], tmp_path / "out").proofs[0].parts[-1]
+    assert behaviour.passed and not behaviour.judged and "3072" in behaviour.detail
+    with safe_open(path, framework="pt") as f:
+        checkpoint = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+    with pytest.raises(RuntimeError, match="split_with_sizes expects split_sizes to sum exactly to 112"):
+        convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
