@@ -14,6 +14,7 @@ is wrong when it fails.
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -104,6 +105,9 @@ class Reference:
         if self.config is None:
             self.why = diffusion_run.reason(src.arch.name, shapes)
             return
+        if too_large := _too_large(src):
+            self.why = too_large
+            return
         try:
             tensors = diffusion_run.denoiser(src.file, src.names)
             self.output = diffusion_run.outputs(src.arch.name, tensors, self.config, self.folder, gguf=False)
@@ -112,6 +116,21 @@ class Reference:
 
     def close(self) -> None:
         self._dir.cleanup()
+
+
+def _too_large(src: DiffusionSource) -> str | None:
+    """Why the reference cannot run here: diffusers holds the source's denoiser tensors and the model in float32 at
+    once (a 12 B transformer: about 72 GB), and a run that exhausts memory would end the whole job; None if it fits.
+    The 20% spare is for the activations and the allocator."""
+    from converter.verification.loading import available_memory
+
+    elements = sum(math.prod(shape) for shape in src.shapes.values())
+    need = int(1.2 * (4 * elements + min(src.file.stat().st_size, 4 * elements)))
+    have = available_memory()
+    if need <= have:
+        return None
+    return (f"diffusers' run of the merged denoiser in float32 needs about {need / 2**30:.1f} GiB of memory and "
+            f"{have / 2**30:.1f} GiB are available here: not run (the tensors part, bit for bit, stands)")  # fmt: skip
 
 
 def prove_behaviour(path: Path, ref: Reference, type_name: str) -> Part:
