@@ -430,7 +430,7 @@ def run_big(args, shape: Shape) -> int:
     """The default `converter merge` of an 8B-shaped model, once, and the tensor proof alone: does verification stay
     in memory (no offload), and what does the proof cost by itself? (`--shape tiny`: the same steps, a smoke run.)"""
     sys.path.insert(0, str(BENCH_DIR.parent))
-    from converter.verification.loading import available_memory
+    from converter.io.memory import available_memory
 
     work = args.workdir.resolve() / "big"
     smoke = shape != BIG

@@ -122,7 +122,7 @@ def _too_large(src: DiffusionSource) -> str | None:
     """Why the reference cannot run here: diffusers holds the source's denoiser tensors and the model in float32 at
     once (a 12 B transformer: about 72 GB), and a run that exhausts memory would end the whole job; None if it fits.
     The 20% spare is for the activations and the allocator."""
-    from converter.verification.loading import available_memory
+    from converter.io.memory import available_memory
 
     elements = sum(math.prod(shape) for shape in src.shapes.values())
     need = int(1.2 * (4 * elements + min(src.file.stat().st_size, 4 * elements)))

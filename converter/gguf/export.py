@@ -14,9 +14,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from converter import outcome
+from converter.engine.model_inputs import ModelLogits
 from converter.errors import UsageError, VerificationFailed
 from converter.gguf import llama, proof
 from converter.gguf.arch import family_of
@@ -26,9 +26,6 @@ from converter.gguf.types import LLAMA_TYPES, needs_llama, parse_types, written_
 from converter.gguf.write import Written, plan, write_ggufs
 from converter.hub.sources import is_diffusion_base
 from converter.io.optional import install_hint
-
-if TYPE_CHECKING:
-    from converter.verification.metrics import ModelLogits
 
 PROOF_FILE = "gguf-proof.json"
 

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 
 from converter import outcome
+from converter.engine.model_inputs import PROMPTS, ModelLogits, build_inputs
 from converter.errors import BadInputError
 from converter.gguf import arch, llama
 from converter.gguf.source import Source
 from converter.gguf.write import QTYPE, Written, _stored_type, digest
 from converter.io.same_bytes import same_bytes
-from converter.verification.loading import PROMPTS, build_inputs
-
-if TYPE_CHECKING:
-    from converter.verification.metrics import ModelLogits
 
 # where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
 MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
@@ -119,7 +115,7 @@ class Reference:
 
 def reference(source: Source, with_logits: bool, merged: ModelLogits | None = None) -> Reference:
     """The tokenizer proof's texts and ids, and the behaviour proof's inputs and their float32 logits: `merged`'s
-    (the merged model's logits from its verification, converter.verification.metrics.ModelLogits) where they are of
+    (the merged model's logits from its verification, converter.engine.model_inputs.ModelLogits) where they are of
     these inputs and no router gaps are needed, else computed here."""
     from converter.gguf.vocab import load_tokenizer, prepends_per_piece, sentencepiece_convention
 

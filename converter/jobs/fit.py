@@ -116,7 +116,7 @@ def here(where: str | Path | None = None, *, link: float | None = None, max_disk
     `max_disk`), the memory available now (reclaimable page cache counted free), the cores this process may use."""
     import tempfile
 
-    from converter.verification.loading import available_memory
+    from converter.io.memory import available_memory
 
     folder = Path(where) if where is not None else Path(tempfile.gettempdir())
     probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))

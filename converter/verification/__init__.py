@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from converter.engine.model_class import NoModelClass
+from converter.engine.model_inputs import PROMPTS
 from converter.engine.recipe import Recipe
 from converter.errors import ConverterError, NotVerified, VerificationFailed
 from converter.hub.sources import fetch
@@ -32,7 +33,7 @@ from converter.io.scratch import temp_folder
 from converter.verification.heap import reused_heap
 from converter.verification.judge import judge
 from converter.verification.llm import LLMCheck, Settings
-from converter.verification.loading import PROMPTS, Offload, PeftRefused
+from converter.verification.loading import Offload, PeftRefused
 from converter.verification.metrics import NOISE_MARGIN, UNIT_ROUNDOFF, Run, tolerance
 from converter.verification.prove import is_peft_folder, prove_tensors
 from converter.verification.referee import could_not

@@ -18,16 +18,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from converter.engine.model_inputs import PERPLEXITY_TEXT, PROMPTS, build_inputs
 from converter.engine.precision import float32_compute, own_dtype, weights_summary
 from converter.engine.recipe import Recipe
+from converter.io.memory import available_memory
 from converter.io.units import human_bytes
 from converter.verification import fourbit
 from converter.verification.judge import judge_llm
 from converter.verification.loading import (
-    PERPLEXITY_TEXT,
-    PROMPTS,
-    available_memory,
-    build_inputs,
     choose_placement,
     load_model,
     load_reference,

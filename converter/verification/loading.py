@@ -21,18 +21,6 @@ from converter.errors import OutputError
 from converter.verification.peft_names import older_name_mapping
 from converter.verification.referee import RefereeUnavailable, first_line
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-    "List three prime numbers.",
-]
-PERPLEXITY_TEXT = (
-    "The quick brown fox jumps over the lazy dog. Rivers flow to the sea, and the sea gives back the rain. "
-    "Every merge should be checked before it is published."
-)
-
-
 # PEFT's own words when an adapter targets modules this base does not have (e.g. split q/k/v onto fused qkv)
 PEFT_REFUSALS = ("not found in the base model",)
 
@@ -177,53 +165,6 @@ def resident_bytes(model, sources: dict | None) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
-def available_memory() -> int:
-    """Memory this process may still use: MemAvailable, capped by what its memory cgroup (v1 or v2) has left.
-    A cgroup counts the page cache of the files its processes read and wrote as used, though the kernel drops
-    clean pages when the memory is needed: they count as free here, so that what a job may do does not depend on
-    what the cache happens to hold (a push's just-downloaded shards)."""
-    free = 8 * 2**30
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            free = int(line.split()[1]) * 1024
-    try:
-        groups = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return free
-    for line in groups:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # cgroup v2
-            folder = Path(f"/sys/fs/cgroup{path}")
-            limit, usage, stat = folder / "memory.max", folder / "memory.current", folder / "memory.stat"
-        elif "memory" in controllers.split(","):
-            folder = Path(f"/sys/fs/cgroup/memory{path}")
-            limit, usage, stat = (
-                folder / "memory.limit_in_bytes",
-                folder / "memory.usage_in_bytes",
-                folder / "memory.stat",
-            )
-        else:
-            continue
-        try:
-            cap = limit.read_text().strip()
-            if cap != "max" and int(cap) < 2**60:
-                free = min(free, int(cap) - int(usage.read_text()) + reclaimable_cache(stat.read_text()))
-        except (OSError, ValueError):
-            continue
-    return max(free, 0)
-
-
-def reclaimable_cache(stat: str) -> int:
-    """Bytes of clean file cache a memory cgroup's `memory.stat` counts as used: the file pages (v2 `file`, v1
-    `total_cache`), less shared memory (tmpfs: not reclaimable) and pages still dirty or being written back."""
-    values = dict(line.split() for line in stat.splitlines() if len(line.split()) == 2)
-    v2 = "file" in values
-    get = (lambda k: int(values.get(k, 0))) if v2 else (lambda k: int(values.get(f"total_{k}", values.get(k, 0))))
-    if v2:
-        return max(get("file") - get("shmem") - get("file_dirty") - get("file_writeback"), 0)
-    return max(get("cache") - get("shmem") - get("dirty") - get("writeback"), 0)
-
-
 def vocab_size(folder: Path) -> int:
     config = json.loads((folder / "config.json").read_text())
     return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
@@ -238,28 +179,6 @@ def load_tokenizer(folder: Path, sample: str):
         return None
     # Some model types get a tokenizer with only special tokens when the folder has no tokenizer files.
     return tok if len(set(tok(sample).input_ids)) >= 3 else None
-
-
-def build_inputs(tok, prompts: list[str], vocab: int):
-    """Token ids for each prompt (chat template when there is one); random ids when the model has no tokenizer."""
-    import torch
-
-    if tok is None:
-        g = torch.Generator().manual_seed(0)
-        inputs = [torch.randint(0, vocab, (1, 12 + 3 * i), generator=g) for i in range(len(prompts))]
-        return inputs, inputs[0][:, :16], torch.randint(0, vocab, (1, 48), generator=g), False
-    template = bool(getattr(tok, "chat_template", None))
-    inputs = []
-    for prompt in prompts:
-        if template:
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        else:
-            text = prompt
-        inputs.append(tok(text, return_tensors="pt", add_special_tokens=not template).input_ids)
-    ppl = tok(PERPLEXITY_TEXT, return_tensors="pt").input_ids
-    return inputs, inputs[0][:, :16], ppl, template
 
 
 @contextmanager

@@ -20,19 +20,6 @@ UPSTREAM_GAIN = 2.0
 
 
 @dataclass
-class ModelLogits:
-    """One model's float32 logits (float32 compute, its weights as stored) on token ids: what a verified merge hands
-    a proof that follows (the GGUF behaviour proof) so the merged model is not run again on the same inputs."""
-
-    ids: list[list[int]]
-    logits: list  # per row of ids: numpy float32 [positions, vocab]
-
-    @classmethod
-    def of(cls, inputs: list, run: Run) -> ModelLogits:
-        return cls([row[0].tolist() for row in inputs], [t.numpy() for t in run.logits])
-
-
-@dataclass
 class Run:
     """What one model produced on the verification inputs."""
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from converter import outcome
+from converter.engine.model_inputs import ModelLogits
 from converter.io.records import REPORT_FILE, read_report
-from converter.verification.metrics import ModelLogits
 from converter.verification.plain import OMIT_NONE, from_plain, to_plain
 from converter.verification.tensors import TensorProofResult
 

@@ -29,13 +29,14 @@ from pathlib import Path
 
 from converter.engine.bnb4 import parse_output
 from converter.engine.checkpoint import Checkpoint
+from converter.engine.model_inputs import ModelLogits
 from converter.engine.precision import FileTensor, SharedCompute, float32_compute
 from converter.engine.recipe import Recipe
 from converter.engine.writer import OutSpec, Shard
 from converter.io.safetensors_file import SafetensorsFile
 from converter.verification.fourbit import is_qlora
 from converter.verification.llm import LLMCheck, Settings
-from converter.verification.metrics import ModelLogits, Run, mixed_batch_adapter, run_model, run_variants
+from converter.verification.metrics import Run, mixed_batch_adapter, run_model, run_variants
 from converter.verification.report import Clock, LLMBehaviour, Skip
 from converter.verification.task_check import is_causal_lm
 
@@ -254,8 +255,9 @@ def _memory(base: Path, adapters: list[Path], settings: Settings) -> tuple[str |
     """(Why the two forwards do not fit the memory, or None; whether there is room to read each next block ahead
     as well, which is faster but holds a block more, with 1 GiB to spare for the rest of the job (a push's merge
     and tensor proof grow after this is decided): loading.streamed_working_set)."""
+    from converter.io.memory import available_memory
     from converter.io.units import human_bytes
-    from converter.verification.loading import available_memory, block_bytes, streamed_working_set
+    from converter.verification.loading import block_bytes, streamed_working_set
 
     need, budget = streamed_working_set(base, adapters), settings.memory or available_memory()
     if need > budget:
@@ -373,7 +375,7 @@ class StreamedLLMCheck(LLMCheck):
         findings = judge_llm(merged_vs_ref, base_vs_ref, tol)
         behaviour = self._behaviour(tol, merged_vs_ref, base_vs_ref, None, (bare, ref, out), None)
         behaviour.execution = WITH_BARE_BASE if bare else EXECUTION
-        self.merged_logits = ModelLogits.of(self.inputs, out)
+        self.merged_logits = ModelLogits.of(self.inputs, out.logits)
         return behaviour, findings
 
 

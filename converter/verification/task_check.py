@@ -16,13 +16,12 @@ from pathlib import Path
 
 from converter.engine import model_class
 from converter.engine.keymap import HEADLESS
+from converter.engine.model_inputs import PERPLEXITY_TEXT, build_inputs
 from converter.engine.precision import weights_summary
+from converter.io.memory import available_memory
 from converter.io.units import human_bytes
 from converter.verification.llm import LLMCheck
 from converter.verification.loading import (
-    PERPLEXITY_TEXT,
-    available_memory,
-    build_inputs,
     choose_placement,
     load_model,
     load_reference,

@@ -136,19 +136,19 @@ def test_a_sabotaged_tensor_fails_both_the_tensors_and_the_behaviour_proof(wan, 
 def test_a_denoiser_too_large_for_memory_is_not_run_and_says_so(wan, merged, tmp_path, monkeypatch):
     """diffusers holds the denoiser in float32 beside its source tensors: where that does not fit, the behaviour
     part is not judged, naming both sizes, instead of the run ending the job; the tensors part still decides."""
-    from converter.verification import loading
+    from converter.io import memory
 
     out, _ = merged
     _, single, _ = wan
     src = diffusion.open_source(out / single.name)
     elements = sum(int(np.prod(s)) for s in src.shapes.values())
-    monkeypatch.setattr(loading, "available_memory", lambda: 4 * elements)  # the float32 model alone
+    monkeypatch.setattr(memory, "available_memory", lambda: 4 * elements)  # the float32 model alone
     result = diffusion_export.export(out / single.name, ["Q8_0"], tmp_path / "out", log=lambda _: None)
     fp = result.proofs[0]
     behaviour = fp.parts[-1]
     assert fp.passed and [p.name for p in fp.parts] == ["metadata", "tensors", "behaviour"]
     assert not behaviour.judged and "GiB of memory" in behaviour.detail and "tensors part" in behaviour.detail
-    monkeypatch.setattr(loading, "available_memory", lambda: 8 * elements)  # source and model fit: it runs
+    monkeypatch.setattr(memory, "available_memory", lambda: 8 * elements)  # source and model fit: it runs
     assert diffusion_export.export(out / single.name, ["Q8_0"], tmp_path / "again").proofs[0].parts[-1].judged
 
 

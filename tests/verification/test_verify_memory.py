@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.verification.loading import reclaimable_cache
+from converter.io.memory import reclaimable_cache
 
 V1 = "cache 600\nrss 10\ntotal_cache 500\ntotal_shmem 50\ntotal_dirty 30\ntotal_writeback 20\ntotal_rss 10\n"
 V2 = "anon 10\nfile 500\nshmem 50\nfile_dirty 30\nfile_writeback 20\n"
@@ -46,7 +46,7 @@ def test_inside_a_capped_cgroup_the_page_cache_of_a_written_file_is_available(tm
             "    for _ in range(300): f.write(os.urandom(2**20))\n"
             "    f.flush(); os.fsync(f.fileno())\n"
             f"usage = int(open('{group}/memory.usage_in_bytes').read())\n"
-            "from converter.verification.loading import available_memory\n"
+            "from converter.io.memory import available_memory\n"
             "print(usage, available_memory())\n"
         )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
