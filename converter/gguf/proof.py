@@ -30,10 +30,10 @@ from converter.io.same_bytes import same_bytes
 
 # where pre-tokenizers differ: digit runs, runs of spaces and newlines, contractions, punctuation, non-ASCII
 MIXED_TEXT = "In 2024, 1234567 users paid $3.50 each.\n\n   def f(x):\n\treturn x**2  # it's done! Ça coûte 10€."
-# Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all texts, per
+# Relative RMS difference of llama.cpp's logits from transformers' (float32) over all positions of all inputs, per
 # file type. Measured on right conversions of two models (docs/gguf.md has the table): SmolLM2-135M-Instruct, and the
 # same merged with a random LoRA (every factor ~N(0, 0.05): far from its training, it amplifies any difference in
-# computation about 7x). Each limit is about 2.5x the larger of the two. llama.cpp computes with float16 KV caches
+# computation). Each limit is at least 2x the larger of the two. llama.cpp computes with float16 KV caches
 # and, for quantized types, quantized activations, so even F32 is not exact. A Q/K row order left as Hugging Face's
 # measured 0.67 and a 10x wrong rope base 0.11 (SmolLM2, F32): the float types catch both by behaviour alone; for the
 # quantized types the tensor and metadata proofs are what catch them.
@@ -105,7 +105,7 @@ class Reference:
     spm_ids: list[list[int]] | None = None
 
     def compared(self, type_name: str) -> list[int]:
-        """How many leading positions of each text with ids the behaviour proof compares for this type."""
+        """How many leading positions of each input the behaviour proof compares for this type."""
         lengths = [len(i) for i in self.inputs]
         if self.router_gaps is None or type_name not in ROUTER_TIE:
             return lengths

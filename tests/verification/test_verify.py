@@ -145,9 +145,10 @@ def test_float32_compute_over_bf16_weights_equals_a_float32_copy(family, tmp_pat
 def test_reference_and_bare_base_in_one_mixed_batch_equal_two_forwards(llama):
     """PEFT's mixed-adapter batch (the adapter's row and a "__base__" row) gives the reference's and the bare
     base's logits of two separate forwards (disable_adapter for the bare base), to float32 rounding."""
+    from converter.engine.model_inputs import build_inputs
     from converter.engine.precision import float32_compute
     from converter.engine.recipe import AdapterSpec, Recipe
-    from converter.verification.loading import build_inputs, load_reference
+    from converter.verification.loading import load_reference
     from converter.verification.metrics import mixed_batch, run_model
 
     base, lora = llama
