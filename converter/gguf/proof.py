@@ -153,14 +153,14 @@ def _float32_logits(source: Source, ids: list[list[int]],
     """transformers' logits of the source on each of `ids`, computing in float32, its weights left in their files
     and read one layer at a time (converter.engine.precision): the results of a float32 load, with memory that does
     not grow with the model (a float32 load of an 8 B model would take 32 GB). The model is built hollow where its
-    weights are the files' tensors as they are (converter.gguf.hollow), else loaded by transformers. For a MoE model
+    weights are the files' tensors as they are (converter.engine.hollow), else loaded by transformers. For a MoE model
     also each position's router gaps (`Reference.router_gaps`)."""
     import torch
 
+    from converter.engine.hollow import hollow_causal_lm, release_heap
     from converter.engine.precision import file_sources, float32_compute, own_dtype
-    from converter.gguf.hollow import hollow_causal_lm, release_heap
 
-    hollow = hollow_causal_lm(source)
+    hollow = hollow_causal_lm(source.folder, source.config)
     if hollow is not None:
         model, sources = hollow
     else:

@@ -148,6 +148,24 @@ def test_a_sabotaged_tensor_fails_the_behaviour_proof_of_mlx_lm(llama, tmp_path)
     assert not part.passed and "relative RMS" in part.detail
 
 
+def test_the_reference_is_built_without_weights_and_gives_a_float32_load_s_logits(llama, monkeypatch):
+    """The merged model's reference logits come from a model built empty, each weight read as its layer runs (no
+    whole load: transformers' from_pretrained is not called), equal to the logits of the model loaded in float32."""
+    import transformers
+
+    ids = proof.seeded_ids(49152)[:2]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = loaded(input_ids=torch.tensor(ids)).logits.numpy()
+
+    def refused(*_a, **_k):
+        raise AssertionError("the reference loaded the whole model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refused)
+    got = proof.reference_logits(llama, ids)
+    assert proof.relative_rms(got, want) < 1e-5
+
+
 def test_a_failed_proof_leaves_nothing(llama, tmp_path, monkeypatch):
     monkeypatch.setitem(proof.BEHAVIOUR_LIMIT, "8bit", 0.0)
     targets = {t: tmp_path / f"m-{t}" for t in ("4bit", "8bit")}

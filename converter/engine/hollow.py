@@ -1,30 +1,34 @@
-"""The source model for the behaviour proof's reference logits, built without its weights: each weight read from its
-file, in float32, when its layer runs (converter.engine.precision.float32_compute).
+"""A causal LM built without its weights, for a proof's reference logits: each weight read from its file, in
+float32, when its layer runs (converter.engine.precision.float32_compute).
 
 Why: transformers' `from_pretrained` loads every weight before the first layer runs (1.8 GB for a 0.9 B bf16 model,
 held while the reference computes); here memory holds a layer or two whatever the model's size, and the weights are
-read once. Only where every parameter is a tensor of the files as the model holds it (same name, same shape): a
-model whose loading renames, fuses or converts weights (transformers 5's fused MoE experts) returns None, and is
-loaded by transformers as before.
+read once. The GGUF and MLX proofs use it for the merged model's logits. Only where every parameter is a tensor of the
+files as the model holds it (same name, same shape): a model whose loading renames, fuses or converts weights
+(transformers 5's fused MoE experts) returns None, and is loaded by transformers as before.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from converter.engine.checkpoint import Checkpoint
 from converter.engine.model_class import config_object, hollow_model
 from converter.engine.precision import FileTensor
-from converter.gguf.source import Source
 
 
-def hollow_causal_lm(source: Source, class_name: str | None = None):
-    """(model, sources for float32_compute), the model eval-mode, float32, eager attention, no weight in memory;
-    None where a weight has no tensor of the files to be read from (or the config names no causal LM class)."""
+def hollow_causal_lm(folder: Path, config: dict, class_name: str | None = None):
+    """(model, sources for float32_compute) of the model in `folder` (its config.json's contents: `config`), the
+    model eval-mode, float32, eager attention, no weight in memory; None where a weight has no tensor of the files to
+    be read from (or the config names no causal LM class)."""
     import torch
 
-    names = [n for n in source.config.get("architectures") or [] if n.endswith("ForCausalLM")]
+    names = [n for n in config.get("architectures") or [] if n.endswith("ForCausalLM")]
     class_name = class_name or (names[0] if names else None)
     if class_name is None:
         return None
-    config = config_object(source.config)
+    files = Checkpoint(folder)
+    config = config_object(config)
     config._attn_implementation = "eager"  # the attention as written (Gemma 2's soft-capping)
     model = hollow_model(config, class_name)
     for module in model.modules():
@@ -38,12 +42,13 @@ def hollow_causal_lm(source: Source, class_name: str | None = None):
         model.tie_weights()
     sources: dict[int, FileTensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):  # tied weights: the first name read
-        e = source.tensors.get(name)
         if id(p) in sources:
             continue
+        where = files.where.get(name)
+        e = where.tensors[name] if where is not None else None
         if e is None or tuple(e.shape) != tuple(p.shape):
             return None
-        sources[id(p)] = FileTensor(e.file, e.begin, e.end, e.dtype)
+        sources[id(p)] = FileTensor(where.path, e.start, e.end, e.dtype)
     return model.eval(), sources
 
 
