@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 #: The outcome's JSON layout; `from_json` reads this and earlier ones (unknown keys of later ones are ignored).
 VERSION = 1
@@ -99,6 +99,28 @@ class ProofPart:
     @property
     def verdict(self) -> str:
         return ("ok" if self.passed else "FAILED") if self.judged else "not judged"
+
+
+@dataclass
+class PartsProof:
+    """A written file's or folder's proof as a runtime's parts are made (GGUF files, MLX folders): it passes when
+    every part does. `KEY` names it in the proof's JSON ("file", "folder")."""
+
+    KEY: ClassVar[str] = "file"
+    name: str
+    type: str
+    parts: list[ProofPart] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.parts)
+
+    def to_json(self) -> dict:
+        return {self.KEY: self.name, "type": self.type, "passed": self.passed,
+                "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
+
+    def summary(self) -> FileProof:
+        return FileProof.of(self.name, self.type, self.parts)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def card(result: DiffusionResult, base_repo: str, repo_id: str) -> str:
         lines.append(f"| `{path.name}` | {fp.type} | {path.stat().st_size / 1e6:.1f} MB | {verdict} ({checked}) |")
     lines += ["", "## Proof", ""]
     for fp in result.proofs:
-        lines.append(f"- `{fp.file}`: " + "; ".join(
+        lines.append(f"- `{fp.name}`: " + "; ".join(
             f"{p.name}{'' if p.judged else ' (not judged)'}: {p.detail}" for p in fp.parts))  # fmt: skip
     lines += [
         "", f"The full proof is in `{PROOF_FILE}`.", "", "## ComfyUI", "",

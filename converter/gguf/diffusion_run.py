@@ -44,32 +44,33 @@ def _flux(s: dict[str, tuple[int, ...]]) -> dict:
     return made
 
 
-def _flux1(s: dict[str, tuple[int, ...]]) -> dict:
+def _flux_common(s: dict[str, tuple[int, ...]]) -> dict:
+    """What FLUX.1's and FLUX.2's configs both read from the shapes (BFL's names)."""
     hidden, in_channels = s["img_in.weight"]
     head = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
     keys = set(s)
     return {
-        "_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": in_channels,
-        "out_channels": s["final_layer.linear.weight"][0], "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
+        "patch_size": 1, "in_channels": in_channels, "out_channels": s["final_layer.linear.weight"][0],
+        "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
         "num_single_layers": _count(keys, r"single_blocks\.(\d+)\."), "attention_head_dim": head,
         "num_attention_heads": hidden // head, "joint_attention_dim": s["txt_in.weight"][1],
-        "pooled_projection_dim": s["vector_in.in_layer.weight"][1],
-        "guidance_embeds": "guidance_in.in_layer.weight" in keys, "axes_dims_rope": _axes(head),
+        "guidance_embeds": "guidance_in.in_layer.weight" in keys,
     }  # fmt: skip
 
 
+def _flux1(s: dict[str, tuple[int, ...]]) -> dict:
+    made = _flux_common(s)
+    return {"_class_name": "FluxTransformer2DModel", **made, "pooled_projection_dim": s["vector_in.in_layer.weight"][1],
+            "axes_dims_rope": _axes(made["attention_head_dim"])}  # fmt: skip
+
+
 def _flux2(s: dict[str, tuple[int, ...]]) -> dict:
-    hidden, in_channels = s["img_in.weight"]
-    head = s["double_blocks.0.img_attn.norm.query_norm.scale"][0]
-    keys = set(s)
+    made = _flux_common(s)
+    hidden = s["img_in.weight"][0]
     return {
-        "_class_name": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": in_channels,
-        "out_channels": s["final_layer.linear.weight"][0], "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
-        "num_single_layers": _count(keys, r"single_blocks\.(\d+)\."), "attention_head_dim": head,
-        "num_attention_heads": hidden // head, "joint_attention_dim": s["txt_in.weight"][1],
-        "timestep_guidance_channels": s["time_in.in_layer.weight"][1],
+        "_class_name": "Flux2Transformer2DModel", **made, "timestep_guidance_channels": s["time_in.in_layer.weight"][1],
         "mlp_ratio": s["double_blocks.0.img_mlp.0.weight"][0] / (2 * hidden),  # SwiGLU: its input doubled
-        "guidance_embeds": "guidance_in.in_layer.weight" in keys, "axes_dims_rope": [head // 4] * 4,
+        "axes_dims_rope": [made["attention_head_dim"] // 4] * 4,
     }  # fmt: skip
 
 

@@ -64,22 +64,8 @@ ROUTER_TIE = {"F32": 0.002, "F16": 0.002, "BF16": 0.01}
 Part = outcome.ProofPart  # one part of a file's proof
 
 
-@dataclass
-class FileProof:
-    file: str
-    type: str
-    parts: list[Part] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return all(p.passed for p in self.parts)
-
-    def to_json(self) -> dict:
-        return {"file": self.file, "type": self.type, "passed": self.passed,
-                "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
-
-    def summary(self) -> outcome.FileProof:
-        return outcome.FileProof.of(self.file, self.type, self.parts)
+class FileProof(outcome.PartsProof):
+    """One GGUF file's proof."""
 
     def as_proofs(self) -> outcome.Proofs:
         """For a verb's outcome (converter.outcome); what a failed file's VerificationFailed reports."""

@@ -50,7 +50,7 @@ def card(result: GGUFResult, base_repo: str, gguf_repo_id: str) -> str:
     lines += ["", "## Proof", ""]
     for fp in result.proofs:
         lines.append(
-            f"- `{fp.file}`: "
+            f"- `{fp.name}`: "
             + "; ".join(f"{p.name}{'' if p.judged else ' (not judged)'}: {p.detail}" for p in fp.parts)
         )
     if not result.llama_proof:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,22 +35,10 @@ ROWS, LENGTH = 2, 24
 Part = outcome.ProofPart  # one part of a folder's proof
 
 
-@dataclass
-class FolderProof:
-    folder: str
-    type: str
-    parts: list[Part] = field(default_factory=list)
+class FolderProof(outcome.PartsProof):
+    """One MLX folder's proof."""
 
-    @property
-    def passed(self) -> bool:
-        return all(p.passed for p in self.parts)
-
-    def to_json(self) -> dict:
-        return {"folder": self.folder, "type": self.type, "passed": self.passed,
-                "parts": [p.__dict__ for p in self.parts]}  # fmt: skip
-
-    def summary(self) -> outcome.FileProof:
-        return outcome.FileProof.of(self.folder, self.type, self.parts)
+    KEY = "folder"
 
     def as_proofs(self) -> outcome.Proofs:
         """For a verb's outcome; what a failed folder's VerificationFailed reports."""
