@@ -32,8 +32,9 @@ from converter.formats import Adapter, AdapterPatch
 from converter.formats.patches import DoRA, DoRARows, ExpertLowRank, LowRank, Replace, RowReplace
 from converter.gguf import arch
 from converter.gguf.fileio import Writer
+from converter.gguf.quantize import stored
 from converter.gguf.source import Source
-from converter.gguf.write import FILE_TYPE, QTYPE, plan, stored
+from converter.gguf.write import FILE_TYPE, QTYPE, plan
 
 #: the types an adapter GGUF is written in (llama.cpp's own converter offers the same four)
 ADAPTER_TYPES = ("F32", "F16", "BF16", "Q8_0")

@@ -20,6 +20,7 @@ from converter.errors import BadInputError, UsageError
 from converter.gguf.diffusion_arch import MAX_NAME, ORIG_SHAPE, DiffusionArch, denoiser_keys, detect
 from converter.gguf.diffusion_arch import stored_shape as _stored_shape
 from converter.gguf.diffusion_arch import stored_type as _stored_type
+from converter.gguf.quantize import stored
 from converter.gguf.write import FILE_TYPE, QTYPE
 
 TYPES = ("F32", "F16", "BF16", "Q8_0")  # what gguf's reference quantizers make exactly
@@ -123,10 +124,11 @@ def _header(path: Path, src: DiffusionSource, type_name: str, plan: list[Planned
     return w
 
 
-def encode(data: np.ndarray, p: Planned) -> np.ndarray:
-    """A source tensor (float32) as the file stores it: reshaped, then cast / quantized by gguf's reference."""
+def encode(data: np.ndarray, p: Planned, quantize=stored) -> np.ndarray:
+    """A source tensor (float32) as the file stores it: reshaped, then cast / quantized as gguf's reference does
+    (converter.gguf.quantize; the proof passes gguf.quants.quantize itself)."""
     data = np.ascontiguousarray(data, dtype=np.float32).reshape(p.stored)
-    return data if p.qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(data, p.qtype)
+    return quantize(data, p.qtype)
 
 
 def write(src: DiffusionSource, paths: dict[str, Path], name: str) -> None:

@@ -79,7 +79,7 @@ def prove_tensors(reader: gguf.GGUFReader, src: DiffusionSource, plan: list[Plan
             shape = tuple(int(d) for d in reversed(t.shape))
             if shape != p.stored:
                 return Part("tensors", False, f"{p.name} has shape {shape}, expected {p.stored}")
-            want = encode(f.get_tensor(p.key).float().numpy(), p)
+            want = encode(f.get_tensor(p.key).float().numpy(), p, gguf.quants.quantize)
             got = np.ascontiguousarray(t.data).view(np.uint8).ravel()
             if got.size != want.nbytes or not same_bytes(got, np.ascontiguousarray(want).view(np.uint8).ravel()):
                 return Part("tensors", False, f"{p.name} ({p.key}): its bytes differ from the source as "

@@ -19,6 +19,7 @@ import numpy as np
 
 from converter.gguf import arch
 from converter.gguf.fileio import Writer
+from converter.gguf.quantize import stored
 from converter.gguf.source import Source
 from converter.gguf.vocab import vocab_metadata
 
@@ -81,47 +82,6 @@ def plan(source: Source, family: arch.Family, type_name: str) -> list[Planned]:
         shape = t.shape(source.tensors[hf_name].shape) if t else source.tensors[hf_name].shape
         out.append(Planned(name, hf_name, shape, _stored_type(name, shape, QTYPE[type_name], n), t))
     return out
-
-
-def stored(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The bytes (as gguf's arrays) of float32 `data` in `qtype`: gguf's reference quantizers."""
-    if qtype == gguf.GGMLQuantizationType.F32:
-        return data.astype(np.float32, copy=False)
-    rows = _BY_ROWS.get(qtype)
-    if rows is None or data.ndim < 2 or data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-        return gguf.quants.quantize(data, qtype)  # F16 (a cast), and gguf's own errors
-    flat = data.reshape(-1, data.shape[-1])
-    out = np.empty(gguf.quants.quant_shape_to_byte_shape(flat.shape, qtype), np.uint8)
-    half = -(-len(flat) // (2 * ROW_GROUP)) * ROW_GROUP if flat.size >= SPLIT_AT else len(flat)
-    other = _pool().submit(_quantize_rows, rows, flat[half:], out[half:]) if half < len(flat) else None
-    _quantize_rows(rows, flat[:half], out[:half])
-    if other is not None:
-        other.result()
-    return out.reshape(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype))
-
-
-# gguf's reference quantization, row by row (each block is quantized on its own, so any grouping of rows gives the
-# same bytes as gguf.quants.quantize): its own per-type `quantize_rows`, called on ROW_GROUP rows at a time instead
-# of the 16 gguf.quants.quantize takes (fewer, larger numpy passes: about 6 ns a value instead of 10 for Q8_0), a
-# large tensor's two halves on two threads (numpy releases the GIL while it computes). tests/gguf compares the bytes
-# with gguf.quants.quantize's.
-_BY_ROWS = {gguf.GGMLQuantizationType.Q8_0: gguf.quants.Q8_0, gguf.GGMLQuantizationType.BF16: gguf.quants.BF16}
-ROW_GROUP = 64
-SPLIT_AT = 2**20  # values: a smaller tensor is quantized on the calling thread alone
-_POOLS: list = []
-
-
-def _pool():
-    if not _POOLS:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOLS.append(ThreadPoolExecutor(1, thread_name_prefix="converter-gguf-quantize"))
-    return _POOLS[0]
-
-
-def _quantize_rows(rows, data: np.ndarray, out: np.ndarray) -> None:
-    for i in range(0, len(data), ROW_GROUP):
-        out[i : i + ROW_GROUP] = rows.quantize_rows(data[i : i + ROW_GROUP])
 
 
 def digest(data: np.ndarray) -> bytes:

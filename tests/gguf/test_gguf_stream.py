@@ -120,22 +120,35 @@ def test_the_tensor_proof_reads_the_file_against_the_writers_digests_not_the_sou
 
 
 def test_the_writers_quantization_is_ggufs_reference_byte_for_byte():
-    """write.stored calls gguf's own row quantizer on groups of rows, a large tensor's halves on two threads: the
-    bytes must be gguf.quants.quantize's (an odd row count, a block of zeros, a row of exact .5 ties, a 3-D stack)."""
+    """quantize.stored computes gguf's Q8_0 and BF16 with torch, slice by slice: the bytes must be
+    gguf.quants.quantize's on ties of both signs, zero blocks, tiny and subnormal values (whose Q8_0 scales overflow
+    their reciprocal: gguf's own code then), NaN and infinities, scales that round in float16, several slices with
+    an uneven last one, a 3-D stack and a single row."""
     import gguf
     import numpy as np
 
+    from converter.gguf import quantize
+
     rng = np.random.default_rng(0)
-    big = rng.standard_normal((1025, 1024)).astype(np.float32)  # above write.SPLIT_AT: two threads, uneven halves
+    big = rng.standard_normal((600, 1024)).astype(np.float32)  # 2.3 slices of quantize.SLICE values
+    assert big.size > 2 * quantize.SLICE
     big[3, :32] = 0
-    big[5] = (rng.integers(-508, 508, size=1024) / 4).astype(np.float32)  # scaled by 1 where the block max is 127
+    big[5] = (rng.integers(-508, 508, size=1024) / 4).astype(np.float32)  # x.25 / x.5 / x.75: exact ties at scale 1
     big[5, ::32] = 127
-    cases = [big, rng.standard_normal((3, 70, 96)).astype(np.float32), rng.standard_normal((1, 64)).astype(np.float32)]
-    assert big.size >= write.SPLIT_AT
-    for data in cases:
+    big[6] = -big[5]
+    big[7] *= np.float32(1e-30)
+    big[8] = rng.standard_normal(1024).astype(np.float32) * np.float32(65504 * 127 * 0.999)  # scales near f16's max
+    big[9, :32] = np.float32(2**-140)  # subnormal values (BF16 keeps them)
+    cases = {"finite": big, "3-D": rng.standard_normal((3, 70, 96)).astype(np.float32),
+             "one row": rng.standard_normal((1, 64)).astype(np.float32)}  # fmt: skip
+    for bad, value in (("tiny scale", 1e-38), ("NaN", np.nan), ("infinity", -np.inf)):
+        cases[bad] = big.copy()
+        cases[bad][300, 32:64] = value
+    for what, data in cases.items():
         for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16):
-            ours, ref = write.stored(data, qtype), gguf.quants.quantize(data, qtype)
-            assert ours.shape == ref.shape and ours.tobytes() == ref.tobytes(), (data.shape, qtype.name)
+            with np.errstate(all="ignore"):  # gguf's own code on NaN and infinities
+                ours, ref = quantize.stored(data, qtype), gguf.quants.quantize(data, qtype)
+            assert ours.shape == ref.shape and ours.tobytes() == ref.tobytes(), (what, qtype.name)
 
 
 @needs_llama
