@@ -55,6 +55,21 @@ def _q8_0(flat, out: np.ndarray) -> bool:
     return True
 
 
+def on_this_thread_alone() -> None:
+    """Run this thread's torch work (the quantizer) on it alone, for a thread beside others that keep the cores busy
+    (the merge's): torch's helper threads spin while they wait and took CPU from them. OpenMP's thread count is per
+    thread; torch.set_num_threads would also set it for every thread that first uses torch afterwards (the
+    verification's forwards then ran on one core)."""
+    import contextlib
+    import ctypes
+
+    import torch
+
+    torch.get_num_threads()  # torch's own set-up of this thread first (it would set the count again)
+    with contextlib.suppress(AttributeError, OSError):  # (a torch without OpenMP: nothing to do)
+        ctypes.CDLL(None).omp_set_num_threads(1)
+
+
 def _first_row_agrees(data: np.ndarray, out: np.ndarray, qtype: gguf.GGMLQuantizationType) -> bool:
     """Whether gguf's own quantization of the first row has the bytes torch made of it."""
     row = data.reshape(-1, data.shape[-1])[:1]

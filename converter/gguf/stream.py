@@ -21,6 +21,7 @@ from pathlib import Path
 from converter.engine.model_class import wait_for_warmup
 from converter.engine.writer import OutSpec
 from converter.gguf.arch import family_of
+from converter.gguf.quantize import on_this_thread_alone
 from converter.gguf.source import Entry, Source, check_dtype, decode
 from converter.gguf.types import written_in_python
 from converter.gguf.vocab import vocab_metadata
@@ -39,6 +40,7 @@ class GGUFTee:
         self.folder = Path(tempfile.mkdtemp(prefix=".gguf-streamed-", dir=out))
         self.files: dict[str, GGUFFile] = {}
         self._worker: Worker | None = None
+        self._buffer, self._started = None, False  # see _float32, _write
 
     def start(self, folder: Path, specs: list[OutSpec]) -> None:
         wait_for_warmup()  # the header needs transformers' tokenizer; a verified merge may be importing it already
@@ -61,15 +63,38 @@ class GGUFTee:
 
     def _write(self, item: tuple[OutSpec, list]) -> None:
         spec, chunks = item
-        data = _float32(chunks, spec.dtype, tuple(spec.shape))
+        if not self._started:  # the first tensor, on the tee's thread
+            on_this_thread_alone()
+            self._started = True
+        data = self._float32(chunks, spec.dtype, tuple(spec.shape))
         for f in self.files.values():
             if f.wants(spec.name):
                 f.put(spec.name, data)
+
+    def _float32(self, chunks: list, dtype: str, shape: tuple[int, ...]):
+        """A merged tensor's bytes, in the chunks the merge wrote, as float32: bf16 widened chunk by chunk into one
+        buffer kept for every tensor (a new one per tensor cost more in page faults than the widening itself; each
+        file is done with a tensor before the next comes); any other dtype, or a chunk that splits a value, through
+        source.decode."""
+        import numpy as np
+
+        n = int(np.prod(shape, dtype=np.int64))
+        if dtype != "BF16" or any(len(c) % 2 for c in chunks) or sum(len(c) for c in chunks) != 2 * n:
+            return decode(b"".join(chunks), dtype, shape)  # (a wrong size is refused there, as it always was)
+        if self._buffer is None or self._buffer.size < n:
+            self._buffer = np.empty(n, np.uint32)
+        out, at = self._buffer[:n], 0
+        for chunk in chunks:
+            values = np.frombuffer(chunk, np.uint16)
+            np.left_shift(values, np.uint32(16), out=out[at : at + len(values)], dtype=np.uint32)
+            at += len(values)
+        return out.view(np.float32).reshape(shape)
 
     def finish(self) -> dict[str, Written]:
         """Wait for the last tensor; every file complete and in place. Returns {type: the file and its digests}."""
         if self._worker is not None:
             self._worker.close()
+        self._buffer = None
         for f in self.files.values():
             f.finish()
         return {t: Written(f.path, f.digests) for t, f in self.files.items()}
@@ -77,27 +102,10 @@ class GGUFTee:
     def discard(self) -> None:
         if self._worker is not None:
             self._worker.abort()
+        self._buffer = None
         for f in self.files.values():
             f.abort()
         shutil.rmtree(self.folder, ignore_errors=True)
         if self._made_out is not None:
             with contextlib.suppress(OSError):
                 self._made_out.rmdir()  # only if nothing else was put there
-
-
-def _float32(chunks: list, dtype: str, shape: tuple[int, ...]):
-    """A merged tensor's bytes, in the chunks the merge wrote, as float32: bf16 widened chunk by chunk straight into
-    the result (one pass each, no joined copy of the bytes first: the tee's thread is the merge's slowest stage); any
-    other dtype, or a chunk that splits a value, through source.decode."""
-    import numpy as np
-
-    n = int(np.prod(shape, dtype=np.int64))
-    if dtype != "BF16" or any(len(c) % 2 for c in chunks) or sum(len(c) for c in chunks) != 2 * n:
-        return decode(b"".join(chunks), dtype, shape)  # (a wrong size is refused there, as it always was)
-    out = np.empty(n, np.uint32)
-    at = 0
-    for chunk in chunks:
-        values = np.frombuffer(chunk, np.uint16)
-        np.left_shift(values, np.uint32(16), out=out[at : at + len(values)], dtype=np.uint32)
-        at += len(values)
-    return out.view(np.float32).reshape(shape)

@@ -43,7 +43,7 @@ def test_the_files_written_during_the_merge_are_those_written_from_the_merged_fo
 
 
 def test_a_bf16_merge_streams_the_files_written_from_its_folder(tmp_path, cli):
-    """The usual case, a bf16 model: the tee widens the merge's bf16 chunks itself (stream._float32), one chunk at a
+    """The usual case, a bf16 model: the tee widens the merge's bf16 chunks itself (GGUFTee._float32), one chunk at a
     time; the files must be those written from the merged folder, which source.decode reads."""
     import torch
     from test_gguf import tiny
