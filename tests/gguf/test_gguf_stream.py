@@ -175,3 +175,28 @@ def test_a_verified_merge_hands_its_logits_of_the_merged_model_to_the_behaviour_
     own, _ = real_forward(export.open_source(tmp_path / "m"), ref.inputs, 0)
     for shared, mine in zip(ref.logits, own, strict=True):
         assert np.linalg.norm(shared - mine) <= 1e-5 * np.linalg.norm(mine)
+
+
+def test_the_tees_thread_runs_torch_alone_and_no_other_thread_does():
+    """quantize.on_this_thread_alone: one thread for torch's work on the calling thread; the main thread and a
+    thread that starts using torch afterwards keep torch's own count (torch.set_num_threads would change theirs)."""
+    import threading
+
+    import torch
+
+    from converter.gguf.quantize import on_this_thread_alone
+
+    before, seen = torch.get_num_threads(), {}
+
+    def tee():
+        on_this_thread_alone()
+        seen["tee"] = torch.get_num_threads()
+
+    def later():
+        seen["later"] = torch.get_num_threads()
+
+    for fn in (tee, later):
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join()
+    assert seen == {"tee": 1, "later": before} and torch.get_num_threads() == before
