@@ -12,8 +12,13 @@ with gguf.quants.quantize's on ties, zero blocks, subnormals and odd shapes.
 
 from __future__ import annotations
 
+import warnings
+
 import gguf
 import numpy as np
+
+# a source tensor read from its file is a read-only array; torch only reads it here (said once, for this module only)
+warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning, __name__)
 
 Q8_0, BF16 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.BF16
 SLICE = 2**18  # values per torch pass: 1 MiB of float32, which stays in a core's cache through the passes
