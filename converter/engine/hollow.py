@@ -14,7 +14,8 @@ from pathlib import Path
 
 from converter.engine.checkpoint import Checkpoint
 from converter.engine.model_class import config_object, hollow_model
-from converter.engine.precision import FileTensor
+from converter.engine.precision import FileTensor, file_sources, own_dtype
+from converter.io import libc
 
 
 def hollow_causal_lm(folder: Path, config: dict, class_name: str | None = None):
@@ -52,17 +53,25 @@ def hollow_causal_lm(folder: Path, config: dict, class_name: str | None = None):
     return model.eval(), sources
 
 
+def causal_lm_reading_files(folder: Path, config: dict):
+    """(model, sources for float32_compute) of the causal LM in `folder`: hollow where it can be
+    (hollow_causal_lm), else loaded by transformers in its own dtype, eager attention (as written, with Gemma 2's
+    soft-capping, which the fused kernels leave out), eval-mode; its weights read from their files either way."""
+    hollow = hollow_causal_lm(folder, config)
+    if hollow is not None:
+        return hollow
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=own_dtype(folder), attn_implementation="eager")
+    return model.eval(), file_sources(model, folder)
+
+
 def release_heap() -> None:
     """Free heap memory back to the system (glibc's malloc_trim; elsewhere nothing). After a verified merge, blocks
     below 64 MiB come from the heap (converter.verification.heap raises glibc's threshold for the merge's proofs),
     so the reference's float32 layers, once freed, would stay in the process while llama.cpp maps the whole file."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim = libc.function("malloc_trim", ctypes.c_size_t)
+    if trim is not None:
+        trim(0)

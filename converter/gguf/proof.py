@@ -143,20 +143,10 @@ def _float32_logits(source: Source, ids: list[list[int]],
     also each position's router gaps (`Reference.router_gaps`)."""
     import torch
 
-    from converter.engine.hollow import hollow_causal_lm, release_heap
-    from converter.engine.precision import file_sources, float32_compute, own_dtype
+    from converter.engine.hollow import causal_lm_reading_files, release_heap
+    from converter.engine.precision import float32_compute
 
-    hollow = hollow_causal_lm(source.folder, source.config)
-    if hollow is not None:
-        model, sources = hollow
-    else:
-        from transformers import AutoModelForCausalLM
-
-        # eager: the attention as written, with Gemma 2's soft-capping (the fused kernels leave it out)
-        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=own_dtype(source.folder),
-                                                     attn_implementation="eager")  # fmt: skip
-        model.eval()
-        sources = file_sources(model, source.folder)
+    model, sources = causal_lm_reading_files(source.folder, source.config)
     with torch.no_grad(), float32_compute(model, sources):
         out = batched_logits(model, ids, experts)
     del model

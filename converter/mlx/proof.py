@@ -108,22 +108,12 @@ def reference_logits(source: Path, ids: list[list[int]]) -> np.ndarray:
     at a time (converter.engine.precision): a float32 load's results, with memory that does not grow with the model.
     The model is built without weights where its parameters are the files' tensors as they are
     (converter.engine.hollow), else loaded by transformers in its own dtype."""
-    import json
-
     import torch
 
-    from converter.engine.hollow import hollow_causal_lm, release_heap
-    from converter.engine.precision import file_sources, float32_compute, own_dtype
+    from converter.engine.hollow import causal_lm_reading_files, release_heap
+    from converter.engine.precision import float32_compute
 
-    hollow = hollow_causal_lm(source, json.loads((source / "config.json").read_text()))
-    if hollow is not None:
-        model, sources = hollow
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=own_dtype(source), attn_implementation="eager")
-        model.eval()
-        sources = file_sources(model, source)
+    model, sources = causal_lm_reading_files(source, json.loads((source / "config.json").read_text()))
     with torch.no_grad(), float32_compute(model, sources):
         logits = model(input_ids=torch.tensor(ids)).logits.float().numpy()
     del model
