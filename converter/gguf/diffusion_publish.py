@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from converter.gguf.diffusion_export import PROOF_FILE, DiffusionResult, export
+from converter.gguf.diffusion_run import UNETS
 from converter.gguf.publish import gguf_repo
 
 # diffusers' class for an architecture that only one family is written as; where several are (flux: Flux.1 and
@@ -21,16 +22,16 @@ from converter.gguf.publish import gguf_repo
 DIFFUSERS_CLASS = {
     "sd3": "SD3Transformer2DModel", "hidream": "HiDreamImageTransformer2DModel",
     "hyvid": "HunyuanVideoTransformer3DModel", "qwen_image": "QwenImageTransformer2DModel",
-    "sdxl": "UNet2DConditionModel", "sd1": "UNet2DConditionModel",
 }  # fmt: skip
 
 
 def card(result: DiffusionResult, base_repo: str, repo_id: str) -> str:
     """README.md of the GGUF repo: front matter, the files with type and size, the proof, how to load them."""
-    lines = ["---", f"base_model: {base_repo}", "library_name: gguf", "tags:", "- gguf", "- comfyui", "- diffusers",
-             "- converter", "---", "", f"# {repo_id.split('/')[-1]}", "",
+    unet = result.arch in UNETS
+    lines = ["---", f"base_model: {base_repo}", "library_name: gguf", "tags:", "- gguf", "- comfyui",
+             *([] if unet else ["- diffusers"]), "- converter", "---", "", f"# {repo_id.split('/')[-1]}", "",
              f"GGUF files of the {result.arch} denoiser of [{base_repo}](https://huggingface.co/{base_repo}) for "
-             "ComfyUI (ComfyUI-GGUF) and diffusers, written and proven by converter.", "",
+             f"ComfyUI (ComfyUI-GGUF){'' if unet else ' and diffusers'}, written and proven by converter.", "",
              "| file | type | size | proof |", "|---|---|---|---|"]  # fmt: skip
     for path, fp in zip(result.files, result.proofs, strict=True):
         checked = ", ".join(p.name for p in fp.parts if p.judged)
@@ -51,7 +52,12 @@ def card(result: DiffusionResult, base_repo: str, repo_id: str) -> str:
 
 def _diffusers_lines(result: DiffusionResult, repo_id: str) -> list[str]:
     """How diffusers loads a file: through the class the proof ran it as, or the architecture's only one; else in
-    words (a wrong class name would load the wrong model)."""
+    words (a wrong class name would load the wrong model); a UNet's files it does not load."""
+    if result.arch in UNETS:
+        return ["diffusers' GGUF loader does not load these files: it takes each tensor as stored, and the UNet's "
+                "tensors stored as rows of 256 need the original shapes ComfyUI-GGUF records "
+                "(`comfy.gguf.orig_shape.*`). The proof ran them in diffusers put back at those shapes, as "
+                "ComfyUI-GGUF's loader does."]  # fmt: skip
     cls = result.diffusers_class or DIFFUSERS_CLASS.get(result.arch)
     if cls is None:
         return ["diffusers reads these files with its GGUF loader: the model family's transformer class, "

@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.gguf import diffusion_unet
+
 HEAD_DIM = 128  # Flux's, Wan's and HiDream's attention head width
 SD3_HEAD_DIM = 64  # SD3's and LTX-Video's, where no per-head norm says it
 
@@ -312,7 +314,10 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "hidream": (_hidream, _hidream_inputs),
     "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
     "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
+    "sd1": (diffusion_unet.config, diffusion_unet.inputs),  # SD2's UNets are sd1 to ComfyUI-GGUF too
+    "sdxl": (diffusion_unet.config, diffusion_unet.inputs),
 }
+UNETS = ("sd1", "sdxl")  # read back as ComfyUI-GGUF reads them (converter.gguf.diffusion_unet)
 
 
 def reason(arch: str, shapes: dict[str, tuple[int, ...]]) -> str:
@@ -357,6 +362,9 @@ def outputs(arch: str, source: Path | dict, made: dict, folder: Path, gguf: bool
 
     cls = getattr(diffusers, made["_class_name"])
     where = source if isinstance(source, dict) else str(source)
+    if arch in UNETS:  # diffusers' ldm converter reads the prefixed keys; its GGUF loader no orig_shape
+        where = diffusion_unet.read_as_comfyui(source) if gguf else {diffusion_unet.LDM_PREFIX + k: v
+                                                                      for k, v in source.items()}  # fmt: skip
     if gguf:
         q = diffusers.GGUFQuantizationConfig(compute_dtype=torch.float32)
         model = cls.from_single_file(where, config=str(folder), quantization_config=q)

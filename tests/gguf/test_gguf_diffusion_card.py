@@ -1,6 +1,7 @@
 """The diffusion GGUF repo's card names the diffusers class that loads its files: the one diffusers ran them as in
 the behaviour proof, or the architecture's only one; none where several families share the architecture name and
-none ran (Flux.1 and Flux.2 are both `flux` to ComfyUI-GGUF, and a wrong class would load the wrong model)."""
+none ran (Flux.1 and Flux.2 are both `flux` to ComfyUI-GGUF, and a wrong class would load the wrong model), and none
+for a UNet, whose files diffusers does not load."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_the_card_names_the_class_diffusers_ran_and_no_guess_for_a_shared_archit
     assert "FluxTransformer2DModel" not in shared and "import" not in shared and "GGUF loader" in shared
     only = diffusion_publish.card(_result(tmp_path, "sd3", None), "alice/s", "alice/s-GGUF")
     assert "SD3Transformer2DModel.from_single_file(" in only
+
+
+def test_a_unet_s_card_sends_diffusers_users_to_comfyui(tmp_path):
+    """diffusers' GGUF loader does not read a UNet's reshaped tensors: the card names no class to load them with,
+    even though the proof ran them as UNet2DConditionModel."""
+    unet = diffusion_publish.card(_result(tmp_path, "sdxl", "UNet2DConditionModel"), "alice/x", "alice/x-GGUF")
+    assert "from_single_file" not in unet and "does not load these files" in unet and "orig_shape" in unet
+    assert "- diffusers" not in unet and "UnetLoaderGGUF" in unet
 
 
 def test_an_export_records_the_class_its_behaviour_proof_ran(tmp_path):
