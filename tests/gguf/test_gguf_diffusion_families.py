@@ -164,6 +164,8 @@ BEHAVIOUR = {
                  "num_routed_experts"), "double_stream_blocks.0.block.ff_i.shared_experts.w2.weight"),
     "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
                   "transformer_blocks.0.ff.net.2.weight"),
+    "ltx2": (("in_channels", "out_channels", "cross_attention_dim", "audio_in_channels", "audio_out_channels",
+              "audio_cross_attention_dim", "num_layers", "caption_channels"), "transformer_blocks.0.ff.net.2.weight"),
     "z_image": (("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim"),
                 "layers.0.feed_forward.w2.weight"),
     "flux2": (("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
@@ -198,11 +200,24 @@ def test_behaviour_is_judged_by_diffusers_and_fails_a_negated_tensor(single, nam
         ref.close()
 
 
-def test_ltx2_shares_ltxv_but_its_behaviour_is_not_judged(single, tmp_path):
-    """LTX-2 files are `ltxv` to ComfyUI-GGUF, but LTX-Video's diffusers class is not LTX-2's: no run, said so."""
+def test_ltx2_is_run_as_its_own_class_and_its_audio_output_counts(single, tmp_path):
+    """LTX-2 files are `ltxv` to ComfyUI-GGUF like LTX-Video's; their audio keys send them to diffusers' LTX-2 class,
+    whose audio output is compared beside the video's: the audio's last projection, which the video output never
+    sees, negated alone fails the behaviour part."""
     path, _ = single("ltx2")
     src = diffusion.open_source(path)
-    assert diffusion_run.config("ltxv", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
+    ref = diffusion_proof.Reference(src)
+    try:
+        assert ref.output is not None, ref.why
+        assert ref.config["_class_name"] == "LTX2VideoTransformer3DModel"
+        out = tmp_path / "x-F16.gguf"
+        diffusion.write(src, {"F16": out}, "x")
+        assert diffusion_proof.prove_behaviour(out, ref, "F16").passed
+        _negate(out, "audio_proj_out.weight")
+        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
+        assert not failed.passed and failed.judged, failed.detail
+    finally:
+        ref.close()
 
 
 def test_lumina2_shares_z_image_s_architecture_but_its_behaviour_is_not_judged(single, tmp_path):
