@@ -175,6 +175,24 @@ def _z_image(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+AURA_HEAD_DIM = 256  # AuraFlow's attention head width (12 heads of 256): its q/k layer norms carry no weights
+
+
+def _aura(s: dict[str, tuple[int, ...]]) -> dict:
+    """AuraFlow's: its patch size assumed 2 (AuraFlow's own: the patch embedding packs it with the channels) and its
+    head width 256 (no shape says it)."""
+    hidden, patched = s["init_x_linear.weight"]
+    heads = _heads(hidden, AURA_HEAD_DIM)
+    keys = set(s)
+    return {
+        "_class_name": "AuraFlowTransformer2DModel", "patch_size": 2, "in_channels": patched // 4,
+        "out_channels": s["final_linear.weight"][0] // 4, "num_mmdit_layers": _count(keys, r"double_layers\.(\d+)\."),
+        "num_single_dit_layers": _count(keys, r"single_layers\.(\d+)\."), "attention_head_dim": hidden // heads,
+        "num_attention_heads": heads, "joint_attention_dim": s["cond_seq_linear.weight"][1],
+        "caption_projection_dim": s["cond_seq_linear.weight"][0], "pos_embed_max_size": s["positional_encoding"][1],
+    }  # fmt: skip
+
+
 def _hidream(s: dict[str, tuple[int, ...]]) -> dict:
     hidden, patched = s["x_embedder.proj.weight"]
     heads = hidden // HEAD_DIM if hidden % HEAD_DIM == 0 else 1  # its norms span all heads: HiDream's 128 assumed
@@ -317,6 +335,17 @@ def _ltx2_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _aura_inputs(c: dict, g) -> dict:
+    import torch
+
+    side = 2 * c["patch_size"]  # a 2 x 2 grid of patches, inside the learnt positions' grid
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, c["joint_attention_dim"], generator=g),
+        "timestep": torch.tensor([0.5]),
+    }
+
+
 def _hidream_inputs(c: dict, g) -> dict:
     import torch
 
@@ -356,6 +385,7 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "wan": (_wan, _wan_inputs),
     "sd3": (_sd3, _sd3_inputs),
     "ltxv": (_ltxv, _ltxv_inputs),  # LTX-Video's and LTX-2's
+    "aura": (_aura, _aura_inputs),
     "hidream": (_hidream, _hidream_inputs),
     "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
     "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
