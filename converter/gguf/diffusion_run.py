@@ -14,6 +14,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from converter.gguf import diffusion_unet
 
 HEAD_DIM = 128  # Flux's, Wan's and HiDream's attention head width
@@ -120,15 +122,41 @@ def _sd3(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+def _heads(width: int, head_dim: int) -> int:
+    """The head count at the assumed head width; one head where the width is not a whole number of them."""
+    return width // head_dim if width % head_dim == 0 else 1
+
+
 def _ltxv(s: dict[str, tuple[int, ...]]) -> dict:
+    """LTX-Video's or LTX-2's (both `ltxv` to ComfyUI-GGUF; LTX-2's audio stream tells it apart)."""
     if any(k.startswith("audio_") for k in s):
-        raise ValueError("LTX-2 (audio and video): its own class, not LTX-Video's")
+        return _ltx2(s)
     hidden, in_channels = s["patchify_proj.weight"]
-    heads = hidden // SD3_HEAD_DIM if hidden % SD3_HEAD_DIM == 0 else 1
+    heads = _heads(hidden, SD3_HEAD_DIM)
     return {
         "_class_name": "LTXVideoTransformer3DModel", "in_channels": in_channels,
         "out_channels": s["proj_out.weight"][0], "num_attention_heads": heads, "attention_head_dim": hidden // heads,
         "cross_attention_dim": s["transformer_blocks.0.attn2.to_k.weight"][1],
+        "num_layers": _count(set(s), r"transformer_blocks\.(\d+)\."),
+        "caption_channels": s["caption_projection.linear_1.weight"][1],
+    }  # fmt: skip
+
+
+LTX2_HEAD_DIM, LTX2_AUDIO_HEAD_DIM = 128, 64  # LTX-2's video and audio head widths (32 heads each)
+
+
+def _ltx2(s: dict[str, tuple[int, ...]]) -> dict:
+    """LTX-2.0's: its q/k norms span all heads, so LTX-2's own head widths are assumed (128 video, 64 audio)."""
+    hidden, in_channels = s["patchify_proj.weight"]
+    audio, audio_in = s["audio_patchify_proj.weight"]
+    heads, audio_heads = _heads(hidden, LTX2_HEAD_DIM), _heads(audio, LTX2_AUDIO_HEAD_DIM)
+    return {
+        "_class_name": "LTX2VideoTransformer3DModel", "in_channels": in_channels,
+        "out_channels": s["proj_out.weight"][0], "num_attention_heads": heads, "attention_head_dim": hidden // heads,
+        "cross_attention_dim": s["transformer_blocks.0.attn2.to_k.weight"][1], "audio_in_channels": audio_in,
+        "audio_out_channels": s["audio_proj_out.weight"][0], "audio_num_attention_heads": audio_heads,
+        "audio_attention_head_dim": audio // audio_heads,
+        "audio_cross_attention_dim": s["transformer_blocks.0.audio_attn2.to_k.weight"][1],
         "num_layers": _count(set(s), r"transformer_blocks\.(\d+)\."),
         "caption_channels": s["caption_projection.linear_1.weight"][1],
     }  # fmt: skip
@@ -146,6 +174,24 @@ def _z_image(s: dict[str, tuple[int, ...]]) -> dict:
         "n_refiner_layers": _count(keys, r"noise_refiner\.(\d+)\."), "n_heads": dim // head,
         "n_kv_heads": (s["layers.0.attention.qkv.weight"][0] // head - dim // head) // 2,
         "cap_feat_dim": s["cap_embedder.1.weight"][1], "axes_dims": _axes(head),
+    }  # fmt: skip
+
+
+AURA_HEAD_DIM = 256  # AuraFlow's attention head width (12 heads of 256): its q/k layer norms carry no weights
+
+
+def _aura(s: dict[str, tuple[int, ...]]) -> dict:
+    """AuraFlow's: its patch size assumed 2 (AuraFlow's own: the patch embedding packs it with the channels) and its
+    head width 256 (no shape says it)."""
+    hidden, patched = s["init_x_linear.weight"]
+    heads = _heads(hidden, AURA_HEAD_DIM)
+    keys = set(s)
+    return {
+        "_class_name": "AuraFlowTransformer2DModel", "patch_size": 2, "in_channels": patched // 4,
+        "out_channels": s["final_linear.weight"][0] // 4, "num_mmdit_layers": _count(keys, r"double_layers\.(\d+)\."),
+        "num_single_dit_layers": _count(keys, r"single_layers\.(\d+)\."), "attention_head_dim": hidden // heads,
+        "num_attention_heads": heads, "joint_attention_dim": s["cond_seq_linear.weight"][1],
+        "caption_projection_dim": s["cond_seq_linear.weight"][0], "pos_embed_max_size": s["positional_encoding"][1],
     }  # fmt: skip
 
 
@@ -263,6 +309,8 @@ def _sd3_inputs(c: dict, g) -> dict:
 def _ltxv_inputs(c: dict, g) -> dict:
     import torch
 
+    if c["_class_name"] == "LTX2VideoTransformer3DModel":
+        return _ltx2_inputs(c, g)
     frames, height, width, txt = 2, 2, 2, 8
     return {
         "hidden_states": torch.randn(1, frames * height * width, c["in_channels"], generator=g),
@@ -270,6 +318,34 @@ def _ltxv_inputs(c: dict, g) -> dict:
         "timestep": torch.tensor([500]), "encoder_attention_mask": torch.ones(1, txt),
         "num_frames": frames, "height": height, "width": width,
     }  # fmt: skip
+
+
+def _ltx2_inputs(c: dict, g) -> dict:
+    """Video latents on a 2 x 2 x 2 grid, 4 audio latent frames, and text states for each stream (LTX-2.0 projects
+    both from the caption's width)."""
+    import torch
+
+    frames, height, width, audio_frames, txt = 2, 2, 2, 4, 8
+    return {
+        "hidden_states": torch.randn(1, frames * height * width, c["in_channels"], generator=g),
+        "audio_hidden_states": torch.randn(1, audio_frames, c["audio_in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
+        "audio_encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
+        "timestep": torch.tensor([500.0]), "encoder_attention_mask": torch.ones(1, txt),
+        "audio_encoder_attention_mask": torch.ones(1, txt), "num_frames": frames, "height": height, "width": width,
+        "audio_num_frames": audio_frames,
+    }  # fmt: skip
+
+
+def _aura_inputs(c: dict, g) -> dict:
+    import torch
+
+    side = 2 * c["patch_size"]  # a 2 x 2 grid of patches, inside the learnt positions' grid
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, c["joint_attention_dim"], generator=g),
+        "timestep": torch.tensor([0.5]),
+    }
 
 
 def _hidream_inputs(c: dict, g) -> dict:
@@ -310,7 +386,8 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "qwen_image": (_qwen_image, _qwen_image_inputs),
     "wan": (_wan, _wan_inputs),
     "sd3": (_sd3, _sd3_inputs),
-    "ltxv": (_ltxv, _ltxv_inputs),
+    "ltxv": (_ltxv, _ltxv_inputs),  # LTX-Video's and LTX-2's
+    "aura": (_aura, _aura_inputs),
     "hidream": (_hidream, _hidream_inputs),
     "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
     "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
@@ -354,9 +431,9 @@ def denoiser(file: Path, names: dict[str, str]) -> dict:
 
 
 def outputs(arch: str, source: Path | dict, made: dict, folder: Path, gguf: bool):
-    """The denoiser's output on the seeded inputs (float32), `source` (a file, or `denoiser`'s tensors) loaded by
-    diffusers' single-file loader; `gguf`: a GGUF file, through its GGUF quantizer (dequantized on the fly,
-    computing in float32)."""
+    """The denoiser's outputs on the seeded inputs (float32, flattened one after the other), `source` (a file, or
+    `denoiser`'s tensors) loaded by diffusers' single-file loader; `gguf`: a GGUF file, through its GGUF quantizer
+    (dequantized on the fly, computing in float32)."""
     import diffusers
     import torch
 
@@ -373,7 +450,14 @@ def outputs(arch: str, source: Path | dict, made: dict, folder: Path, gguf: bool
     model.eval()
     inputs = RUNS[arch][1](made, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        out = model(**inputs, return_dict=False)[0]
+        returned = model(**inputs, return_dict=False)
+    return np.concatenate([_flat(out) for out in returned])
+
+
+def _flat(out) -> np.ndarray:
+    """One of the forward's outputs, flattened in float32: every output counts (LTX-2's video and audio)."""
+    import torch
+
     if isinstance(out, list):  # one output per sample (Z-Image)
         out = torch.stack(out)
-    return out.float().numpy()
+    return out.float().numpy().ravel()

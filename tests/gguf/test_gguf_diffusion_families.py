@@ -2,7 +2,8 @@
 diffusers' GGUF single-file loader reads a test-sized model, its behaviour.
 
 Each family's tiny original single file is built from a tiny diffusers model (tests/family_cases.py; SD3 from
-tests/formats/test_community_sd3.py), whose original layout diffusers' own single-file converter reads back. Oracles:
+tests/formats/test_community_sd3.py; AuraFlow here), whose original layout diffusers' own single-file converter reads
+back. Oracles:
 ComfyUI-GGUF's conventions (architecture names, the tensors it keeps F32), written here from its converter's rules,
 not read from ours, and diffusers' GGUF loader for the behaviour part.
 """
@@ -23,13 +24,13 @@ from converter.gguf import diffusion, diffusion_arch, diffusion_export, diffusio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
-from diffusion_helpers import save  # noqa: E402
+from diffusion_helpers import _perturb, save  # noqa: E402
 from family_cases import CASES, keymap, make_bases, original_layout, tiny  # noqa: E402
 
 # family (tests/family_cases.py's names, and SD3) -> the general.architecture ComfyUI-GGUF's loaders take for it
 ARCH = {"flux": "flux", "flux2": "flux", "qwen_image": "qwen_image", "z_image": "lumina2", "lumina2": "lumina2",
         "wan": "wan", "skyreels_v2": "wan", "chronoedit": "wan", "ltx_video": "ltxv", "ltx2": "ltxv",
-        "hidream": "hidream", "anima": "cosmos", "sd3": "sd3"}  # fmt: skip
+        "hidream": "hidream", "anima": "cosmos", "sd3": "sd3", "auraflow": "aura"}  # fmt: skip
 NOT_CLAIMED = ["krea2", "flux3", "minimax_h3"]  # no architecture of ComfyUI-GGUF's: refused
 
 # The tensors ComfyUI-GGUF's converter keeps F32 whatever the type (read outside a Linear), at their real shapes,
@@ -54,6 +55,56 @@ def _sd3_file(root: Path) -> tuple[Path, object]:
     return save(to_original(model.state_dict()), root / "sd3-tiny.safetensors"), model
 
 
+AURA_NAMES = [  # diffusers' AuraFlow names -> AuraFlow's own, in order: diffusers' single-file converter read backwards
+    (r"time_step_proj\.linear_1\.", "t_embedder.mlp.0."), (r"time_step_proj\.linear_2\.", "t_embedder.mlp.2."),
+    (r"context_embedder\.", "cond_seq_linear."), (r"proj_out\.", "final_linear."), (r"norm_out\.linear\.", "modF.1."),
+    (r"pos_embed\.pos_embed", "positional_encoding"), (r"pos_embed\.proj\.", "init_x_linear."),
+    (r"joint_transformer_blocks\.(\d+)\.ff\.", r"double_layers.\1.mlpX."),
+    (r"joint_transformer_blocks\.(\d+)\.ff_context\.", r"double_layers.\1.mlpC."),
+    (r"joint_transformer_blocks\.(\d+)\.norm1\.linear\.", r"double_layers.\1.modX.1."),
+    (r"joint_transformer_blocks\.(\d+)\.norm1_context\.linear\.", r"double_layers.\1.modC.1."),
+    (r"joint_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"double_layers.\1.attn.w2\2."),
+    (r"joint_transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"double_layers.\1.attn.w2o."),
+    (r"joint_transformer_blocks\.(\d+)\.attn\.add_([qkv])_proj\.", r"double_layers.\1.attn.w1\2."),
+    (r"joint_transformer_blocks\.(\d+)\.attn\.to_add_out\.", r"double_layers.\1.attn.w1o."),
+    (r"single_transformer_blocks\.(\d+)\.ff\.", r"single_layers.\1.mlp."),
+    (r"single_transformer_blocks\.(\d+)\.norm1\.linear\.", r"single_layers.\1.modCX.1."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_([qkv])\.", r"single_layers.\1.attn.w1\2."),
+    (r"single_transformer_blocks\.(\d+)\.attn\.to_out\.0\.", r"single_layers.\1.attn.w1o."),
+    (r"(mlp[XC]?)\.linear_1\.", r"\1.c_fc1."), (r"(mlp[XC]?)\.linear_2\.", r"\1.c_fc2."),
+    (r"(mlp[XC]?)\.out_projection\.", r"\1.c_proj."),
+]  # fmt: skip
+
+
+def _aura_name(key: str) -> str:
+    import re
+
+    for pattern, name in AURA_NAMES:
+        key = re.sub(pattern, name, key)
+    return key
+
+
+def _auraflow_file(root: Path) -> tuple[Path, object]:
+    """A tiny AuraFlow's original single file: diffusers' names renamed back and the final modulation's halves
+    swapped back ([scale, shift] to AuraFlow's [shift, scale]); diffusers' own converter
+    (convert_auraflow_transformer_checkpoint_to_diffusers) must give the diffusers weights back exactly."""
+    from diffusers import AuraFlowTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_auraflow_transformer_checkpoint_to_diffusers
+
+    torch.manual_seed(0)
+    model = _perturb(AuraFlowTransformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=12, caption_projection_dim=16, out_channels=4, pos_embed_max_size=16,
+    ), 0)  # fmt: skip
+    sd = model.state_dict()
+    original = {_aura_name(k): v for k, v in sd.items()}
+    original["modF.1.weight"] = torch.cat(original["modF.1.weight"].chunk(2)[::-1])
+    back = convert_auraflow_transformer_checkpoint_to_diffusers(dict(original))
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    prefixed = {f"model.diffusion_model.{k}": v for k, v in original.items()}
+    return save(prefixed, root / "auraflow-tiny.safetensors"), model
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """Each family's tiny original single file and its diffusers model, built once on first use."""
@@ -62,8 +113,8 @@ def single(tmp_path_factory):
     def get(name: str) -> tuple[Path, object]:
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
-            if name == "sd3":
-                cache[name] = _sd3_file(root)
+            if name in ("sd3", "auraflow"):
+                cache[name] = _sd3_file(root) if name == "sd3" else _auraflow_file(root)
             else:
                 model = tiny(CASES[name])
                 cache[name] = (make_bases(CASES[name], model, root)[1], model)
@@ -120,8 +171,6 @@ MADE_UP = {  # families without a tiny original single file here: their marker k
     "hyvid": {"double_blocks.0.img_attn_proj.weight": (64, 64), "double_blocks.0.img_attn_qkv.weight": (192, 64),
               "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight": (192, 64),
               "img_in.proj.weight": (64, 16, 1, 2, 2)},
-    "aura": {"double_layers.0.modX.1.weight": (384, 64), "init_x_linear.weight": (64, 16),
-             "positional_encoding": (1, 256, 64)},
     "sdxl": {"input_blocks.0.0.weight": (320, 4, 3, 3), "label_emb.0.0.weight": (1280, 2816),
              "time_embed.0.weight": (1280, 320), "out.2.weight": (4, 320, 3, 3)},
 }  # fmt: skip
@@ -164,6 +213,10 @@ BEHAVIOUR = {
                  "num_routed_experts"), "double_stream_blocks.0.block.ff_i.shared_experts.w2.weight"),
     "ltx_video": (("in_channels", "out_channels", "cross_attention_dim", "num_layers", "caption_channels"),
                   "transformer_blocks.0.ff.net.2.weight"),
+    "auraflow": (("in_channels", "out_channels", "num_mmdit_layers", "num_single_dit_layers", "joint_attention_dim",
+                  "caption_projection_dim", "pos_embed_max_size"), "double_layers.0.mlpX.c_proj.weight"),
+    "ltx2": (("in_channels", "out_channels", "cross_attention_dim", "audio_in_channels", "audio_out_channels",
+              "audio_cross_attention_dim", "num_layers", "caption_channels"), "transformer_blocks.0.ff.net.2.weight"),
     "z_image": (("in_channels", "dim", "n_layers", "n_refiner_layers", "n_heads", "n_kv_heads", "cap_feat_dim"),
                 "layers.0.feed_forward.w2.weight"),
     "flux2": (("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
@@ -198,11 +251,24 @@ def test_behaviour_is_judged_by_diffusers_and_fails_a_negated_tensor(single, nam
         ref.close()
 
 
-def test_ltx2_shares_ltxv_but_its_behaviour_is_not_judged(single, tmp_path):
-    """LTX-2 files are `ltxv` to ComfyUI-GGUF, but LTX-Video's diffusers class is not LTX-2's: no run, said so."""
+def test_ltx2_is_run_as_its_own_class_and_its_audio_output_counts(single, tmp_path):
+    """LTX-2 files are `ltxv` to ComfyUI-GGUF like LTX-Video's; their audio keys send them to diffusers' LTX-2 class,
+    whose audio output is compared beside the video's: the audio's last projection, which the video output never
+    sees, negated alone fails the behaviour part."""
     path, _ = single("ltx2")
     src = diffusion.open_source(path)
-    assert diffusion_run.config("ltxv", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
+    ref = diffusion_proof.Reference(src)
+    try:
+        assert ref.output is not None, ref.why
+        assert ref.config["_class_name"] == "LTX2VideoTransformer3DModel"
+        out = tmp_path / "x-F16.gguf"
+        diffusion.write(src, {"F16": out}, "x")
+        assert diffusion_proof.prove_behaviour(out, ref, "F16").passed
+        _negate(out, "audio_proj_out.weight")
+        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
+        assert not failed.passed and failed.judged, failed.detail
+    finally:
+        ref.close()
 
 
 def test_lumina2_shares_z_image_s_architecture_but_its_behaviour_is_not_judged(single, tmp_path):
