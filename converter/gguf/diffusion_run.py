@@ -162,9 +162,41 @@ def _ltx2(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
+LUMINA2_WIDTHS = (2304, 768)  # the query's and each of key's and value's rows diffusers' Lumina 2 converter splits at
+LUMINA2_CONTEXT_REFINERS = 2  # the context refiner layers whose norms diffusers' converter renames
+
+
+def _lumina(s: dict[str, tuple[int, ...]]) -> dict:
+    """Z-Image's or Lumina 2's (both `lumina2` to ComfyUI-GGUF; Z-Image's files have pad tokens)."""
+    return _z_image(s) if "x_pad_token" in s else _lumina2(s)
+
+
+def _lumina2(s: dict[str, tuple[int, ...]]) -> dict:
+    """Its patch size assumed 2 (Lumina-Image 2.0's); the feed-forward's width is given to diffusers as a multiple
+    of itself (`multiple_of`), since diffusers derives it from the model's width."""
+    hidden, patched = s["x_embedder.weight"]
+    q, kv = LUMINA2_WIDTHS
+    keys = set(s)
+    refiners = _count(keys, r"noise_refiner\.(\d+)\.")
+    if hidden != q or s["layers.0.attention.qkv.weight"][0] != q + 2 * kv:
+        raise ValueError(f"diffusers' Lumina 2 converter splits qkv at Lumina-Image 2.0's widths ({q} query, {kv} key "
+                         "and value rows)")  # fmt: skip
+    if _count(keys, r"context_refiner\.(\d+)\.") > LUMINA2_CONTEXT_REFINERS:
+        raise ValueError(f"diffusers' Lumina 2 converter renames the norms of {LUMINA2_CONTEXT_REFINERS} context "
+                         "refiner layers only")  # fmt: skip
+    head = s["layers.0.attention.q_norm.weight"][0]
+    ffn = s["layers.0.feed_forward.w1.weight"][0]
+    return {
+        "_class_name": "Lumina2Transformer2DModel", "patch_size": 2, "in_channels": patched // 4,
+        "out_channels": s["final_layer.linear.weight"][0] // 4, "hidden_size": hidden,
+        "num_layers": _count(keys, r"layers\.(\d+)\."), "num_refiner_layers": refiners,
+        "num_attention_heads": hidden // head, "num_kv_heads": kv // head, "multiple_of": ffn,
+        "ffn_dim_multiplier": ffn / (4 * hidden), "cap_feat_dim": s["cap_embedder.1.weight"][1],
+        "axes_dim_rope": _axes(head),
+    }  # fmt: skip
+
+
 def _z_image(s: dict[str, tuple[int, ...]]) -> dict:
-    if "x_pad_token" not in s:
-        raise ValueError("Lumina 2: diffusers' converter splits its qkv at Lumina-Image 2.0's own widths")
     dim, patched = s["x_embedder.weight"]
     head = s["layers.0.attention.q_norm.weight"][0]
     keys = set(s)
@@ -371,6 +403,19 @@ def _cosmos_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _lumina_inputs(c: dict, g) -> dict:
+    import torch
+
+    if c["_class_name"] == "ZImageTransformer2DModel":
+        return _z_image_inputs(c, g)
+    txt = 8
+    return {
+        "hidden_states": torch.randn(1, c["in_channels"], 4, 4, generator=g), "timestep": torch.tensor([0.5]),
+        "encoder_hidden_states": torch.randn(1, txt, c["cap_feat_dim"], generator=g),
+        "encoder_attention_mask": torch.ones(1, txt, dtype=torch.bool),
+    }  # fmt: skip
+
+
 def _z_image_inputs(c: dict, g) -> dict:
     import torch
 
@@ -390,7 +435,7 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "aura": (_aura, _aura_inputs),
     "hidream": (_hidream, _hidream_inputs),
     "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
-    "lumina2": (_z_image, _z_image_inputs),  # Z-Image's files are lumina2 to ComfyUI-GGUF; Lumina 2's get no run
+    "lumina2": (_lumina, _lumina_inputs),  # Lumina 2's and Z-Image's
     "sd1": (diffusion_unet.config, diffusion_unet.inputs),  # SD2's UNets are sd1 to ComfyUI-GGUF too
     "sdxl": (diffusion_unet.config, diffusion_unet.inputs),
 }

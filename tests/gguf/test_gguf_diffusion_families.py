@@ -10,6 +10,7 @@ not read from ours, and diffusers' GGUF loader for the behaviour part.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -271,12 +272,47 @@ def test_ltx2_is_run_as_its_own_class_and_its_audio_output_counts(single, tmp_pa
         ref.close()
 
 
-def test_lumina2_shares_z_image_s_architecture_but_its_behaviour_is_not_judged(single, tmp_path):
-    """Lumina 2 and Z-Image are both `lumina2`; diffusers' Lumina 2 converter splits qkv at the real model's widths,
-    so only Z-Image's files (their pad tokens tell them apart) get a run."""
+LUMINA2_WIDE = dict(
+    hidden_size=2304,
+    num_attention_heads=3,
+    num_kv_heads=1,
+    num_layers=1,
+    num_refiner_layers=1,
+    multiple_of=64,
+    ffn_dim_multiplier=64 / (4 * 2304),
+    cap_feat_dim=16,
+    axes_dim_rope=(256, 256, 256),
+    axes_lens=(16, 16, 16),
+)  # Lumina-Image 2.0's widths (2304 query rows, 768 key and value), the rest tiny
+LUMINA2_READ = ("in_channels", "hidden_size", "num_layers", "num_refiner_layers", "num_attention_heads", "num_kv_heads",
+                "multiple_of", "cap_feat_dim")  # fmt: skip
+
+
+def test_lumina2_is_judged_at_lumina_image_2_s_own_widths(single, tmp_path):
+    """Lumina 2 and Z-Image are both `lumina2` (Z-Image's pad tokens tell them apart). diffusers' Lumina 2 converter
+    splits qkv at Lumina-Image 2.0's widths whatever the file, so a test-sized file gets no run, said so; one at
+    those widths (about 66 M parameters: one layer, one refiner each, a narrow feed-forward) is judged: the config
+    read from its shapes is the model's own, its F16 file passes and one negated tensor fails it."""
     path, _ = single("lumina2")
     src = diffusion.open_source(path)
-    assert diffusion_run.config("lumina2", {n: src.shapes[k] for k, n in src.names.items()}, tmp_path) is None
+    assert "2304" in diffusion_run.reason("lumina2", {n: src.shapes[k] for k, n in src.names.items()})
+    case = dataclasses.replace(CASES["lumina2"], config=CASES["lumina2"].config | LUMINA2_WIDE)
+    model = tiny(case)
+    wide = make_bases(case, model, tmp_path)[1]
+    result = diffusion_export.export(wide, ["F16"], tmp_path / "out", log=lambda _: None)
+    behaviour = result.proofs[0].parts[-1]
+    assert result.diffusers_class == "Lumina2Transformer2DModel"
+    assert behaviour.judged and behaviour.passed, behaviour.detail
+    ref = diffusion_proof.Reference(diffusion.open_source(wide))
+    try:
+        assert {k: ref.config[k] for k in LUMINA2_READ} == {k: model.config[k] for k in LUMINA2_READ}
+        bad = tmp_path / "bad-F16.gguf"
+        bad.write_bytes(result.files[0].read_bytes())
+        _negate(bad, "layers.0.feed_forward.w2.weight")
+        failed = diffusion_proof.prove_behaviour(bad, ref, "F16")
+        assert failed.judged and not failed.passed, failed.detail
+    finally:
+        ref.close()
 
 
 FLUX1_KEYS = ("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
