@@ -247,35 +247,20 @@ def _job(request: JobRequest, token: str, recipe: Recipe, tmp: Path, machine, st
             raise _too_big(recipe.base, plan)
         say(f"downloading {plan.bytes_to_download / 1e6:,.1f} MB")
         published: dict = {}
-        gguf = _pending_gguf(request, repo_id, tmp, say, token)
 
         def finished(folder: Path, report) -> None:  # the job folder goes with the push: read what the page shows now
             published["report"] = read_report(folder) if request.verify else None
             published["card"] = (folder / "README.md").read_text()
             published["images"] = report_images(folder, published["report"])
-            if gguf is not None:  # written and proven before the commit: a failed proof commits nothing
-                gguf.export(folder, report)
 
-        result = push(
-            repo_id,
-            request.push_options(),
-            recipe=recipe,
-            token=token,
-            workdir=tmp,
-            stage=stage,
-            finished=finished,
-            log=say,
-            keep_output=gguf is not None,
-            tee=gguf.tee() if gguf is not None else None,
-        )
+        # its GGUF (options.gguf) is proven inside the push, before the commit, and pushed after it
+        result = push(repo_id, request.push_options(), recipe=recipe, token=token, workdir=tmp, stage=stage,
+                      finished=finished, log=say)  # fmt: skip
         say(result.summary())
-        if gguf is not None:
-            pushed = gguf.push(repo_id, token=token, private=request.private)
-            published["gguf_url"] = pushed.url
-            say(f"GGUF: {pushed.summary()}")
+        gguf_url = next((c.url for c in result.companions), None)
     return JobResult(
         repo_id, result.url, result.pr_url, result.commit, result.changed, published.get("report"),
-        published.get("card", ""), lines, published.get("images", []), published.get("gguf_url"),
+        published.get("card", ""), lines, published.get("images", []), gguf_url,
     )  # fmt: skip
 
 
@@ -333,14 +318,3 @@ def _published_records(pub, token: str) -> tuple[dict | None, str]:
 
     report = read("verification.json")
     return (json.loads(report) if report else None), read("README.md") or ""
-
-
-def _pending_gguf(request: JobRequest, repo_id: str, tmp: Path, say: Callable[[str], None], token: str | None):
-    """The GGUF choice: its type and the extra it needs checked before the job starts (the architecture when the
-    merged folder is there, still before the commit)."""
-    if request.gguf == "none":
-        return None
-    from converter.gguf.export import check_merge_gguf
-    from converter.gguf.publish import PendingGGUF
-
-    return PendingGGUF(check_merge_gguf(request.gguf, request.base, token), repo_id.split("/")[1], say, workdir=tmp)

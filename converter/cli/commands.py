@@ -506,9 +506,9 @@ def _run_verify(args: argparse.Namespace) -> Outcome:
 
 
 def _run_push(args: argparse.Namespace) -> Outcome:
-    """Merge (or take --from FOLDER) and publish; --gguf files are proven before the commit and pushed after it,
-    and their scratch copies go whatever happens. The verification's report is read from the folder as it is
-    published (push's `finished`), where the push verified it."""
+    """Merge (or take --from FOLDER) and publish, with its --gguf / --mlx repos (push() proves them before the
+    commit and pushes them after it). The verification's report is read from the folder as it is published
+    (push's `finished`), where the push verified it."""
     _one_blas_thread()
     from converter.jobs.pipeline import VERIFY, push
 
@@ -531,50 +531,24 @@ def _run_push(args: argparse.Namespace) -> Outcome:
             raise UsageError("--dry-run plans a merge; a --from folder is pushed as it is")
         details = on_jobs.dry_run(args, recipe, settings, "push", _log)
         return not_asked("push", "a dry run: nothing was written", details={"fit": details})
-    gguf = None
-    if args.gguf:
-        from converter.cli.gguf import prepare_push_gguf
-
-        gguf = prepare_push_gguf(args, recipe.base if recipe else None, log=_log)  # (from a folder: proven now)
-    pending_mlx = mlx.prepare_push(args, recipe.base if recipe else None, log=_log)  # (likewise)
     stages: list[str] = []
     reports: list = []
 
-    def finished(folder, report) -> None:
+    def finished(_folder, report) -> None:
         if VERIFY in stages:
             reports.append(report)
-        if gguf and recipe:
-            gguf.export(folder, report)  # a merge's GGUF, proven before the commit
-        mlx.export_pending(pending_mlx, folder, args, merged=recipe is not None)  # likewise its MLX folders
 
-    published = []
-    try:
-        result = push(args.repo, options, recipe=recipe, folder=args.from_folder, token=args.token, log=_log,
-                      stage=stages.append, finished=finished, keep_output=gguf is not None or pending_mlx is not None,
-                      tee=gguf.tee() if gguf and recipe else None,  # (written as the merge streams)
-                      max_disk=on_jobs.max_disk(args))  # fmt: skip
-        _log(result.summary())
-        published.append(result.published())
-        if gguf is not None:
-            from converter.cli.gguf import finish_push_gguf
-
-            published.append(finish_push_gguf(gguf, args, log=_log).published())
-        published += mlx.finish_push(pending_mlx, args, log=_log)
-    finally:
-        mlx.discard(pending_mlx)
-        if gguf is not None:
-            from converter.cli.gguf import discard_push_gguf
-
-            discard_push_gguf(gguf)
-    done = {"published": tuple(published)}
+    result = push(args.repo, options, recipe=recipe, folder=args.from_folder, token=args.token, log=_log,
+                  stage=stages.append, finished=finished, max_disk=on_jobs.max_disk(args))  # fmt: skip
+    _log(result.summary())
+    done = {"published": (result.published(), *(c.published() for c in result.companions))}
     if reports and reports[0] is not None:
         outcome = verified("push", reports[0], **done)
     elif settings is None:
         outcome = not_asked("push", **done)
     else:  # a --from folder without the recipe it was merged from: nothing to verify it against
         outcome = not_asked("push", "the folder has no recipe to verify it against", **done)
-    outcome = outcome.with_proofs(gguf.result.as_proofs()) if gguf is not None and gguf.result else outcome
-    return mlx.with_proofs(outcome, pending_mlx)
+    return outcome.with_proofs(result.proofs)
 
 
 def _run_convert(args: argparse.Namespace) -> Outcome:

@@ -49,9 +49,9 @@ def merge_option(p: argparse.ArgumentParser) -> None:
 def merge_tee(out: str, types: list[str], log: Callable[[str], None], base: str | None = None):
     """`merge --gguf`: the types we write ourselves are written while the merge streams (converter.gguf.stream);
     None for a diffusion model's single file (its GGUF files are written from the merged file afterwards)."""
-    from converter.gguf.export import file_stem
+    from converter.gguf.export import file_stem, names_single_file
 
-    if base and _single_file_base(base):
+    if base and names_single_file(base):
         return None
     from converter.gguf.stream import GGUFTee
 
@@ -76,45 +76,3 @@ def export_merged(folder, types: list[str], log: Callable[[str], None], written:
                     merged_logits=merged_logits)  # fmt: skip
     log(f"GGUF: {', '.join(p.name for p in result.files)} in {out} (proof: {PROOF_FILE})")
     return result
-
-
-def prepare_push_gguf(args: argparse.Namespace, base: str | None, log: Callable[[str], None]):
-    """`push --gguf TYPES`: types, extra and (for a local folder or base) architecture checked before anything
-    runs; from `--from FOLDER`, the files written and proven too (while merging: in the push, before its commit)."""
-    from converter.gguf.export import check_merge_gguf, is_diffusion_source
-    from converter.gguf.publish import PendingGGUF
-
-    types = check_merge_gguf(args.gguf, args.from_folder or base, args.token)
-    source = args.from_folder or base
-    pending = PendingGGUF
-    if source and (_single_file_base(source) or is_diffusion_source(source)):
-        from converter.gguf.diffusion import check_types
-        from converter.gguf.diffusion_publish import PendingDiffusionGGUF
-
-        check_types(types, source)
-        pending = PendingDiffusionGGUF
-    gguf = pending(types, args.repo.split("/")[-1], log)
-    if args.from_folder:
-        try:
-            gguf.export(args.from_folder)
-        except BaseException:
-            gguf.discard()
-            raise
-    return gguf
-
-
-def finish_push_gguf(gguf, args: argparse.Namespace, log: Callable[[str], None]):
-    """The GGUF repo's push, after the model's own; its PushResult."""
-    pushed = gguf.push(args.repo, token=args.token, private=args.private)
-    log(f"GGUF: {pushed.summary()}")
-    return pushed
-
-
-def discard_push_gguf(gguf) -> None:
-    if gguf is not None:
-        gguf.discard()
-
-
-def _single_file_base(base: str) -> bool:
-    """A diffusion model's single file as the base (local or a Hub path to a .safetensors file)."""
-    return str(base).endswith(".safetensors")

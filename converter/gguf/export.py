@@ -161,6 +161,12 @@ def is_diffusion_source(source: str | Path) -> bool:
     return single_file(source) is not None or is_diffusion_folder(source)
 
 
+def names_single_file(base: str | Path) -> bool:
+    """A base named as a single .safetensors file (local, or a file in a Hub repo): a diffusion model's, whose GGUF
+    files are written from the merged file, not as the merge streams."""
+    return str(base).endswith(".safetensors")
+
+
 def check_merge_gguf(text: str | None, base: str | None, token: str | None = None) -> list[str] | None:
     """`merge --gguf`: the types, the extra they need and the base (a language model llama.cpp runs, or a diffusion
     model's single file; for a local base, its architecture), checked before the merge starts, so a refusal costs

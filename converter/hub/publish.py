@@ -11,7 +11,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from converter import outcome
@@ -31,6 +31,8 @@ class PushResult:
     changed: bool
     pr_updated: bool = False  # our open pull request got the commit (no new one opened)
     repo_id: str = ""
+    companions: tuple[PushResult, ...] = ()  # the repos pushed beside it (its GGUF, its MLX folders), in that order
+    proofs: outcome.Proofs = field(default_factory=outcome.Proofs)  # their files' proofs
 
     def published(self) -> outcome.Published:
         """For a verb's outcome (converter.outcome)."""

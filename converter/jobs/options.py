@@ -15,7 +15,7 @@ class PushOptions:
     """`private`, `create_pr`, `overwrite`: how the repo is written (converter push's flags of the same names).
     `verify`: verification's settings (mode, prompts, max_new_tokens, memory, single_file_config; {} for the
     defaults), None for --no-verify. `gguf` / `mlx`: the types also published, proven, beside the model (comma
-    lists, as --gguf / --mlx take them; made by the front end that runs the push: converter push, the Space)."""
+    lists, as --gguf / --mlx take them; push() makes them: converter.jobs.companions)."""
 
     private: bool = False
     create_pr: bool = False

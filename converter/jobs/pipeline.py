@@ -9,6 +9,7 @@ was given (then the result may be identical, a no-op, or must be refused before 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ from converter.io.optional import require
 from converter.io.records import PROVENANCE_FILE, RECIPE_FILE
 from converter.io.scratch import make_temp
 from converter.io.units import human_bytes, parse_size
+from converter.jobs.companions import Companions
 from converter.jobs.fit import Estimate, check_here
 from converter.jobs.options import PushOptions
 from converter.jobs.shape import BaseHeaders, pipelined_shard_size
@@ -63,8 +65,9 @@ def push(
     max_disk: int | None = None,
 ) -> PushResult:
     """Publish `folder`, or merge `recipe` and publish the result (pipelined: see the module's docstring), as
-    `options` say (default: public, verified with the default settings; its gguf / mlx are the front end's to
-    make: converter push, the Space).
+    `options` say (default: public, verified with the default settings). With `options.gguf` / `options.mlx`, the
+    GGUF files and MLX folders are written and proven from the merged folder before the model's commit and pushed
+    after it to their own repos (converter.jobs.companions); the result's `companions` and `proofs` hold them.
 
     With `options.verify` the folder is verified first (against the recipe it was merged from) and nothing is
     committed when it fails. `check_shard` runs on every output shard
@@ -78,10 +81,41 @@ def push(
     before anything is downloaded (DoesNotFit, naming the Hugging Face Jobs flavor that fits).
     """
     options = options or PushOptions()
-    verify, private, create_pr, overwrite = options.verify, options.private, options.create_pr, options.overwrite
     check_repo_id(repo_id)
     if (recipe is None) == (folder is None):
         raise UsageError("push needs either --from FOLDER or sources to merge (--base/--adapter or --recipe)")
+    if not (options.gguf or options.mlx):
+        return _push_model(repo_id, options, recipe, folder, token, workdir, log, check_shard, stage, finished,
+                           keep_output, tee, max_disk)  # fmt: skip
+    if tee is not None:
+        raise UsageError("push: a tee of your own and options.gguf / options.mlx cannot both watch the merge")
+    companions = Companions(repo_id, options, recipe.base if recipe else str(folder), token, log, workdir)
+    try:
+        if folder is not None:  # proven before anything is pushed
+            companions.export(folder)
+
+        def done(out: Path, report: VerificationReport | None) -> None:
+            if finished is not None:
+                finished(out, report)
+            if recipe is not None:  # proven inside the push, before its commit
+                companions.export(out, report)
+
+        result = _push_model(repo_id, options, recipe, folder, token, workdir, log, check_shard, stage, done,
+                             keep_output=True, tee=companions.tee() if recipe is not None else None,
+                             max_disk=max_disk)  # fmt: skip
+        return dataclasses.replace(result, companions=companions.push(token=token, private=options.private),
+                                   proofs=companions.proofs())  # fmt: skip
+    finally:
+        companions.discard()
+
+
+def _push_model(repo_id: str, options: PushOptions, recipe: Recipe | None, folder: str | Path | None,
+                token: str | None, workdir: str | Path | None, log: Callable[[str], None],
+                check_shard: Callable[[Shard], None] | None, stage: Callable[[str], None],
+                finished: Callable[[Path, VerificationReport | None], None] | None, keep_output: bool,
+                tee: TensorTee | None, max_disk: int | None) -> PushResult:  # fmt: skip
+    """The model's own push (push() without its companions)."""
+    verify, private, create_pr, overwrite = options.verify, options.private, options.create_pr, options.overwrite
     who = hub.whoami_info(token)  # a missing or refused token fails now, not after the merge
     if recipe is not None and verify is not None:
         check_extras(recipe, token)

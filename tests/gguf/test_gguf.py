@@ -665,7 +665,7 @@ def hub_cli(tmp_path):
         return subprocess.run([sys.executable, *head, *map(str, args)], capture_output=True, text=True, env=env,
                               timeout=600)  # fmt: skip
 
-    converter.server = server
+    converter.server, converter.env = server, env
     yield converter
     server.stop()
 
@@ -689,6 +689,24 @@ def test_push_from_a_folder_with_gguf_publishes_proven_files_to_repo_gguf(tiny_l
     readme = hub_cli.server.read_file("alice/tiny-GGUF", "README.md").decode()
     assert ("behaviour: llama.cpp's logits differ" in readme) == llama.available()
     assert "config.json" in hub_cli.server.files("alice/tiny")  # the safetensors repo as a push makes it
+
+
+PYTHON_PUSH = """
+import sys
+from converter import PushOptions, push
+result = push("alice/tiny", PushOptions(verify=None, gguf="Q8_0"), folder=sys.argv[1], log=lambda _: None)
+print([c.repo_id for c in result.companions], [(p.file, p.passed) for p in result.proofs.gguf])
+"""
+
+
+def test_the_python_api_s_push_publishes_its_gguf_repo_too(tiny_llama, hub_cli):
+    """push() itself honours PushOptions.gguf, as `converter push --gguf` does: REPO-GGUF proven and published,
+    its repo and its file's proof in the result."""
+    proc = subprocess.run([sys.executable, "-c", PYTHON_PUSH, str(tiny_llama)], capture_output=True, text=True,
+                          env=hub_cli.env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['alice/tiny-GGUF'] [('tiny-Q8_0.gguf', True)]"
+    assert_gguf_repo(hub_cli.server, "alice/tiny-GGUF", "alice/tiny", "tiny")
 
 
 def test_push_with_gguf_merges_verifies_proves_and_publishes_both_repos(tiny_llama, hub_cli, tmp_path):
