@@ -173,19 +173,20 @@ def _relative(got: np.ndarray, want: np.ndarray) -> float:
 
 def prove_behaviour(path: Path, ref: Reference, type_name: str, rounded: dict | None = None) -> Part:
     """diffusers' output from the file against its output from the source as gguf's reference quantizes it
-    (`rounded`, else computed here), and the type's own distance from the merged model's output, reported."""
+    (`rounded`, else computed here; emptied once used), and the type's own distance from the merged model's
+    output, reported."""
     if ref.output is None:
         return Part("behaviour", True, ref.why, judged=False)
+    if rounded is None:
+        rounded = rounded_source(ref.src, ref.src.plan(type_name))
+    want = diffusion_run.outputs(ref.src.arch.name, rounded, ref.config, ref.folder, gguf=False)
+    rounded.clear()  # freed before the file's model is built (the caller's dict too)
     try:
         got = diffusion_run.outputs(ref.src.arch.name, path, ref.config, ref.folder, gguf=True)
     except Exception as e:  # noqa: BLE001 (diffusers refusing the file is the finding)
         return Part("behaviour", False, f"diffusers cannot load the file: {str(e).splitlines()[0][:200]}")
-    if got.shape != ref.output.shape or not np.isfinite(got).all():
+    if got.shape != want.shape or not np.isfinite(got).all():
         return Part("behaviour", False, f"diffusers' output from the file has shape {got.shape} or is not finite")
-    if rounded is None:
-        rounded = rounded_source(ref.src, ref.src.plan(type_name))
-    want = diffusion_run.outputs(ref.src.arch.name, rounded, ref.config, ref.folder, gguf=False)
-    del rounded
     rel = _relative(got, want)
     return Part("behaviour", rel <= BEHAVIOUR_LIMIT, f"diffusers' output from the file differs from its output "
                 f"from the merged tensors as gguf quantizes them to {type_name} by {rel:.2g} (relative RMS; limit "

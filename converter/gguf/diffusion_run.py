@@ -265,6 +265,43 @@ def _cosmos(s: dict[str, tuple[int, ...]]) -> dict:
     return made
 
 
+HYVID_WIDTH = 3072  # the width diffusers' Hunyuan Video converter splits single blocks' linear1 at
+FRAMEPACK_KEYS = ("clean_x_embedder.", "image_projection.")  # FramePack's modules beside Hunyuan Video's
+
+
+def _hyvid(s: dict[str, tuple[int, ...]]) -> dict:
+    """Hunyuan Video's, at its own width only; FramePack's files (Hunyuan Video's blocks and names, plus its history
+    and image embedders) refused, not run as the wrong class."""
+    if any(k.startswith(FRAMEPACK_KEYS) for k in s):
+        raise ValueError("a FramePack file (clean_x_embedder / image_projection): diffusers' single-file loader reads "
+                         "no FramePack file, and Hunyuan Video's class has none of those modules")  # fmt: skip
+    made = _hyvid_config(s)
+    if (width := s["img_in.proj.weight"][0]) != HYVID_WIDTH:
+        raise ValueError(f"diffusers' Hunyuan Video converter splits single blocks' linear1 at width {HYVID_WIDTH}, "
+                         f"this file's is {width}")  # fmt: skip
+    return made
+
+
+def _hyvid_config(s: dict[str, tuple[int, ...]]) -> dict:
+    """Its q/k norms are per head, so they give the head width. Assumed, as no shape says them: RMS q/k norms, rope
+    theta 256 and axes 16/56/56 at 128 per head (Hunyuan Video's own), and no image condition (the I2V model's token
+    replacement runs the same weights)."""
+    hidden, in_channels, patch_t, patch, _ = s["img_in.proj.weight"]
+    head = s["double_blocks.0.img_attn_q_norm.weight"][0]
+    keys = set(s)
+    return {
+        "_class_name": "HunyuanVideoTransformer3DModel", "in_channels": in_channels,
+        "out_channels": s["final_layer.linear.weight"][0] // (patch_t * patch * patch),
+        "num_attention_heads": hidden // head, "attention_head_dim": head,
+        "num_layers": _count(keys, r"double_blocks\.(\d+)\."),
+        "num_single_layers": _count(keys, r"single_blocks\.(\d+)\."),
+        "num_refiner_layers": _count(keys, r"txt_in\.individual_token_refiner\.blocks\.(\d+)\."),
+        "mlp_ratio": s["double_blocks.0.img_mlp.fc1.weight"][0] / hidden, "patch_size": patch, "patch_size_t": patch_t,
+        "guidance_embeds": "guidance_in.mlp.0.weight" in keys, "text_embed_dim": s["txt_in.input_embedder.weight"][1],
+        "pooled_projection_dim": s["vector_in.in_layer.weight"][1], "rope_axes_dim": _axes(head),
+    }  # fmt: skip
+
+
 def _flux_inputs(c: dict, g) -> dict:
     import torch
 
@@ -416,6 +453,23 @@ def _lumina_inputs(c: dict, g) -> dict:
     }  # fmt: skip
 
 
+def _hyvid_inputs(c: dict, g) -> dict:
+    """Two latent frames of 2 x 2 patches; eight text tokens, the last two padding (masked, as a short prompt is)."""
+    import torch
+
+    t, side, txt = 2 * c["patch_size_t"], 2 * c["patch_size"], 8
+    mask = torch.tensor([[1.0] * (txt - 2) + [0.0] * 2])
+    inputs = {
+        "hidden_states": torch.randn(1, c["in_channels"], t, side, side, generator=g),
+        "encoder_hidden_states": torch.randn(1, txt, c["text_embed_dim"], generator=g),
+        "timestep": torch.tensor([500.0]), "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
+    }  # fmt: skip
+    if c["guidance_embeds"]:
+        inputs["guidance"] = torch.tensor([6000.0])  # Hunyuan Video's guidance 6, times 1000 as its pipeline does
+    return inputs
+
+
 def _z_image_inputs(c: dict, g) -> dict:
     import torch
 
@@ -434,6 +488,7 @@ RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] =
     "ltxv": (_ltxv, _ltxv_inputs),  # LTX-Video's and LTX-2's
     "aura": (_aura, _aura_inputs),
     "hidream": (_hidream, _hidream_inputs),
+    "hyvid": (_hyvid, _hyvid_inputs),  # Hunyuan Video's; FramePack's are refused
     "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
     "lumina2": (_lumina, _lumina_inputs),  # Lumina 2's and Z-Image's
     "sd1": (diffusion_unet.config, diffusion_unet.inputs),  # SD2's UNets are sd1 to ComfyUI-GGUF too

@@ -2,8 +2,8 @@
 diffusers' GGUF single-file loader reads a test-sized model, its behaviour.
 
 Each family's tiny original single file is built from a tiny diffusers model (tests/family_cases.py; SD3 from
-tests/formats/test_community_sd3.py; AuraFlow here), whose original layout diffusers' own single-file converter reads
-back. Oracles:
+tests/formats/test_community_sd3.py; AuraFlow and Hunyuan Video here), whose original layout diffusers' own
+single-file converter reads back. Oracles:
 ComfyUI-GGUF's conventions (architecture names, the tensors it keeps F32), written here from its converter's rules,
 not read from ours, and diffusers' GGUF loader for the behaviour part.
 """
@@ -11,6 +11,7 @@ not read from ours, and diffusers' GGUF loader for the behaviour part.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from family_cases import CASES, keymap, make_bases, original_layout, tiny  # noq
 # family (tests/family_cases.py's names, and SD3) -> the general.architecture ComfyUI-GGUF's loaders take for it
 ARCH = {"flux": "flux", "flux2": "flux", "qwen_image": "qwen_image", "z_image": "lumina2", "lumina2": "lumina2",
         "wan": "wan", "skyreels_v2": "wan", "chronoedit": "wan", "ltx_video": "ltxv", "ltx2": "ltxv",
-        "hidream": "hidream", "anima": "cosmos", "sd3": "sd3", "auraflow": "aura"}  # fmt: skip
+        "hidream": "hidream", "anima": "cosmos", "sd3": "sd3", "auraflow": "aura",
+        "hunyuan_video": "hyvid"}  # fmt: skip
 NOT_CLAIMED = ["krea2", "flux3", "minimax_h3"]  # no architecture of ComfyUI-GGUF's: refused
 
 # The tensors ComfyUI-GGUF's converter keeps F32 whatever the type (read outside a Linear), at their real shapes,
@@ -78,8 +80,6 @@ AURA_NAMES = [  # diffusers' AuraFlow names -> AuraFlow's own, in order: diffuse
 
 
 def _aura_name(key: str) -> str:
-    import re
-
     for pattern, name in AURA_NAMES:
         key = re.sub(pattern, name, key)
     return key
@@ -106,6 +106,84 @@ def _auraflow_file(root: Path) -> tuple[Path, object]:
     return save(prefixed, root / "auraflow-tiny.safetensors"), model
 
 
+HYVID_NAMES = [  # diffusers' names the keymap's layout leaves -> Tencent's, in order: diffusers' converter backwards
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.", "txt_in.individual_token_refiner.blocks."),
+    (r"^context_embedder\.proj_in\.", "txt_in.input_embedder."),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_1\.", "txt_in.t_embedder.mlp.0."),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_2\.", "txt_in.t_embedder.mlp.2."),
+    (r"^context_embedder\.time_text_embed\.text_embedder\.", "txt_in.c_embedder."),
+    (r"^(txt_in\.individual_token_refiner\.blocks\.\d+)\.attn\.to_out\.0\.", r"\1.self_attn_proj."),
+    (r"^(txt_in\.individual_token_refiner\.blocks\.\d+)\.ff\.net\.0\.proj\.", r"\1.mlp.fc1."),
+    (r"^(txt_in\.individual_token_refiner\.blocks\.\d+)\.ff\.net\.2\.", r"\1.mlp.fc2."),
+    (r"^(txt_in\.individual_token_refiner\.blocks\.\d+)\.norm_out\.linear\.", r"\1.adaLN_modulation.1."),
+    (r"^time_text_embed\.timestep_embedder\.linear_1\.", "time_in.mlp.0."),
+    (r"^time_text_embed\.timestep_embedder\.linear_2\.", "time_in.mlp.2."),
+    (r"^time_text_embed\.guidance_embedder\.linear_1\.", "guidance_in.mlp.0."),
+    (r"^time_text_embed\.guidance_embedder\.linear_2\.", "guidance_in.mlp.2."),
+    (r"^time_text_embed\.text_embedder\.linear_1\.", "vector_in.in_layer."),
+    (r"^time_text_embed\.text_embedder\.linear_2\.", "vector_in.out_layer."),
+    (r"^x_embedder\.", "img_in."), (r"^proj_out\.", "final_layer.linear."),
+    (r"^norm_out\.linear\.", "final_layer.adaLN_modulation.1."),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_([qk])\.", r"double_blocks.\1.img_attn_\2_norm."),
+    (r"^transformer_blocks\.(\d+)\.attn\.norm_added_([qk])\.", r"double_blocks.\1.txt_attn_\2_norm."),
+    (r"^single_transformer_blocks\.(\d+)\.attn\.norm_([qk])\.", r"single_blocks.\1.\2_norm."),
+]  # fmt: skip
+LINEAR1 = re.compile(r"single_blocks\.(\d+)\.linear1\.(weight|bias)")
+LINEAR1_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")  # its rows, in order (diffusers' converter)
+
+
+def _hyvid_original(sd: dict) -> dict:
+    """Hunyuan Video's original checkpoint of diffusers weights `sd`: the keymap's layout (the modules LoRAs name),
+    the other keys renamed (HYVID_NAMES), the refiners' q/k/v and single blocks' linear1 biases fused, and the
+    final modulation's halves swapped back ([scale, shift] to Tencent's [shift, scale])."""
+    out = {}
+    for key, t in original_layout(sd, keymap("hunyuan_video")).items():
+        for pattern, name in HYVID_NAMES:
+            key = re.sub(pattern, name, key)
+        out[key] = t
+    for key in [k for k in out if re.fullmatch(r"txt_in\..*\.attn\.to_q\.(weight|bias)", k)]:
+        stem, p = key.split(".attn.to_q.")
+        out[f"{stem}.self_attn_qkv.{p}"] = torch.cat([out.pop(f"{stem}.attn.to_{x}.{p}") for x in "qkv"])
+    for i in range(_count_single(out)):
+        parts = [f"single_transformer_blocks.{i}.{part}.bias" for part in LINEAR1_PARTS]
+        out[f"single_blocks.{i}.linear1.bias"] = torch.cat([out.pop(k) for k in parts])
+    for p in ("weight", "bias"):
+        key = f"final_layer.adaLN_modulation.1.{p}"
+        out[key] = torch.cat(out[key].chunk(2)[::-1])
+    return out
+
+
+def _count_single(sd: dict) -> int:
+    return len({k.split(".")[1] for k in sd if k.startswith("single_blocks.")})
+
+
+def _convert_at_width(checkpoint: dict, width: int) -> dict:
+    """diffusers' Hunyuan Video converter, single blocks' linear1 split at `width` as it splits it at its fixed 3072
+    (q, k, v of the width each, then the MLP); every other key converted by diffusers itself."""
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
+
+    linear1 = {k: checkpoint.pop(k) for k in list(checkpoint) if LINEAR1.fullmatch(k)}
+    out = convert_hunyuan_video_transformer_to_diffusers(checkpoint)
+    for key, t in linear1.items():
+        i, p = LINEAR1.fullmatch(key).groups()
+        rows = torch.split(t, (width, width, width, t.shape[0] - 3 * width))
+        out |= {f"single_transformer_blocks.{i}.{part}.{p}": r for part, r in zip(LINEAR1_PARTS, rows, strict=True)}
+    return out
+
+
+def _hyvid_file(root: Path, name: str = "hunyuan_video") -> tuple[Path, object]:
+    """A tiny Hunyuan Video's (or FramePack's: its blocks and names, and its history embedder) whole original single
+    file; diffusers' converter must give the diffusers weights back exactly (single blocks' linear1, which it splits
+    at 3072 only, split at the tiny width as it splits it)."""
+    model = tiny(CASES[name])
+    sd = model.state_dict()
+    original = _hyvid_original(sd)
+    back = _convert_at_width(dict(original), model.config["num_attention_heads"] * model.config["attention_head_dim"])
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    prefixed = {f"model.diffusion_model.{k}": v for k, v in original.items()}
+    return save(prefixed, root / f"{name}-original.safetensors"), model
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """Each family's tiny original single file and its diffusers model, built once on first use."""
@@ -114,8 +192,9 @@ def single(tmp_path_factory):
     def get(name: str) -> tuple[Path, object]:
         if name not in cache:
             root = tmp_path_factory.mktemp(name)
-            if name in ("sd3", "auraflow"):
-                cache[name] = _sd3_file(root) if name == "sd3" else _auraflow_file(root)
+            if name in ("sd3", "auraflow", "hunyuan_video"):
+                build = {"sd3": _sd3_file, "auraflow": _auraflow_file, "hunyuan_video": _hyvid_file}[name]
+                cache[name] = build(root)
             else:
                 model = tiny(CASES[name])
                 cache[name] = (make_bases(CASES[name], model, root)[1], model)
@@ -169,9 +248,6 @@ def _made_up(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
 
 
 MADE_UP = {  # families without a tiny original single file here: their marker keys and a few others, real shapes
-    "hyvid": {"double_blocks.0.img_attn_proj.weight": (64, 64), "double_blocks.0.img_attn_qkv.weight": (192, 64),
-              "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight": (192, 64),
-              "img_in.proj.weight": (64, 16, 1, 2, 2)},
     "sdxl": {"input_blocks.0.0.weight": (320, 4, 3, 3), "label_emb.0.0.weight": (1280, 2816),
              "time_embed.0.weight": (1280, 320), "out.2.weight": (4, 320, 3, 3)},
 }  # fmt: skip
@@ -182,12 +258,7 @@ def test_made_up_files_of_the_other_architectures(arch, tmp_path):
     src = diffusion.open_source(_made_up(tmp_path / "m.safetensors", MADE_UP[arch]))
     assert src.arch.name == arch
     plan = {p.name: p for p in src.plan("Q8_0")}
-    if arch == "hyvid":  # its 5-D patch embedding: F32, shape kept (ComfyUI-GGUF's fix step)
-        assert plan["img_in.proj.weight"].qtype.name == "F32" and plan["img_in.proj.weight"].stored == (64, 16, 1, 2, 2)
-    if arch == "sdxl":  # a UNet: rows of 256 where the last dimension is none
-        assert plan["input_blocks.0.0.weight"].stored == (320 * 4 * 9 // 256, 256)
-    else:
-        assert all(p.stored == p.shape for p in plan.values())
+    assert plan["input_blocks.0.0.weight"].stored == (320 * 4 * 9 // 256, 256)  # a UNet: rows of 256
 
 
 @pytest.mark.parametrize("name", NOT_CLAIMED)
@@ -365,3 +436,86 @@ def test_flux1_behaviour_is_not_judged_below_flux1_s_own_width(tmp_path):
         checkpoint = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
     with pytest.raises(RuntimeError, match="split_with_sizes expects split_sizes to sum exactly to 112"):
         convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+
+
+HYVID_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+              "num_single_layers", "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "guidance_embeds",
+              "text_embed_dim", "pooled_projection_dim")  # fmt: skip
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    src = diffusion.open_source(path)
+    return {n: src.shapes[k] for k, n in src.names.items()}
+
+
+def test_hunyuan_video_behaviour_is_not_judged_below_its_own_width(single, tmp_path):
+    """diffusers' Hunyuan Video converter splits single blocks' linear1 at 3072 whatever the file, so a test-sized
+    file gets no run (said so, and the converter fails on it); the config read from its shapes is the model's own,
+    and at 3072 the file is judged. Its 5-D patch embedding is stored F32 at its shape (ComfyUI-GGUF's fix step)."""
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
+
+    path, model = single("hunyuan_video")
+    shapes = _shapes(path)
+    made = diffusion_run._hyvid_config(shapes)
+    assert {k: made[k] for k in HYVID_KEYS} == {k: model.config[k] for k in HYVID_KEYS}
+    assert diffusion_run.config("hyvid", shapes, tmp_path / "c") is None
+    assert "3072" in diffusion_run.reason("hyvid", shapes)
+    wide = shapes | {"img_in.proj.weight": (3072, *shapes["img_in.proj.weight"][1:]),
+                     "double_blocks.0.img_attn_q_norm.weight": (128,)}  # fmt: skip
+    assert diffusion_run.reason("hyvid", wide) == ""
+    embed = {p.name: p for p in diffusion.open_source(path).plan("Q8_0")}["img_in.proj.weight"]
+    assert embed.qtype.name == "F32" and embed.stored == embed.shape == shapes["img_in.proj.weight"]
+    behaviour = diffusion_export.export(path, ["F16"], tmp_path / "out").proofs[0].parts[-1]
+    assert behaviour.passed and not behaviour.judged and "3072" in behaviour.detail
+    with safe_open(path, framework="pt") as f:
+        checkpoint = {k.removeprefix("model.diffusion_model."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    with pytest.raises(RuntimeError, match=r"split_sizes=\[3072, 3072, 3072, -"):  # 3 x 3072 rows of 112
+        convert_hunyuan_video_transformer_to_diffusers(checkpoint)
+
+
+def test_framepack_files_in_hunyuan_video_s_layout_are_refused_not_run_as_hunyuan_video(tmp_path):
+    """A FramePack file in Tencent's names is `hyvid` to ComfyUI-GGUF; Hunyuan Video's class has none of its history
+    embedder, and diffusers' single-file loader reads no FramePack file, so it gets no run (said so)."""
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    path, _ = _hyvid_file(tmp_path, "framepack")
+    src = diffusion.open_source(path)
+    assert src.arch.name == "hyvid"
+    assert "FramePack" in diffusion_run.reason("hyvid", _shapes(path))
+    with pytest.raises(ValueError, match="only compatible with"):
+        HunyuanVideoFramepackTransformer3DModel.from_single_file(str(path))
+
+
+def test_hunyuan_video_run_is_judged_where_diffusers_converter_reads_the_width(single, tmp_path, monkeypatch):
+    """The run at the tiny width, diffusers' converter taught to split linear1 there as it does at 3072 (checked
+    against it at 3072): the F16 file's behaviour is judged and passes, and one negated tensor fails it. (A run at
+    3072 itself needs about 4 GB and 40 s here: measured outside the tests, docs/gguf-diffusion.md.)"""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
+
+    g = torch.Generator().manual_seed(0)
+    real = {"single_blocks.0.linear1.weight": torch.randn(3 * 3072 + 32, 2, generator=g),
+            "single_blocks.0.linear1.bias": torch.randn(3 * 3072 + 32, generator=g)}  # fmt: skip
+    taught, own = _convert_at_width(dict(real), 3072), convert_hunyuan_video_transformer_to_diffusers(dict(real))
+    assert set(taught) == set(own) and all(torch.equal(taught[k], own[k]) for k in own)
+    path, model = single("hunyuan_video")
+    width = model.config["num_attention_heads"] * model.config["attention_head_dim"]
+    monkeypatch.setattr(diffusion_run, "HYVID_WIDTH", width)
+    converters = SINGLE_FILE_LOADABLE_CLASSES["HunyuanVideoTransformer3DModel"]
+    monkeypatch.setitem(
+        converters, "checkpoint_mapping_fn", lambda checkpoint, **_: _convert_at_width(checkpoint, width)
+    )
+    src = diffusion.open_source(path)
+    ref = diffusion_proof.Reference(src)
+    try:
+        assert ref.output is not None, ref.why
+        assert ref.config["_class_name"] == "HunyuanVideoTransformer3DModel"
+        out = tmp_path / "x-F16.gguf"
+        diffusion.write(src, {"F16": out}, "x")
+        behaviour = diffusion_proof.prove(out, src, "F16", ref).parts[-1]
+        assert behaviour.name == "behaviour" and behaviour.judged and behaviour.passed, behaviour.detail
+        _negate(out, "single_blocks.0.linear2.weight")
+        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
+        assert not failed.passed and failed.judged, failed.detail
+    finally:
+        ref.close()
