@@ -117,11 +117,12 @@ def detect(keys: set[str], file: object) -> DiffusionArch:
     for a in ARCHES:  # markers first: Qwen-Image's own file has keys of Flux's and SD3's diffusers layout
         if any(all(k in keys for k in group) for group in a.markers):
             return a
-    for a in ARCHES:
-        if any(k in keys for k in a.diffusers_layout):
+    for a in ARCHES:  # a key diffusers' layout shares across families (Flux's, Hunyuan Video's ...): named, no family
+        if found := next((k for k in a.diffusers_layout if k in keys), None):
             raise BadInputError(
-                f"{file}: a {a.name} model in diffusers' layout; ComfyUI-GGUF reads the original single-file layout "
-                "(merge into the original single file, e.g. BFL's, and export that)", file=file)  # fmt: skip
+                f"{file}: a model in diffusers' layout ({found}); ComfyUI-GGUF reads the original single-file layout "
+                "(merge into the model's original single file, e.g. BFL's for Flux, and export that)",
+                file=file)  # fmt: skip
     raise BadInputError(
         f"{file}: no diffusion architecture ComfyUI-GGUF loads ({', '.join(NAMES)}) in its keys; GGUF export takes "
         "the denoiser's original single-file layout", file=file)  # fmt: skip
