@@ -11,9 +11,10 @@ glibc has no way to restore its adaptive one). Elsewhere than glibc this does no
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from converter.io import libc
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -22,26 +23,18 @@ TRIM_THRESHOLD = 256 * 2**20  # free memory kept at the heap's top before it is 
 _DEFAULT_TRIM = 128 * 2**10  # glibc's default
 
 
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
 @contextmanager
 def reused_heap() -> Iterator[None]:
     """Large blocks reused from the heap inside; on exit, what is free is returned to the system (malloc_trim)."""
-    libc = _libc()
-    if libc is None:
+    mallopt = libc.function("mallopt", ctypes.c_int, ctypes.c_int)
+    trim = libc.function("malloc_trim", ctypes.c_size_t)
+    if mallopt is None or trim is None:
         yield
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     try:
         yield
     finally:
-        libc.mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM)
-        libc.malloc_trim(0)
+        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM)
+        trim(0)
