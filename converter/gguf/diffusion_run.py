@@ -92,7 +92,7 @@ def _qwen_image(s: dict[str, tuple[int, ...]]) -> dict:
 
 def _wan(s: dict[str, tuple[int, ...]]) -> dict:
     dim, in_channels, *patch = s["patch_embedding.weight"]
-    heads = dim // HEAD_DIM if dim % HEAD_DIM == 0 else 1
+    heads = _heads(dim, HEAD_DIM)
     patches = 1
     for p in patch:
         patches *= p
@@ -229,7 +229,7 @@ def _aura(s: dict[str, tuple[int, ...]]) -> dict:
 
 def _hidream(s: dict[str, tuple[int, ...]]) -> dict:
     hidden, patched = s["x_embedder.proj.weight"]
-    heads = hidden // HEAD_DIM if hidden % HEAD_DIM == 0 else 1  # its norms span all heads: HiDream's 128 assumed
+    heads = _heads(hidden, HEAD_DIM)  # its norms span all heads: HiDream's 128 assumed
     keys = set(s)
     layers = _count(keys, r"double_stream_blocks\.(\d+)\.")
     single = _count(keys, r"single_stream_blocks\.(\d+)\.")
