@@ -438,6 +438,56 @@ def test_flux1_behaviour_is_not_judged_below_flux1_s_own_width(tmp_path):
         convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
 
 
+def _flux1_convert_at_width(checkpoint: dict, width: int) -> dict:
+    """diffusers' FLUX.1 converter with single blocks' linear1 split at `width` as it splits it at its fixed 3072 (q,
+    k, v of the width each, then the MLP): it is handed zeros of FLUX.1's rows in their place, and the file's own
+    rows, split, replace the parts it made of them; every other key is converted by diffusers itself."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    linear1 = {k: t for k, t in checkpoint.items() if LINEAR1.fullmatch(k)}
+    for key, t in linear1.items():
+        checkpoint[key] = torch.zeros(7 * 3072, *t.shape[1:], dtype=t.dtype)
+    out = convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    for key, t in linear1.items():
+        i, p = LINEAR1.fullmatch(key).groups()
+        rows = torch.split(t, (width, width, width, t.shape[0] - 3 * width))
+        out |= {f"single_transformer_blocks.{i}.{part}.{p}": r for part, r in zip(LINEAR1_PARTS, rows, strict=True)}
+    return out
+
+
+def test_flux1_run_is_judged_where_diffusers_converter_reads_the_width(tmp_path, monkeypatch):
+    """FLUX.1's run (config and inputs) at the tiny width, diffusers' converter taught to split linear1 there (it
+    gives the tiny model's own diffusers weights back exactly): the F16 file's behaviour is judged and passes, and
+    one negated tensor fails it."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    path = _bfl_flux(tmp_path)
+    model = tiny(CASES["flux"])
+    width = model.config["num_attention_heads"] * model.config["attention_head_dim"]
+    with safe_open(path, framework="pt") as f:
+        bare = {k.removeprefix("model.diffusion_model."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    back, own = _flux1_convert_at_width(bare, width), model.state_dict()
+    assert set(back) == set(own) and all(torch.equal(back[k], own[k]) for k in own)
+    monkeypatch.setattr(diffusion_run, "FLUX1_WIDTH", width)
+    converters = SINGLE_FILE_LOADABLE_CLASSES["FluxTransformer2DModel"]
+    monkeypatch.setitem(
+        converters, "checkpoint_mapping_fn", lambda checkpoint, **_: _flux1_convert_at_width(checkpoint, width)
+    )
+    src = diffusion.open_source(path)
+    ref = diffusion_proof.Reference(src)
+    try:
+        assert ref.output is not None and ref.config["_class_name"] == "FluxTransformer2DModel", ref.why
+        out = tmp_path / "x-F16.gguf"
+        diffusion.write(src, {"F16": out}, "x")
+        behaviour = diffusion_proof.prove(out, src, "F16", ref).parts[-1]
+        assert behaviour.name == "behaviour" and behaviour.judged and behaviour.passed, behaviour.detail
+        _negate(out, "single_blocks.0.linear2.weight")
+        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
+        assert failed.judged and not failed.passed, failed.detail
+    finally:
+        ref.close()
+
+
 HYVID_KEYS = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
               "num_single_layers", "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "guidance_embeds",
               "text_embed_dim", "pooled_projection_dim")  # fmt: skip
