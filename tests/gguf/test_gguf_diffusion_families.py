@@ -163,7 +163,13 @@ def _convert_at_width(checkpoint: dict, width: int) -> dict:
     from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 
     linear1 = {k: checkpoint.pop(k) for k in list(checkpoint) if LINEAR1.fullmatch(k)}
-    out = convert_hunyuan_video_transformer_to_diffusers(checkpoint)
+    return convert_hunyuan_video_transformer_to_diffusers(checkpoint) | _linear1_at_width(linear1, width)
+
+
+def _linear1_at_width(linear1: dict, width: int) -> dict:
+    """Single blocks' linear1 rows split at `width` as diffusers' FLUX.1 and Hunyuan Video converters split them at
+    their fixed 3072 (q, k, v of the width each, then the MLP), under diffusers' names."""
+    out = {}
     for key, t in linear1.items():
         i, p = LINEAR1.fullmatch(key).groups()
         rows = torch.split(t, (width, width, width, t.shape[0] - 3 * width))
@@ -447,12 +453,7 @@ def _flux1_convert_at_width(checkpoint: dict, width: int) -> dict:
     linear1 = {k: t for k, t in checkpoint.items() if LINEAR1.fullmatch(k)}
     for key, t in linear1.items():
         checkpoint[key] = torch.zeros(7 * 3072, *t.shape[1:], dtype=t.dtype)
-    out = convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
-    for key, t in linear1.items():
-        i, p = LINEAR1.fullmatch(key).groups()
-        rows = torch.split(t, (width, width, width, t.shape[0] - 3 * width))
-        out |= {f"single_transformer_blocks.{i}.{part}.{p}": r for part, r in zip(LINEAR1_PARTS, rows, strict=True)}
-    return out
+    return convert_flux_transformer_checkpoint_to_diffusers(checkpoint) | _linear1_at_width(linear1, width)
 
 
 def test_flux1_run_is_judged_where_diffusers_converter_reads_the_width(tmp_path, monkeypatch):
