@@ -182,7 +182,7 @@ CASES = {
             "HiDreamImageTransformer2DModel",
             dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
                  num_attention_heads=2, caption_channels=[8, 8], text_emb_dim=12, num_routed_experts=2,
-                 num_activated_experts=1, axes_dims_rope=(4, 4), max_resolution=(16, 16), llama_layers=[0, 1]),
+                 num_activated_experts=1, axes_dims_rope=(2, 2, 4), max_resolution=(16, 16), llama_layers=[0, 1]),
             "HiDreamImagePipeline",
             r"(double|single)_stream_blocks\.\d+\.block\.(attn1\..*|ff_[it]\..*)",
             ("comfyui", "diffusers", "kohya", "lycoris"),

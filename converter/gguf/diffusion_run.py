@@ -1,5 +1,5 @@
-"""Running a diffusion GGUF file in diffusers, for its behaviour proof: the diffusers class of each architecture, its
-config read from the single file's shapes, and seeded inputs.
+"""Running a diffusion GGUF file in diffusers, for its behaviour proof: the diffusers class of each architecture and
+its config read from the single file's shapes (the seeded inputs are the class's, converter.engine.denoiser_inputs).
 
 Why the config is read from the shapes: a single file carries no config.json, and diffusers' own fallback fetches a
 reference repository's (gated for FLUX.1-dev). The proof runs the GGUF file and the merged single file under the
@@ -14,8 +14,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
+from converter.engine import denoiser_inputs
 from converter.gguf import diffusion_unet
 
 HEAD_DIM = 128  # Flux's, Wan's and HiDream's attention head width
@@ -302,197 +301,21 @@ def _hyvid_config(s: dict[str, tuple[int, ...]]) -> dict:
     }  # fmt: skip
 
 
-def _flux_inputs(c: dict, g) -> dict:
-    import torch
-
-    if c["_class_name"] == "Flux2Transformer2DModel":
-        return _flux2_inputs(c, g)
-    img, txt = 16, 8
-    inputs = {
-        "hidden_states": torch.randn(1, img, c["in_channels"], generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
-        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
-        "timestep": torch.tensor([0.5]),
-        "img_ids": torch.stack(
-            torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1
-        ).reshape(img, 3),  # fmt: skip
-        "txt_ids": torch.zeros(txt, 3),
-    }
-    if c["guidance_embeds"]:
-        inputs["guidance"] = torch.tensor([3.5])
-    return inputs
-
-
-def _flux2_inputs(c: dict, g) -> dict:
-    """FLUX.2's positions have four axes (time, height, width, index); the text's count along the last."""
-    import torch
-
-    img, txt = 16, 8
-    grid = torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), torch.zeros(1), indexing="ij")
-    inputs = {
-        "hidden_states": torch.randn(1, img, c["in_channels"], generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
-        "timestep": torch.tensor([0.5]), "img_ids": torch.stack(grid, -1).reshape(img, 4),
-        "txt_ids": torch.cat([torch.zeros(txt, 3), torch.arange(float(txt))[:, None]], 1),
-    }  # fmt: skip
-    if c["guidance_embeds"]:
-        inputs["guidance"] = torch.tensor([4.0])
-    return inputs
-
-
-def _qwen_image_inputs(c: dict, g) -> dict:
-    import torch
-
-    side, txt = 4, 8  # a 4 x 4 grid of packed patches
-    return {
-        "hidden_states": torch.randn(1, side * side, c["in_channels"], generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["joint_attention_dim"], generator=g),
-        "encoder_hidden_states_mask": torch.ones(1, txt), "timestep": torch.tensor([0.5]),
-        "img_shapes": [[(1, side, side)]],
-    }  # fmt: skip
-
-
-def _wan_inputs(c: dict, g) -> dict:
-    import torch
-
-    t, h, w = (2 * p for p in c["patch_size"])
-    return {
-        "hidden_states": torch.randn(1, c["in_channels"], t, h, w, generator=g),
-        "timestep": torch.tensor([500.0]),
-        "encoder_hidden_states": torch.randn(1, 8, c["text_dim"], generator=g),
-    }
-
-
-def _sd3_inputs(c: dict, g) -> dict:
-    import torch
-
-    side = 2 * c["patch_size"]
-    return {
-        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, c["joint_attention_dim"], generator=g),
-        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
-        "timestep": torch.tensor([500.0]),
-    }
-
-
-def _ltxv_inputs(c: dict, g) -> dict:
-    import torch
-
-    if c["_class_name"] == "LTX2VideoTransformer3DModel":
-        return _ltx2_inputs(c, g)
-    frames, height, width, txt = 2, 2, 2, 8
-    return {
-        "hidden_states": torch.randn(1, frames * height * width, c["in_channels"], generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
-        "timestep": torch.tensor([500]), "encoder_attention_mask": torch.ones(1, txt),
-        "num_frames": frames, "height": height, "width": width,
-    }  # fmt: skip
-
-
-def _ltx2_inputs(c: dict, g) -> dict:
-    """Video latents on a 2 x 2 x 2 grid, 4 audio latent frames, and text states for each stream (LTX-2.0 projects
-    both from the caption's width)."""
-    import torch
-
-    frames, height, width, audio_frames, txt = 2, 2, 2, 4, 8
-    return {
-        "hidden_states": torch.randn(1, frames * height * width, c["in_channels"], generator=g),
-        "audio_hidden_states": torch.randn(1, audio_frames, c["audio_in_channels"], generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
-        "audio_encoder_hidden_states": torch.randn(1, txt, c["caption_channels"], generator=g),
-        "timestep": torch.tensor([500.0]), "encoder_attention_mask": torch.ones(1, txt),
-        "audio_encoder_attention_mask": torch.ones(1, txt), "num_frames": frames, "height": height, "width": width,
-        "audio_num_frames": audio_frames,
-    }  # fmt: skip
-
-
-def _aura_inputs(c: dict, g) -> dict:
-    import torch
-
-    side = 2 * c["patch_size"]  # a 2 x 2 grid of patches, inside the learnt positions' grid
-    return {
-        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, c["joint_attention_dim"], generator=g),
-        "timestep": torch.tensor([0.5]),
-    }
-
-
-def _hidream_inputs(c: dict, g) -> dict:
-    import torch
-
-    side, txt = 2 * c["patch_size"], 8
-    t5, llama = c["caption_channels"]
-    return {
-        "hidden_states": torch.randn(1, c["in_channels"], side, side, generator=g), "timesteps": torch.tensor([500]),
-        "encoder_hidden_states_t5": torch.randn(1, txt, t5, generator=g),
-        "encoder_hidden_states_llama3": torch.randn(len(c["llama_layers"]), 1, txt, llama, generator=g),
-        "pooled_embeds": torch.randn(1, c["text_emb_dim"], generator=g),
-    }  # fmt: skip
-
-
-def _cosmos_inputs(c: dict, g) -> dict:
-    import torch
-
-    return {
-        "hidden_states": torch.cat([torch.randn(1, c["in_channels"] - 1, 1, 4, 4, generator=g),
-                                    torch.zeros(1, 1, 1, 4, 4)], 1),  # the last channel: no padding
-        "timestep": torch.tensor([0.5]), "encoder_hidden_states": torch.randn(1, 8, c["text_embed_dim"], generator=g),
-    }  # fmt: skip
-
-
-def _lumina_inputs(c: dict, g) -> dict:
-    import torch
-
-    if c["_class_name"] == "ZImageTransformer2DModel":
-        return _z_image_inputs(c, g)
-    txt = 8
-    return {
-        "hidden_states": torch.randn(1, c["in_channels"], 4, 4, generator=g), "timestep": torch.tensor([0.5]),
-        "encoder_hidden_states": torch.randn(1, txt, c["cap_feat_dim"], generator=g),
-        "encoder_attention_mask": torch.ones(1, txt, dtype=torch.bool),
-    }  # fmt: skip
-
-
-def _hyvid_inputs(c: dict, g) -> dict:
-    """Two latent frames of 2 x 2 patches; eight text tokens, the last two padding (masked, as a short prompt is)."""
-    import torch
-
-    t, side, txt = 2 * c["patch_size_t"], 2 * c["patch_size"], 8
-    mask = torch.tensor([[1.0] * (txt - 2) + [0.0] * 2])
-    inputs = {
-        "hidden_states": torch.randn(1, c["in_channels"], t, side, side, generator=g),
-        "encoder_hidden_states": torch.randn(1, txt, c["text_embed_dim"], generator=g),
-        "timestep": torch.tensor([500.0]), "encoder_attention_mask": mask,
-        "pooled_projections": torch.randn(1, c["pooled_projection_dim"], generator=g),
-    }  # fmt: skip
-    if c["guidance_embeds"]:
-        inputs["guidance"] = torch.tensor([6000.0])  # Hunyuan Video's guidance 6, times 1000 as its pipeline does
-    return inputs
-
-
-def _z_image_inputs(c: dict, g) -> dict:
-    import torch
-
-    return {
-        "x": [torch.randn(c["in_channels"], 1, 4, 4, generator=g)], "t": torch.tensor([0.5]),
-        "cap_feats": [torch.randn(8, c["cap_feat_dim"], generator=g)],
-    }  # fmt: skip
-
-
-#: architecture -> (its config from the shapes, seeded inputs from the config)
-RUNS: dict[str, tuple[Callable[[dict], dict], Callable[[dict, object], dict]]] = {
-    "flux": (_flux, _flux_inputs),  # FLUX.1's and FLUX.2's
-    "qwen_image": (_qwen_image, _qwen_image_inputs),
-    "wan": (_wan, _wan_inputs),
-    "sd3": (_sd3, _sd3_inputs),
-    "ltxv": (_ltxv, _ltxv_inputs),  # LTX-Video's and LTX-2's
-    "aura": (_aura, _aura_inputs),
-    "hidream": (_hidream, _hidream_inputs),
-    "hyvid": (_hyvid, _hyvid_inputs),  # Hunyuan Video's; FramePack's are refused
-    "cosmos": (_cosmos, _cosmos_inputs),  # Anima's; Cosmos' own files are `cosmos` too
-    "lumina2": (_lumina, _lumina_inputs),  # Lumina 2's and Z-Image's
-    "sd1": (diffusion_unet.config, diffusion_unet.inputs),  # SD2's UNets are sd1 to ComfyUI-GGUF too
-    "sdxl": (diffusion_unet.config, diffusion_unet.inputs),
+#: architecture -> its diffusers config read from the shapes (the seeded inputs are the class's:
+#: converter.engine.denoiser_inputs)
+RUNS: dict[str, Callable[[dict], dict]] = {
+    "flux": _flux,  # FLUX.1's and FLUX.2's
+    "qwen_image": _qwen_image,
+    "wan": _wan,
+    "sd3": _sd3,
+    "ltxv": _ltxv,  # LTX-Video's and LTX-2's
+    "aura": _aura,
+    "hidream": _hidream,
+    "hyvid": _hyvid,  # Hunyuan Video's; FramePack's are refused
+    "cosmos": _cosmos,  # Anima's; Cosmos' own files are `cosmos` too
+    "lumina2": _lumina,  # Lumina 2's and Z-Image's
+    "sd1": diffusion_unet.config,  # SD2's UNets are sd1 to ComfyUI-GGUF too
+    "sdxl": diffusion_unet.config,
 }
 UNETS = ("sd1", "sdxl")  # read back as ComfyUI-GGUF reads them (converter.gguf.diffusion_unet)
 
@@ -502,7 +325,7 @@ def reason(arch: str, shapes: dict[str, tuple[int, ...]]) -> str:
     if arch not in RUNS:
         return f"no diffusers run of {arch} here (only of {', '.join(RUNS)})"
     try:
-        RUNS[arch][0](shapes)
+        RUNS[arch](shapes)
     except KeyError as e:
         return f"no diffusers run of this {arch} file here: it has no {e} to read the config from"
     except ValueError as e:
@@ -515,7 +338,7 @@ def config(arch: str, shapes: dict[str, tuple[int, ...]], folder: Path) -> dict 
     it gets no run (`reason` says why)."""
     if reason(arch, shapes):
         return None
-    made = RUNS[arch][0](shapes)
+    made = RUNS[arch](shapes)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(made))
     return made
@@ -548,16 +371,6 @@ def outputs(arch: str, source: Path | dict, made: dict, folder: Path, gguf: bool
     else:
         model = cls.from_single_file(where, config=str(folder), torch_dtype=torch.float32)
     model.eval()
-    inputs = RUNS[arch][1](made, torch.Generator().manual_seed(0))
+    inputs = denoiser_inputs.seeded(made["_class_name"], model.config, 0.5, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        returned = model(**inputs, return_dict=False)
-    return np.concatenate([_flat(out) for out in returned])
-
-
-def _flat(out) -> np.ndarray:
-    """One of the forward's outputs, flattened in float32: every output counts (LTX-2's video and audio)."""
-    import torch
-
-    if isinstance(out, list):  # one output per sample (Z-Image)
-        out = torch.stack(out)
-    return out.float().numpy().ravel()
+        return denoiser_inputs.flat(model(**inputs, return_dict=False)).numpy()

@@ -1,5 +1,5 @@
 """Running an SD1 / SD2 / SDXL UNet's GGUF file in diffusers, for its behaviour proof: the UNet's config read from
-the ldm layout's shapes, seeded inputs, and the file's tensors read as ComfyUI-GGUF reads them.
+the ldm layout's shapes, and the file's tensors read as ComfyUI-GGUF reads them.
 
 Why the tensors are put back to their original shapes here: ComfyUI-GGUF stores a UNet tensor whose last dimension
 is no multiple of 256 as rows of 256 and records its shape in `comfy.gguf.orig_shape.*`; its loader views each
@@ -74,23 +74,6 @@ def config(s: dict[str, tuple[int, ...]]) -> dict:
         time_dim = SDXL_TIME_DIM if width > TIME_IDS * SDXL_TIME_DIM else width // (2 * TIME_IDS)
         made.update(addition_embed_type="text_time", addition_time_embed_dim=time_dim,
                     projection_class_embeddings_input_dim=width)  # fmt: skip
-    return made
-
-
-def inputs(c: dict, g) -> dict:
-    import torch
-
-    side = 2 ** len(c["block_out_channels"])  # halved at every level but the last, twice at the last
-    made = {
-        "sample": torch.randn(1, c["in_channels"], side, side, generator=g), "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, c["cross_attention_dim"], generator=g),
-    }  # fmt: skip
-    if c.get("addition_embed_type") == "text_time":
-        pooled = c["projection_class_embeddings_input_dim"] - TIME_IDS * c["addition_time_embed_dim"]
-        made["added_cond_kwargs"] = {
-            "text_embeds": torch.randn(1, pooled, generator=g),
-            "time_ids": torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]]),
-        }
     return made
 
 

@@ -19,6 +19,7 @@ import gc
 from collections.abc import Callable
 from pathlib import Path
 
+from converter.engine import denoiser_inputs
 from converter.engine.base_reader import open_base
 from converter.engine.model_class import LoadingRulesUnreadable, loaded_names
 from converter.engine.recipe import Recipe
@@ -135,9 +136,9 @@ class DiffusionCheck:
             pipe = self._parts_apart(wrong)
         self.clock.lap("load reference")
         denoiser = _denoiser_name(pipe)
-        if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in DENOISER_INPUTS:
+        if denoiser is None or type(getattr(pipe, denoiser)).__name__ not in denoiser_inputs.INPUTS:
             kind = type(getattr(pipe, denoiser or "unet", None)).__name__
-            raise Skip(f"the generation check has no fixed inputs for a {kind} yet")
+            raise Skip(f"the behaviour check has no seeded inputs for a {kind} yet")
         return pipe
 
     def _parts_apart(self, wrong: str):
@@ -296,68 +297,16 @@ def _inputs(pipe, touched: list[str]) -> dict:
     scheduler = getattr(pipe, "scheduler", None)
     steps = int(scheduler.config.get("num_train_timesteps", 1000)) if scheduler is not None else 1000
     timesteps = [int(f * steps) for f in TIMESTEP_FRACTIONS]
-    make = DENOISER_INPUTS[type(denoiser).__name__]
-    inputs = {"timesteps": timesteps, "tokens": {}, "calls": [make(denoiser.config, t, g) for t in timesteps]}
+    calls = []
+    for t in timesteps:
+        g.manual_seed(0)  # the same latents and context at every timestep
+        calls.append(denoiser_inputs.seeded(type(denoiser).__name__, denoiser.config, t / steps, g))
+    inputs = {"timesteps": timesteps, "tokens": {}, "calls": calls}
     for name in _text_encoders(pipe):
         te = getattr(pipe, name)
         length = min(int(getattr(te.config, "max_position_embeddings", 16)), 16)
         inputs["tokens"][name] = torch.randint(0, te.config.vocab_size, (IMAGE_COUNT, length), generator=g)
     return inputs
-
-
-def _unet(cfg, t: int, g) -> dict:
-    import torch
-
-    size = min(int(cfg.sample_size), 32)
-    g.manual_seed(0)  # the same latents and context at every timestep
-    kw = {
-        "sample": torch.randn(1, cfg.in_channels, size, size, generator=g),
-        "timestep": t,
-        "encoder_hidden_states": torch.randn(1, 8, cfg.cross_attention_dim, generator=g),
-    }
-    if cfg.addition_embed_type == "text_time":
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        kw["added_cond_kwargs"] = {
-            "text_embeds": torch.randn(1, pooled, generator=g),
-            "time_ids": torch.tensor([[size * 8, size * 8, 0, 0, size * 8, size * 8]], dtype=torch.float32),
-        }
-    return kw
-
-
-def _flux(cfg, t: int, g) -> dict:
-    """FluxPipeline's call: packed latents (4x4 tokens), their (0, row, col) ids, text ids 0, t / 1000."""
-    import torch
-
-    g.manual_seed(0)
-    side, text = 4, 8
-    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
-    kw = {
-        "hidden_states": torch.randn(1, side * side, cfg.in_channels, generator=g),
-        "encoder_hidden_states": torch.randn(1, text, cfg.joint_attention_dim, generator=g),
-        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g),
-        "timestep": torch.tensor([t / 1000.0]),
-        "img_ids": img_ids,
-        "txt_ids": torch.zeros(text, 3),
-    }
-    if cfg.guidance_embeds:
-        kw["guidance"] = torch.tensor([3.5])
-    return kw
-
-
-def _wan(cfg, t: int, g) -> dict:
-    import torch
-
-    g.manual_seed(0)
-    _, ph, pw = cfg.patch_size
-    return {
-        "hidden_states": torch.randn(1, cfg.in_channels, 1, 4 * ph, 4 * pw, generator=g),
-        "timestep": torch.tensor([t]),
-        "encoder_hidden_states": torch.randn(1, 8, cfg.text_dim, generator=g),
-    }
-
-
-DENOISER_INPUTS = {"UNet2DConditionModel": _unet, "FluxTransformer2DModel": _flux, "WanTransformer3DModel": _wan}
 
 
 def _text_encoders(pipe) -> list[str]:
@@ -378,7 +327,7 @@ def _run(pipe, inputs: dict, touched: list[str], hooks: bool) -> dict:
         with torch.no_grad():
             if name == _denoiser_name(pipe):
                 for kwargs in inputs["calls"]:
-                    outputs.append(model(**kwargs, return_dict=False)[0].double())
+                    outputs.append(denoiser_inputs.flat(model(**kwargs, return_dict=False)).double())
                     for h in handles:
                         h.remove()
                     handles = []

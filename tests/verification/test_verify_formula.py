@@ -264,9 +264,9 @@ def verify_behaviour(folder, base, adapter, config):
     return verify(folder, recipe, single_file_config=str(config), log=lambda _line: None, proofs=("behaviour",))
 
 
-def test_a_denoiser_without_fixed_inputs_is_proven_by_diffusers_tensor_by_tensor(tmp_path, cli):
+def test_an_sd3_merge_is_proven_by_diffusers_tensor_by_tensor_and_by_its_behaviour(tmp_path, cli):
     """SD3: diffusers loads the LoRA (its own save, lora_alpha in lora_adapter_metadata), so it referees the
-    tensors; the behaviour has no fixed inputs for its transformer and is not compared."""
+    tensors, and its transformer's output is compared on seeded inputs."""
     import copy
 
     from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
@@ -290,7 +290,8 @@ def test_a_denoiser_without_fixed_inputs_is_proven_by_diffusers_tensor_by_tensor
     code, log = merge(cli, tmp_path / "pipe", adapter, tmp_path / "m")
     assert code == 0, log
     report = report_of(tmp_path / "m")
-    assert report["verdict"] == "pass" and "no fixed inputs for a SD3Transformer2DModel" in report["behaviour_skipped"]
+    assert report["verdict"] == "pass" and report["behaviour_skipped"] is None, report["behaviour_skipped"]
+    assert list(report["components"]) == ["transformer"]
     assert referee(report) == "diffusers" and report["tensors"]["groups"]["transformer"]["changed"] > 0
     code, log, report = verify(cli, tmp_path / "pipe", adapter, tmp_path / "m", "--weight", "0.5")
     assert code == 3 and referee(report) == "diffusers", log
