@@ -3,14 +3,15 @@ diffusers' own loader (`load_lora_weights` + `set_adapters`, per-component stren
 
 Three models, one pipeline in memory at a time: the reference (base + adapters through diffusers), the bare base
 (the same pipeline with its LoRA layers disabled: a merge that changed nothing fails) and the merged folder. Each
-touched component is run on fixed seeded inputs: the denoiser (UNet) at a few timesteps across the schedule, the
-text encoders on fixed token ids. Its relative error against the reference must stay within what rounding the
-merged weights to their dtype can explain, and far below the adapter's own effect (base vs reference); hooks on
-every Linear/Conv name the first module that disagrees (run only after a fail: both models once more on the
-first input, as the hooks cost about three forwards). A few small images (fixed seed, few steps) are made by
-each model and saved next to the report with PSNR / max pixel difference: shown, not judged (a few sampler steps
-amplify rounding unevenly; the components' check is the verdict). Where diffusers cannot be the referee (it
-refuses or would misread the file, include/exclude, a base it cannot load), `formula.py` is.
+touched component is run on fixed seeded inputs: the denoiser (a UNet or a transformer; inputs from
+converter.engine.denoiser_inputs) at a few timesteps across the schedule, the text encoders on fixed token ids. Its
+relative error against the reference must stay within what rounding the merged weights to their dtype can explain,
+and far below the adapter's own effect (base vs reference); hooks on every Linear/Conv name the first module that
+disagrees (run only after a fail: both models once more on the first input, as the hooks cost about three forwards).
+A few small images (fixed seed, few steps) are made by each model and saved next to the report with PSNR / max pixel
+difference: shown, not judged (a few sampler steps amplify rounding unevenly; the components' check is the verdict).
+Where diffusers cannot be the referee (it refuses or would misread the file, include/exclude, a base it cannot
+load), `formula.py` is.
 """
 
 from __future__ import annotations
