@@ -460,8 +460,6 @@ def test_flux1_run_is_judged_where_diffusers_converter_reads_the_width(tmp_path,
     """FLUX.1's run (config and inputs) at the tiny width, diffusers' converter taught to split linear1 there (it
     gives the tiny model's own diffusers weights back exactly): the F16 file's behaviour is judged and passes, and
     one negated tensor fails it."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
     path = _bfl_flux(tmp_path)
     model = tiny(CASES["flux"])
     width = model.config["num_attention_heads"] * model.config["attention_head_dim"]
@@ -470,14 +468,24 @@ def test_flux1_run_is_judged_where_diffusers_converter_reads_the_width(tmp_path,
     back, own = _flux1_convert_at_width(bare, width), model.state_dict()
     assert set(back) == set(own) and all(torch.equal(back[k], own[k]) for k in own)
     monkeypatch.setattr(diffusion_run, "FLUX1_WIDTH", width)
-    converters = SINGLE_FILE_LOADABLE_CLASSES["FluxTransformer2DModel"]
-    monkeypatch.setitem(
-        converters, "checkpoint_mapping_fn", lambda checkpoint, **_: _flux1_convert_at_width(checkpoint, width)
-    )
+    _teach(monkeypatch, "FluxTransformer2DModel", lambda checkpoint, **_: _flux1_convert_at_width(checkpoint, width))
+    _judged_and_a_negated_linear2_fails(path, "FluxTransformer2DModel", tmp_path)
+
+
+def _teach(monkeypatch, cls: str, convert) -> None:
+    """diffusers' single-file loader of `cls` converts checkpoints with `convert`, for this test only."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    monkeypatch.setitem(SINGLE_FILE_LOADABLE_CLASSES[cls], "checkpoint_mapping_fn", convert)
+
+
+def _judged_and_a_negated_linear2_fails(path: Path, cls: str, tmp_path: Path) -> None:
+    """The file's F16 GGUF runs as `cls`, its behaviour judged and passed; a single block's linear2 negated fails
+    the behaviour part on its own."""
     src = diffusion.open_source(path)
     ref = diffusion_proof.Reference(src)
     try:
-        assert ref.output is not None and ref.config["_class_name"] == "FluxTransformer2DModel", ref.why
+        assert ref.output is not None and ref.config["_class_name"] == cls, ref.why
         out = tmp_path / "x-F16.gguf"
         diffusion.write(src, {"F16": out}, "x")
         behaviour = diffusion_proof.prove(out, src, "F16", ref).parts[-1]
@@ -541,7 +549,6 @@ def test_hunyuan_video_run_is_judged_where_diffusers_converter_reads_the_width(s
     """The run at the tiny width, diffusers' converter taught to split linear1 there as it does at 3072 (checked
     against it at 3072): the F16 file's behaviour is judged and passes, and one negated tensor fails it. (A run at
     3072 itself needs about 4 GB and 40 s here: measured outside the tests, docs/gguf-diffusion.md.)"""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
     from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 
     g = torch.Generator().manual_seed(0)
@@ -552,21 +559,5 @@ def test_hunyuan_video_run_is_judged_where_diffusers_converter_reads_the_width(s
     path, model = single("hunyuan_video")
     width = model.config["num_attention_heads"] * model.config["attention_head_dim"]
     monkeypatch.setattr(diffusion_run, "HYVID_WIDTH", width)
-    converters = SINGLE_FILE_LOADABLE_CLASSES["HunyuanVideoTransformer3DModel"]
-    monkeypatch.setitem(
-        converters, "checkpoint_mapping_fn", lambda checkpoint, **_: _convert_at_width(checkpoint, width)
-    )
-    src = diffusion.open_source(path)
-    ref = diffusion_proof.Reference(src)
-    try:
-        assert ref.output is not None, ref.why
-        assert ref.config["_class_name"] == "HunyuanVideoTransformer3DModel"
-        out = tmp_path / "x-F16.gguf"
-        diffusion.write(src, {"F16": out}, "x")
-        behaviour = diffusion_proof.prove(out, src, "F16", ref).parts[-1]
-        assert behaviour.name == "behaviour" and behaviour.judged and behaviour.passed, behaviour.detail
-        _negate(out, "single_blocks.0.linear2.weight")
-        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
-        assert not failed.passed and failed.judged, failed.detail
-    finally:
-        ref.close()
+    _teach(monkeypatch, "HunyuanVideoTransformer3DModel", lambda checkpoint, **_: _convert_at_width(checkpoint, width))
+    _judged_and_a_negated_linear2_fails(path, "HunyuanVideoTransformer3DModel", tmp_path)
