@@ -11,6 +11,7 @@ whose last dimension is no multiple of 256 is stored as rows of 256 with its sha
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import gguf
@@ -153,3 +154,9 @@ def stored_shape(shape: tuple[int, ...], arch: DiffusionArch) -> tuple[int, ...]
     if arch.unet and len(shape) > 1 and n >= RESHAPE_MIN and n % ROW == 0 and shape[-1] % ROW:
         return (n // ROW, ROW)
     return tuple(shape)
+
+
+def count_indexed(keys: set[str], pattern: str) -> int:
+    """How many numbered blocks `pattern` (its group: the index) finds among `keys`: the highest index plus one."""
+    found = {int(m.group(1)) for k in keys if (m := re.match(pattern, k))}
+    return max(found) + 1 if found else 0

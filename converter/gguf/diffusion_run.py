@@ -10,20 +10,15 @@ value (a head count where the norms span all heads), the architecture's own valu
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 from converter.engine import denoiser_inputs
 from converter.gguf import diffusion_unet
+from converter.gguf.diffusion_arch import count_indexed as _count
 
 HEAD_DIM = 128  # Flux's, Wan's and HiDream's attention head width
 SD3_HEAD_DIM = 64  # SD3's and LTX-Video's, where no per-head norm says it
-
-
-def _count(keys: set[str], pattern: str) -> int:
-    found = {int(m.group(1)) for k in keys if (m := re.match(pattern, k))}
-    return max(found) + 1 if found else 0
 
 
 def _axes(head_dim: int) -> list[int]:

@@ -12,8 +12,9 @@ dequantizer, and views it at its recorded shape; quantized linear weights stay w
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
+
+from converter.gguf.diffusion_arch import ORIG_SHAPE, count_indexed
 
 LDM_PREFIX = "model.diffusion_model."  # diffusers' ldm UNet converter reads only the keys under it
 SD1_HEADS = 8  # SD1's heads at every level; SD2's and SDXL's (linear projections) have 64 channels a head
@@ -22,22 +23,17 @@ SDXL_TIME_DIM = 256  # SDXL's size-and-crop embedding width per time id
 TIME_IDS = 6  # SDXL base's time ids: original size, crop corner, target size
 
 
-def _count(keys: set[str], pattern: str) -> int:
-    found = {int(m.group(1)) for k in keys if (m := re.match(pattern, k))}
-    return max(found) + 1 if found else 0
-
-
 def _levels(s: dict[str, tuple[int, ...]], side: str) -> list[list[tuple[int, int]]]:
     """The blocks of each resolution level, in file order, as (channels, transformer depth); `side` is
     input_blocks (a downsampler ends a level) or output_blocks (an upsampler does)."""
     keys = set(s)
     levels: list[list[tuple[int, int]]] = [[]]
     start = 1 if side == "input_blocks" else 0  # input_blocks.0 is conv_in
-    for i in range(start, _count(keys, rf"{side}\.(\d+)\.")):
+    for i in range(start, count_indexed(keys, rf"{side}\.(\d+)\.")):
         if f"{side}.{i}.0.op.weight" in s:
             levels.append([])
             continue
-        depth = _count(keys, rf"{side}\.{i}\.1\.transformer_blocks\.(\d+)\.")
+        depth = count_indexed(keys, rf"{side}\.{i}\.1\.transformer_blocks\.(\d+)\.")
         levels[-1].append((s[f"{side}.{i}.0.out_layers.3.weight"][0], depth))
         if any(k.startswith(f"{side}.{i}.") and k.endswith(".conv.weight") for k in keys):  # an upsampler
             levels.append([])
@@ -83,8 +79,6 @@ def read_as_comfyui(path: Path) -> dict:
     import gguf
     from diffusers.models.model_loading_utils import load_gguf_checkpoint
     from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
-
-    from converter.gguf.diffusion_arch import ORIG_SHAPE
 
     reader = gguf.GGUFReader(path)
     stored = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}

@@ -174,10 +174,10 @@ def check_merge_gguf(text: str | None, base: str | None, token: str | None = Non
     if not text:
         return None
     types = parse_types(text)
-    if base and is_diffusion_base(base, token):
-        from converter.gguf.diffusion import check_types
+    if base and (is_diffusion_base(base, token) or is_diffusion_source(base)):  # (a merge's single-file folder too)
+        from converter.gguf.diffusion import check_types, single_file
 
-        if not str(base).endswith(".safetensors"):
+        if not names_single_file(base) and single_file(base) is None:
             raise UsageError(f"--gguf {text}: {base} is a diffusers pipeline; ComfyUI-GGUF and diffusers' GGUF loader "
                              "read the original single-file layout (give the model's single file as base)")  # fmt: skip
         check_types(types, base)

@@ -21,12 +21,10 @@ def _pending_gguf(types: str, source: str | None, name: str, token: str | None, 
     from converter.gguf.export import check_merge_gguf, is_diffusion_source, names_single_file
     from converter.gguf.publish import PendingGGUF
 
-    checked = check_merge_gguf(types, source, token)
+    checked = check_merge_gguf(types, source, token)  # (a diffusion model's types too)
     if source and (names_single_file(source) or is_diffusion_source(source)):
-        from converter.gguf.diffusion import check_types
         from converter.gguf.diffusion_publish import PendingDiffusionGGUF
 
-        check_types(checked, source)
         return PendingDiffusionGGUF(checked, name, log, workdir=workdir)
     return PendingGGUF(checked, name, log, workdir=workdir)
 

@@ -280,6 +280,15 @@ def _negate(path: Path, name: str) -> None:
     reader.data.flush()
 
 
+def _negated_fails(file: Path, name: str, ref) -> None:
+    """A copy of the F16 `file` with `name` negated fails the behaviour part on its own (judged, not passed)."""
+    bad = file.with_name(f"bad-{file.name}")
+    bad.write_bytes(file.read_bytes())
+    _negate(bad, name)
+    failed = diffusion_proof.prove_behaviour(bad, ref, "F16")
+    assert failed.judged and not failed.passed, failed.detail
+
+
 # family -> (the config keys the proof reads from the shapes, a tensor whose sign diffusers' output shows)
 BEHAVIOUR = {
     "sd3": (("patch_size", "in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
@@ -320,11 +329,7 @@ def test_behaviour_is_judged_by_diffusers_and_fails_a_negated_tensor(single, nam
         assert ref.output is not None, ref.why
         made = ref.config
         assert {k: made[k] for k in keys} == {k: model.config[k] for k in keys}
-        bad = tmp_path / "bad-F16.gguf"
-        bad.write_bytes(result.files[0].read_bytes())
-        _negate(bad, sabotaged)
-        failed = diffusion_proof.prove_behaviour(bad, ref, "F16")
-        assert not failed.passed and failed.judged, failed.detail
+        _negated_fails(result.files[0], sabotaged, ref)
     finally:
         ref.close()
 
@@ -342,25 +347,15 @@ def test_ltx2_is_run_as_its_own_class_and_its_audio_output_counts(single, tmp_pa
         out = tmp_path / "x-F16.gguf"
         diffusion.write(src, {"F16": out}, "x")
         assert diffusion_proof.prove_behaviour(out, ref, "F16").passed
-        _negate(out, "audio_proj_out.weight")
-        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
-        assert not failed.passed and failed.judged, failed.detail
+        _negated_fails(out, "audio_proj_out.weight", ref)
     finally:
         ref.close()
 
 
-LUMINA2_WIDE = dict(
-    hidden_size=2304,
-    num_attention_heads=3,
-    num_kv_heads=1,
-    num_layers=1,
-    num_refiner_layers=1,
-    multiple_of=64,
-    ffn_dim_multiplier=64 / (4 * 2304),
-    cap_feat_dim=16,
-    axes_dim_rope=(256, 256, 256),
-    axes_lens=(16, 16, 16),
-)  # Lumina-Image 2.0's widths (2304 query rows, 768 key and value), the rest tiny
+# Lumina-Image 2.0's widths (2304 query rows, 768 key and value), the rest tiny
+LUMINA2_WIDE = dict(hidden_size=2304, num_attention_heads=3, num_kv_heads=1, num_layers=1, num_refiner_layers=1,
+                    multiple_of=64, ffn_dim_multiplier=64 / (4 * 2304), cap_feat_dim=16, axes_dim_rope=(256, 256, 256),
+                    axes_lens=(16, 16, 16))  # fmt: skip
 LUMINA2_READ = ("in_channels", "hidden_size", "num_layers", "num_refiner_layers", "num_attention_heads", "num_kv_heads",
                 "multiple_of", "cap_feat_dim")  # fmt: skip
 
@@ -383,11 +378,7 @@ def test_lumina2_is_judged_at_lumina_image_2_s_own_widths(single, tmp_path):
     ref = diffusion_proof.Reference(diffusion.open_source(wide))
     try:
         assert {k: ref.config[k] for k in LUMINA2_READ} == {k: model.config[k] for k in LUMINA2_READ}
-        bad = tmp_path / "bad-F16.gguf"
-        bad.write_bytes(result.files[0].read_bytes())
-        _negate(bad, "layers.0.feed_forward.w2.weight")
-        failed = diffusion_proof.prove_behaviour(bad, ref, "F16")
-        assert failed.judged and not failed.passed, failed.detail
+        _negated_fails(result.files[0], "layers.0.feed_forward.w2.weight", ref)
     finally:
         ref.close()
 
@@ -490,9 +481,7 @@ def _judged_and_a_negated_linear2_fails(path: Path, cls: str, tmp_path: Path) ->
         diffusion.write(src, {"F16": out}, "x")
         behaviour = diffusion_proof.prove(out, src, "F16", ref).parts[-1]
         assert behaviour.name == "behaviour" and behaviour.judged and behaviour.passed, behaviour.detail
-        _negate(out, "single_blocks.0.linear2.weight")
-        failed = diffusion_proof.prove_behaviour(out, ref, "F16")
-        assert failed.judged and not failed.passed, failed.detail
+        _negated_fails(out, "single_blocks.0.linear2.weight", ref)
     finally:
         ref.close()
 
